@@ -1,0 +1,60 @@
+"""The few JAX internals whalex relies on, kept in one place.
+
+Everything here is reachable through public-ish modules (`jax.extend.core`); if a JAX upgrade moves
+one of them, this is the only file to change.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+from jax.extend import core as jex
+
+Literal = jex.Literal
+Var = jex.Var
+Jaxpr = jex.Jaxpr
+ClosedJaxpr = jex.ClosedJaxpr
+JaxprEqn = jex.JaxprEqn
+
+# Primitives whose sub-jaxpr is a plain call (no semantic of its own): whalex looks inside them.
+CALL_PRIMITIVES = ("jit", "pjit", "closed_call", "core_call")
+
+
+def is_call(eqn: JaxprEqn) -> bool:
+    return eqn.primitive.name in CALL_PRIMITIVES and isinstance(
+        eqn.params.get("jaxpr", eqn.params.get("call_jaxpr")), (ClosedJaxpr, Jaxpr))
+
+
+def call_jaxpr(eqn: JaxprEqn) -> tuple[Jaxpr, Sequence[Any]]:
+    sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    if isinstance(sub, ClosedJaxpr):
+        return sub.jaxpr, sub.consts
+    return sub, ()
+
+
+def name_stack(eqn: JaxprEqn) -> str:
+    return str(eqn.source_info.name_stack)
+
+
+def bind(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+    """Evaluate one equation on concrete or traced values (what `jax.core.eval_jaxpr` does)."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns: Sequence[Any] = ()
+    if isinstance(params, tuple):          # older JAX: (subfuns, params)
+        subfuns, params = params
+    ctx = getattr(eqn, "ctx", None)
+    manager = getattr(ctx, "manager", None) if ctx is not None else None
+    if manager is not None:
+        with manager:
+            out = eqn.primitive.bind(*subfuns, *invals, **params)
+    else:
+        out = eqn.primitive.bind(*subfuns, *invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def read(env: dict, v: Any) -> Any:
+    return v.val if isinstance(v, Literal) else env[v]
+
+
+def make_jaxpr(fn, *args) -> ClosedJaxpr:
+    return jax.make_jaxpr(fn)(*args)

@@ -1,0 +1,1 @@
+"""Profiling (FLOPs, memory) and, later, hardware-aware balancing (Algorithm 1)."""

@@ -1,0 +1,96 @@
+"""Profiling: FLOPs per TaskGraph from XLA's cost analysis, and per-device memory of a plan.
+
+FLOPs are measured, not counted: each TaskGraph's equations are lowered as a function together
+with their backward pass (`jax.vjp`) and `Lowered.cost_analysis()` reports the global FLOPs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from whalex import _compat as C
+from whalex.lowering.interpret import subgraph_function
+
+
+def _flops(lowered) -> float:
+    cost = lowered.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    return float((cost or {}).get("flops", 0.0))
+
+
+def _floating(v) -> bool:
+    return np.issubdtype(v.aval.dtype, np.floating)
+
+
+def taskgraph_flops(closed: C.ClosedJaxpr, assign: dict, num_taskgraphs: int) -> tuple[float, ...]:
+    """Forward + backward FLOPs of each TaskGraph on the global batch (XLA cost analysis)."""
+    jaxpr = closed.jaxpr
+    consts = dict(zip(jaxpr.constvars, closed.consts))
+    result = []
+    for tg in range(num_taskgraphs):
+        indices = [i for i in range(len(jaxpr.eqns)) if assign[(i,)] == tg]
+        if not indices:
+            result.append(0.0)
+            continue
+        inputs, outputs, fn = subgraph_function(jaxpr, indices)
+        fl_in = [k for k, v in enumerate(inputs) if _floating(v) and v not in consts]
+        fl_out = [k for k, v in enumerate(outputs) if _floating(v)]
+        other = {k: consts[v] for k, v in enumerate(inputs) if v in consts}
+
+        def fwd_bwd(float_args, other_args, cotangents, fl_in=fl_in, fl_out=fl_out, fn=fn, n=len(inputs),
+                    const_args=other):
+            def f(*fa):
+                args = [None] * n
+                for k, a in zip(fl_in, fa):
+                    args[k] = a
+                it = iter(other_args)
+                for k in range(n):
+                    if args[k] is None:
+                        args[k] = const_args[k] if k in const_args else next(it)
+                outs = fn(*args)
+                return [outs[k] for k in fl_out]
+            outs, vjp = jax.vjp(f, *float_args)
+            return outs, vjp(list(cotangents)) if fl_out and float_args else ()
+
+        def sds(v):
+            return jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+
+        float_args = [sds(inputs[k]) for k in fl_in]
+        other_args = [sds(v) for k, v in enumerate(inputs) if k not in fl_in and v not in consts]
+        cts = [sds(outputs[k]) for k in fl_out]
+        lowered = jax.jit(fwd_bwd).lower(float_args, other_args, cts)
+        result.append(_flops(lowered))
+    return tuple(result)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    """Bytes one device holds for the training state (from the plan's shardings)."""
+
+    device: int
+    kind: str
+    params: float
+    grads: float
+    opt_state: float
+    capacity: float
+
+    @property
+    def state(self) -> float:
+        return self.params + self.grads + self.opt_state
+
+
+def sharded_bytes(shapes, specs, axis_sizes: dict) -> float:
+    """Per-device bytes of a pytree of ShapeDtypeStructs under PartitionSpecs (even shards)."""
+    total = 0.0
+    for s, spec in zip(jax.tree.leaves(shapes), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))):
+        n = 1
+        for entry in spec:
+            for a in (entry if isinstance(entry, tuple) else (entry,)):
+                if a is not None:
+                    n *= axis_sizes[a]
+        total += float(np.prod(s.shape, dtype=np.float64)) * np.dtype(s.dtype).itemsize / n
+    return total

@@ -1,0 +1,1 @@
+"""Capture into TaskGraphs, sharding patterns and bridges, and emission of the jitted step."""

@@ -1,0 +1,255 @@
+"""Capture: trace `loss_fn` once and group its equations into TaskGraphs by their whalex scope.
+
+A scope's name survives on every equation traced inside it (DESIGN.md section 3). Equations
+outside every scope take the default strategy; each contiguous run of them is one TaskGraph.
+Calls (`jit` equations) are looked into: their equations carry name stacks relative to the call,
+and inherit the call's TaskGraph unless they open a scope of their own.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from whalex import _compat as C
+from whalex.errors import PlanError
+from whalex.primitives.config import DEFAULTS
+from whalex.primitives.scopes import Strategy, parse_scope, recording_default
+
+Path = tuple[int, ...]   # position of an equation: indices through enclosing calls
+
+# Equations that only pass a parameter through keep it a parameter (e.g. Flax's dtype promotion).
+_PASS_THROUGH = ("convert_element_type", "copy", "copy_p", "reshape")  # and broadcast_in_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskGraph:
+    """A set of equations that share one parallel strategy (one primitive scope)."""
+
+    index: int
+    strategy: Strategy
+    annotated: bool                  # False: a run of un-annotated equations (default strategy)
+    num_eqns: int
+    params: tuple[int, ...]          # flat indices of the parameter leaves it reads
+
+    @property
+    def name(self) -> str:
+        return f"TG{self.index}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Captured:
+    """The traced loss and its TaskGraphs; `assign[path]` is the TaskGraph of each equation."""
+
+    jaxpr: C.ClosedJaxpr
+    taskgraphs: tuple[TaskGraph, ...]
+    assign: dict                     # Path -> TaskGraph index
+    num_params: int
+    params_tree: Any
+    batch_tree: Any
+    param_paths: tuple[str, ...]     # readable path of each parameter leaf
+    global_batch: int
+    has_aux: bool
+    aux_tree: Any
+    default: Strategy
+
+    @property
+    def num_inputs(self) -> int:
+        return len(self.jaxpr.jaxpr.invars)
+
+    def walk(self):
+        """Yield (path, eqn, frame) for every equation, descending into calls; frame = enclosing path."""
+        yield from _walk(self.jaxpr.jaxpr, ())
+
+
+def _walk(jaxpr, frame):
+    for i, eqn in enumerate(jaxpr.eqns):
+        path = frame + (i,)
+        yield path, eqn, frame
+        if C.is_call(eqn):
+            sub, _ = C.call_jaxpr(eqn)
+            yield from _walk(sub, path)
+
+
+def global_batch_size(batch) -> int:
+    leaves = jax.tree.leaves(batch)
+    if not leaves:
+        raise PlanError("the batch has no arrays; pass a pytree of arrays whose leading dimension is the batch.")
+    sizes = set()
+    for leaf in leaves:
+        shape = np.shape(leaf)
+        if not shape:
+            raise PlanError(
+                f"a batch leaf is a scalar (shape {shape}); every batch array needs a leading batch dimension.")
+        sizes.add(shape[0])
+    if len(sizes) != 1:
+        raise PlanError(
+            f"batch arrays disagree on the leading (batch) dimension: {sorted(sizes)}; give every leaf "
+            "the same global batch size.")
+    return sizes.pop()
+
+
+def capture(loss_fn: Callable, params, batch, *, has_aux: bool = False,
+            default: Strategy | None = None) -> Captured:
+    """Trace `loss_fn(params, batch)` and group equations into TaskGraphs."""
+    b = global_batch_size(batch)
+    flat_params, params_tree = jax.tree.flatten(params)
+    flat_batch, batch_tree = jax.tree.flatten(batch)
+    n = len(flat_params)
+    aux_box: list = []
+
+    def flat_loss(*leaves):
+        p = jax.tree.unflatten(params_tree, leaves[:n])
+        x = jax.tree.unflatten(batch_tree, leaves[n:])
+        out = loss_fn(p, x)
+        if has_aux:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise PlanError("has_aux=True but loss_fn did not return a (loss, aux) pair.")
+            loss, aux = out
+            aux_leaves, aux_tree = jax.tree.flatten(aux)
+            aux_box.append(aux_tree)
+            return (loss, *aux_leaves)
+        return (out,)
+
+    abstract = [jax.ShapeDtypeStruct(np.shape(x), _dtype(x)) for x in flat_params + flat_batch]
+    with recording_default() as defaults:
+        jaxpr = C.make_jaxpr(flat_loss, *abstract)
+    loss_aval = jaxpr.out_avals[0]
+    if loss_aval.shape != () or not np.issubdtype(loss_aval.dtype, np.floating):
+        hint = " (it returned a tuple: pass has_aux=True)" if not has_aux and len(jaxpr.out_avals) > 1 else ""
+        raise PlanError(
+            f"loss_fn must return a scalar floating-point loss (the mean over the batch), got "
+            f"{loss_aval.dtype}{list(loss_aval.shape)}{hint}.")
+    if default is None:
+        default = defaults[-1] if defaults else (DEFAULTS.strategy or Strategy("replicate", None))
+    taskgraphs, assign = _group(jaxpr.jaxpr, n, default)
+    param_paths = tuple(jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0])
+    return Captured(jaxpr, taskgraphs, assign, n, params_tree, batch_tree, param_paths, b, has_aux,
+                    aux_box[0] if aux_box else None, default)
+
+
+def _dtype(x):
+    return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
+def _scope_of(eqn) -> tuple[Strategy, int] | None:
+    found = None
+    for component in C.name_stack(eqn).split("/"):
+        parsed = parse_scope(component)
+        if parsed is not None:
+            found = parsed
+    return found
+
+
+def _group(jaxpr, num_params: int, default: Strategy):
+    keys: dict[Any, int] = {}        # scope uid or ("default", run) -> TaskGraph index
+    strategies: list[Strategy] = []
+    annotated: list[bool] = []
+    counts: list[int] = []
+    params: list[set] = []
+    assign: dict[Path, int] = {}
+    state = {"run": 0, "last_annotated": True}
+
+    def tg_for(key, strategy, is_annotated):
+        if key not in keys:
+            keys[key] = len(strategies)
+            strategies.append(strategy)
+            annotated.append(is_annotated)
+            counts.append(0)
+            params.append(set())
+        return keys[key]
+
+    def visit(jaxpr, frame, inherited, origin):
+        for i, eqn in enumerate(jaxpr.eqns):
+            path = frame + (i,)
+            scope = _scope_of(eqn)
+            if scope is not None:
+                tg = tg_for(("scope", scope[1]), scope[0], True)
+                state["last_annotated"] = True
+            elif inherited is not None:
+                tg = inherited
+            else:
+                if state["last_annotated"]:
+                    state["run"] += 1
+                    state["last_annotated"] = False
+                tg = tg_for(("default", state["run"]), default, False)
+            assign[path] = tg
+            for v in eqn.invars:
+                if not isinstance(v, C.Literal) and v in origin:
+                    params[tg].add(origin[v][0])
+            if C.is_call(eqn):
+                sub, _ = C.call_jaxpr(eqn)
+                sub_origin = {iv: origin[v] for iv, v in zip(sub.invars, eqn.invars)
+                              if not isinstance(v, C.Literal) and v in origin}
+                visit(sub, path, tg, sub_origin)
+            else:
+                counts[tg] += 1
+                passed = passed_origin(eqn, origin)
+                if passed is not None:
+                    origin[eqn.outvars[0]] = passed
+
+    origin = {v: (i, tuple(range(v.aval.ndim))) for i, v in enumerate(jaxpr.invars[:num_params])}
+    visit(jaxpr, (), None, origin)
+    if not strategies:   # a loss with no equations at all
+        tg_for(("default", 0), default, False)
+    tgs = tuple(TaskGraph(i, strategies[i], annotated[i], counts[i], tuple(sorted(params[i])))
+                for i in range(len(strategies)))
+    return tgs, assign
+
+
+def passed_origin(eqn, origin: dict):
+    """If `eqn` passes a parameter through unchanged in content, (leaf, dims) for its output.
+
+    `dims[j]` is the parameter dimension that output dimension j holds, or None for a new
+    size-1 or broadcast dimension.
+    """
+    name = eqn.primitive.name
+    if name not in _PASS_THROUGH + ("broadcast_in_dim",) or not eqn.invars:
+        return None
+    src = eqn.invars[0]
+    if isinstance(src, C.Literal) or src not in origin:
+        return None
+    leaf, dims = origin[src]
+    out_shape = eqn.outvars[0].aval.shape
+    if name == "broadcast_in_dim":
+        new = [None] * len(out_shape)
+        for d_in, d_out in enumerate(eqn.params["broadcast_dimensions"]):
+            new[d_out] = dims[d_in]
+        return leaf, tuple(new)
+    if name == "reshape":
+        in_shape = src.aval.shape
+        kept_in = [dims[i] for i, s in enumerate(in_shape) if s != 1]
+        kept_out = [j for j, s in enumerate(out_shape) if s != 1]
+        if [in_shape[i] for i in range(len(in_shape)) if in_shape[i] != 1] != [out_shape[j] for j in kept_out]:
+            return None
+        new = [None] * len(out_shape)
+        for j, d in zip(kept_out, kept_in):
+            new[j] = d
+        return leaf, tuple(new)
+    return leaf, dims
+
+
+def param_origins(captured: Captured) -> dict:
+    """(frame, var) -> (leaf, dims) for every variable that is a parameter or passes one through."""
+    origins: dict = {}
+
+    def visit(jaxpr, frame, origin):
+        for v, o in origin.items():
+            origins[(frame, v)] = o
+        for i, eqn in enumerate(jaxpr.eqns):
+            path = frame + (i,)
+            if C.is_call(eqn):
+                sub, _ = C.call_jaxpr(eqn)
+                visit(sub, path, {iv: origin[v] for iv, v in zip(sub.invars, eqn.invars)
+                                  if not isinstance(v, C.Literal) and v in origin})
+                continue
+            passed = passed_origin(eqn, origin)
+            if passed is not None:
+                origin[eqn.outvars[0]] = passed
+                origins[(frame, eqn.outvars[0])] = passed
+
+    jaxpr = captured.jaxpr.jaxpr
+    visit(jaxpr, (), {v: (i, tuple(range(v.aval.ndim))) for i, v in enumerate(jaxpr.invars[:captured.num_params])})
+    return origins

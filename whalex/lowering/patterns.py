@@ -1,0 +1,512 @@
+"""Sharding patterns (Whale section 3.2.2) and bridges (3.2.3): from TaskGraphs to layouts.
+
+Walking the captured equations in order, each value carries a ShardingInfo: for every dimension
+the mesh axes it is split over (or None). Inside a `split` TaskGraph, ShardingUnits that read a
+parameter are matched against patterns, and the pattern with the least communication wins:
+
+- matmul SP1 (column): weight split on its output dim, input whole -> output split, no forward
+  communication, input gradient all-reduced in the backward pass.
+- matmul SP2 (row): weight split on its contraction dim, input split on the same dim -> partial
+  sums all-reduced in the forward pass, input gradient stays local.
+- embedding: table split on the hidden dim (no communication) or on the vocabulary (masked lookup,
+  all-reduce).
+Softmax cross-entropy and argmax over a split class dimension follow from the reduction rule:
+local max/sum/argmax, then an all-reduce of the per-example result, never a gather of the logits.
+
+A value that crosses from one TaskGraph to another whose layout differs gets a bridge: a sharding
+constraint that gathers it to the consumer's layout. When the layouts agree (same batch axes,
+same split axes) the bridge is fused away. The result is data: parameter and batch
+PartitionSpecs plus the constraints the lowering inserts; XLA's SPMD partitioner then emits the
+collectives, so the maths is that of the unannotated model by construction.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from whalex import _compat as C
+from whalex.errors import PlanError
+from whalex.lowering.capture import Captured, passed_origin
+from whalex.mesh.virtual import MeshLayout, VirtualDevice
+
+Axes = tuple  # tuple[str, ...]
+
+ELEMENTWISE = frozenset("""
+add sub mul div max min neg exp exp2 log log1p expm1 tanh logistic sin cos tan sqrt rsqrt cbrt pow
+integer_pow abs sign select_n convert_element_type erf erfc erf_inv stop_gradient is_finite eq ne lt le
+gt ge and or not xor square clamp nextafter rem floor ceil round copy copy_p atan2 reduce_precision
+imag real conj sinh cosh asinh acosh atanh asin acos atan
+""".split())
+REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split())
+OPAQUE_CALLS = frozenset(("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "checkpoint", "remat"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Comm:
+    """One collective the plan implies, with its per-device traffic in bytes (ring algorithm)."""
+
+    taskgraph: int
+    kind: str            # all-reduce | all-gather | reduce-scatter
+    axes: Axes
+    bytes: float
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PatternChoice:
+    """Which sharding pattern a ShardingUnit got, and what each candidate would have cost."""
+
+    taskgraph: int
+    unit: str            # matmul | embedding
+    param: str
+    pattern: str
+    costs: tuple[tuple[str, float], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+    param_specs: tuple[P, ...]
+    batch_specs: tuple[P, ...]
+    constraints: dict          # (path, "in" | "out", position) -> PartitionSpec
+    choices: tuple[PatternChoice, ...]
+    comms: tuple[Comm, ...]
+
+    def comm_bytes(self, taskgraph: int | None = None) -> float:
+        return sum(c.bytes for c in self.comms if taskgraph is None or c.taskgraph == taskgraph)
+
+
+@dataclasses.dataclass(frozen=True)
+class Info:
+    """ShardingInfo of one value: mesh axes per dimension, and whether it is batch-major."""
+
+    spec: tuple
+    batch: bool
+
+    def split_dims(self, axes: Axes) -> list[int]:
+        return [d for d, a in enumerate(self.spec) if a == axes]
+
+
+def _unsplit(ndim: int) -> tuple:
+    return (None,) * ndim
+
+
+def _nbytes(aval) -> float:
+    return float(np.prod(aval.shape, dtype=np.float64)) * np.dtype(aval.dtype).itemsize
+
+
+def _ring(kind: str, size: float, n: int) -> float:
+    if n <= 1:
+        return 0.0
+    return (2.0 if kind == "all-reduce" else 1.0) * (n - 1) / n * size
+
+
+def to_spec(spec: tuple) -> P:
+    out = []
+    for a in spec:
+        out.append(None if not a else (a[0] if len(a) == 1 else tuple(a)))
+    while out and out[-1] is None:
+        out.pop()
+    return P(*out)
+
+
+class _Planner:
+    def __init__(self, cap: Captured, vds: Sequence[VirtualDevice], layout: MeshLayout, matmul_pattern: str):
+        self.cap, self.vds, self.layout = cap, vds, layout
+        self.matmul_pattern = matmul_pattern
+        self.info: dict = {}          # (frame, var) -> Info
+        self.producer: dict = {}      # (frame, var) -> TaskGraph index, or -1 for a batch input
+        self.origin: dict = {}        # (frame, var) -> (param leaf, dims)
+        self.param_spec: dict[int, list] = {}
+        self.constraints: dict = {}
+        self.choices: list[PatternChoice] = []
+        self.comms: list[Comm] = []
+        self.b = cap.global_batch
+
+    # -- helpers ---------------------------------------------------------------------------
+    def batch_spec(self, vd: VirtualDevice, aval) -> tuple:
+        spec = list(_unsplit(len(aval.shape)))
+        if aval.shape and aval.shape[0] % self.b == 0:
+            spec[0] = vd.batch_axes
+        return tuple(spec)
+
+    def shards(self, axes) -> int:
+        return self.layout.axis_size(axes) if axes else 1
+
+    def group_bytes(self, aval, info: Info, vd: VirtualDevice) -> float:
+        """Bytes of a value within one model group (the batch shard of this replica)."""
+        div = self.shards(info.spec[0]) if info.batch and info.spec and info.spec[0] else 1
+        return _nbytes(aval) / div
+
+    def comm(self, tg, kind, axes, nbytes, reason):
+        n = self.shards(axes)
+        if n > 1 and nbytes > 0:
+            self.comms.append(Comm(tg, kind, tuple(axes), _ring(kind, nbytes, n), reason))
+
+    def read(self, frame, v) -> Info:
+        if isinstance(v, C.Literal):
+            return Info(_unsplit(np.ndim(v.val)), False)
+        return self.info.get((frame, v), Info(_unsplit(len(v.aval.shape)), False))
+
+    def param_of(self, frame, v):
+        if isinstance(v, C.Literal):
+            return None
+        return self.origin.get((frame, v))
+
+    def decide_param(self, leaf: int, ndim: int, dim: int, axes: Axes) -> bool:
+        if leaf in self.param_spec:
+            return False
+        spec = [None] * ndim
+        spec[dim] = axes
+        self.param_spec[leaf] = spec
+        return True
+
+    # -- the walk --------------------------------------------------------------------------
+    def run(self) -> ShardingPlan:
+        jaxpr = self.cap.jaxpr.jaxpr
+        n = self.cap.num_params
+        for i, v in enumerate(jaxpr.invars[:n]):
+            self.origin[((), v)] = (i, tuple(range(len(v.aval.shape))))
+        first_use = self._first_consumers(jaxpr)
+        batch_specs = []
+        for v in jaxpr.invars[n:]:
+            tg = first_use.get(v, 0)
+            vd = self.vds[tg]
+            spec = self.batch_spec(vd, v.aval)
+            dp = self.shards(vd.batch_axes)
+            if self.b % dp:
+                raise PlanError(
+                    f"the global batch of {self.b} cannot be divided over the {dp} data-parallel replicas of "
+                    f"{self.cap.taskgraphs[tg].name} (wh.{vd.strategy.label()}); use a batch size that is a "
+                    f"multiple of {dp}.")
+            self.info[((), v)] = Info(spec, True)
+            self.producer[((), v)] = -1
+            batch_specs.append(to_spec(spec))
+        for vd in self.vds:
+            dp = self.shards(vd.batch_axes)
+            if self.b % dp:
+                raise PlanError(
+                    f"the global batch of {self.b} cannot be divided over the {dp} data-parallel replicas of "
+                    f"TG{vd.taskgraph} (wh.{vd.strategy.label()}); use a batch size that is a multiple of {dp}.")
+        self.walk(jaxpr, ())
+        self._gradient_sync()
+        specs = []
+        for i, v in enumerate(jaxpr.invars[:n]):
+            spec = self.param_spec.get(i)
+            specs.append(to_spec(tuple(spec)) if spec else P())
+        return ShardingPlan(tuple(specs), tuple(batch_specs), self.constraints, tuple(self.choices),
+                            tuple(self.comms))
+
+    def _first_consumers(self, jaxpr) -> dict:
+        first: dict = {}
+        for i, eqn in enumerate(jaxpr.eqns):
+            for v in eqn.invars:
+                if not isinstance(v, C.Literal) and v not in first:
+                    first[v] = self._deep_tg((i,), eqn, v)
+        return first
+
+    def _deep_tg(self, path, eqn, v):
+        """The TaskGraph that really consumes `v` through `eqn` (looking into calls)."""
+        if C.is_call(eqn):
+            sub, _ = C.call_jaxpr(eqn)
+            idx = [k for k, x in enumerate(eqn.invars) if x is v]
+            if idx:
+                inner = sub.invars[idx[0]]
+                for j, e in enumerate(sub.eqns):
+                    if any(x is inner for x in e.invars):
+                        return self._deep_tg(path + (j,), e, inner)
+        return self.cap.assign[path]
+
+    def walk(self, jaxpr, frame):
+        for i, eqn in enumerate(jaxpr.eqns):
+            path = frame + (i,)
+            tg = self.cap.assign[path]
+            vd = self.vds[tg]
+            ins = [self.bridge(path, pos, frame, v, tg, vd) for pos, v in enumerate(eqn.invars)]
+            if C.is_call(eqn):
+                sub, _ = C.call_jaxpr(eqn)
+                for iv, v, info in zip(sub.invars, eqn.invars, ins):
+                    self.info[(path, iv)] = info
+                    self.producer[(path, iv)] = tg
+                    o = self.param_of(frame, v)
+                    if o is not None:
+                        self.origin[(path, iv)] = o
+                self.walk(sub, path)
+                outs = [self.read(path, v) for v in sub.outvars]
+            else:
+                passed = passed_origin(eqn, {v: self.origin[(frame, v)] for v in eqn.invars
+                                             if not isinstance(v, C.Literal) and (frame, v) in self.origin})
+                if passed is not None:
+                    self.origin[(frame, eqn.outvars[0])] = passed
+                if vd.model_axes:
+                    outs = self.split_rule(path, frame, eqn, ins, tg, vd)
+                else:
+                    outs = self.replicate_rule(eqn, ins, vd)
+            for v, info in zip(eqn.outvars, outs):
+                self.info[(frame, v)] = info
+                self.producer[(frame, v)] = tg
+
+    # -- bridges ---------------------------------------------------------------------------
+    def bridge(self, path, pos, frame, v, tg, vd) -> Info:
+        info = self.read(frame, v)
+        if isinstance(v, C.Literal) or self.param_of(frame, v) is not None:
+            return info
+        if self.producer.get((frame, v), tg) == tg:
+            return info
+        aval = v.aval
+        if info.batch:
+            want = list(self.batch_spec(vd, aval))
+            for d, a in enumerate(info.spec):       # fuse: keep a split on this TaskGraph's own axes
+                if d > 0 and a and a == vd.model_axes:
+                    want[d] = a
+        else:
+            want = list(_unsplit(len(aval.shape)))
+        want = tuple(want)
+        if want == info.spec:
+            return info
+        size = self.group_bytes(aval, info, vd)
+        for d, (have, need) in enumerate(zip(info.spec, want)):
+            if have and have != need:
+                gathered = tuple(a for a in have if not need or a not in need)
+                self.comm(tg, "all-gather", gathered, size, f"bridge into TG{tg}: gather dim {d}")
+        self.constraints[(path, "in", pos)] = to_spec(want)
+        return Info(want, info.batch)
+
+    # -- replicate -------------------------------------------------------------------------
+    def replicate_rule(self, eqn, ins, vd):
+        batch = any(i.batch for i in ins)
+        return [Info(self.batch_spec(vd, v.aval) if batch else _unsplit(len(v.aval.shape)), batch)
+                for v in eqn.outvars]
+
+    # -- split -----------------------------------------------------------------------------
+    def split_rule(self, path, frame, eqn, ins, tg, vd):
+        name = eqn.primitive.name
+        batch = any(i.batch for i in ins)
+        outs = eqn.outvars
+        ma = vd.model_axes
+        if name == "dot_general":
+            res = self.matmul(path, frame, eqn, ins, tg, vd)
+            if res is not None:
+                return [res]
+        if name == "gather":
+            res = self.embedding(path, frame, eqn, ins, tg, vd)
+            if res is not None:
+                return [res]
+        if name in ELEMENTWISE:
+            return [self.elementwise(frame, eqn, ins, vd, batch)]
+        if name == "broadcast_in_dim":
+            spec = [None] * len(outs[0].aval.shape)
+            for d_in, d_out in enumerate(eqn.params["broadcast_dimensions"]):
+                if eqn.invars[0].aval.shape[d_in] == outs[0].aval.shape[d_out]:
+                    spec[d_out] = ins[0].spec[d_in]
+            return [Info(tuple(spec), batch)]
+        if name == "transpose":
+            perm = eqn.params["permutation"]
+            return [Info(tuple(ins[0].spec[p] for p in perm), batch)]
+        if name == "squeeze":
+            drop = set(d % len(ins[0].spec) for d in eqn.params["dimensions"])
+            return [Info(tuple(a for d, a in enumerate(ins[0].spec) if d not in drop), batch)]
+        if name == "reshape":
+            return [self.reshape(eqn, ins[0], tg, vd, batch)]
+        if name in REDUCTIONS:
+            axes = set(eqn.params["axes"])
+            spec = ins[0].spec
+            reduced = [spec[d] for d in axes if spec[d]]
+            out_aval = outs[0].aval
+            info = Info(tuple(a for d, a in enumerate(spec) if d not in axes), batch)
+            for a in reduced:
+                self.comm(tg, "all-reduce", a, self.group_bytes(out_aval, info, vd),
+                          f"{name} over a split dimension")
+            return [Info(tuple(a if a not in reduced else None for a in info.spec), batch)]
+        if name in OPAQUE_CALLS or name in ("dot_general", "gather"):
+            if name == "dot_general":
+                return [self.generic_dot(eqn, ins, tg, vd, batch)]
+            first = next((i for i in ins if any(i.spec[1:]) or i.batch), ins[0] if ins else None)
+            result = []
+            for v in outs:
+                if first is not None and len(first.spec) == len(v.aval.shape) and \
+                        eqn.invars and v.aval.shape == eqn.invars[ins.index(first)].aval.shape:
+                    result.append(Info(first.spec, batch))
+                else:
+                    result.append(Info(self.batch_spec(vd, v.aval) if batch else _unsplit(len(v.aval.shape)), batch))
+            return result
+        # Any other operation needs whole tensors along split dims.
+        for v, info in zip(eqn.invars, ins):
+            for a in info.spec[1:]:
+                if a:
+                    self.comm(tg, "all-gather", a, self.group_bytes(v.aval, info, vd),
+                              f"{name} needs the whole tensor")
+        return [Info(self.batch_spec(vd, v.aval) if batch else _unsplit(len(v.aval.shape)), batch) for v in outs]
+
+    def elementwise(self, frame, eqn, ins, vd, batch) -> Info:
+        ndim = len(eqn.outvars[0].aval.shape)
+        spec = [None] * ndim
+        for info in ins:
+            if len(info.spec) == ndim:
+                for d, a in enumerate(info.spec):
+                    if spec[d] is None and a:
+                        spec[d] = a
+        # A parameter combined with a split value (a bias) is split the same way.
+        for v in eqn.invars:
+            o = self.param_of(frame, v)
+            if o is None or len(v.aval.shape) != ndim:
+                continue
+            leaf, dims = o
+            for d, a in enumerate(spec):
+                if a == vd.model_axes and dims[d] is not None and v.aval.shape[d] == eqn.outvars[0].aval.shape[d]:
+                    self.decide_param(leaf, len(dims), dims[d], a)
+        return Info(tuple(spec), batch)
+
+    def reshape(self, eqn, info: Info, tg, vd, batch) -> Info:
+        in_shape, out_shape = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+        spec = [None] * len(out_shape)
+        if batch and out_shape and out_shape[0] % self.b == 0 and info.spec and info.spec[0]:
+            spec[0] = info.spec[0]
+        if info.spec and len(in_shape) > 1 and info.spec[-1] and out_shape and out_shape[-1] == in_shape[-1]:
+            spec[-1] = info.spec[-1]
+        for d, a in enumerate(info.spec[1:-1], start=1):
+            if a:
+                self.comm(tg, "all-gather", a, self.group_bytes(eqn.invars[0].aval, info, vd), "reshape of a split dim")
+        return Info(tuple(spec), batch)
+
+    def generic_dot(self, eqn, ins, tg, vd, batch) -> Info:
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        lhs, rhs = ins
+        out_spec = [lhs.spec[d] for d in lb]
+        out_spec += [lhs.spec[d] for d in range(len(lhs.spec)) if d not in lc and d not in lb]
+        out_spec += [rhs.spec[d] for d in range(len(rhs.spec)) if d not in rc and d not in rb]
+        partial = [lhs.spec[a] for a, b in zip(lc, rc) if lhs.spec[a] and lhs.spec[a] == rhs.spec[b]]
+        info = Info(tuple(out_spec), batch)
+        for a in partial:
+            self.comm(tg, "all-reduce", a, self.group_bytes(eqn.outvars[0].aval, info, vd), "contraction over a split dim")
+        seen, clean = set(), []
+        for a in out_spec:          # one mesh axis may shard only one dimension
+            clean.append(a if a and a not in seen else None)
+            if a:
+                seen.add(a)
+        return Info(tuple(clean), batch)
+
+    def _forced(self, vd: VirtualDevice) -> str:
+        return vd.strategy.pattern if vd.strategy.pattern != "auto" else self.matmul_pattern
+
+    def matmul(self, path, frame, eqn, ins, tg, vd) -> Info | None:
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        lo, ro = self.param_of(frame, eqn.invars[0]), self.param_of(frame, eqn.invars[1])
+        if (lo is None) == (ro is None):
+            return None
+        w_pos = 0 if lo is not None else 1
+        x_pos = 1 - w_pos
+        leaf, dims = lo if lo is not None else ro
+        w_var, x_var = eqn.invars[w_pos], eqn.invars[x_pos]
+        wc, xc = (lc, rc) if w_pos == 0 else (rc, lc)
+        wb = lb if w_pos == 0 else rb
+        w_shape = w_var.aval.shape
+        w_free = [d for d in range(len(w_shape)) if d not in wc and d not in wb]
+        if len(wc) != 1 or wb or len(w_free) != 1 or dims[wc[0]] is None or dims[w_free[0]] is None:
+            return None
+        ma = vd.model_axes
+        n = self.shards(ma)
+        x, x_aval, y_aval = ins[x_pos], x_var.aval, eqn.outvars[0].aval
+        cx = xc[0]
+        x_split_c = x.spec[cx] == ma
+        x_bytes = self.group_bytes(x_aval, x, vd)
+        y_info = Info(self.batch_spec(vd, y_aval) if x.batch else _unsplit(len(y_aval.shape)), x.batch)
+        y_bytes = self.group_bytes(y_aval, y_info, vd)
+        cost = {
+            "column": (_ring("all-gather", x_bytes, n) + _ring("reduce-scatter", x_bytes, n)) if x_split_c
+            else _ring("all-reduce", x_bytes, n),
+            "row": _ring("all-reduce", y_bytes, n) + (0.0 if x_split_c else _ring("all-gather", x_bytes, n)),
+        }
+        decided = self.param_spec.get(leaf)
+        if decided is not None:       # a weight used twice keeps its first layout
+            pattern = "row" if decided[dims[wc[0]]] == ma else "column"
+        else:
+            forced = self._forced(vd)
+            pattern = forced if forced != "auto" else min(("column", "row"), key=lambda k: (cost[k], k != "column"))
+            self.decide_param(leaf, len(dims) if dims else len(w_shape),
+                              dims[w_free[0]] if pattern == "column" else dims[wc[0]], ma)
+        param_name = self.cap.param_paths[leaf]
+        self.choices.append(PatternChoice(tg, "matmul", param_name,
+                                          "SP1 column" if pattern == "column" else "SP2 row",
+                                          tuple(sorted(cost.items()))))
+        # Output layout: x's free dims keep their (batch) axes, the weight's free dim gets `ma`.
+        x_free = [d for d in range(len(x_aval.shape)) if d not in xc]
+        x_spec_in = list(x.spec)
+        if pattern == "column":
+            x_spec_in[cx] = None
+            out = [x_spec_in[d] if x_spec_in[d] != ma else None for d in x_free] + [ma]
+            if x_split_c:
+                self.comm(tg, "all-gather", ma, x_bytes, f"SP1 {param_name}: gather input")
+                self.comm(tg, "reduce-scatter", ma, x_bytes, f"SP1 {param_name}: input grad (bwd)")
+            else:
+                self.comm(tg, "all-reduce", ma, x_bytes, f"SP1 {param_name}: input grad (bwd)")
+        else:
+            x_spec_in[cx] = ma
+            out = [x_spec_in[d] if x_spec_in[d] != ma else None for d in x_free] + [None]
+            self.comm(tg, "all-reduce", ma, y_bytes, f"SP2 {param_name}: partial sums")
+            if not x_split_c:
+                self.comm(tg, "all-gather", ma, x_bytes, f"SP2 {param_name}: input grad (bwd)")
+        if w_pos == 0:      # weight first: output dims are the weight's free dim, then x's
+            out = out[-1:] + out[:-1]
+        x_want = tuple(x_spec_in)
+        if x_want != x.spec:
+            self.constraints[(path, "in", x_pos)] = to_spec(x_want)
+        self.constraints[(path, "out", 0)] = to_spec(tuple(out))
+        return Info(tuple(out), x.batch)
+
+    def embedding(self, path, frame, eqn, ins, tg, vd) -> Info | None:
+        o = self.param_of(frame, eqn.invars[0])
+        if o is None or len(eqn.invars[0].aval.shape) != 2:
+            return None
+        leaf, dims = o
+        dn = eqn.params["dimension_numbers"]
+        table = eqn.invars[0].aval.shape
+        if tuple(dn.collapsed_slice_dims) != (0,) or tuple(dn.start_index_map) != (0,) or \
+                tuple(eqn.params["slice_sizes"]) != (1, table[1]) or None in dims:
+            return None
+        ma = vd.model_axes
+        n = self.shards(ma)
+        idx = ins[1]
+        y_aval = eqn.outvars[0].aval
+        y_info = Info(self.batch_spec(vd, y_aval) if idx.batch else _unsplit(len(y_aval.shape)), idx.batch)
+        y_bytes = self.group_bytes(y_aval, y_info, vd)
+        cost = {"column": 0.0, "row": _ring("all-reduce", y_bytes, n)}
+        decided = self.param_spec.get(leaf)
+        if decided is not None:
+            pattern = "row" if decided[dims[0]] == ma else "column"
+        else:
+            forced = self._forced(vd)
+            pattern = forced if forced != "auto" else min(("column", "row"), key=lambda k: (cost[k], k != "column"))
+            self.decide_param(leaf, 2, dims[1] if pattern == "column" else dims[0], ma)
+        name = self.cap.param_paths[leaf]
+        self.choices.append(PatternChoice(tg, "embedding", name,
+                                          "hidden split" if pattern == "column" else "vocab split",
+                                          tuple(sorted(cost.items()))))
+        out = list(y_info.spec)
+        if pattern == "column":
+            out[-1] = ma
+        else:
+            self.comm(tg, "all-reduce", ma, y_bytes, f"vocab-split embedding {name}")
+        self.constraints[(path, "out", 0)] = to_spec(tuple(out))
+        return Info(tuple(out), idx.batch)
+
+    def _gradient_sync(self):
+        """Data-parallel gradient all-reduce per parameter, over the batch axes of its TaskGraph."""
+        for tg in self.cap.taskgraphs:
+            vd = self.vds[tg.index]
+            for leaf in tg.params:
+                var = self.cap.jaxpr.jaxpr.invars[leaf]
+                spec = self.param_spec.get(leaf) or [None] * len(var.aval.shape)
+                split = self.shards(next((a for a in spec if a), ()))
+                axes = vd.batch_axes if self.shards(vd.batch_axes) > 1 else ()
+                self.comm(tg.index, "all-reduce", axes, _nbytes(var.aval) / split,
+                          f"gradient sync {self.cap.param_paths[leaf]}")
+
+
+def plan_shardings(cap: Captured, vds: Sequence[VirtualDevice], layout: MeshLayout,
+                   matmul_pattern: str = "auto") -> ShardingPlan:
+    """Match sharding patterns and place bridges for every TaskGraph."""
+    return _Planner(cap, vds, layout, matmul_pattern).run()

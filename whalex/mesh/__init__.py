@@ -1,0 +1,1 @@
+"""Clusters, the device spec table, VirtualDevice generation and mesh construction."""

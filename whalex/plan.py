@@ -1,0 +1,161 @@
+"""`Plan`: what whalex decided for one model on one cluster, readable and lowerable."""
+from __future__ import annotations
+
+import dataclasses
+import html
+from typing import Any
+
+from whalex.balance.profile import DeviceMemory
+from whalex.lowering.patterns import Comm, PatternChoice
+from whalex.lowering.step import Program
+from whalex.mesh.cluster import Cluster
+from whalex.mesh.virtual import MeshLayout, VirtualDevice
+from whalex.primitives.config import Config
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskGraphInfo:
+    """One TaskGraph as planned."""
+
+    index: int
+    strategy: str            # e.g. "split(8)"
+    annotated: bool
+    device_count: int        # devices per replica
+    devices: tuple[int, ...] # the first replica's devices
+    nested_dp: int
+    num_eqns: int
+    num_params: int          # parameter elements it reads
+    param_bytes: float
+    flops: float             # forward + backward FLOPs on the global batch (XLA cost analysis)
+    comm_bytes: float        # predicted per-device collective traffic per step
+
+    @property
+    def name(self) -> str:
+        return f"TG{self.index}"
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _fmt_flops(n: float) -> str:
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("KFLOP", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} FLOP"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The parallel plan: TaskGraphs, VirtualDevices, per-device batch sizes, shardings, memory."""
+
+    cluster: Cluster
+    config: Config
+    layout: MeshLayout
+    task_graphs: tuple[TaskGraphInfo, ...]
+    virtual_devices: tuple[VirtualDevice, ...]
+    batch_sizes: tuple[int, ...]
+    global_batch: int
+    param_specs: dict           # parameter path -> PartitionSpec
+    patterns: tuple[PatternChoice, ...]
+    comms: tuple[Comm, ...]
+    memory: tuple[DeviceMemory, ...]
+    program: Program = dataclasses.field(repr=False, compare=False)
+
+    # -- lowering ---------------------------------------------------------------------------
+    def lowered(self):
+        """The `jax.stages.Lowered` training step (works on abstract clusters too)."""
+        return self.program.lower()
+
+    def lower(self) -> str:
+        """The sharded StableHLO text of one training step."""
+        return self.lowered().as_text()
+
+    def compiled_memory(self) -> dict:
+        """XLA's per-device memory analysis of the compiled step (needs real devices)."""
+        if self.cluster.is_abstract:
+            raise ValueError("compiled_memory() needs real devices; an abstract cluster can only be lowered. "
+                             "Use plan.memory for the planned per-device state, or plan on Cluster.detect().")
+        m = self.lowered().compile().memory_analysis()
+        return {k: getattr(m, k) for k in ("argument_size_in_bytes", "output_size_in_bytes",
+                                           "temp_size_in_bytes", "alias_size_in_bytes",
+                                           "generated_code_size_in_bytes") if hasattr(m, k)}
+
+    @property
+    def mesh(self):
+        return self.program.mesh
+
+    @property
+    def predicted_comm_bytes(self) -> float:
+        return sum(c.bytes for c in self.comms)
+
+    # -- rendering --------------------------------------------------------------------------
+    def _rows(self):
+        tg_rows = [[t.name, t.strategy + ("" if t.annotated else " (default)"), str(t.device_count),
+                    _devices(t.devices), str(t.nested_dp), f"{t.num_params:,}", _fmt_flops(t.flops),
+                    _fmt_bytes(t.comm_bytes)] for t in self.task_graphs]
+        pat_rows = [[f"TG{p.taskgraph}", p.unit, p.param, p.pattern,
+                     ", ".join(f"{k}={_fmt_bytes(v)}" for k, v in p.costs)] for p in self.patterns]
+        mem_rows = []
+        groups: dict = {}
+        for m, b in zip(self.memory, self.batch_sizes):
+            key = (m.kind, b, round(m.params), round(m.opt_state))
+            groups.setdefault(key, []).append(m)
+        for (kind, b, _, _), ms in groups.items():
+            m = ms[0]
+            mem_rows.append([_devices(tuple(x.device for x in ms)), kind, str(b), _fmt_bytes(m.params),
+                             _fmt_bytes(m.grads), _fmt_bytes(m.opt_state), _fmt_bytes(m.capacity)])
+        return tg_rows, pat_rows, mem_rows
+
+    def summary(self) -> str:
+        """A readable table of the plan."""
+        tg_rows, pat_rows, mem_rows = self._rows()
+        mesh = " x ".join(f"{n}={s}" for n, s in zip(self.layout.axis_names, self.layout.axis_sizes))
+        lines = [f"whalex plan: {self.cluster!r}, mesh ({mesh}), global batch {self.global_batch}, "
+                 f"{self.config.num_micro_batch} micro-batch(es)"]
+        lines += _table(["TaskGraph", "strategy", "devices/replica", "devices", "nested DP", "params",
+                         "FLOPs (fwd+bwd)", "comm/device"], tg_rows)
+        if pat_rows:
+            lines.append("sharding patterns (least communication wins):")
+            lines += _table(["TaskGraph", "unit", "parameter", "pattern", "candidate costs"], pat_rows)
+        lines.append("per device:")
+        lines += _table(["devices", "kind", "batch", "params", "grads", "opt state", "capacity"], mem_rows)
+        lines.append(f"predicted collective traffic per step and device: {_fmt_bytes(self.predicted_comm_bytes)}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def _repr_html_(self) -> str:
+        tg_rows, pat_rows, mem_rows = self._rows()
+
+        def table(head, rows):
+            h = "".join(f"<th>{html.escape(c)}</th>" for c in head)
+            b = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
+            return f"<table><thead><tr>{h}</tr></thead><tbody>{b}</tbody></table>"
+
+        parts = [f"<div><b>whalex plan</b> &mdash; {html.escape(repr(self.cluster))}, global batch "
+                 f"{self.global_batch}</div>",
+                 table(["TaskGraph", "strategy", "devices/replica", "devices", "nested DP", "params",
+                        "FLOPs (fwd+bwd)", "comm/device"], tg_rows)]
+        if pat_rows:
+            parts.append(table(["TaskGraph", "unit", "parameter", "pattern", "candidate costs"], pat_rows))
+        parts.append(table(["devices", "kind", "batch", "params", "grads", "opt state", "capacity"], mem_rows))
+        return "\n".join(parts)
+
+
+def _devices(ids: tuple[int, ...]) -> str:
+    if len(ids) > 1 and list(ids) == list(range(ids[0], ids[0] + len(ids))):
+        return f"{ids[0]}-{ids[-1]}"
+    return ",".join(map(str, ids))
+
+
+def _table(head, rows) -> list[str]:
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)] if rows else [len(h) for h in head]
+    fmt = "  ".join("{:<%d}" % w for w in widths)
+    return ["  " + fmt.format(*head), "  " + "  ".join("-" * w for w in widths)] + \
+        ["  " + fmt.format(*r) for r in rows]
