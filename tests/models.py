@@ -13,7 +13,7 @@ import optax
 
 import whalex as wh
 
-B, D_IN, D_HID, CLASSES = 32, 16, 32, 128
+B, D_IN, D_HID, CLASSES = 32, 12, 24, 320
 
 
 def data(seed=0, batch=B):

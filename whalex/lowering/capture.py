@@ -111,7 +111,11 @@ def capture(loss_fn: Callable, params, batch, *, has_aux: bool = False,
             aux_leaves, aux_tree = jax.tree.flatten(aux)
             aux_box.append(aux_tree)
             return (loss, *aux_leaves)
-        return (out,)
+        if len(jax.tree.leaves(out)) != 1:
+            raise PlanError(
+                f"loss_fn must return a scalar floating-point loss, got a {type(out).__name__} of "
+                f"{len(jax.tree.leaves(out))} arrays; if it returns (loss, aux), pass has_aux=True.")
+        return (jax.tree.leaves(out)[0],)
 
     abstract = [jax.ShapeDtypeStruct(np.shape(x), _dtype(x)) for x in flat_params + flat_batch]
     with recording_default() as defaults:
