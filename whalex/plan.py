@@ -65,6 +65,7 @@ class Plan:
     comms: tuple[Comm, ...]
     memory: tuple[DeviceMemory, ...]
     program: Program = dataclasses.field(repr=False, compare=False)
+    _cache: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     # -- lowering ---------------------------------------------------------------------------
     def lowered(self):
@@ -76,14 +77,16 @@ class Plan:
         return self.lowered().as_text()
 
     def compiled_memory(self) -> dict:
-        """XLA's per-device memory analysis of the compiled step (needs real devices)."""
+        """XLA's per-device memory analysis of the compiled step (needs real devices; cached)."""
         if self.cluster.is_abstract:
             raise ValueError("compiled_memory() needs real devices; an abstract cluster can only be lowered. "
                              "Use plan.memory for the planned per-device state, or plan on Cluster.detect().")
-        m = self.lowered().compile().memory_analysis()
-        return {k: getattr(m, k) for k in ("argument_size_in_bytes", "output_size_in_bytes",
-                                           "temp_size_in_bytes", "alias_size_in_bytes",
-                                           "generated_code_size_in_bytes") if hasattr(m, k)}
+        if "memory" not in self._cache:
+            m = self.lowered().compile().memory_analysis()
+            self._cache["memory"] = {k: getattr(m, k) for k in (
+                "argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+                "alias_size_in_bytes", "generated_code_size_in_bytes") if hasattr(m, k)}
+        return dict(self._cache["memory"])
 
     @property
     def mesh(self):
@@ -111,8 +114,8 @@ class Plan:
                              _fmt_bytes(m.grads), _fmt_bytes(m.opt_state), _fmt_bytes(m.capacity)])
         return tg_rows, pat_rows, mem_rows
 
-    def summary(self) -> str:
-        """A readable table of the plan."""
+    def summary(self, compiled_memory: bool = False) -> str:
+        """A readable table of the plan; `compiled_memory=True` adds XLA's per-device memory analysis."""
         tg_rows, pat_rows, mem_rows = self._rows()
         mesh = " x ".join(f"{n}={s}" for n, s in zip(self.layout.axis_names, self.layout.axis_sizes))
         lines = [f"whalex plan: {self.cluster!r}, mesh ({mesh}), global batch {self.global_batch}, "
@@ -125,6 +128,10 @@ class Plan:
         lines.append("per device:")
         lines += _table(["devices", "kind", "batch", "params", "grads", "opt state", "capacity"], mem_rows)
         lines.append(f"predicted collective traffic per step and device: {_fmt_bytes(self.predicted_comm_bytes)}")
+        if compiled_memory or "memory" in self._cache:
+            m = self.compiled_memory()
+            lines.append("XLA memory analysis per device: " + ", ".join(
+                f"{k.replace('_size_in_bytes', '')} {_fmt_bytes(v)}" for k, v in m.items()))
         return "\n".join(lines)
 
     def __str__(self) -> str:

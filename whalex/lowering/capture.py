@@ -8,6 +8,7 @@ and inherit the call's TaskGraph unless they open a scope of their own.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Callable
 
 import jax
@@ -138,12 +139,18 @@ def _dtype(x):
     return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
 
 
-def _scope_of(eqn) -> tuple[Strategy, int] | None:
+_SCOPE = re.compile(r"whalex\.(?:replicate|split)\.\w+\.\d+\.\w+")
+
+
+def scope_of(eqn) -> tuple[Strategy, int] | None:
+    """The innermost whalex scope an equation was traced in, forward or backward.
+
+    Backward equations carry the scope wrapped in transform names, e.g.
+    `transpose(jvp(whalex.split.8.3.auto))`, so the name is searched for, not split out.
+    """
     found = None
-    for component in C.name_stack(eqn).split("/"):
-        parsed = parse_scope(component)
-        if parsed is not None:
-            found = parsed
+    for match in _SCOPE.finditer(C.name_stack(eqn)):
+        found = parse_scope(match.group(0))
     return found
 
 
@@ -168,7 +175,7 @@ def _group(jaxpr, num_params: int, default: Strategy):
     def visit(jaxpr, frame, inherited, origin):
         for i, eqn in enumerate(jaxpr.eqns):
             path = frame + (i,)
-            scope = _scope_of(eqn)
+            scope = scope_of(eqn)
             if scope is not None:
                 tg = tg_for(("scope", scope[1]), scope[0], True)
                 state["last_annotated"] = True

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -52,12 +53,12 @@ class Program:
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), spec_tree,
                             is_leaf=lambda x: isinstance(x, P))
 
-    @property
+    @functools.cached_property
     def param_shardings(self):
         specs = jax.tree.unflatten(self.captured.params_tree, list(self.sharding.param_specs))
         return self.named(specs)
 
-    @property
+    @functools.cached_property
     def batch_shardings(self):
         return self.named(jax.tree.unflatten(self.captured.batch_tree, list(self.sharding.batch_specs)))
 
