@@ -39,35 +39,107 @@ def _check_optimizer(optimizer):
                         f"got {type(optimizer).__name__}.")
 
 
+def _stage_groups(cap) -> list[list[int]]:
+    """Pipeline stages as lists of TaskGraph indices: each annotated TaskGraph starts a stage and
+    un-annotated runs join the stage before them (or the first stage)."""
+    groups: list[list[int]] = []
+    pending: list[int] = []
+    for tg in cap.taskgraphs:
+        if tg.annotated:
+            groups.append(pending + [tg.index])
+            pending = []
+        elif groups:
+            groups[-1].append(tg.index)
+        else:
+            pending.append(tg.index)
+    if not groups:
+        groups = [pending]
+    elif pending:
+        groups[-1].extend(pending)
+    return groups
+
+
+def _micro_batch(batch, size):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((size,) + tuple(np.shape(x)[1:]), _dtype(x)), batch)
+
+
+def _dtype(x):
+    return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
+def _pipelinable(cap, groups, num_devices: int) -> int | None:
+    """Devices per stage if the stages can run as a pipeline on disjoint devices, else None."""
+    if len(groups) < 2:
+        return None
+    counts = set()
+    for g in groups:
+        strategies = {cap.taskgraphs[i].strategy for i in g if cap.taskgraphs[i].annotated}
+        for st in strategies:
+            if st.kind != "replicate" or st.device_count is None:
+                return None
+            counts.add(st.device_count)
+    if len(counts) != 1:
+        return None
+    n = counts.pop()
+    return n if num_devices % (n * len(groups)) == 0 else None
+
+
 def build_plan(loss_fn: Callable, params, batch, optimizer=None, config=None, cluster=None,
                has_aux: bool = False) -> Plan:
     config, cluster = _resolve(config, cluster)
     _check_optimizer(optimizer)
     cap = capture(loss_fn, params, batch, has_aux=has_aux)
-    if config.num_micro_batch > 1:
-        raise PlanError(
-            f"num_micro_batch={config.num_micro_batch}: pipelining and gradient accumulation are not in this "
-            "version of whalex yet (issue 3); use num_micro_batch=1.")
+    m = config.num_micro_batch
     if config.auto_parallel:
-        raise PlanError("auto_parallel=True needs pipelining, which is not in this version of whalex yet "
-                        "(issue 3); annotate the model with wh.replicate/wh.split instead.")
+        from whalex.balance.partition import auto_stages
+        groups = None
+        stage_of_eqn = auto_stages(cap, config.num_task_graph, cluster, optimizer)
+    else:
+        groups = _stage_groups(cap)
+        stage_of_eqn = None
+    if cap.global_batch % m:
+        raise PlanError(
+            f"num_micro_batch={m} does not divide the global batch of {cap.global_batch}; use a batch size "
+            f"that is a multiple of {m} (times the data-parallel degree).")
+    per_stage = None
+    if m > 1 or config.auto_parallel:
+        if config.auto_parallel:
+            per_stage = 1 if cluster.size % config.num_task_graph == 0 else None
+            if per_stage is None:
+                raise PlanError(f"num_task_graph={config.num_task_graph} stages do not divide the cluster's "
+                                f"{cluster.size} devices; use a divisor of {cluster.size}.")
+        else:
+            per_stage = _pipelinable(cap, groups, cluster.size)
+    if per_stage is not None:
+        if stage_of_eqn is None:
+            tg_stage = {tg: s for s, g in enumerate(groups) for tg in g}
+            stage_of_eqn = [tg_stage[cap.assign[(i,)]] for i in range(len(cap.jaxpr.jaxpr.eqns))]
+        return _pipeline_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, cap,
+                              stage_of_eqn, per_stage)
+    return _spmd_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, cap)
+
+
+def _spmd_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, cap) -> Plan:
+    """Collocated TaskGraphs in one GSPMD program; micro-batches accumulate gradients."""
+    m = config.num_micro_batch
+    full = cap
+    if m > 1:
+        cap = capture(loss_fn, params, _micro_batch(batch, full.global_batch // m), has_aux=has_aux)
     strategies = [t.strategy for t in cap.taskgraphs]
     layout = mesh_layout(strategies, cluster.size)
     vds = virtual_devices(strategies, layout)
-    sharding = plan_shardings(cap, vds, layout, config.matmul_pattern)
+    try:
+        sharding = plan_shardings(cap, vds, layout, config.matmul_pattern)
+    except PlanError as e:
+        if m > 1:
+            raise PlanError(f"{e} (with num_micro_batch={m}, each micro-batch of {cap.global_batch} samples "
+                            "must divide over the data-parallel replicas)") from None
+        raise
     mesh = layout.build(cluster.devices)
-    program = Program(cap, sharding, mesh, optimizer, cluster.platform)
+    program = Program(cap, sharding, mesh, optimizer, cluster.platform, m)
 
-    flops = taskgraph_flops(cap.jaxpr, cap.assign, len(cap.taskgraphs))
-    invars = cap.jaxpr.jaxpr.invars
-    infos = []
-    for tg, vd, f in zip(cap.taskgraphs, vds, flops):
-        sizes = [int(np.prod(invars[i].aval.shape)) for i in tg.params]
-        nbytes = sum(s * np.dtype(invars[i].aval.dtype).itemsize for s, i in zip(sizes, tg.params))
-        infos.append(TaskGraphInfo(tg.index, tg.strategy.label(), tg.annotated, vd.device_count, vd.devices,
-                                   vd.nested_dp, tg.num_eqns, sum(sizes), float(nbytes), f,
-                                   sharding.comm_bytes(tg.index)))
-
+    flops = [f * m for f in taskgraph_flops(cap.jaxpr, cap.assign, len(cap.taskgraphs))]
+    infos = _taskgraph_infos(cap, vds, flops, [sharding.comm_bytes(t.index) * m for t in cap.taskgraphs])
     axis_sizes = dict(zip(layout.axis_names, layout.axis_sizes))
     pshapes = program.param_shapes()
     pspecs = jax.tree.unflatten(cap.params_tree, list(sharding.param_specs))
@@ -79,11 +151,107 @@ def build_plan(loss_fn: Callable, params, batch, optimizer=None, config=None, cl
     memory = tuple(DeviceMemory(i, s.name, p_bytes, p_bytes, o_bytes, float(s.memory_bytes))
                    for i, s in enumerate(cluster.specs[: layout.size]))
     first = vds[cap.assign[(0,)]] if cap.assign else vds[0]
-    per_device = cap.global_batch // layout.axis_size(first.batch_axes)
+    per_device = full.global_batch // layout.axis_size(first.batch_axes)
     return Plan(cluster=cluster, config=config, layout=layout, task_graphs=tuple(infos), virtual_devices=vds,
-                batch_sizes=(per_device,) * layout.size, global_batch=cap.global_batch,
+                batch_sizes=(per_device,) * layout.size, global_batch=full.global_batch,
                 param_specs=dict(zip(cap.param_paths, sharding.param_specs)), patterns=sharding.choices,
                 comms=sharding.comms, memory=memory, program=program)
+
+
+def _taskgraph_infos(cap, vds, flops, comm):
+    invars = cap.jaxpr.jaxpr.invars
+    infos = []
+    for tg, vd, f, c in zip(cap.taskgraphs, vds, flops, comm):
+        sizes = [int(np.prod(invars[i].aval.shape)) for i in tg.params]
+        nbytes = sum(s * np.dtype(invars[i].aval.dtype).itemsize for s, i in zip(sizes, tg.params))
+        infos.append(TaskGraphInfo(tg.index, tg.strategy.label(), tg.annotated, vd.device_count, vd.devices,
+                                   vd.nested_dp, tg.num_eqns, sum(sizes), float(nbytes), f, c))
+    return infos
+
+
+def _pipeline_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, full, stage_of_eqn,
+                   per_stage) -> Plan:
+    from jax.sharding import PartitionSpec as P
+
+    from whalex.lowering.pipeline import DATA, STAGE, PipelineProgram, cut_stages
+    from whalex.lowering.schedules import make_schedule
+    from whalex.mesh.virtual import MeshLayout, VirtualDevice
+    from whalex.primitives.scopes import Strategy
+
+    if has_aux:
+        raise PlanError("has_aux=True is not supported with pipelining yet; return only the loss, or use "
+                        "num_micro_batch=1.")
+    m = config.num_micro_batch
+    num_stages = max(stage_of_eqn) + 1 if stage_of_eqn else 1
+    k = cluster.size
+    dp = k // num_stages                   # nested data parallelism (includes replicate(n) inside stages)
+    if full.global_batch % (dp * m):
+        raise PlanError(
+            f"the global batch of {full.global_batch} cannot be split into {m} micro-batches on each of the "
+            f"{dp} pipeline replicas; use a batch size that is a multiple of {dp * m}.")
+    micro = full.global_batch // (dp * m)
+    cap = capture(loss_fn, params, _micro_batch(batch, micro), has_aux=False)
+    if len(cap.jaxpr.jaxpr.eqns) != len(stage_of_eqn):
+        raise PlanError("the loss traced differently at micro-batch size; whalex needs a loss whose "
+                        "operations do not depend on the batch size.")
+    cut = cut_stages(cap, stage_of_eqn, num_stages)
+    schedule = make_schedule(config.schedule, num_stages, m)
+    layout = MeshLayout((DATA, STAGE), (dp, num_stages))
+    mesh = layout.build(cluster.devices)
+    program = PipelineProgram(cap, cut, schedule, mesh, optimizer, cluster.platform, full.global_batch, dp)
+    _ = program.param_dtype
+
+    assign = {(i,): s for i, s in enumerate(stage_of_eqn)}
+    flops = [f * m * dp for f in taskgraph_flops(cap.jaxpr, assign, num_stages)]
+    invars = cap.jaxpr.jaxpr.invars
+    infos, vds = [], []
+    labels = _stage_labels(full, stage_of_eqn, num_stages)
+    for s in range(num_stages):
+        sizes = [int(np.prod(invars[i].aval.shape)) for i in cut.params[s]]
+        nbytes = sum(sz * np.dtype(invars[i].aval.dtype).itemsize for sz, i in zip(sizes, cut.params[s]))
+        groups = tuple((r * num_stages + s,) for r in range(dp))
+        strategy = Strategy("replicate", per_stage)
+        vds.append(VirtualDevice(s, strategy, 1, groups, (), (DATA,)))
+        msg = program.message_width * 4 * m * (2 if 0 < s or s < num_stages - 1 else 1)
+        infos.append(TaskGraphInfo(s, f"stage {s}: {labels[s]}", True, 1, groups[0], dp, len(cut.eqns[s]),
+                                   sum(sizes), float(nbytes), flops[s], float(msg)))
+    width = program.param_width * np.dtype(program.param_dtype).itemsize
+    o_bytes = 0.0
+    if optimizer is not None:
+        from whalex.balance.profile import sharded_bytes as sb
+        from whalex.lowering.step import opt_state_specs
+        ospecs, oshapes = opt_state_specs(optimizer, program.packed_shapes(), [P(STAGE)])
+        o_bytes = sb(oshapes, ospecs, dict(zip(layout.axis_names, layout.axis_sizes)))
+    memory = tuple(DeviceMemory(i, sp.name, float(width), float(width), o_bytes, float(sp.memory_bytes))
+                   for i, sp in enumerate(cluster.specs[: layout.size]))
+    return Plan(cluster=cluster, config=config, layout=layout, task_graphs=tuple(infos), virtual_devices=tuple(vds),
+                batch_sizes=(full.global_batch // dp,) * layout.size, global_batch=full.global_batch,
+                param_specs={p: P(STAGE) for p in cap.param_paths}, patterns=(), comms=(), memory=memory,
+                program=program, schedule=schedule,
+                stage_layers=tuple(_layers(full, stage_of_eqn, s) for s in range(num_stages)))
+
+
+def _stage_labels(cap, stage_of_eqn, num_stages):
+    labels = []
+    for s in range(num_stages):
+        tgs = sorted({cap.assign[(i,)] for i, st in enumerate(stage_of_eqn) if st == s})
+        strategies = sorted({cap.taskgraphs[t].strategy.label() for t in tgs if cap.taskgraphs[t].annotated})
+        labels.append(", ".join(strategies) or "auto")
+    return labels
+
+
+def _layers(cap, stage_of_eqn, s) -> tuple[str, ...]:
+    """Names of the model's top-level layers (Flax module paths) whose equations are in stage s."""
+    from whalex.primitives.scopes import PREFIX
+    names = []
+    for i, st in enumerate(stage_of_eqn):
+        if st != s:
+            continue
+        parts = [p for p in str(cap.jaxpr.jaxpr.eqns[i].source_info.name_stack).split("/")
+                 if p and not p.startswith(PREFIX)]
+        if len(parts) >= 2 and parts[1] not in names:
+            names.append(parts[1])
+    return tuple(names)
 
 
 def plan(loss_fn: Callable, params, batch, optimizer=None, config=None, cluster=None,
@@ -131,18 +299,31 @@ class Step:
     def init(self, params, example_batch) -> TrainState:
         """Plan for these shapes and place params and optimizer state per the plan."""
         p = self._plan_for(params, example_batch)
-        return p.program.init_state(params)
+        state = p.program.init_state(params)
+        key = self._key(state.params, example_batch)       # pipelines carry packed parameters
+        self._plans[key] = p
+        self._jitted[key] = self._jitted[self._key(params, example_batch)]
+        return state
 
     def __call__(self, state: TrainState, batch):
         if not isinstance(state, TrainState):
             raise PlanError("step(state, batch) takes the wh.TrainState returned by step.init(params, batch).")
         key = self._key(state.params, batch)
-        p = self._plans.get(key) or self._plan_for(state.params, batch)
+        p = self._plans.get(key)
+        if p is None:
+            if self._last is not None and self._last.schedule is not None:
+                raise PlanError("the batch shapes differ from the ones this pipeline was planned for; call "
+                                "step.init(params, batch) with the new shapes.")
+            p = self._plan_for(state.params, batch)
         self._last = p
         batch = jax.device_put(batch, p.program.batch_shardings)
         return self._jitted[key](state, batch)
 
-    def lower(self, state_or_params=None, batch=None):
+    def params(self, state: TrainState):
+        """The parameters of `state` as the caller's pytree (unpacks pipeline stage buffers)."""
+        return self.plan.program.unpack_params(state.params)
+
+    def lower(self) -> str:
         return self.plan.lower()
 
 

@@ -64,7 +64,9 @@ class Plan:
     patterns: tuple[PatternChoice, ...]
     comms: tuple[Comm, ...]
     memory: tuple[DeviceMemory, ...]
-    program: Program = dataclasses.field(repr=False, compare=False)
+    program: Any = dataclasses.field(repr=False, compare=False)
+    schedule: Any = None                      # the pipeline Schedule, when the plan is a pipeline
+    stage_layers: tuple = ()                  # per stage, the names of the layers it holds
     _cache: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     # -- lowering ---------------------------------------------------------------------------

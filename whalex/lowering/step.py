@@ -47,6 +47,7 @@ class Program:
     mesh: Any
     optimizer: optax.GradientTransformation | None
     platform: str
+    num_micro_batch: int = 1     # > 1: gradient accumulation over micro-batches (captured at micro size)
 
     # -- shardings -------------------------------------------------------------------------
     def named(self, spec_tree):
@@ -69,8 +70,12 @@ class Program:
 
     def batch_shapes(self):
         invars = self.captured.jaxpr.jaxpr.invars[self.captured.num_params:]
-        return jax.tree.unflatten(self.captured.batch_tree,
-                                  [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in invars])
+        m = self.num_micro_batch
+        return jax.tree.unflatten(self.captured.batch_tree, [
+            jax.ShapeDtypeStruct((v.aval.shape[0] * m,) + tuple(v.aval.shape[1:]), v.aval.dtype) for v in invars])
+
+    def unpack_params(self, params):
+        return params
 
     def state_shardings(self):
         opt_specs, _ = opt_state_specs(self.optimizer, self.param_shapes(), self.sharding.param_specs)
@@ -90,15 +95,52 @@ class Program:
 
         return loss
 
-    def train_step(self) -> Callable:
+    def value_and_grad(self) -> Callable:
+        """(params, batch) -> ((loss, aux), grads); with micro-batches, a scan that accumulates."""
         loss = self.loss()
-        optimizer = self.optimizer
         grad_shardings = self.param_shardings
+        m = self.num_micro_batch
+        vg = jax.value_and_grad(loss, has_aux=True)
+        if m == 1:
+            def plain(params, batch):
+                (value, aux), grads = vg(params, batch)
+                return (value, aux), jax.lax.with_sharding_constraint(grads, grad_shardings)
+            return plain
+        specs = self.sharding.batch_specs
+        mesh = self.mesh
+
+        def split(x, spec):
+            # Micro-batch k takes the k-th chunk of every device's local rows: no data moves.
+            axes = spec[0] if len(spec) else None
+            axes = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
+            dp = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+            b = x.shape[0]
+            y = x.reshape((dp, m, b // (dp * m)) + x.shape[1:]).swapaxes(0, 1).reshape((m, b // m) + x.shape[1:])
+            return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, *spec)))
+
+        def accumulate(params, batch):
+            leaves, tree = jax.tree.flatten(batch)
+            micro = jax.tree.unflatten(tree, [split(x, s) for x, s in zip(leaves, specs)])
+
+            def body(carry, mb):
+                (value, aux), grads = vg(params, mb)
+                grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+                return (carry[0] + value, jax.tree.map(jnp.add, carry[1], grads)), aux
+
+            zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+            (total, grads), auxs = jax.lax.scan(body, zero, micro)
+            aux = jax.tree.map(lambda a: a.mean(0) if jnp.issubdtype(a.dtype, jnp.floating) else a[-1], auxs)
+            return (total / m, aux), jax.tree.map(lambda g: g / m, grads)
+
+        return accumulate
+
+    def train_step(self) -> Callable:
+        value_and_grad = self.value_and_grad()
+        optimizer = self.optimizer
         has_aux = self.captured.has_aux
 
         def step(state: TrainState, batch):
-            (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(state.params, batch)
-            grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+            (value, aux), grads = value_and_grad(state.params, batch)
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
             metrics = {"loss": value}
@@ -109,12 +151,11 @@ class Program:
         return step
 
     def grad_step(self) -> Callable:
-        loss = self.loss()
-        grad_shardings = self.param_shardings
+        value_and_grad = self.value_and_grad()
 
         def step(params, batch):
-            (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(params, batch)
-            return value, jax.lax.with_sharding_constraint(grads, grad_shardings)
+            (value, _), grads = value_and_grad(params, batch)
+            return value, grads
 
         return step
 

@@ -1,0 +1,399 @@
+"""Pipeline parallelism in one SPMD program (Whale sections 3.1.2 and 4).
+
+Stages are TaskGraphs in order. The captured loss (traced at micro-batch size) is cut into stage
+functions; each stage's parameters are packed into one row of a flat `[stages, max_params]`
+buffer sharded over the mesh's `stage` axis, so a device holds only its stage's weights (and
+Adam moments). Inside `shard_map`, a `lax.scan` over the schedule's ticks runs, on every device,
+`lax.switch` to its stage's forward or backward (recomputing the forward from the stashed stage
+input), then `ppermute`s activations to the next stage and gradients to the previous one. Only the
+stage inputs are stashed, in `schedule.slots` buffers: S for 1F1B, M for GPipe. Values that skip
+a stage are forwarded through it. Gradients are summed over micro-batches in the loop and over
+data-parallel replicas (`psum` over `data`) after it; no collective runs inside a branch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from whalex import _compat as C
+from whalex.errors import PlanError
+from whalex.lowering.capture import Captured
+from whalex.lowering.schedules import Schedule
+from whalex.state import TrainState
+
+STAGE, DATA = "stage", "data"
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """Where one value sits in a flat buffer."""
+
+    var: Any
+    offset: int
+    shape: tuple
+    dtype: Any
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCut:
+    """The captured loss cut into stages: equations, parameters, and what crosses each boundary."""
+
+    eqns: tuple[tuple[int, ...], ...]          # top-level equation indices per stage
+    params: tuple[tuple[int, ...], ...]        # parameter leaves per stage
+    boundaries: tuple[tuple[Any, ...], ...]    # vars sent from stage k to k+1, k < S-1
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.eqns)
+
+
+def cut_stages(cap: Captured, stage_of_eqn: Sequence[int], num_stages: int) -> StageCut:
+    """Group top-level equations into stages and find the values each boundary must carry."""
+    jaxpr = cap.jaxpr.jaxpr
+    n = cap.num_params
+    eqns = [[] for _ in range(num_stages)]
+    for i, s in enumerate(stage_of_eqn):
+        eqns[s].append(i)
+    produced_at: dict = {}
+    for s in range(num_stages):
+        for i in eqns[s]:
+            for v in jaxpr.eqns[i].outvars:
+                produced_at[v] = s
+    last_use: dict = {}
+    params: list[set] = [set() for _ in range(num_stages)]
+    param_vars = {v: k for k, v in enumerate(jaxpr.invars[:n])}
+    for s in range(num_stages):
+        for i in eqns[s]:
+            for v in jaxpr.eqns[i].invars:
+                if isinstance(v, C.Literal):
+                    continue
+                if v in param_vars:
+                    params[s].add(param_vars[v])
+                if v in produced_at:
+                    last_use[v] = max(last_use.get(v, -1), s)
+    for v in jaxpr.outvars:
+        if not isinstance(v, C.Literal) and v in produced_at:
+            last_use[v] = num_stages
+    owners: dict[int, list[int]] = {}
+    for s, ps in enumerate(params):
+        for p in ps:
+            owners.setdefault(p, []).append(s)
+    for p, stages in owners.items():
+        if len(stages) > 1:
+            raise PlanError(
+                f"parameter {cap.param_paths[p]} is used by pipeline stages {stages}; each parameter must "
+                "belong to one stage (untie shared weights, or put their uses in one TaskGraph).")
+    unused = set(range(n)) - set(owners)
+    params[0] |= unused                       # unused parameters live on stage 0 with zero gradients
+    boundaries = []
+    for k in range(num_stages - 1):
+        live = [v for v, s in produced_at.items() if s <= k and last_use.get(v, -1) > k]
+        boundaries.append(tuple(sorted(live, key=lambda v: (produced_at[v], str(v)))))
+    if jaxpr.outvars and not isinstance(jaxpr.outvars[0], C.Literal) and \
+            produced_at.get(jaxpr.outvars[0], num_stages - 1) != num_stages - 1:
+        raise PlanError("the loss must be computed in the last pipeline stage.")
+    return StageCut(tuple(tuple(e) for e in eqns), tuple(tuple(sorted(p)) for p in params), tuple(boundaries))
+
+
+def _layout(vars_: Sequence[Any]) -> tuple[list[Slot], int]:
+    slots, off = [], 0
+    for v in vars_:
+        slot = Slot(v, off, tuple(v.aval.shape), v.aval.dtype)
+        slots.append(slot)
+        off += slot.size
+    return slots, off
+
+
+def _to_f32(x):
+    if x.dtype == jnp.float32:
+        return x
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return x.astype(jnp.float32)
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.float32)
+    return jax.lax.bitcast_convert_type(x.astype(jnp.int32), jnp.float32)
+
+
+def _from_f32(x, dtype):
+    if dtype == jnp.float32:
+        return x
+    if jnp.issubdtype(dtype, jnp.floating):
+        return x.astype(dtype)
+    if dtype == jnp.bool_:
+        return x > 0.5
+    return jax.lax.bitcast_convert_type(x, jnp.int32).astype(dtype)
+
+
+def _pack(values, slots, width):
+    parts = [_to_f32(jnp.asarray(v)).reshape(-1) for v in values]
+    flat = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.float32)
+    return jnp.pad(flat, (0, width - flat.shape[0]))
+
+
+def _unpack(flat, slots):
+    return [_from_f32(flat[s.offset:s.offset + s.size].reshape(s.shape), s.dtype) for s in slots]
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineProgram:
+    """The pipelined training step: packed stage parameters, schedule tables and the mesh."""
+
+    captured: Captured           # traced at micro-batch size
+    cut: StageCut
+    schedule: Schedule
+    mesh: Any
+    optimizer: optax.GradientTransformation | None
+    platform: str
+    global_batch: int
+    data_parallel: int
+
+    # -- packing of parameters ------------------------------------------------------------------
+    @functools.cached_property
+    def param_dtype(self):
+        dtypes = {np.dtype(v.aval.dtype) for v in self.captured.jaxpr.jaxpr.invars[: self.captured.num_params]}
+        if len(dtypes) != 1 or not np.issubdtype(next(iter(dtypes)), np.floating):
+            raise PlanError(f"pipelined parameters must share one floating dtype, found {sorted(map(str, dtypes))}; "
+                            "cast the parameters to one dtype.")
+        return dtypes.pop()
+
+    @functools.cached_property
+    def param_slots(self) -> tuple[tuple[Slot, ...], ...]:
+        invars = self.captured.jaxpr.jaxpr.invars
+        return tuple(tuple(_layout([invars[p] for p in ps])[0]) for ps in self.cut.params)
+
+    @functools.cached_property
+    def param_width(self) -> int:
+        return max([sum(s.size for s in slots) for slots in self.param_slots] + [1])
+
+    @functools.cached_property
+    def message_width(self) -> int:
+        return max([_layout(b)[1] for b in self.cut.boundaries] + [1])
+
+    def pack_params(self, params):
+        leaves = jax.tree.leaves(params)
+        rows = []
+        for ps in self.cut.params:
+            flat = [jnp.asarray(leaves[p], self.param_dtype).reshape(-1) for p in ps]
+            row = jnp.concatenate(flat) if flat else jnp.zeros((0,), self.param_dtype)
+            rows.append(jnp.pad(row, (0, self.param_width - row.shape[0])))
+        return {"stages": jnp.stack(rows)}
+
+    def unpack_params(self, packed):
+        """The user's parameter pytree from the packed stage buffer."""
+        buf = packed["stages"]
+        leaves = [None] * self.captured.num_params
+        for s, (ps, slots) in enumerate(zip(self.cut.params, self.param_slots)):
+            for p, slot in zip(ps, slots):
+                leaves[p] = buf[s, slot.offset:slot.offset + slot.size].reshape(slot.shape)
+        return jax.tree.unflatten(self.captured.params_tree, leaves)
+
+    # -- shardings ----------------------------------------------------------------------------
+    @functools.cached_property
+    def param_shardings(self):
+        return {"stages": NamedSharding(self.mesh, P(STAGE))}
+
+    @functools.cached_property
+    def batch_shardings(self):
+        return jax.tree.unflatten(self.captured.batch_tree,
+                                  [NamedSharding(self.mesh, P(DATA))] * len(self._batch_vars))
+
+    @property
+    def _batch_vars(self):
+        return self.captured.jaxpr.jaxpr.invars[self.captured.num_params:]
+
+    def packed_shapes(self):
+        return {"stages": jax.ShapeDtypeStruct((self.cut.num_stages, self.param_width), self.param_dtype)}
+
+    def batch_shapes(self):
+        return jax.tree.unflatten(self.captured.batch_tree, [
+            jax.ShapeDtypeStruct((self.global_batch,) + tuple(v.aval.shape[1:]), v.aval.dtype)
+            for v in self._batch_vars])
+
+    def state_shardings(self):
+        from whalex.lowering.step import opt_state_specs
+        specs, _ = opt_state_specs(self.optimizer, self.packed_shapes(), [P(STAGE)])
+        named = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+        return TrainState(params=self.param_shardings, opt_state=named, step=NamedSharding(self.mesh, P()))
+
+    # -- the stage functions -------------------------------------------------------------------
+    def _stage_fn(self, s: int):
+        """f_s(params_s leaves, live_in values, batch leaves) -> live_out values (or [loss])."""
+        jaxpr = self.captured.jaxpr.jaxpr
+        consts = dict(zip(jaxpr.constvars, self.captured.jaxpr.consts))
+        n = self.captured.num_params
+        live_in = self.cut.boundaries[s - 1] if s > 0 else ()
+        live_out = self.cut.boundaries[s] if s < self.cut.num_stages - 1 else (jaxpr.outvars[0],)
+        param_vars = [jaxpr.invars[p] for p in self.cut.params[s]]
+        batch_vars = jaxpr.invars[n:]
+        eqns = [jaxpr.eqns[i] for i in self.cut.eqns[s]]
+
+        def fn(params_s, live, batch):
+            env = dict(consts)
+            env.update(zip(param_vars, params_s))
+            env.update(zip(batch_vars, batch))
+            env.update(zip(live_in, live))
+            for eqn in eqns:
+                env.update(zip(eqn.outvars, C.bind(eqn, [C.read(env, v) for v in eqn.invars])))
+            return [C.read(env, v) for v in live_out]
+
+        return fn, live_in, live_out
+
+    def _branches(self, M: int):
+        S = self.cut.num_stages
+        A, W = self.message_width, self.param_width
+        dtype = self.param_dtype
+
+        def idle(params, x, ct, batch):
+            return (jnp.zeros(A, jnp.float32), jnp.zeros(A, jnp.float32), jnp.zeros(W, dtype),
+                    jnp.zeros((), jnp.float32))
+
+        fwds, bwds = [], []
+        for s in range(S):
+            fn, live_in, live_out = self._stage_fn(s)
+            pslots = self.param_slots[s]
+            in_slots, _ = _layout(live_in)
+            out_slots, _ = _layout(live_out)
+            last = s == S - 1
+
+            def unpack_params(params, pslots=pslots):
+                return [params[sl.offset:sl.offset + sl.size].reshape(sl.shape) for sl in pslots]
+
+            def fwd(params, x, ct, batch, fn=fn, in_slots=in_slots, out_slots=out_slots, last=last,
+                    unpack_params=unpack_params):
+                outs = fn(unpack_params(params), _unpack(x, in_slots), batch)
+                if last:
+                    return (jnp.zeros(A, jnp.float32), jnp.zeros(A, jnp.float32), jnp.zeros(W, dtype),
+                            outs[0].astype(jnp.float32))
+                return (_pack(outs, out_slots, A), jnp.zeros(A, jnp.float32), jnp.zeros(W, dtype),
+                        jnp.zeros((), jnp.float32))
+
+            def bwd(params, x, ct, batch, fn=fn, in_slots=in_slots, out_slots=out_slots, last=last,
+                    unpack_params=unpack_params, pslots=pslots):
+                live = _unpack(x, in_slots)
+                diff = [k for k, sl in enumerate(in_slots) if jnp.issubdtype(sl.dtype, jnp.floating)]
+
+                def f(p, dl):
+                    full = list(live)
+                    for k, v in zip(diff, dl):
+                        full[k] = v
+                    return fn(p, full, batch)
+
+                outs, vjp = jax.vjp(f, unpack_params(params), [live[k] for k in diff])
+                if last:
+                    cts = [jnp.asarray(1.0 / M, outs[0].dtype)]
+                else:
+                    cts = [c if jnp.issubdtype(o.dtype, jnp.floating) else np.zeros(o.shape, jax.dtypes.float0)
+                           for c, o in zip(_unpack(ct, out_slots), outs)]
+                    cts = [c.astype(o.dtype) if jnp.issubdtype(o.dtype, jnp.floating) else c
+                           for c, o in zip(cts, outs)]
+                dp, dl = vjp(cts)
+                dflat = jnp.concatenate([g.reshape(-1).astype(dtype) for g in dp]) if dp else jnp.zeros((0,), dtype)
+                dparams = jnp.pad(dflat, (0, W - dflat.shape[0]))
+                full = [jnp.zeros(sl.shape, jnp.float32) for sl in in_slots]
+                for k, g in zip(diff, dl):
+                    full[k] = g
+                return (jnp.zeros(A, jnp.float32), _pack(full, in_slots, A), dparams, jnp.zeros((), jnp.float32))
+
+            fwds.append(fwd)
+            bwds.append(bwd)
+        return [idle] + fwds + bwds
+
+    # -- the step ------------------------------------------------------------------------------
+    def loss_and_grads(self):
+        S, M = self.cut.num_stages, self.schedule.num_micro_batch
+        dp = self.data_parallel
+        A, W = self.message_width, self.param_width
+        slots = self.schedule.slots
+        tables = {k: jnp.asarray(v) for k, v in self.schedule.tables().items()}
+        branches = self._branches(M)
+        micro = self.global_batch // (dp * M)
+        fwd_perm = [(i, i + 1) for i in range(S - 1)]
+        bwd_perm = [(i + 1, i) for i in range(S - 1)]
+        dtype = self.param_dtype
+
+        def body(packed, batch):
+            params = packed["stages"][0]
+            s = jax.lax.axis_index(STAGE)
+            leaves = jax.tree.leaves(batch)
+
+            def tick(carry, row):
+                stash, gstash, gacc, lacc, fin, bin_ = carry
+                kind, m = row["kind"][s], row["mb"][s]
+                rf, rb = row["recv_f"][s], row["recv_b"][s]
+                fslot, bslot = jnp.maximum(rf, 0) % slots, jnp.maximum(rb, 0) % slots
+                stash = stash.at[fslot].set(jnp.where(rf >= 0, fin, stash[fslot]))
+                gstash = gstash.at[bslot].set(jnp.where(rb >= 0, bin_, gstash[bslot]))
+                mbatch = [jax.lax.dynamic_slice_in_dim(x, m * micro, micro, 0) for x in leaves]
+                branch = jnp.where(kind == 0, 0, jnp.where(kind == 1, 1 + s, 1 + S + s))
+                y, dx, dparams, loss = jax.lax.switch(branch, branches, params, stash[m % slots],
+                                                      gstash[m % slots], mbatch)
+                fout = jax.lax.ppermute(y, STAGE, fwd_perm) if S > 1 else y
+                bout = jax.lax.ppermute(dx, STAGE, bwd_perm) if S > 1 else dx
+                return (stash, gstash, gacc + dparams, lacc + loss, fout, bout), None
+
+            init = (jnp.zeros((slots, A), jnp.float32), jnp.zeros((slots, A), jnp.float32), jnp.zeros(W, dtype),
+                    jnp.zeros((), jnp.float32), jnp.zeros(A, jnp.float32), jnp.zeros(A, jnp.float32))
+            (_, _, gacc, lacc, _, _), _ = jax.lax.scan(tick, init, tables)
+            loss = jax.lax.psum(lacc, (STAGE, DATA)) / (M * dp)
+            grads = jax.lax.psum(gacc, DATA) / dp
+            return loss, {"stages": grads[None]}
+
+        return jax.shard_map(body, mesh=self.mesh, in_specs=({"stages": P(STAGE)}, P(DATA)),
+                             out_specs=(P(), {"stages": P(STAGE)}), check_vma=False)
+
+    def train_step(self):
+        loss_and_grads = self.loss_and_grads()
+        optimizer = self.optimizer
+
+        def step(state: TrainState, batch):
+            loss, grads = loss_and_grads(state.params, batch)
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            return TrainState(params=params, opt_state=opt_state, step=state.step + 1), {"loss": loss}
+
+        return step
+
+    def jitted(self, donate: bool = True):
+        replicated = NamedSharding(self.mesh, P())
+        if self.optimizer is None:
+            return jax.jit(self.loss_and_grads(), in_shardings=(self.param_shardings, self.batch_shardings),
+                           out_shardings=(replicated, self.param_shardings))
+        state = self.state_shardings()
+        return jax.jit(self.train_step(), in_shardings=(state, self.batch_shardings),
+                       out_shardings=(state, replicated), donate_argnums=(0,) if donate else ())
+
+    def abstract_args(self):
+        from whalex.lowering.step import opt_state_specs
+
+        def sds(shapes, shardings):
+            return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+        batch = sds(self.batch_shapes(), self.batch_shardings)
+        params = sds(self.packed_shapes(), self.param_shardings)
+        if self.optimizer is None:
+            return params, batch
+        shardings = self.state_shardings()
+        _, opt_shapes = opt_state_specs(self.optimizer, self.packed_shapes(), [P(STAGE)])
+        state = TrainState(params=params, opt_state=sds(opt_shapes, shardings.opt_state),
+                           step=jax.ShapeDtypeStruct((), jnp.int32, sharding=shardings.step))
+        return state, batch
+
+    def lower(self):
+        return self.jitted(donate=False).trace(*self.abstract_args()).lower(lowering_platforms=(self.platform,))
+
+    def init_state(self, params) -> TrainState:
+        shardings = self.state_shardings()
+        packed = jax.device_put(self.pack_params(params), shardings.params)
+        opt_state = jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(packed)
+        step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
+        return TrainState(params=packed, opt_state=opt_state, step=step)
