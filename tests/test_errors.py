@@ -146,9 +146,10 @@ def test_plan_before_init():
         step.plan
 
 
-def test_pipelining_not_available_yet():
-    with pytest.raises(wh.PlanError, match="num_micro_batch=4"):
-        _plan(_head, config=wh.Config(num_micro_batch=4))
+def test_micro_batches_that_do_not_divide_over_replicas():
+    # 32 samples in 8 micro-batches of 4 cannot be divided over 8 data-parallel replicas
+    with pytest.raises(wh.PlanError, match="num_micro_batch=8"):
+        _plan(_head, config=wh.Config(num_micro_batch=8))
 
 
 def test_abstract_cluster_cannot_train():

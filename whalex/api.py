@@ -79,9 +79,15 @@ def _pipelinable(cap, groups, num_devices: int) -> int | None:
                 return None
             counts.add(st.device_count)
     if len(counts) != 1:
-        return None
+        raise PlanError(
+            f"pipeline stages ask for different device counts {sorted(counts)}; give every stage the same "
+            "wh.replicate(n) so that each pipeline replica is a grid of stages x n devices.")
     n = counts.pop()
-    return n if num_devices % (n * len(groups)) == 0 else None
+    if num_devices % (n * len(groups)):
+        raise PlanError(
+            f"{len(groups)} pipeline stages of {n} device(s) need a multiple of {n * len(groups)} devices, but the "
+            f"cluster has {num_devices}; use a stage count that divides it or fewer devices per stage.")
+    return n
 
 
 def build_plan(loss_fn: Callable, params, batch, optimizer=None, config=None, cluster=None,
@@ -92,8 +98,13 @@ def build_plan(loss_fn: Callable, params, batch, optimizer=None, config=None, cl
     m = config.num_micro_batch
     if config.auto_parallel:
         from whalex.balance.partition import auto_stages
+        from whalex.lowering.schedules import make_schedule
         groups = None
-        stage_of_eqn = auto_stages(cap, config.num_task_graph, cluster, optimizer)
+        k = config.num_task_graph
+        sched = make_schedule(config.schedule, k, m)
+        dp = max(cluster.size // k, 1)
+        stage_of_eqn = auto_stages(cap, k, cluster, optimizer, micro_fraction=1.0 / (dp * m),
+                                   in_flight=[sched.max_in_flight(s) for s in range(k)])
     else:
         groups = _stage_groups(cap)
         stage_of_eqn = None
@@ -212,7 +223,7 @@ def _pipeline_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, 
         groups = tuple((r * num_stages + s,) for r in range(dp))
         strategy = Strategy("replicate", per_stage)
         vds.append(VirtualDevice(s, strategy, 1, groups, (), (DATA,)))
-        msg = program.message_width * 4 * m * (2 if 0 < s or s < num_stages - 1 else 1)
+        msg = program.message_width * 4 * m * ((s < num_stages - 1) + (s > 0))   # activations out, grads back
         infos.append(TaskGraphInfo(s, f"stage {s}: {labels[s]}", True, 1, groups[0], dp, len(cut.eqns[s]),
                                    sum(sizes), float(nbytes), flops[s], float(msg)))
     width = program.param_width * np.dtype(program.param_dtype).itemsize

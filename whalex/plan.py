@@ -124,6 +124,14 @@ class Plan:
                  f"{self.config.num_micro_batch} micro-batch(es)"]
         lines += _table(["TaskGraph", "strategy", "devices/replica", "devices", "nested DP", "params",
                          "FLOPs (fwd+bwd)", "comm/device"], tg_rows)
+        if self.schedule is not None:
+            s = self.schedule
+            lines.append(f"pipeline: {s.num_stages} stages x {self.layout.axis_sizes[0]} replicas, schedule "
+                         f"{s.name}, {s.num_micro_batch} micro-batches, {s.num_ticks} ticks, bubble "
+                         f"{s.bubble_fraction:.1%}, {s.slots} stashed micro-batch(es) per stage")
+            for k, layers in enumerate(self.stage_layers):
+                if layers:
+                    lines.append(f"  stage {k}: {len(layers)} layers ({', '.join(layers)})")
         if pat_rows:
             lines.append("sharding patterns (least communication wins):")
             lines += _table(["TaskGraph", "unit", "parameter", "pattern", "candidate costs"], pat_rows)

@@ -109,11 +109,16 @@ class Program:
         specs = self.sharding.batch_specs
         mesh = self.mesh
 
-        def split(x, spec):
-            # Micro-batch k takes the k-th chunk of every device's local rows: no data moves.
+        def shards(spec):
             axes = spec[0] if len(spec) else None
             axes = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
-            dp = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+            return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+
+        # One row grouping for every leaf (so x_i stays with y_i): micro-batch k takes the k-th
+        # chunk of each of the `dp` finest row blocks, which is local for every leaf's sharding.
+        dp = max([shards(s) for s in specs] + [1])
+
+        def split(x, spec):
             b = x.shape[0]
             y = x.reshape((dp, m, b // (dp * m)) + x.shape[1:]).swapaxes(0, 1).reshape((m, b // m) + x.shape[1:])
             return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, *spec)))

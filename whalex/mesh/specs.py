@@ -58,7 +58,9 @@ def _norm(name: str) -> str:
 
 
 def lookup(kind: str) -> DeviceSpec:
-    """The spec for a kind name ("V100-32GB", "T4", or a `device_kind` string)."""
+    """The spec for a kind name ("V100-32GB", "T4", or a `device_kind` string), or a DeviceSpec itself."""
+    if isinstance(kind, DeviceSpec):
+        return kind
     if not isinstance(kind, str):
         raise ClusterError(f"a device kind is a string such as 'V100-32GB', got {kind!r}.")
     key = _norm(kind)

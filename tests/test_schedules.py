@@ -1,0 +1,62 @@
+"""Acceptance 3 (issue 3): schedules as data, checked without devices."""
+import pytest
+
+import whalex as wh
+from whalex.lowering.schedules import Schedule, Task, make_schedule, render, stage_order
+
+
+@pytest.mark.parametrize("name", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("S", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 8, 9])
+def test_schedule_dependencies(name, S, M):
+    sched = make_schedule(name, S, M)
+    when = sched.when()
+    assert len(when) == 2 * S * M
+    for s in range(S):
+        for m in range(M):
+            assert when[Task(s, m, "F")] < when[Task(s, m, "B")]               # forward before backward
+            if s > 0:
+                assert when[Task(s - 1, m, "F")] < when[Task(s, m, "F")]       # activation arrives first
+            if s < S - 1:
+                assert when[Task(s + 1, m, "B")] < when[Task(s, m, "B")]       # gradient arrives first
+    assert sched.bubble_fraction == pytest.approx((S - 1) / (M + S - 1))
+    # slots make m % slots collision-free at every tick, for every stage
+    for s in range(S):
+        for held in sched.live(s):
+            assert len({m % sched.slots for m in held}) == len(held)
+
+
+@pytest.mark.parametrize("S", [2, 3, 4, 6])
+@pytest.mark.parametrize("M", [1, 4, 8, 16, 32])
+def test_1f1b_holds_at_most_S_micro_batches(S, M):
+    one = make_schedule("1f1b", S, M)
+    gpipe = make_schedule("gpipe", S, M)
+    assert one.max_in_flight(0) <= S and one.slots <= S
+    assert one.max_in_flight(0) == min(S, M)
+    assert gpipe.max_in_flight(0) == M and gpipe.slots == M
+
+
+def test_1f1b_is_backward_first():
+    order = stage_order("1f1b", 4, 8, 0)
+    kinds = "".join(t.kind for t in order)
+    assert kinds.startswith("FFFFB") and kinds.endswith("BBBB")
+    assert kinds[4:12] == "BFBFBFBF"
+
+
+def test_invalid_schedules_are_rejected():
+    good = make_schedule("gpipe", 2, 2)
+    ticks = list(good.ticks)
+    swapped = [ticks[0], ticks[2], ticks[1]] + ticks[3:]        # a stage-1 task before its input
+    with pytest.raises(ValueError):
+        Schedule("bad", 2, 2, tuple(swapped))
+    with pytest.raises(ValueError, match="misses"):
+        Schedule("bad", 2, 2, tuple(ticks[:-1]))
+    with pytest.raises(wh.ConfigError, match="unknown pipeline schedule"):
+        make_schedule("interleaved", 2, 2)
+    with pytest.raises(wh.ConfigError, match="unknown pipeline schedule"):
+        wh.Config(schedule="interleaved")
+
+
+def test_render():
+    text = render(make_schedule("1f1b", 2, 2))
+    assert text.splitlines()[0].split()[2:] == ["F0", "F1", "..", "B0", "..", "B1"]
