@@ -14,10 +14,11 @@ What it measures
     than one stage's parameters (~0.5 MiB), so activation memory is what differs.
 
 What to expect (whalex's pipeline runtime, ``whalex/lowering/pipeline.py``)
-    Per device, the runtime stashes only stage inputs (and the incoming gradients) in
-    ``schedule.slots`` buffers of ``message_width`` floats each, and recomputes the stage forward
-    in the backward. slots = S (=4) for 1F1B and M for GPipe, so the stash is predicted at
-    2 * slots * message_width * 4 bytes: flat in M for 1F1B, linear in M for GPipe. Everything
+    Per device, the runtime stashes only stage inputs in ``schedule.slots`` buffers of
+    ``message_width`` floats each (and incoming gradients in ``schedule.grad_slots`` = 1 buffer),
+    and recomputes the stage forward in the backward. slots = S (=4) for 1F1B and M for GPipe, so
+    the stash is predicted at (slots + grad_slots) * message_width * 4 bytes: flat in M for 1F1B,
+    linear in M for GPipe. Everything
     else (one micro-batch's recomputed stage activations, gradient accumulator, Adam update) does
     not depend on M.
 
@@ -143,7 +144,7 @@ def pipeline_row(loss_fn, params, args, M: int, schedule: str, optimizer, cluste
     donated = mem_dict(prog.jitted(donate=True).trace(*prog.abstract_args())
                        .lower(lowering_platforms=(prog.platform,)).compile())
     sched = plan.schedule
-    stash = 2 * sched.slots * prog.message_width * 4        # forward stash + gradient stash, f32
+    stash = (sched.slots + sched.grad_slots) * prog.message_width * 4   # forward + gradient stash, f32
     batch_bytes = sum(int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(batch)) // dp
     return {
         "schedule": schedule, "M": M, "micro_batch": args.micro, "data_parallel": dp,
@@ -236,7 +237,7 @@ def main():
           f"{rows[0]['param_width_floats'] * 4 / 2**20:.2f} MiB")
     print()
     print("Per device, MiB (plan.compiled_memory(): state not donated, alias 0). activation = temp.")
-    print("predicted stash = 2 x slots x stage-input (forward stash + gradient stash); residual = temp - stash")
+    print("predicted stash = (slots + grad_slots) x stage-input (forward + gradient stash); residual = temp - stash")
     head = (f"{'sched':<6}{'M':>4}{'slots':>6}{'bubble':>8}{'argument':>10}{'output':>9}{'temp=act':>10}"
             f"{'peak':>9}{'stash':>9}{'residual':>9}{'peak(don.)':>11}")
     print(head)
@@ -280,7 +281,7 @@ def main():
     # ---- checks ----------------------------------------------------------------------------
     lo, mid, hi = Ms[0], Ms[len(Ms) // 2], Ms[-1]
     t = {(s, M): by[(s, M)]["memory"]["temp_size_in_bytes"] for s in ("1f1b", "gpipe") for M in Ms}
-    per_mb = 2 * by[("gpipe", lo)]["message_width_floats"] * 4            # predicted GPipe bytes per micro-batch
+    per_mb = by[("gpipe", lo)]["message_width_floats"] * 4                # predicted GPipe bytes per micro-batch (one stashed input)
     slope = (t[("gpipe", hi)] - t[("gpipe", lo)]) / (hi - lo)
     inc1 = t[("gpipe", mid)] - t[("gpipe", lo)]
     inc2 = t[("gpipe", hi)] - t[("gpipe", mid)]
@@ -308,14 +309,9 @@ def main():
     print(f"  * temp - predicted stash = {', '.join(mib(x).strip() for x in resid)} MiB in every config: the "
           f"per-tick buffers (activation/gradient messages of {A4 / 2**20:.2f} MiB each, in the scan carry, the "
           "switch outputs and the ppermutes) plus one micro-batch's recomputed stage forward/backward.")
-    hi_g = by[("gpipe", Ms[-1])]
     waiting = max(max(r["max_grads_waiting"]) for r in rows)
-    extra = {k: (by[k]["slots"] - waiting) * A4 for k in by}
-    print(f"  * gradient stash: the schedules never hold more than {waiting} gradient(s) waiting at a stage "
-          f"(max_grads_waiting), but the runtime allocates `slots` gradient buffers like the activation stash. "
-          f"A {waiting}-slot gradient stash would save {mib(extra[('1f1b', Ms[-1])]).strip()} MiB per device for 1F1B "
-          f"and {mib(extra[('gpipe', Ms[-1])]).strip()} MiB for GPipe at M={Ms[-1]} "
-          f"({100 * extra[('gpipe', Ms[-1])] / hi_g['memory']['temp_size_in_bytes']:.0f}% of its temp).")
+    print(f"  * gradient stash: at most {waiting} gradient(s) wait at a stage, and the runtime allocates "
+          f"schedule.grad_slots = {waiting} buffer(s) for them.")
     b_lo, b_hi = by[("1f1b", Ms[0])], by[("1f1b", Ms[-1])]
     print(f"  * argument grows with M for both schedules: {mib(b_lo['batch_bytes_per_device']).strip()} -> "
           f"{mib(b_hi['batch_bytes_per_device']).strip()} MiB of it is the batch; the batch is sharded over 'data' "

@@ -222,3 +222,15 @@ def test_pipeline_errors():
             return jnp.mean((jnp.tanh(h @ p["w2"]) @ p["w3"] - b["y"]) ** 2)
     with pytest.raises(wh.PlanError, match="different device counts"):
         wh.plan(mixed, params, batch, adam(), config=wh.Config(num_micro_batch=2))
+
+
+def test_split_stage_in_a_pipeline_is_refused_clearly():
+    params, batch = _plain()
+
+    def loss_fn(p, b):
+        with wh.replicate(1):
+            h = jnp.tanh(b["x"] @ p["w1"] + p["b1"])
+        with wh.split(4):
+            return jnp.mean((jnp.tanh(h @ p["w2"]) @ p["w3"] - b["y"]) ** 2)
+    with pytest.raises(wh.PlanError, match="split stages inside a pipeline are not supported"):
+        wh.plan(loss_fn, params, batch, adam(), config=wh.Config(num_micro_batch=2))

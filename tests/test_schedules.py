@@ -24,6 +24,9 @@ def test_schedule_dependencies(name, S, M):
     for s in range(S):
         for held in sched.live(s):
             assert len({m % sched.slots for m in held}) == len(held)
+        for held in sched.live_grads(s):
+            assert len({m % sched.grad_slots for m in held}) == len(held)
+    assert sched.grad_slots == 1
 
 
 @pytest.mark.parametrize("S", [2, 3, 4, 6])

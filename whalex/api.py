@@ -121,6 +121,14 @@ def build_plan(loss_fn: Callable, params, batch, optimizer=None, config=None, cl
                                 f"{cluster.size} devices; use a divisor of {cluster.size}.")
         else:
             per_stage = _pipelinable(cap, groups, cluster.size)
+            counts = {cap.taskgraphs[i].strategy.device_count or cluster.size
+                      for g in groups for i in g if cap.taskgraphs[i].annotated}
+            if per_stage is None and len(groups) > 1 and len(counts) > 1:
+                raise PlanError(
+                    f"num_micro_batch={m} with TaskGraphs on different device counts {sorted(counts)} asks for a "
+                    "pipeline whose stages are not all wh.replicate(n) with one n; split stages inside a "
+                    "pipeline are not supported yet. Use wh.replicate(n) stages, or give every TaskGraph the "
+                    "same device_count to share devices (then micro-batches accumulate gradients).")
     if per_stage is not None:
         if stage_of_eqn is None:
             tg_stage = {tg: s for s, g in enumerate(groups) for tg in g}

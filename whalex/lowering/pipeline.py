@@ -314,7 +314,7 @@ class PipelineProgram:
         S, M = self.cut.num_stages, self.schedule.num_micro_batch
         dp = self.data_parallel
         A, W = self.message_width, self.param_width
-        slots = self.schedule.slots
+        slots, gslots = self.schedule.slots, self.schedule.grad_slots
         tables = {k: jnp.asarray(v) for k, v in self.schedule.tables().items()}
         branches = self._branches(M)
         micro = self.global_batch // (dp * M)
@@ -331,18 +331,18 @@ class PipelineProgram:
                 stash, gstash, gacc, lacc, fin, bin_ = carry
                 kind, m = row["kind"][s], row["mb"][s]
                 rf, rb = row["recv_f"][s], row["recv_b"][s]
-                fslot, bslot = jnp.maximum(rf, 0) % slots, jnp.maximum(rb, 0) % slots
+                fslot, bslot = jnp.maximum(rf, 0) % slots, jnp.maximum(rb, 0) % gslots
                 stash = stash.at[fslot].set(jnp.where(rf >= 0, fin, stash[fslot]))
                 gstash = gstash.at[bslot].set(jnp.where(rb >= 0, bin_, gstash[bslot]))
                 mbatch = [jax.lax.dynamic_slice_in_dim(x, m * micro, micro, 0) for x in leaves]
                 branch = jnp.where(kind == 0, 0, jnp.where(kind == 1, 1 + s, 1 + S + s))
                 y, dx, dparams, loss = jax.lax.switch(branch, branches, params, stash[m % slots],
-                                                      gstash[m % slots], mbatch)
+                                                      gstash[m % gslots], mbatch)
                 fout = jax.lax.ppermute(y, STAGE, fwd_perm) if S > 1 else y
                 bout = jax.lax.ppermute(dx, STAGE, bwd_perm) if S > 1 else dx
                 return (stash, gstash, gacc + dparams, lacc + loss, fout, bout), None
 
-            init = (jnp.zeros((slots, A), jnp.float32), jnp.zeros((slots, A), jnp.float32), jnp.zeros(W, dtype),
+            init = (jnp.zeros((slots, A), jnp.float32), jnp.zeros((gslots, A), jnp.float32), jnp.zeros(W, dtype),
                     jnp.zeros((), jnp.float32), jnp.zeros(A, jnp.float32), jnp.zeros(A, jnp.float32))
             (_, _, gacc, lacc, _, _), _ = jax.lax.scan(tick, init, tables)
             loss = jax.lax.psum(lacc, (STAGE, DATA)) / (M * dp)

@@ -88,6 +88,17 @@ class Schedule:
             out.append(held)
         return out
 
+    def live_grads(self, stage: int) -> list[set[int]]:
+        """Per tick, the micro-batches whose incoming gradient stage `stage` holds (arrived, not used)."""
+        if stage == self.num_stages - 1:
+            return [set() for _ in range(self.num_ticks)]
+        when = self.when()
+        out = []
+        for t in range(self.num_ticks):
+            out.append({m for m in range(self.num_micro_batch)
+                        if when[Task(stage + 1, m, "B")] + 1 <= t <= when[Task(stage, m, "B")]})
+        return out
+
     def max_in_flight(self, stage: int) -> int:
         return max((len(h) for h in self.live(stage)), default=0)
 
@@ -98,6 +109,16 @@ class Schedule:
         for slots in range(max(need, 1), self.num_micro_batch + 1):
             if all(len({m % slots for m in held}) == len(held)
                    for s in range(self.num_stages) for held in self.live(s)):
+                return slots
+        return self.num_micro_batch
+
+    @property
+    def grad_slots(self) -> int:
+        """Gradient buffer slots per stage (usually 1: a gradient is consumed the tick it arrives)."""
+        lives = [held for s in range(self.num_stages) for held in self.live_grads(s)]
+        need = max((len(h) for h in lives), default=0)
+        for slots in range(max(need, 1), self.num_micro_batch + 1):
+            if all(len({m % slots for m in held}) == len(held) for held in lives):
                 return slots
         return self.num_micro_batch
 
