@@ -1,0 +1,57 @@
+"""Issue 4 acceptance 4: Algorithm 1 (memory-constrained balancing) as a pure function."""
+import numpy as np
+import pytest
+
+import whalex as wh
+from whalex.balance.algorithm import balance, proportional
+
+V100, T4 = wh.SPECS["V100-32GB"], wh.SPECS["T4-16GB"]
+
+
+def test_proportional_keeps_the_total():
+    assert proportional(10, [2, 1, 1]) == [5, 3, 2] or sum(proportional(10, [2, 1, 1])) == 10
+    for total in range(0, 50):
+        out = proportional(total, [15.7, 15.7, 8.1, 8.1])
+        assert sum(out) == total
+        exact = np.array([15.7, 15.7, 8.1, 8.1]) * total / 47.6
+        assert np.all(np.abs(np.array(out) - exact) < 1)
+
+
+def test_loads_follow_capacity_when_memory_allows():
+    speeds = [V100.fp32_flops] * 4 + [T4.fp32_flops] * 4
+    caps = [V100.memory_bytes] * 4 + [T4.memory_bytes] * 4
+    b = balance(96, speeds, caps, fixed=[1e9] * 8, per_unit=[1e6] * 8)
+    assert sum(b.loads) == 96 and b.shifted == 0
+    assert b.loads[:4] == (16,) * 4 and b.loads[4:] == (8,) * 4          # 15.7 : 8.1 rounds to 2 : 1
+    assert max(b.mem_utils) <= 1
+
+
+def test_oom_device_is_repaired_and_the_bound_holds():
+    # device 0 is fast but small: proportional loading puts it over memory
+    speeds = [4.0, 1.0, 1.0, 1.0]
+    caps = [10.0, 100.0, 100.0, 100.0]
+    fixed = [2.0, 2.0, 2.0, 2.0]
+    per = [1.0, 1.0, 1.0, 1.0]
+    naive = proportional(28, speeds)
+    assert fixed[0] + naive[0] * per[0] > caps[0]                         # 16 units would need 18 bytes
+    b = balance(28, speeds, caps, fixed, per)
+    assert sum(b.loads) == 28 and b.shifted > 0
+    for i in range(4):
+        assert fixed[i] + b.loads[i] * per[i] <= caps[i]                  # the memory bound holds
+    assert b.loads[0] == 8                                               # as much as fits, no less
+    assert max(b.mem_utils) <= 1
+
+
+def test_load_moves_to_the_least_utilised_free_device():
+    speeds = [4.0, 2.0, 1.0]
+    b = balance(14, speeds, [5.0, 100.0, 100.0], [0.0] * 3, [1.0] * 3)
+    # 8 units for device 0 do not fit (5); the 3 extra go first to the device with the lowest load/speed
+    assert b.loads[0] == 5 and sum(b.loads) == 14
+    assert b.loads[1] / 2.0 <= b.loads[2] / 1.0 + 1
+
+
+def test_impossible_case_names_the_device_and_shortfall():
+    with pytest.raises(wh.PlanError, match=r"device 0 is 5 B over its 40 B .*total shortfall 5 B"):
+        balance(100, [1.0, 1.0], [40.0, 55.0], [0.0, 0.0], [1.0, 1.0], names=["device 0", "device 1"])
+    with pytest.raises(wh.PlanError, match="model state alone does not fit"):
+        balance(10, [1.0, 1.0], [60.0, 5.0], [1.0, 10.0], [1.0, 1.0])

@@ -1,0 +1,117 @@
+"""Whale's Algorithm 1 (section 3.3.1): memory-constrained load balancing, as a pure function.
+
+Loads start proportional to device capacity (FLOP/s). While some device is over its memory and
+some device has room, the load of the most memory-overloaded device is shifted to the free device
+with the lowest compute utilisation (time per unit of speed), as much as it can take without
+going over. Loads are integers (units of `unit` samples, or columns), so the global total is
+kept exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from whalex.errors import PlanError
+
+
+@dataclasses.dataclass(frozen=True)
+class Balance:
+    """Per-device loads (integer units) and the utilisations Algorithm 1 reasons with."""
+
+    loads: tuple[int, ...]
+    mem_utils: tuple[float, ...]        # memory used / capacity
+    flop_utils: tuple[float, ...]       # load / speed, normalised so the even share on the mean speed is 1
+    shifted: int                        # units moved by the memory repair
+
+    @property
+    def time(self) -> float:
+        """Predicted step time, relative: the slowest device's load / speed."""
+        return max(self.flop_utils)
+
+
+def proportional(total: int, weights: Sequence[float]) -> list[int]:
+    """Integers summing to `total`, proportional to `weights` (largest remainder)."""
+    w = np.asarray(weights, dtype=np.float64)
+    if total < 0 or np.any(w < 0) or w.sum() <= 0:
+        raise ValueError("proportional() needs a non-negative total and positive weights")
+    exact = total * w / w.sum()
+    out = np.floor(exact).astype(int)
+    for i in np.argsort(-(exact - out), kind="stable")[: total - out.sum()]:
+        out[i] += 1
+    return out.tolist()
+
+
+def balance(total: int, speeds: Sequence[float], capacities: Sequence[float], fixed: Sequence[float],
+            per_unit: Sequence[float], names: Sequence[str] | None = None) -> Balance:
+    """Algorithm 1: `total` units over devices with `speeds`, under memory `capacities`.
+
+    Device i uses fixed[i] + load[i] * per_unit[i] bytes. Raises PlanError naming the device and
+    the shortfall when no shift can bring every device under its memory.
+    """
+    n = len(speeds)
+    if not (len(capacities) == len(fixed) == len(per_unit) == n) or n == 0:
+        raise ValueError("speeds, capacities, fixed and per_unit need one entry per device")
+    names = list(names) if names is not None else [f"device {i}" for i in range(n)]
+    speeds = np.asarray(speeds, dtype=np.float64)
+    cap = np.asarray(capacities, dtype=np.float64)
+    fixed = np.asarray(fixed, dtype=np.float64)
+    per = np.asarray(per_unit, dtype=np.float64)
+    loads = np.asarray(proportional(total, speeds))
+
+    def mem(i):
+        return fixed[i] + loads[i] * per[i]
+
+    def room(i):                      # units device i can still take
+        if per[i] <= 0:
+            return total
+        return int(np.floor((cap[i] - mem(i)) / per[i] + 1e-9))
+
+    for i in range(n):
+        if fixed[i] > cap[i]:
+            raise PlanError(
+                f"{names[i]} needs {_gib(fixed[i] - cap[i])} more memory than it has ({_gib(cap[i])}) before "
+                "holding any batch: the model state alone does not fit. Use a split or pipeline plan, ZeRO or "
+                "offload, or leave this device out.")
+    oom = [i for i in range(n) if mem(i) > cap[i]]
+    free = [i for i in range(n) if mem(i) <= cap[i]]
+    shifted = 0
+    mean_speed = speeds.mean()
+    while oom and free:
+        peak = max(oom, key=lambda i: mem(i) / cap[i])
+        valley = min(free, key=lambda i: (loads[i] / speeds[i], mem(i) / cap[i]))
+        need = int(np.ceil((mem(peak) - cap[peak]) / per[peak] - 1e-9))
+        move = min(need, room(valley), int(loads[peak]))
+        if move > 0:
+            loads[peak] -= move
+            loads[valley] += move
+            shifted += move
+            if mem(peak) <= cap[peak]:
+                oom.remove(peak)
+            if room(valley) <= 0:
+                free.remove(valley)
+        else:
+            free.remove(valley)
+    if oom:
+        worst = max(oom, key=lambda i: mem(i) - cap[i])
+        short = sum(mem(i) - cap[i] for i in oom)
+        raise PlanError(
+            f"the cluster cannot hold this batch: {names[worst]} is {_gib(mem(worst) - cap[worst])} over its "
+            f"{_gib(cap[worst])} and the other devices have no room left (total shortfall {_gib(short)}). Use a "
+            "smaller global batch, more devices, or a memory optimization (remat, ZeRO, offload).")
+    flop = loads / speeds * mean_speed * n / max(total, 1)
+    return Balance(tuple(int(x) for x in loads), tuple(float(mem(i) / cap[i]) for i in range(n)),
+                   tuple(float(x) for x in flop), shifted)
+
+
+def even(total: int, n: int) -> list[int]:
+    return proportional(total, [1.0] * n)
+
+
+def _gib(x: float) -> str:
+    if abs(x) >= 2**27:
+        return f"{x / 2**30:.2f} GiB"
+    if abs(x) >= 2**17:
+        return f"{x / 2**20:.2f} MiB"
+    return f"{x:.0f} B"
