@@ -104,7 +104,8 @@ def build_plan(loss_fn: Callable, params, batch, optimizer=None, config=None, cl
         sched = make_schedule(config.schedule, k, m)
         dp = max(cluster.size // k, 1)
         stage_of_eqn = auto_stages(cap, k, cluster, optimizer, micro_fraction=1.0 / (dp * m),
-                                   in_flight=[sched.max_in_flight(s) for s in range(k)])
+                                   in_flight=[sched.max_in_flight(s) for s in range(k)],
+                                   hardware_aware=config.hardware_aware)
     else:
         groups = _stage_groups(cap)
         stage_of_eqn = None
@@ -129,6 +130,11 @@ def build_plan(loss_fn: Callable, params, batch, optimizer=None, config=None, cl
                     "pipeline whose stages are not all wh.replicate(n) with one n; split stages inside a "
                     "pipeline are not supported yet. Use wh.replicate(n) stages, or give every TaskGraph the "
                     "same device_count to share devices (then micro-batches accumulate gradients).")
+    if per_stage is None and all(t.strategy.kind == "replicate" for t in cap.taskgraphs):
+        report, uneven = _balance_data_parallel(loss_fn, params, batch, optimizer, config, cluster, has_aux, cap)
+        if uneven is not None:
+            return uneven
+        return _spmd_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, cap, report)
     if per_stage is not None:
         if stage_of_eqn is None:
             tg_stage = {tg: s for s, g in enumerate(groups) for tg in g}
@@ -138,7 +144,7 @@ def build_plan(loss_fn: Callable, params, batch, optimizer=None, config=None, cl
     return _spmd_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, cap)
 
 
-def _spmd_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, cap) -> Plan:
+def _spmd_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, cap, report=None) -> Plan:
     """Collocated TaskGraphs in one GSPMD program; micro-batches accumulate gradients."""
     m = config.num_micro_batch
     full = cap
@@ -174,7 +180,77 @@ def _spmd_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, cap)
     return Plan(cluster=cluster, config=config, layout=layout, task_graphs=tuple(infos), virtual_devices=vds,
                 batch_sizes=(per_device,) * layout.size, global_batch=full.global_batch,
                 param_specs=dict(zip(cap.param_paths, sharding.param_specs)), patterns=sharding.choices,
-                comms=sharding.comms, memory=memory, program=program)
+                comms=sharding.comms, memory=memory, program=program, balance=report)
+
+
+def _balance_data_parallel(loss_fn, params, batch, optimizer, config, cluster, has_aux, full):
+    """Algorithm 1 over a data-parallel model: (report, uneven Plan or None for the even plan)."""
+    from jax.sharding import PartitionSpec as P
+
+    from whalex.balance import cost
+    from whalex.balance.algorithm import balance, even
+    from whalex.lowering.interpret import make_evaluator
+    from whalex.lowering.uneven import DATA, UnevenProgram
+    from whalex.mesh.virtual import MeshLayout, VirtualDevice
+
+    k, b = cluster.size, full.global_batch
+    hetero = len(set(cluster.speeds)) > 1 or len({s.memory_bytes for s in cluster.specs}) > 1
+    if not hetero:
+        return None, None
+    unit = cost.balance_unit(b, k)
+    captures = {}
+
+    def cap_at(rows):
+        if rows not in captures:
+            captures[rows] = capture(loss_fn, params, _micro_batch(batch, rows), has_aux=has_aux)
+        return captures[rows]
+
+    def make(rows):
+        c = cap_at(rows)
+        ev = make_evaluator(c.jaxpr, {}, None)
+        n = c.num_params
+
+        def f(*leaves):
+            return jax.value_and_grad(lambda ps: ev(*ps, *leaves[n:])[0])(list(leaves[:n]))
+        return (f, *[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in c.jaxpr.jaxpr.invars])
+
+    cap_u = cap_at(unit)
+    flops_per_sample = sum(taskgraph_flops(cap_u.jaxpr, cap_u.assign, len(cap_u.taskgraphs))) / unit
+    act_base, act_per = cost.activation_model(make)
+    invars = cap_u.jaxpr.jaxpr.invars[: cap_u.num_params]
+    shapes = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in invars]
+    p_bytes = sum(float(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in shapes)
+    o_bytes = 0.0
+    if optimizer is not None:
+        o_bytes = sum(float(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+                      for x in jax.tree.leaves(jax.eval_shape(optimizer.init, shapes)))
+    state = 2 * p_bytes + o_bytes
+    units = b // unit
+    names = [f"device {i} ({s.name})" for i, s in enumerate(cluster.specs)]
+    bal = balance(units, cluster.speeds, [float(s.memory_bytes) for s in cluster.specs],
+                  [state + act_base] * k, [act_per * unit] * k, names)
+    rows = [u * unit for u in bal.loads]
+    even_rows = [u * unit for u in even(units, k)] if b % k else [b // k] * k
+    applied = config.hardware_aware and len(set(rows)) > 1
+    report = cost.report(cluster.specs, cluster.speeds, rows, even_rows,
+                         source=cluster.speed_source, unit=unit, applied=applied, shifted=bal.shifted,
+                         flops_per_sample=flops_per_sample, state_bytes=state, act_base=act_base,
+                         act_per_sample=act_per)
+    if not applied:
+        return report, None
+    layout = MeshLayout((DATA,), (k,))
+    mesh = layout.build(cluster.devices)
+    program = UnevenProgram(cap_u, mesh, optimizer, cluster.platform, tuple(bal.loads), unit, b)
+    scale = b / unit
+    flops = [f * scale for f in taskgraph_flops(cap_u.jaxpr, cap_u.assign, len(cap_u.taskgraphs))]
+    vds = tuple(VirtualDevice(t.index, t.strategy, k, (tuple(range(k)),), (), (DATA,)) for t in cap_u.taskgraphs)
+    infos = _taskgraph_infos(cap_u, vds, flops, [0.0] * len(vds))
+    memory = tuple(DeviceMemory(i, s.name, p_bytes, p_bytes, o_bytes, float(s.memory_bytes))
+                   for i, s in enumerate(cluster.specs))
+    plan = Plan(cluster=cluster, config=config, layout=layout, task_graphs=tuple(infos), virtual_devices=vds,
+                batch_sizes=tuple(rows), global_batch=b, param_specs={p: P() for p in cap_u.param_paths},
+                patterns=(), comms=(), memory=memory, program=program, balance=report)
+    return report, plan
 
 
 def _taskgraph_infos(cap, vds, flops, comm):
@@ -216,7 +292,11 @@ def _pipeline_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, 
     cut = cut_stages(cap, stage_of_eqn, num_stages)
     schedule = make_schedule(config.schedule, num_stages, m)
     layout = MeshLayout((DATA, STAGE), (dp, num_stages))
-    mesh = layout.build(cluster.devices)
+    from whalex.balance.partition import stage_devices
+    placement = stage_devices(cluster, num_stages, config.hardware_aware)   # [stage][replica] -> device
+    grid = [[placement[s][r] for s in range(num_stages)] for r in range(dp)]
+    ordered = [cluster.devices[i] for row in grid for i in row] if cluster.devices is not None else None
+    mesh = layout.build(ordered)
     program = PipelineProgram(cap, cut, schedule, mesh, optimizer, cluster.platform, full.global_batch, dp)
     _ = program.param_dtype
 
@@ -228,7 +308,7 @@ def _pipeline_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, 
     for s in range(num_stages):
         sizes = [int(np.prod(invars[i].aval.shape)) for i in cut.params[s]]
         nbytes = sum(sz * np.dtype(invars[i].aval.dtype).itemsize for sz, i in zip(sizes, cut.params[s]))
-        groups = tuple((r * num_stages + s,) for r in range(dp))
+        groups = tuple((placement[s][r],) for r in range(dp))
         strategy = Strategy("replicate", per_stage)
         vds.append(VirtualDevice(s, strategy, 1, groups, (), (DATA,)))
         msg = program.message_width * 4 * m * ((s < num_stages - 1) + (s > 0))   # activations out, grads back
@@ -243,6 +323,7 @@ def _pipeline_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, 
         o_bytes = sb(oshapes, ospecs, dict(zip(layout.axis_names, layout.axis_sizes)))
     memory = tuple(DeviceMemory(i, sp.name, float(width), float(width), o_bytes, float(sp.memory_bytes))
                    for i, sp in enumerate(cluster.specs[: layout.size]))
+    stage_of_device = {d: s for s in range(num_stages) for d in placement[s]}
     return Plan(cluster=cluster, config=config, layout=layout, task_graphs=tuple(infos), virtual_devices=tuple(vds),
                 batch_sizes=(full.global_batch // dp,) * layout.size, global_batch=full.global_batch,
                 param_specs={p: P(STAGE) for p in cap.param_paths}, patterns=(), comms=(), memory=memory,
@@ -335,8 +416,7 @@ class Step:
                                 "step.init(params, batch) with the new shapes.")
             p = self._plan_for(state.params, batch)
         self._last = p
-        batch = jax.device_put(batch, p.program.batch_shardings)
-        return self._jitted[key](state, batch)
+        return self._jitted[key](state, p.place_batch(batch))
 
     def params(self, state: TrainState):
         """The parameters of `state` as the caller's pytree (unpacks pipeline stage buffers)."""

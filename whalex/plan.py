@@ -67,6 +67,7 @@ class Plan:
     program: Any = dataclasses.field(repr=False, compare=False)
     schedule: Any = None                      # the pipeline Schedule, when the plan is a pipeline
     stage_layers: tuple = ()                  # per stage, the names of the layers it holds
+    balance: Any = None                       # the hardware-aware BalanceReport, on heterogeneous clusters
     _cache: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     # -- lowering ---------------------------------------------------------------------------
@@ -93,6 +94,36 @@ class Plan:
     @property
     def mesh(self):
         return self.program.mesh
+
+    def place_batch(self, batch):
+        """The global batch placed for the step (uneven plans lay rows out per device)."""
+        if hasattr(self.program, "place_batch"):
+            return self.program.place_batch(batch)
+        import jax
+        return jax.device_put(batch, self.program.batch_shardings)
+
+    def device_rows(self) -> tuple[tuple[int, int], ...]:
+        """The global-batch rows [start, stop) each device trains on in one step."""
+        if hasattr(self.program, "row_ranges"):
+            return self.program.row_ranges()
+        starts = [0]
+        for r in self.batch_sizes:
+            starts.append(starts[-1] + r)
+        return tuple(zip(starts[:-1], starts[1:]))
+
+    def local_rows(self, process_index: int) -> list[tuple[int, int]]:
+        """The slices of the global batch whose rows the devices of `process_index` train on."""
+        devices = self.cluster.devices
+        if devices is None:
+            raise ValueError("local_rows needs a cluster with devices.")
+        out: list[tuple[int, int]] = []
+        for d, (a, b) in zip(devices, self.device_rows()):
+            if d.process_index == process_index and b > a:
+                if out and out[-1][1] == a:
+                    out[-1] = (out[-1][0], b)
+                else:
+                    out.append((a, b))
+        return out
 
     @property
     def predicted_comm_bytes(self) -> float:
@@ -132,6 +163,17 @@ class Plan:
             for k, layers in enumerate(self.stage_layers):
                 if layers:
                     lines.append(f"  stage {k}: {len(layers)} layers ({', '.join(layers)})")
+        if self.balance is not None:
+            r = self.balance
+            lines.append(f"hardware-aware balance ({'applied' if r.applied else 'not applied: even plan'}; "
+                         f"speeds from the {r.source}; unit {r.unit} rows; Algorithm 1 moved {r.shifted} units "
+                         "for memory):")
+            rows = [[str(d.device), d.kind, f"{d.speed / 1e12:.2f} TFLOP/s", str(d.even_rows), str(d.rows),
+                     _fmt_time(d.time), _fmt_bytes(d.memory), _fmt_bytes(d.capacity)] for d in r.devices]
+            lines += _table(["device", "kind", "capacity", "even batch", "balanced batch", "predicted time",
+                             "predicted memory", "memory"], rows)
+            lines.append(f"  predicted step compute: even {_fmt_time(r.even_time)}, balanced "
+                         f"{_fmt_time(r.balanced_time)} ({r.predicted_speedup:.2f}x)")
         if pat_rows:
             lines.append("sharding patterns (least communication wins):")
             lines += _table(["TaskGraph", "unit", "parameter", "pattern", "candidate costs"], pat_rows)
@@ -163,6 +205,14 @@ class Plan:
             parts.append(table(["TaskGraph", "unit", "parameter", "pattern", "candidate costs"], pat_rows))
         parts.append(table(["devices", "kind", "batch", "params", "grads", "opt state", "capacity"], mem_rows))
         return "\n".join(parts)
+
+
+def _fmt_time(s: float) -> str:
+    if s >= 1:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.2f} us"
 
 
 def _devices(ids: tuple[int, ...]) -> str:

@@ -150,8 +150,24 @@ def partition(flops: Sequence[float], state_bytes: Sequence[float], input_bytes:
     return starts[::-1]
 
 
+def stage_devices(cluster, num_stages: int, hardware_aware: bool = True) -> list[list[int]]:
+    """Device indices per stage (one per pipeline replica).
+
+    Hardware-aware (section 3.3.2): devices sorted by memory, larger first (early stages stash more
+    micro-batches), then speed; stage s takes the next `replicas` devices, so every replica gets
+    the same mix of kinds. Otherwise Whale's sequential placement: replica r, stage s -> r*S+s.
+    """
+    k = cluster.size
+    dp = k // num_stages
+    uniform = len({(s.memory_bytes, sp) for s, sp in zip(cluster.specs, cluster.speeds)}) == 1
+    if not hardware_aware or uniform:
+        return [[r * num_stages + s for r in range(dp)] for s in range(num_stages)]
+    order = sorted(range(k), key=lambda i: (-cluster.specs[i].memory_bytes, -cluster.speeds[i], i))
+    return [order[s * dp:(s + 1) * dp] for s in range(num_stages)]
+
+
 def auto_stages(cap, num_stages: int, cluster, optimizer=None, micro_fraction: float = 1.0,
-                in_flight: Sequence[int] | None = None) -> list[int]:
+                in_flight: Sequence[int] | None = None, hardware_aware: bool = True) -> list[int]:
     """Stage index of every top-level equation for `num_stages` balanced stages.
 
     `micro_fraction` scales the captured (global-batch) activations to one device's micro-batch;
@@ -160,10 +176,14 @@ def auto_stages(cap, num_stages: int, cluster, optimizer=None, micro_fraction: f
     if num_stages < 2:
         raise PlanError("auto_parallel needs num_task_graph >= 2 stages; set Config(num_task_graph=k).")
     layers = profile_layers(cap, optimizer)
-    specs = list(cluster.specs[:num_stages])
+    speeds = [min(cluster.speeds[i] for i in devs) for devs in stage_devices(cluster, num_stages, hardware_aware)]
+    caps = [min(cluster.specs[i].memory_bytes for i in devs)
+            for devs in stage_devices(cluster, num_stages, hardware_aware)]
+    if not hardware_aware:
+        speeds = [1.0] * num_stages
     starts = partition([l.flops for l in layers], [l.state_bytes for l in layers],
-                       [l.input_bytes * micro_fraction for l in layers], [s.fp32_flops for s in specs],
-                       [float(s.memory_bytes) for s in specs], in_flight)
+                       [l.input_bytes * micro_fraction for l in layers], speeds,
+                       [float(c) for c in caps], in_flight)
     stage_of_layer = np.searchsorted(np.asarray(starts), np.arange(len(layers)), side="right") - 1
     out = [0] * len(cap.jaxpr.jaxpr.eqns)
     for l, layer in enumerate(layers):

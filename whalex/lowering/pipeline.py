@@ -391,6 +391,9 @@ class PipelineProgram:
     def lower(self):
         return self.jitted(donate=False).trace(*self.abstract_args()).lower(lowering_platforms=(self.platform,))
 
+    def place_batch(self, batch):
+        return jax.device_put(batch, self.batch_shardings)
+
     def init_state(self, params) -> TrainState:
         shardings = self.state_shardings()
         packed = jax.device_put(self.pack_params(params), shardings.params)

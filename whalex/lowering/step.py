@@ -192,6 +192,9 @@ class Program:
     def lower(self):
         return self.jitted(donate=False).trace(*self.abstract_args()).lower(lowering_platforms=(self.platform,))
 
+    def place_batch(self, batch):
+        return jax.device_put(batch, self.batch_shardings)
+
     def init_state(self, params) -> TrainState:
         shardings = self.state_shardings()
         # The step donates its state, and device_put may alias a caller's buffer (even with

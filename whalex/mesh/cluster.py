@@ -20,6 +20,7 @@ class Cluster:
 
     specs: tuple[DeviceSpec, ...]
     devices: tuple[Any, ...] | None
+    measured: tuple[float, ...] | None = None     # calibrated FLOP/s per device, when measured
 
     def __init__(self, kinds: Sequence[str] | None = None, devices: Sequence[Any] | None = None):
         available = list(devices) if devices is not None else list(jax.devices())
@@ -35,6 +36,7 @@ class Cluster:
                 f"simulate more CPU devices with XLA_FLAGS=--xla_force_host_platform_device_count={len(kinds)}.")
         object.__setattr__(self, "specs", tuple(lookup(k) for k in kinds))
         object.__setattr__(self, "devices", tuple(available[: len(kinds)]))
+        object.__setattr__(self, "measured", None)
 
     @classmethod
     def detect(cls) -> "Cluster":
@@ -50,7 +52,28 @@ class Cluster:
             raise ClusterError("Cluster.abstract needs at least one device kind.")
         object.__setattr__(obj, "specs", tuple(lookup(k) for k in kinds))
         object.__setattr__(obj, "devices", None)
+        object.__setattr__(obj, "measured", None)
         return obj
+
+    def with_speeds(self, speeds) -> "Cluster":
+        """A copy whose device speeds (FLOP/s) are measured ones instead of the spec table's."""
+        speeds = tuple(float(s) for s in speeds)
+        if len(speeds) != self.size or min(speeds) <= 0:
+            raise ClusterError(f"with_speeds needs {self.size} positive speeds, got {speeds}.")
+        obj = object.__new__(type(self))
+        object.__setattr__(obj, "specs", self.specs)
+        object.__setattr__(obj, "devices", self.devices)
+        object.__setattr__(obj, "measured", speeds)
+        return obj
+
+    @property
+    def speeds(self) -> tuple[float, ...]:
+        """FLOP/s per device: calibrated if measured, else the spec table's FP32 peak."""
+        return self.measured if self.measured is not None else tuple(s.fp32_flops for s in self.specs)
+
+    @property
+    def speed_source(self) -> str:
+        return "calibrated" if self.measured is not None else "spec table"
 
     @property
     def size(self) -> int:
@@ -80,4 +103,5 @@ class Cluster:
         for k in self.kinds:
             counts[k] = counts.get(k, 0) + 1
         desc = " + ".join(f"{n}x {k}" for k, n in counts.items())
-        return f"Cluster({desc}{', abstract' if self.is_abstract else ''})"
+        extra = (", abstract" if self.is_abstract else "") + (", calibrated" if self.measured else "")
+        return f"Cluster({desc}{extra})"

@@ -1,0 +1,92 @@
+"""Issue 4: hardware-aware balance on a declared heterogeneous cluster (8 simulated devices)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import whalex as wh
+from conftest import adam, assert_matches
+from models import flax_model, plain_model
+
+HETERO = ["V100-32GB"] * 4 + ["T4-16GB"] * 4
+
+
+@pytest.mark.parametrize("builder", [plain_model, flax_model])
+def test_balanced_data_parallel_matches_single_device(builder):
+    loss_fn, params, batch = builder("dp", "ctx")
+    cluster = wh.Cluster(kinds=HETERO)
+    step, _ = assert_matches(loss_fn, params, batch, steps=5, cluster=cluster)
+    plan = step.plan
+    rows = np.array(plan.batch_sizes)
+    assert rows.sum() == batch["x"].shape[0]                           # the global batch is unchanged
+    speeds = np.array(cluster.speeds)
+    ideal = rows.sum() * speeds / speeds.sum()
+    assert np.all(np.abs(rows - ideal) <= plan.balance.unit)           # proportional within one unit
+    assert rows[0] > rows[-1]
+    assert plan.balance.applied and plan.balance.source == "spec table"
+    assert plan.balance.predicted_speedup > 1.2
+    assert "hardware-aware balance (applied" in plan.summary()
+
+
+def test_even_plan_when_hardware_aware_is_off():
+    loss_fn, params, batch = plain_model("dp", "ctx")
+    plan = wh.plan(loss_fn, params, batch, adam(), config=wh.Config(hardware_aware=False),
+                   cluster=wh.Cluster(kinds=HETERO))
+    assert plan.batch_sizes == (4,) * 8 and not plan.balance.applied
+    assert plan.balance.predicted_speedup > 1.2           # what balancing would have given
+
+
+def test_every_sample_counts_exactly_once():
+    """grad of mean(onehot @ w) is 1/B on every sample's coordinate: dropped -> 0, doubled -> 2/B.
+    Padding rows are NaN on the host side of the check: if one were read, the result would be NaN."""
+    B = 40
+    params = {"w": jnp.zeros(B)}
+    batch = {"onehot": jnp.eye(B)}
+
+    def loss_fn(p, b):
+        return jnp.mean(b["onehot"] @ p["w"])
+
+    cluster = wh.Cluster(kinds=HETERO)
+    plan = wh.plan(loss_fn, params, batch, None, cluster=cluster)
+    assert len(set(plan.batch_sizes)) > 1 and sum(plan.batch_sizes) == B
+    program = plan.program
+    padded = program.pad_batch(batch)
+    x = padded["onehot"].copy()
+    real = np.zeros(x.shape[0], bool)
+    for i, (a, b) in enumerate(program.row_ranges()):
+        real[i * program.block:i * program.block + (b - a)] = True
+    x[~real] = np.nan                                                  # poison every padding row
+    placed = jax.device_put({"onehot": x}, program.batch_shardings)
+    loss, grads = program.jitted()(jax.device_put(params, program.param_shardings), placed)
+    np.testing.assert_allclose(np.asarray(grads["w"]), np.full(B, 1.0 / B), rtol=1e-6)
+    assert np.isfinite(float(loss))
+    # and the rows each device owns tile the batch exactly once
+    ranges = plan.device_rows()
+    assert ranges[0][0] == 0 and ranges[-1][1] == B
+    assert all(r0[1] == r1[0] for r0, r1 in zip(ranges, ranges[1:]))
+    assert plan.local_rows(0) == [(0, B)]
+
+
+def test_calibrated_speeds_are_used_and_reported():
+    from whalex.balance.calibrate import calibrate
+    loss_fn, params, batch = plain_model("dp", "ctx")
+    measured = calibrate(wh.Cluster.detect(), size=128, chain=2, repeats=3)
+    assert measured.speed_source == "calibrated" and len(measured.speeds) == 8
+    # pretend half the devices measured 3x slower: the plan follows the measurement
+    cluster = measured.with_speeds([3.0] * 4 + [1.0] * 4)
+    step, _ = assert_matches(loss_fn, params, batch, steps=3, cluster=cluster)
+    assert step.plan.balance.source == "calibrated"
+    assert step.plan.batch_sizes[:4] == (6,) * 4 and step.plan.batch_sizes[4:] == (2,) * 4
+
+
+def test_memory_bound_moves_batch_off_a_small_device():
+    loss_fn, params, batch = plain_model("dp", "ctx")
+    tiny = wh.DeviceSpec("fast-but-tiny", 100e12, 100e12, 165_000, 1e12)
+    cluster = wh.Cluster(kinds=[tiny] + ["V100-32GB"] * 7)
+    plan = wh.plan(loss_fn, params, batch, adam(), cluster=cluster)
+    r = plan.balance
+    assert r.shifted > 0 and r.devices[0].memory <= r.devices[0].capacity
+    assert plan.batch_sizes[0] < 32 * 100 / (100 + 7 * 15.7) - 1       # less than its compute share
+    with pytest.raises(wh.PlanError, match="model state alone does not fit"):
+        wh.plan(loss_fn, params, batch, adam(),
+                cluster=wh.Cluster(kinds=[wh.DeviceSpec("t", 1e12, 1e12, 1000, 1e9)] + ["V100-32GB"] * 7))

@@ -1,0 +1,88 @@
+"""The cost model behind hardware-aware plans: per-device time and memory as functions of load.
+
+time_i = rows_i * FLOPs per sample / speed_i, memory_i = state bytes + rows_i * activation bytes
+per sample. Activation bytes per sample are measured from XLA's `memory_analysis` of the
+compiled forward+backward at two batch sizes (the slope), not estimated.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceLoad:
+    device: int
+    kind: str
+    speed: float            # FLOP/s used for planning
+    rows: int               # samples per step in the balanced plan
+    even_rows: int          # samples per step in the even plan
+    memory: float           # predicted bytes at `rows`
+    capacity: float
+    time: float             # predicted seconds of compute per step at `rows`
+    even_time: float
+
+
+@dataclasses.dataclass(frozen=True)
+class BalanceReport:
+    """What the hardware-aware balance decided, and the even plan it is compared against."""
+
+    source: str             # "spec table" or "calibrated"
+    unit: int               # rows per load unit (the balancing granularity)
+    devices: tuple[DeviceLoad, ...]
+    applied: bool           # False: the even plan runs (homogeneous cluster or hardware_aware=False)
+    shifted: int            # units moved by Algorithm 1's memory repair
+    flops_per_sample: float
+    state_bytes: float
+    activation_bytes_per_sample: float
+
+    @property
+    def even_time(self) -> float:
+        return max(d.even_time for d in self.devices)
+
+    @property
+    def balanced_time(self) -> float:
+        return max(d.time for d in self.devices)
+
+    @property
+    def predicted_speedup(self) -> float:
+        return self.even_time / self.balanced_time if self.balanced_time > 0 else 1.0
+
+
+def temp_bytes(fn, *args) -> float:
+    """XLA's temp bytes for `fn` compiled on the local default backend."""
+    m = jax.jit(fn).lower(*args).compile().memory_analysis()
+    return float(getattr(m, "temp_size_in_bytes", 0))
+
+
+def activation_model(make_fn, rows: tuple[int, int] = (32, 128)) -> tuple[float, float]:
+    """(base, bytes per sample): the line through XLA's temp memory of forward+backward at two
+    batch sizes (large enough that fixed-size scratch does not hide the per-sample growth)."""
+    r1, r2 = rows
+    t1 = temp_bytes(*make_fn(r1))
+    t2 = temp_bytes(*make_fn(r2))
+    per = max(t2 - t1, 0.0) / (r2 - r1)
+    return max(t1 - per * r1, 0.0), per
+
+
+def report(specs, speeds: Sequence[float], rows: Sequence[int], even_rows: Sequence[int], *, source: str,
+           unit: int, applied: bool, shifted: int, flops_per_sample: float, state_bytes: float,
+           act_base: float, act_per_sample: float) -> BalanceReport:
+    devices = []
+    for i, (spec, speed, r, e) in enumerate(zip(specs, speeds, rows, even_rows)):
+        devices.append(DeviceLoad(i, spec.name, float(speed), int(r), int(e),
+                                  state_bytes + act_base + r * act_per_sample, float(spec.memory_bytes),
+                                  r * flops_per_sample / speed, e * flops_per_sample / speed))
+    return BalanceReport(source, unit, tuple(devices), applied, shifted, flops_per_sample, state_bytes,
+                         act_per_sample)
+
+
+def balance_unit(global_batch: int, num_devices: int, per_device: int = 4) -> int:
+    """Rows per load unit: the largest divisor of the batch leaving >= per_device units a device."""
+    for u in range(global_batch, 0, -1):
+        if global_batch % u == 0 and global_batch // u >= per_device * num_devices:
+            return u
+    return 1
