@@ -72,7 +72,7 @@ def assert_matches(loss_fn, params, batch, steps=5, optimizer=None, tol=1e-5, ha
     ref_losses, ref_params = reference_train(loss_fn, params, batch, optimizer, steps, has_aux)
     losses, state, step = whalex_train(loss_fn, params, batch, optimizer, steps, has_aux, **kwargs)
     np.testing.assert_allclose(losses, ref_losses, rtol=tol, atol=0)
-    errs = jax.tree.map(rel_err, state.params, ref_params)
+    errs = jax.tree.map(rel_err, step.params(state), ref_params)
     worst = max(jax.tree.leaves(errs))
     assert worst < tol, f"parameters differ from single-device training: {errs}"
     # Training really moved the parameters (so the comparison is not vacuous).

@@ -25,7 +25,7 @@ def test_balanced_data_parallel_matches_single_device(builder):
     assert rows[0] > rows[-1]
     assert plan.balance.applied and plan.balance.source == "spec table"
     assert plan.balance.predicted_speedup > 1.2
-    assert "hardware-aware balance (applied" in plan.summary()
+    assert "hardware-aware balance of the batch (applied" in plan.summary()
 
 
 def test_even_plan_when_hardware_aware_is_off():
@@ -90,3 +90,47 @@ def test_memory_bound_moves_batch_off_a_small_device():
     with pytest.raises(wh.PlanError, match="model state alone does not fit"):
         wh.plan(loss_fn, params, batch, adam(),
                 cluster=wh.Cluster(kinds=[wh.DeviceSpec("t", 1e12, 1e12, 1000, 1e9)] + ["V100-32GB"] * 7))
+
+
+def _head_model(C=640):
+    B, D = 32, 24
+    k = jax.random.split(jax.random.key(0), 5)
+    params = {"w1": jax.random.normal(k[0], (12, D)) / 3, "kernel": jax.random.normal(k[1], (D, C)) / 5,
+              "bias": jax.random.normal(k[2], (C,))}
+    batch = {"x": jax.random.normal(k[3], (B, 12)), "y": jax.random.randint(k[4], (B,), 0, C)}
+
+    def loss_fn(p, b):
+        with wh.replicate(8):
+            h = jnp.tanh(b["x"] @ p["w1"])
+        with wh.split(8):
+            return wh.ops.softmax_cross_entropy_head(h, p["kernel"], p["bias"], b["y"])
+    return loss_fn, params, batch
+
+
+def test_uneven_split_head_matches_single_device():
+    loss_fn, params, batch = _head_model()
+    # the op is exactly optax's cross-entropy of the dense layer outside whalex
+    import optax
+    ref = optax.softmax_cross_entropy_with_integer_labels(
+        jnp.tanh(batch["x"] @ params["w1"]) @ params["kernel"] + params["bias"], batch["y"]).mean()
+    np.testing.assert_allclose(loss_fn(params, batch), ref, rtol=1e-6)
+
+    step, state = assert_matches(loss_fn, params, batch, steps=5, cluster=wh.Cluster(kinds=HETERO))
+    r = step.plan.balance
+    assert r.kind.startswith("classes") and r.applied
+    counts = [d.rows for d in r.devices]
+    assert sum(counts) == 640 and counts[:4] == [100] * 4 and counts[4:] == [60] * 4     # 15.7 : 8.1
+    kernel = state.params["kernel"]                     # stored padded: one even buffer per device
+    assert kernel.shape == (24, 800) and {s.data.shape for s in kernel.addressable_shards} == {(24, 100)}
+    assert step.params(state)["kernel"].shape == (24, 640)
+    # the gradient of the split head is never all-reduced, logits never gathered
+    from hlo import shapes_of
+    text = step.plan.lowered().compile().as_text()
+    assert (24, 100) not in shapes_of(text, "all-reduce") and (100, 24) not in shapes_of(text, "all-reduce")
+    assert not any(640 in s or 800 in s for s in shapes_of(text, "all-gather"))
+
+
+def test_even_split_head_on_a_homogeneous_cluster_uses_plain_sharding():
+    loss_fn, params, batch = _head_model()
+    step, state = assert_matches(loss_fn, params, batch, steps=3)
+    assert step.plan.balance is None and state.params["kernel"].shape == (24, 640)

@@ -161,7 +161,13 @@ def _spmd_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, cap,
                             "must divide over the data-parallel replicas)") from None
         raise
     mesh = layout.build(cluster.devices)
-    program = Program(cap, sharding, mesh, optimizer, cluster.platform, m)
+    overrides, padded, split_report = None, None, None
+    if config.hardware_aware and m == 1:
+        found = _uneven_heads(cap, vds, layout, sharding, cluster, optimizer, mesh)
+        if found is not None:
+            overrides, padded, sharding, split_report = found
+    program = Program(cap, sharding, mesh, optimizer, cluster.platform, m, overrides, padded)
+    report = report or split_report
 
     flops = [f * m for f in taskgraph_flops(cap.jaxpr, cap.assign, len(cap.taskgraphs))]
     infos = _taskgraph_infos(cap, vds, flops, [sharding.comm_bytes(t.index) * m for t in cap.taskgraphs])
@@ -181,6 +187,67 @@ def _spmd_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, cap,
                 batch_sizes=(per_device,) * layout.size, global_batch=full.global_batch,
                 param_specs=dict(zip(cap.param_paths, sharding.param_specs)), patterns=sharding.choices,
                 comms=sharding.comms, memory=memory, program=program, balance=report)
+
+
+def _uneven_heads(cap, vds, layout, sharding, cluster, optimizer, mesh):
+    """Uneven class shards for `wh.ops.softmax_cross_entropy_head` under split on a heterogeneous
+    model axis: (overrides, padded, sharding, report), or None when the even plan applies."""
+    import dataclasses as dc
+
+    from jax.sharding import PartitionSpec as P
+
+    from whalex import _compat as C
+    from whalex.balance import cost
+    from whalex.lowering.uneven_split import plan_columns, uneven_head
+    from whalex.ops import HEAD_NAME
+
+    jaxpr = cap.jaxpr.jaxpr
+    params = {v: i for i, v in enumerate(jaxpr.invars[: cap.num_params])}
+    overrides, padded, specs, reports = {}, {}, list(sharding.param_specs), []
+    for i, eqn in enumerate(jaxpr.eqns):
+        if not (C.is_call(eqn) and eqn.params.get("name") == HEAD_NAME):
+            continue
+        vd = vds[cap.assign[(i,)]]
+        if vd.strategy.kind != "split" or len(vd.model_axes) != 1:
+            continue
+        x, kernel, bias, labels = eqn.invars
+        if kernel not in params or bias not in params:
+            continue
+        axis = vd.model_axes[0]
+        grid = np.asarray(range(layout.size)).reshape(layout.axis_sizes)
+        model_dim = layout.axis_names.index(axis)
+        per_model = np.moveaxis(grid, model_dim, -1).reshape(-1, layout.axis_sizes[model_dim])
+        speeds = [min(cluster.speeds[d] for d in per_model[:, j]) for j in range(per_model.shape[1])]
+        caps = [min(cluster.specs[d].memory_bytes for d in per_model[:, j]) for j in range(per_model.shape[1])]
+        if len(set(speeds)) == 1:
+            continue
+        features, classes = kernel.aval.shape
+        itemsize = np.dtype(kernel.aval.dtype).itemsize
+        opt = 2.0 if optimizer is not None else 0.0
+        names = [f"model shard {j} ({cluster.specs[per_model[0, j]].name})" for j in range(len(speeds))]
+        per_column = (features + 1) * itemsize * (2 + opt)          # weight, gradient, optimizer state
+        cols, bal = plan_columns(classes, features, speeds, caps, per_column, names)
+        for j, c in enumerate(caps):                                   # every device stores the padded width
+            if cols.width * per_column > c:
+                raise PlanError(f"{names[j]} cannot hold the padded head shard of {cols.width} classes "
+                                f"({cols.width * per_column / 2**30:.2f} GiB > {c / 2**30:.2f} GiB); use more devices "
+                                "or hardware_aware=False.")
+        pk, pb = params[kernel], params[bias]
+        padded[pk], padded[pb] = (cols, 1), (cols, 0)
+        specs[pk], specs[pb] = P(None, axis), P(axis)
+        batch_axes = tuple(a for a in vd.batch_axes if layout.axis_size((a,)) > 1)
+        head = uneven_head(mesh, axis, batch_axes, cols, cap.global_batch)
+        overrides[(i,)] = lambda *args, head=head: [head(*args)]
+        tg_flops = taskgraph_flops(cap.jaxpr, {(j,): int(j == i) for j in range(len(jaxpr.eqns))}, 2)[1]
+        even = [classes // len(speeds)] * len(speeds)
+        reports.append(cost.report([cluster.specs[per_model[0, j]] for j in range(len(speeds))], speeds,
+                                   cols.counts, even, source=cluster.speed_source, unit=cols.chunk, applied=True,
+                                   shifted=bal.shifted, flops_per_sample=tg_flops / classes,
+                                   state_bytes=cols.width * per_column, act_base=0.0, act_per_sample=0.0))
+        reports[-1] = dc.replace(reports[-1], kind=f"classes of {cap.param_paths[pk]} (padded to {cols.width})")
+    if not overrides:
+        return None
+    return overrides, padded, dc.replace(sharding, param_specs=tuple(specs)), reports[0]
 
 
 def _balance_data_parallel(loss_fn, params, batch, optimizer, config, cluster, has_aux, full):

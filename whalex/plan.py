@@ -165,12 +165,12 @@ class Plan:
                     lines.append(f"  stage {k}: {len(layers)} layers ({', '.join(layers)})")
         if self.balance is not None:
             r = self.balance
-            lines.append(f"hardware-aware balance ({'applied' if r.applied else 'not applied: even plan'}; "
-                         f"speeds from the {r.source}; unit {r.unit} rows; Algorithm 1 moved {r.shifted} units "
+            lines.append(f"hardware-aware balance of the {r.kind} ({'applied' if r.applied else 'not applied: even plan'}; "
+                         f"speeds from the {r.source}; unit {r.unit}; Algorithm 1 moved {r.shifted} units "
                          "for memory):")
             rows = [[str(d.device), d.kind, f"{d.speed / 1e12:.2f} TFLOP/s", str(d.even_rows), str(d.rows),
                      _fmt_time(d.time), _fmt_bytes(d.memory), _fmt_bytes(d.capacity)] for d in r.devices]
-            lines += _table(["device", "kind", "capacity", "even batch", "balanced batch", "predicted time",
+            lines += _table(["device", "kind", "capacity", "even", "balanced", "predicted time",
                              "predicted memory", "memory"], rows)
             lines.append(f"  predicted step compute: even {_fmt_time(r.even_time)}, balanced "
                          f"{_fmt_time(r.balanced_time)} ({r.predicted_speedup:.2f}x)")

@@ -38,7 +38,7 @@ class BalanceReport:
     flops_per_sample: float
     state_bytes: float
     activation_bytes_per_sample: float
-
+    kind: str = "batch"     # what the load counts: samples, or the classes of a split head
     @property
     def even_time(self) -> float:
         return max(d.even_time for d in self.devices)
@@ -58,7 +58,7 @@ def temp_bytes(fn, *args) -> float:
     return float(getattr(m, "temp_size_in_bytes", 0))
 
 
-def activation_model(make_fn, rows: tuple[int, int] = (32, 128)) -> tuple[float, float]:
+def activation_model(make_fn, rows: tuple[int, int] = (16, 64)) -> tuple[float, float]:
     """(base, bytes per sample): the line through XLA's temp memory of forward+backward at two
     batch sizes (large enough that fixed-size scratch does not hide the per-sample growth)."""
     r1, r2 = rows

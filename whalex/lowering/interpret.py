@@ -14,8 +14,12 @@ from jax.sharding import NamedSharding
 from whalex import _compat as C
 
 
-def make_evaluator(closed: C.ClosedJaxpr, constraints: dict, mesh) -> Callable[..., list]:
-    """A function of the jaxpr's inputs that applies `constraints[(path, "in"|"out", pos)]`."""
+def make_evaluator(closed: C.ClosedJaxpr, constraints: dict, mesh, overrides: dict | None = None) -> Callable[..., list]:
+    """A function of the jaxpr's inputs that applies `constraints[(path, "in"|"out", pos)]`.
+
+    `overrides[path]` replaces one equation by a function of its inputs (e.g. an uneven split).
+    """
+    overrides = overrides or {}
     shardings = {key: NamedSharding(mesh, spec) for key, spec in constraints.items()}
     paths = {key[0] for key in shardings}
     prefixes = {p[:k] for p in paths for k in range(1, len(p) + 1)}
@@ -32,7 +36,9 @@ def make_evaluator(closed: C.ClosedJaxpr, constraints: dict, mesh) -> Callable[.
                     s = shardings.get((path, "in", pos))
                     if s is not None:
                         invals[pos] = jax.lax.with_sharding_constraint(invals[pos], s)
-            if path in prefixes and C.is_call(eqn):
+            if path in overrides:
+                outs = list(overrides[path](*invals))
+            elif path in prefixes and C.is_call(eqn):
                 sub, sub_consts = C.call_jaxpr(eqn)
                 outs = evaluate(sub, sub_consts, invals, path)
             else:

@@ -48,6 +48,8 @@ class Program:
     optimizer: optax.GradientTransformation | None
     platform: str
     num_micro_batch: int = 1     # > 1: gradient accumulation over micro-batches (captured at micro size)
+    overrides: Any = None        # path -> function replacing that equation (uneven split head)
+    padded: Any = None           # param leaf -> (UnevenColumns, axis): stored padded per device
 
     # -- shardings -------------------------------------------------------------------------
     def named(self, spec_tree):
@@ -65,8 +67,14 @@ class Program:
 
     def param_shapes(self):
         invars = self.captured.jaxpr.jaxpr.invars[: self.captured.num_params]
-        return jax.tree.unflatten(self.captured.params_tree,
-                                  [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in invars])
+        shapes = []
+        for i, v in enumerate(invars):
+            shape = list(v.aval.shape)
+            if self.padded and i in self.padded:
+                cols, axis = self.padded[i]
+                shape[axis] = len(cols.counts) * cols.width
+            shapes.append(jax.ShapeDtypeStruct(tuple(shape), v.aval.dtype))
+        return jax.tree.unflatten(self.captured.params_tree, shapes)
 
     def batch_shapes(self):
         invars = self.captured.jaxpr.jaxpr.invars[self.captured.num_params:]
@@ -74,8 +82,20 @@ class Program:
         return jax.tree.unflatten(self.captured.batch_tree, [
             jax.ShapeDtypeStruct((v.aval.shape[0] * m,) + tuple(v.aval.shape[1:]), v.aval.dtype) for v in invars])
 
+    def pad_params(self, params):
+        if not self.padded:
+            return params
+        leaves, tree = jax.tree.flatten(params)
+        return jax.tree.unflatten(tree, [self.padded[i][0].pad(x, self.padded[i][1]) if i in self.padded else x
+                                         for i, x in enumerate(leaves)])
+
     def unpack_params(self, params):
-        return params
+        """The caller's parameter pytree (uneven split leaves without their padding)."""
+        if not self.padded:
+            return params
+        leaves, tree = jax.tree.flatten(params)
+        return jax.tree.unflatten(tree, [self.padded[i][0].unpad(x, self.padded[i][1]) if i in self.padded else x
+                                         for i, x in enumerate(leaves)])
 
     def state_shardings(self):
         opt_specs, _ = opt_state_specs(self.optimizer, self.param_shapes(), self.sharding.param_specs)
@@ -86,7 +106,7 @@ class Program:
     def loss(self) -> Callable:
         """loss(params, batch) -> (loss, aux) evaluated with the plan's constraints."""
         cap = self.captured
-        evaluate = make_evaluator(cap.jaxpr, self.sharding.constraints, self.mesh)
+        evaluate = make_evaluator(cap.jaxpr, self.sharding.constraints, self.mesh, self.overrides)
 
         def loss(params, batch):
             outs = evaluate(*jax.tree.leaves(params), *jax.tree.leaves(batch))
@@ -193,13 +213,15 @@ class Program:
         return self.jitted(donate=False).trace(*self.abstract_args()).lower(lowering_platforms=(self.platform,))
 
     def place_batch(self, batch):
-        return jax.device_put(batch, self.batch_shardings)
+        from whalex.distributed import place_global     # multi-process: each reads its own rows
+        return place_global(batch, self.batch_shardings)
 
     def init_state(self, params) -> TrainState:
         shardings = self.state_shardings()
         # The step donates its state, and device_put may alias a caller's buffer (even with
         # may_alias=False on jax 0.10.2), so place a copy: the caller's params stay valid.
-        params = jax.device_put(jax.tree.map(lambda a: jnp.array(a, copy=True), params), shardings.params)
+        params = self.pad_params(jax.tree.map(lambda a: jnp.array(a, copy=True), params))
+        params = jax.device_put(params, shardings.params)
         opt_state = jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(params)
         step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
         return TrainState(params=params, opt_state=opt_state, step=step)

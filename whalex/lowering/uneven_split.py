@@ -1,0 +1,146 @@
+"""Uneven `split` of the classification head (Whale section 3.3.1, intra-TaskGraph balance for split).
+
+Device i of the model axis owns `counts[i]` classes (proportional to its speed, under memory),
+stored padded to a common `width` so the weight is one evenly sharded buffer `[features,
+devices * width]`. The head runs in `shard_map`: each device loops over its own number of
+`chunk`-column blocks (per-device work proportional to its real shard; trip counts differ, so no
+collective runs inside a loop), then the softmax statistics are combined with `pmax`/`psum` over
+the model axis, never gathering logits. A `custom_vjp` gives the backward pass the same shape:
+chunk loops for the weight gradient and the input gradient, then one `psum`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+NEG = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class UnevenColumns:
+    """How the class dimension is laid out: real columns per device, padded to `width`."""
+
+    counts: tuple[int, ...]
+    width: int
+    chunk: int
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        return tuple(int(x) for x in np.concatenate([[0], np.cumsum(self.counts)[:-1]]))
+
+    @property
+    def classes(self) -> int:
+        return int(sum(self.counts))
+
+    def padded_index(self) -> np.ndarray:
+        """For each logical class, its column in the padded layout."""
+        return np.concatenate([i * self.width + np.arange(c) for i, c in enumerate(self.counts)])
+
+    def pad(self, x, axis: int):
+        """Logical [.., classes, ..] -> padded [.., devices*width, ..] (padding zeros)."""
+        x = jnp.asarray(x)
+        shape = list(x.shape)
+        shape[axis] = len(self.counts) * self.width
+        out = jnp.zeros(shape, x.dtype)
+        idx = [slice(None)] * x.ndim
+        idx[axis] = self.padded_index()
+        return out.at[tuple(idx)].set(x)
+
+    def unpad(self, x, axis: int):
+        return jnp.take(x, jnp.asarray(self.padded_index()), axis=axis)
+
+
+def uneven_head(mesh, model_axis: str, batch_axes: tuple, layout: UnevenColumns, global_batch: int):
+    """f(x, kernel_padded, bias_padded, labels) -> mean softmax cross-entropy, uneven over `model_axis`."""
+    counts = jnp.asarray(layout.counts, jnp.int32)
+    offsets = jnp.asarray(layout.offsets, jnp.int32)
+    width, chunk, total = layout.width, layout.chunk, float(global_batch)
+    bspec = batch_axes if batch_axes else None
+    mx = model_axis
+
+    def local_fwd(x, w, b, y):
+        i = jax.lax.axis_index(mx)
+        n = counts[i]
+        rows = x.shape[0]
+
+        def body(k, logits):
+            cols = jax.lax.dynamic_slice_in_dim(w, k * chunk, chunk, 1)
+            z = x @ cols + jax.lax.dynamic_slice_in_dim(b, k * chunk, chunk, 0)
+            return jax.lax.dynamic_update_slice_in_dim(logits, z, k * chunk, 1)
+
+        logits = jax.lax.fori_loop(0, n // chunk, body, jnp.full((rows, width), NEG, x.dtype))
+        mask = jnp.arange(width) < n
+        m = jax.lax.pmax(jnp.max(jnp.where(mask, logits, NEG), axis=1), mx)
+        s = jax.lax.psum(jnp.sum(jnp.where(mask, jnp.exp(logits - m[:, None]), 0.0), axis=1), mx)
+        lse = m + jnp.log(s)
+        local = y - offsets[i]
+        own = (local >= 0) & (local < n)
+        picked = jnp.take_along_axis(logits, jnp.clip(local, 0, width - 1)[:, None], axis=1)[:, 0]
+        zy = jax.lax.psum(jnp.where(own, picked, 0.0), mx)
+        loss = jnp.sum(lse - zy)
+        if batch_axes:
+            loss = jax.lax.psum(loss, batch_axes)
+        return loss / total, logits, lse
+
+    def local_bwd(x, w, y, logits, lse, g):
+        i = jax.lax.axis_index(mx)
+        n = counts[i]
+        mask = jnp.arange(width) < n
+        p = jnp.where(mask, jnp.exp(logits - lse[:, None]), 0.0)
+        local = y - offsets[i]
+        own = (local >= 0) & (local < n)
+        p = p - jax.nn.one_hot(jnp.where(own, local, -1), width, dtype=p.dtype)
+        d = p * (g / total)
+
+        def body(k, acc):
+            dw, dx = acc
+            dcols = jax.lax.dynamic_slice_in_dim(d, k * chunk, chunk, 1)
+            cols = jax.lax.dynamic_slice_in_dim(w, k * chunk, chunk, 1)
+            dw = jax.lax.dynamic_update_slice_in_dim(dw, x.T @ dcols, k * chunk, 1)
+            return dw, dx + dcols @ cols.T
+
+        dw, dx = jax.lax.fori_loop(0, n // chunk, body, (jnp.zeros_like(w), jnp.zeros_like(x)))
+        db = jnp.sum(d, axis=0)
+        dx = jax.lax.psum(dx, mx)                          # after the loop: partial sums over classes
+        if batch_axes:
+            dw, db = jax.lax.psum((dw, db), batch_axes)
+        return dx, dw, db
+
+    fwd_map = jax.shard_map(local_fwd, mesh=mesh, in_specs=(P(bspec), P(None, mx), P(mx), P(bspec)),
+                            out_specs=(P(), P(bspec, mx), P(bspec)), check_vma=False)
+    bwd_map = jax.shard_map(local_bwd, mesh=mesh,
+                            in_specs=(P(bspec), P(None, mx), P(bspec), P(bspec, mx), P(bspec), P()),
+                            out_specs=(P(bspec), P(None, mx), P(mx)), check_vma=False)
+
+    @jax.custom_vjp
+    def head(x, w, b, y):
+        return fwd_map(x, w, b, y)[0]
+
+    def fwd(x, w, b, y):
+        loss, logits, lse = fwd_map(x, w, b, y)
+        return loss, (x, w, y, logits, lse)
+
+    def bwd(res, g):
+        x, w, y, logits, lse = res
+        dx, dw, db = bwd_map(x, w, y, logits, lse, g)
+        return dx, dw, db, None
+
+    head.defvjp(fwd, bwd)
+    return head
+
+
+def plan_columns(classes: int, features: int, speeds: Sequence[float], capacities: Sequence[float],
+                 bytes_per_column: float, names: Sequence[str]):
+    """Algorithm 1 over the class dimension: (UnevenColumns, Balance). `chunk` divides `classes`."""
+    from whalex.balance.algorithm import balance
+    from whalex.balance.cost import balance_unit
+    chunk = balance_unit(classes, len(speeds))
+    bal = balance(classes // chunk, speeds, capacities, [0.0] * len(speeds), [bytes_per_column * chunk] * len(speeds),
+                  names)
+    counts = tuple(u * chunk for u in bal.loads)
+    return UnevenColumns(counts, max(counts), chunk), bal
