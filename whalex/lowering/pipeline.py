@@ -392,7 +392,8 @@ class PipelineProgram:
         return self.jitted(donate=False).trace(*self.abstract_args()).lower(lowering_platforms=(self.platform,))
 
     def place_batch(self, batch):
-        return jax.device_put(batch, self.batch_shardings)
+        from whalex.distributed import place_global     # multi-process: each reads its own rows
+        return place_global(batch, self.batch_shardings)
 
     def init_state(self, params) -> TrainState:
         shardings = self.state_shardings()

@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 import jax
 
+from whalex.distributed import maybe_initialize
 from whalex.errors import ClusterError
 from whalex.mesh.specs import DeviceSpec, lookup
 
@@ -23,6 +24,7 @@ class Cluster:
     measured: tuple[float, ...] | None = None     # calibrated FLOP/s per device, when measured
 
     def __init__(self, kinds: Sequence[str] | None = None, devices: Sequence[Any] | None = None):
+        maybe_initialize()      # join a whalex.launch process group before touching devices
         available = list(devices) if devices is not None else list(jax.devices())
         if kinds is None:
             kinds = [d.device_kind for d in available]
@@ -41,6 +43,7 @@ class Cluster:
     @classmethod
     def detect(cls) -> "Cluster":
         """Every device `jax.devices()` reports (all processes), kinds read from the devices."""
+        maybe_initialize()
         return cls(devices=jax.devices())
 
     @classmethod

@@ -1,0 +1,118 @@
+"""Joining a multi-process run before JAX first touches devices.
+
+`python -m whalex.launch -n N script.py` starts N processes and tells each, through environment
+variables, who it is:
+
+    WHALEX_COORDINATOR_ADDRESS   host:port of the coordinator (process 0 serves it)
+    WHALEX_NUM_PROCESSES         N
+    WHALEX_PROCESS_ID            0 .. N-1
+
+`maybe_initialize()` reads them and calls `jax.distributed.initialize(...)` with CPU collectives
+set to gloo (`jax_cpu_collectives_implementation`; needed for cross-process collectives between
+CPU devices, harmless on GPU). Without those variables it does nothing, so the same script runs
+
+* alone (one process, as before),
+* under `whalex.launch`, and
+* under a cluster scheduler (SLURM, Open MPI, Kubernetes/GKE, Cloud TPU...): there, call
+  `jax.distributed.initialize()` yourself at the top of the script (it finds its own settings),
+  or set the three variables above per process; `maybe_initialize()` sees that the process group
+  is already joined and leaves it alone.
+
+whalex calls `maybe_initialize()` on `import whalex` and again at the start of `Cluster(...)` and
+`Cluster.detect()` (a no-op once joined). JAX can join a process group only before its backend
+starts: a script that touches devices (`jax.devices()`, `jnp.ones(...)`, `jax.device_put`...)
+before importing whalex must call `whalex.distributed.maybe_initialize()` (or import whalex)
+first; otherwise a clear `RuntimeError` says so instead of N silent single-process runs.
+"""
+from __future__ import annotations
+
+import os
+
+ADDRESS = "WHALEX_COORDINATOR_ADDRESS"
+NUM_PROCESSES = "WHALEX_NUM_PROCESSES"
+PROCESS_ID = "WHALEX_PROCESS_ID"
+ENV_VARS = (ADDRESS, NUM_PROCESSES, PROCESS_ID)
+
+
+def launch_env() -> tuple[str, int, int] | None:
+    """(coordinator address, process count, process id) from the environment, or None."""
+    present = [v for v in ENV_VARS if os.environ.get(v)]
+    if not present:
+        return None
+    if len(present) != len(ENV_VARS):
+        missing = [v for v in ENV_VARS if v not in present]
+        raise RuntimeError(f"whalex multi-process environment is incomplete: {', '.join(present)} set but "
+                           f"{', '.join(missing)} missing; start the script with `python -m whalex.launch -n N "
+                           "script.py`, or set all three variables.")
+    try:
+        n, i = int(os.environ[NUM_PROCESSES]), int(os.environ[PROCESS_ID])
+    except ValueError:
+        raise RuntimeError(f"{NUM_PROCESSES} and {PROCESS_ID} must be integers, got "
+                           f"{os.environ[NUM_PROCESSES]!r} and {os.environ[PROCESS_ID]!r}.") from None
+    if not 0 <= i < n:
+        raise RuntimeError(f"{PROCESS_ID}={i} must be in [0, {NUM_PROCESSES}={n}).")
+    return os.environ[ADDRESS], n, i
+
+
+def is_initialized() -> bool:
+    import jax
+    return jax.distributed.is_initialized()
+
+
+def maybe_initialize(initialization_timeout: int = 120, strict: bool = True) -> bool:
+    """Join the process group named by the WHALEX_* variables, once, before JAX touches devices.
+
+    Returns True if this call initialized `jax.distributed`, False if there was nothing to do (no
+    variables, a single process, or already initialized, e.g. by the user or a scheduler). If the
+    variables are set but JAX's backend already started, raises RuntimeError (`strict=False`: warns
+    and returns False; `import whalex` uses that, `Cluster(...)` does not).
+    """
+    env = launch_env()
+    if env is None:
+        return False
+    import jax
+    from jax._src import xla_bridge
+
+    if jax.distributed.is_initialized():
+        return False
+    address, n, i = env
+    if n == 1:
+        return False
+    if xla_bridge.backends_are_initialized():
+        msg = (
+            f"this is process {i} of {n} (started by whalex.launch), but JAX's backend was already "
+            "initialized before the process group was joined, so each process would only see its own "
+            "devices. Call `whalex.distributed.maybe_initialize()` (or `import whalex`) before anything "
+            "that touches devices (jax.devices(), jnp arrays, jax.device_put...).")
+        if strict:
+            raise RuntimeError(msg)
+        import warnings
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        return False
+    if not os.environ.get("JAX_CPU_COLLECTIVES_IMPLEMENTATION"):      # respect an explicit choice (mpi)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=address, num_processes=n, process_id=i,
+                               initialization_timeout=initialization_timeout)
+    return True
+
+
+def place_global(tree, shardings):
+    """`jax.device_put(tree, shardings)` for a host batch, without the cross-process equality check.
+
+    With a sharding that spans several processes, `jax.device_put` of a host array all-gathers
+    it to assert every process passed the same value (jax 0.10.2, `multihost_utils.assert_equal`):
+    a collective over the whole batch every step, and an error when each process filled only the
+    rows it owns (`plan.local_rows`). Here each process reads only the slices its own devices
+    hold (`jax.make_array_from_callback`). Fully addressable shardings (one process) and arrays
+    already placed go through `jax.device_put` unchanged.
+    """
+    import jax
+    import numpy as np
+
+    def put(x, s):
+        if s.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+            return jax.device_put(x, s)
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
+
+    return jax.tree.map(put, tree, shardings)
