@@ -378,7 +378,7 @@ def _pipeline_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, 
         groups = tuple((placement[s][r],) for r in range(dp))
         strategy = Strategy("replicate", per_stage)
         vds.append(VirtualDevice(s, strategy, 1, groups, (), (DATA,)))
-        msg = program.message_width * 4 * m * ((s < num_stages - 1) + (s > 0))   # activations out, grads back
+        msg = 0.0                      # filled in from the plan's collectives below
         infos.append(TaskGraphInfo(s, f"stage {s}: {labels[s]}", True, 1, groups[0], dp, len(cut.eqns[s]),
                                    sum(sizes), float(nbytes), flops[s], float(msg)))
     width = program.param_width * np.dtype(program.param_dtype).itemsize
@@ -391,9 +391,22 @@ def _pipeline_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, 
     memory = tuple(DeviceMemory(i, sp.name, float(width), float(width), o_bytes, float(sp.memory_bytes))
                    for i, sp in enumerate(cluster.specs[: layout.size]))
     stage_of_device = {d: s for s in range(num_stages) for d in placement[s]}
+    from whalex.lowering.patterns import Comm
+    comms = []
+    grad_bytes = program.param_width * np.dtype(program.param_dtype).itemsize
+    for s in range(num_stages):
+        if dp > 1:
+            comms.append(Comm(s, "all-reduce", (DATA,), 2.0 * (dp - 1) / dp * grad_bytes, "gradient sync over replicas"))
+        sends = (s < num_stages - 1) + (s > 0)
+        if sends:
+            comms.append(Comm(s, "collective-permute", (STAGE,), float(schedule.num_ticks * sends *
+                                                                      program.message_width * 4),
+                              "activations to the next stage, gradients to the previous (every tick)"))
+    import dataclasses as dc
+    infos = [dc.replace(t, comm_bytes=sum(c.bytes for c in comms if c.taskgraph == t.index)) for t in infos]
     return Plan(cluster=cluster, config=config, layout=layout, task_graphs=tuple(infos), virtual_devices=tuple(vds),
                 batch_sizes=(full.global_batch // dp,) * layout.size, global_batch=full.global_batch,
-                param_specs={p: P(STAGE) for p in cap.param_paths}, patterns=(), comms=(), memory=memory,
+                param_specs={p: P(STAGE) for p in cap.param_paths}, patterns=(), comms=tuple(comms), memory=memory,
                 program=program, schedule=schedule,
                 stage_layers=tuple(_layers(full, stage_of_eqn, s) for s in range(num_stages)))
 

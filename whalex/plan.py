@@ -157,12 +157,14 @@ class Plan:
                          "FLOPs (fwd+bwd)", "comm/device"], tg_rows)
         if self.schedule is not None:
             s = self.schedule
-            lines.append(f"pipeline: {s.num_stages} stages x {self.layout.axis_sizes[0]} replicas, schedule "
+            reps = self.layout.axis_sizes[0]
+            lines.append(f"pipeline: {s.num_stages} stages x {reps} replica{'s' if reps > 1 else ''}, schedule "
                          f"{s.name}, {s.num_micro_batch} micro-batches, {s.num_ticks} ticks, bubble "
                          f"{s.bubble_fraction:.1%}, {s.slots} stashed micro-batch(es) per stage")
             for k, layers in enumerate(self.stage_layers):
                 if layers:
-                    lines.append(f"  stage {k}: {len(layers)} layers ({', '.join(layers)})")
+                    lines.append(f"  stage {k}: {len(layers)} layer{'s' if len(layers) > 1 else ''} "
+                                 f"({', '.join(layers)})")
         if self.balance is not None:
             r = self.balance
             lines.append(f"hardware-aware balance of the {r.kind} ({'applied' if r.applied else 'not applied: even plan'}; "
