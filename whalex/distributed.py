@@ -13,16 +13,22 @@ CPU devices, harmless on GPU). Without those variables it does nothing, so the s
 
 * alone (one process, as before),
 * under `whalex.launch`, and
-* under a cluster scheduler (SLURM, Open MPI, Kubernetes/GKE, Cloud TPU...): there, call
-  `jax.distributed.initialize()` yourself at the top of the script (it finds its own settings),
-  or set the three variables above per process; `maybe_initialize()` sees that the process group
-  is already joined and leaves it alone.
+* under a cluster scheduler (SLURM, Open MPI, Kubernetes/GKE, Cloud TPU...), where
+  `jax.distributed.initialize()` with no arguments finds its own settings: set
+  `WHALEX_DISTRIBUTED=auto` in the job's environment and whalex makes that call for you, or call
+  `jax.distributed.initialize()` yourself at the top of the script (`maybe_initialize()` sees that
+  the group is already joined and leaves it alone), or set the three variables above per process.
 
 whalex calls `maybe_initialize()` on `import whalex` and again at the start of `Cluster(...)` and
-`Cluster.detect()` (a no-op once joined). JAX can join a process group only before its backend
-starts: a script that touches devices (`jax.devices()`, `jnp.ones(...)`, `jax.device_put`...)
-before importing whalex must call `whalex.distributed.maybe_initialize()` (or import whalex)
-first; otherwise a clear `RuntimeError` says so instead of N silent single-process runs.
+`Cluster.detect()` (a no-op once joined), so a script that imports whalex before touching devices
+needs nothing else. JAX can join a process group only before its backend starts: a script that
+touches devices (`jax.devices()`, `jnp.ones(...)`, `jax.device_put`...) BEFORE importing whalex
+must call `whalex.distributed.maybe_initialize()` first (or import whalex first). Otherwise
+`import whalex` warns and `Cluster(...)` raises a RuntimeError that says so, instead of N
+processes silently training alone.
+
+On one host with several GPUs, give each process its own GPU(s) before whalex is imported, e.g.
+`os.environ["JAX_LOCAL_DEVICE_IDS"] = os.environ["WHALEX_PROCESS_ID"]` (jax.distributed reads it).
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ ADDRESS = "WHALEX_COORDINATOR_ADDRESS"
 NUM_PROCESSES = "WHALEX_NUM_PROCESSES"
 PROCESS_ID = "WHALEX_PROCESS_ID"
 ENV_VARS = (ADDRESS, NUM_PROCESSES, PROCESS_ID)
+AUTO = "WHALEX_DISTRIBUTED"        # "auto": jax.distributed.initialize() with JAX's cluster detection
 
 
 def launch_env() -> tuple[str, int, int] | None:
@@ -62,25 +69,28 @@ def is_initialized() -> bool:
 def maybe_initialize(initialization_timeout: int = 120, strict: bool = True) -> bool:
     """Join the process group named by the WHALEX_* variables, once, before JAX touches devices.
 
+    With `WHALEX_DISTRIBUTED=auto` and no WHALEX_* process variables, calls
+    `jax.distributed.initialize()` with no arguments (JAX's own cluster detection).
     Returns True if this call initialized `jax.distributed`, False if there was nothing to do (no
     variables, a single process, or already initialized, e.g. by the user or a scheduler). If the
     variables are set but JAX's backend already started, raises RuntimeError (`strict=False`: warns
     and returns False; `import whalex` uses that, `Cluster(...)` does not).
     """
     env = launch_env()
-    if env is None:
+    auto = os.environ.get(AUTO, "").strip().lower() == "auto"
+    if env is None and not auto:
         return False
     import jax
     from jax._src import xla_bridge
 
     if jax.distributed.is_initialized():
         return False
-    address, n, i = env
-    if n == 1:
+    if env is not None and env[1] == 1:
         return False
+    who = f"process {env[2]} of {env[1]} (started by whalex.launch)" if env else f"a {AUTO}=auto process"
     if xla_bridge.backends_are_initialized():
         msg = (
-            f"this is process {i} of {n} (started by whalex.launch), but JAX's backend was already "
+            f"this is {who}, but JAX's backend was already "
             "initialized before the process group was joined, so each process would only see its own "
             "devices. Call `whalex.distributed.maybe_initialize()` (or `import whalex`) before anything "
             "that touches devices (jax.devices(), jnp arrays, jax.device_put...).")
@@ -91,8 +101,12 @@ def maybe_initialize(initialization_timeout: int = 120, strict: bool = True) -> 
         return False
     if not os.environ.get("JAX_CPU_COLLECTIVES_IMPLEMENTATION"):      # respect an explicit choice (mpi)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=address, num_processes=n, process_id=i,
-                               initialization_timeout=initialization_timeout)
+    if env is None:                                                     # a scheduler: JAX detects it
+        jax.distributed.initialize(initialization_timeout=initialization_timeout)
+    else:
+        address, n, i = env
+        jax.distributed.initialize(coordinator_address=address, num_processes=n, process_id=i,
+                                   initialization_timeout=initialization_timeout)
     return True
 
 

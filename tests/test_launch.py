@@ -1,0 +1,168 @@
+"""Issue 4 (launch): real multi-process runs on loopback through `python -m whalex.launch`.
+
+Two processes, each with 1 or 2 CPU devices, join one jax.distributed group (gloo collectives)
+and train a data-parallel MLP with whalex, with the even plan and with a balanced plan that gives
+process 0 more rows. Each process fills only its `plan.local_rows` of the global batch (the rest
+is NaN). Losses and parameters must match single-device training in this process.
+"""
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import reference_train, rel_err
+import launch_worker as worker
+
+HERE = pathlib.Path(__file__).parent
+ROOT = HERE.parent
+
+
+def child_env(devices_per_process: int) -> dict:
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices_per_process}"])
+    env["JAX_PLATFORMS"] = "cpu"
+    for var in ("WHALEX_COORDINATOR_ADDRESS", "WHALEX_NUM_PROCESSES", "WHALEX_PROCESS_ID"):
+        env.pop(var, None)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+def run_launch(args, env, timeout=120):
+    return subprocess.run([sys.executable, "-m", "whalex.launch", *args], env=env, cwd=HERE,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    params, batch = worker.data()
+    return reference_train(worker.loss_fn, params, batch, worker.optimizer(), worker.STEPS)
+
+
+@pytest.mark.parametrize("devices_per_process", [1, 2])
+def test_two_processes_match_single_device(tmp_path, reference, devices_per_process):
+    r = run_launch(["-n", "2", "--timeout", "100", "launch_worker.py", str(tmp_path)],
+                   child_env(devices_per_process))
+    assert r.returncode == 0, f"launch failed ({r.returncode}):\n{r.stdout}\n{r.stderr}"
+    assert "[0] even:" in r.stdout and "[1] balanced:" in r.stdout       # output forwarded with prefixes
+    check_results(tmp_path, reference, devices_per_process)
+
+
+def check_results(out_dir, reference, devices_per_process):
+    ref_losses, ref_params = reference
+    params0, batch = worker.data()
+    B, k = worker.B, 2 * devices_per_process
+    for name in ("even", "balanced"):
+        results = [np.load(out_dir / f"{name}_{i}.npz") for i in range(2)]
+        for res in results:
+            np.testing.assert_allclose(res["losses"], ref_losses, rtol=1e-5, atol=0)
+            for key in params0:
+                err = rel_err(res[f"param_{key}"], ref_params[key])
+                assert err < 1e-5, f"{name}: param {key} differs from single-device training: {err:.2e}"
+        assert max(rel_err(ref_params[key], params0[key]) for key in params0) > 1e-3     # training moved
+        sizes = results[0]["batch_sizes"]
+        owners = results[0]["owners"]
+        assert len(sizes) == k and sizes.sum() == B
+        assert list(owners) == sorted(owners) and set(owners) == {0, 1}
+        # local_rows(i) is the contiguous run of rows owned by process i's devices
+        rows = [[tuple(r) for r in res["local_rows"]] for res in results]
+        n0 = int(sizes[owners == 0].sum())
+        assert rows == [[(0, n0)], [(n0, B)]]
+        if name == "even":
+            assert not results[0]["applied"] and n0 == B // 2
+        else:
+            assert results[0]["applied"] and n0 > B // 2           # process 0's devices measured 2x faster
+            assert len(set(sizes[owners == 0])) == 1 and sizes[owners == 0][0] > sizes[owners == 1][0]
+
+
+def _free_port_in(lo, hi):
+    import random
+    import socket
+    for port in random.sample(range(lo, hi + 1), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    pytest.fail(f"no free port in [{lo}, {hi}]")
+
+
+def test_scheduler_environment_with_auto(tmp_path, reference):
+    """The same worker under a (simulated) Open MPI launch: WHALEX_DISTRIBUTED=auto makes whalex call
+    jax.distributed.initialize() with no arguments, and JAX's cluster detection finds the group."""
+    port = _free_port_in(65536 - 4096, 65535)             # JAX derives the port from the Open MPI job id
+    job_id = (port - (65536 - 4096)) * 4096
+    procs = []
+    for i in range(2):
+        env = child_env(1)
+        env.update(WHALEX_DISTRIBUTED="auto", OMPI_MCA_orte_hnp_uri=f"{job_id}.0;tcp://127.0.0.1:1",
+                   OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_RANK=str(i), OMPI_COMM_WORLD_LOCAL_RANK=str(i))
+        procs.append(subprocess.Popen([sys.executable, "launch_worker.py", str(tmp_path)], env=env, cwd=HERE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert all(p.returncode == 0 for p in procs), "\n".join(outs)
+    check_results(tmp_path, reference, 1)
+
+
+def test_launch_propagates_failure_and_stops_the_others(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "i = int(os.environ['WHALEX_PROCESS_ID'])\n"
+        "print('up', i, os.environ['WHALEX_NUM_PROCESSES'], os.environ['WHALEX_COORDINATOR_ADDRESS'], flush=True)\n"
+        "if i == 1:\n"
+        "    sys.exit(3)\n"
+        "time.sleep(60)\n")
+    r = run_launch(["-n", "3", "--no-pin", str(script)], child_env(1), timeout=40)
+    assert r.returncode == 3, r.stderr
+    assert "[1] up 1 3 127.0.0.1:" in r.stdout and "process 1 exited with status 3" in r.stderr
+    ok = tmp_path / "ok.py"
+    ok.write_text("import sys; print('args', sys.argv[1:])\n")
+    r = run_launch(["-n", "2", str(ok), "--flag", "x"], child_env(1), timeout=40)
+    assert r.returncode == 0 and "[0] args ['--flag', 'x']" in r.stdout and "[1] args" in r.stdout
+
+
+def test_core_sets():
+    from whalex.launch import core_sets
+    assert core_sets(2, None, True, [0, 1]) == [[0], [1]]
+    assert core_sets(3, None, True, [0, 1]) == [None] * 3              # more processes than cores
+    assert core_sets(2, 2, True, [0, 1, 2, 3]) == [[0, 1], [2, 3]]
+    assert core_sets(2, None, False, [0, 1]) == [None, None]
+
+
+def test_maybe_initialize_is_a_no_op_without_launch_env():
+    from whalex.distributed import launch_env, maybe_initialize
+    assert launch_env() is None and maybe_initialize() is False
+    assert not jax.distributed.is_initialized() and len(jax.devices()) == 8
+
+
+def test_touching_devices_before_joining_is_a_clear_error():
+    env = child_env(1)
+    env.update(WHALEX_COORDINATOR_ADDRESS="127.0.0.1:1", WHALEX_NUM_PROCESSES="2", WHALEX_PROCESS_ID="1")
+    code = ("import jax; jax.devices()\n"
+            "import warnings; warnings.simplefilter('error')\n"
+            "try:\n"
+            "    import whalex\n"
+            "except RuntimeWarning as w:\n"
+            "    print('warned:', w)\n"
+            "warnings.simplefilter('ignore')\n"
+            "import whalex as wh\n"
+            "try:\n"
+            "    wh.Cluster.detect()\n"
+            "except RuntimeError as e:\n"
+            "    print('raised:', e)\n")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "warned: this is process 1 of 2" in r.stdout
+    assert "raised: this is process 1 of 2" in r.stdout and "maybe_initialize()" in r.stdout
