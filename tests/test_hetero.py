@@ -134,3 +134,27 @@ def test_even_split_head_on_a_homogeneous_cluster_uses_plain_sharding():
     loss_fn, params, batch = _head_model()
     step, state = assert_matches(loss_fn, params, batch, steps=3)
     assert step.plan.balance is None and state.params["kernel"].shape == (24, 640)
+
+
+def test_memory_model_predicts_xla_memory_analysis():
+    """The per-device activation model (a line through XLA's temp bytes at 16 and 64 rows)
+    predicts the compiled temp memory at another batch size."""
+    from whalex.api import _micro_batch
+    from whalex.balance.cost import activation_model, temp_bytes
+    from whalex.lowering.capture import capture
+    from whalex.lowering.interpret import make_evaluator
+    loss_fn, params, batch = plain_model("dp", "ctx")
+
+    def make(rows):
+        c = capture(loss_fn, params, _micro_batch(batch, rows))
+        ev, n = make_evaluator(c.jaxpr, {}, None), c.num_params
+
+        def f(*leaves):
+            return jax.value_and_grad(lambda ps: ev(*ps, *leaves[n:])[0])(list(leaves[:n]))
+        return (f, *[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in c.jaxpr.jaxpr.invars])
+
+    base, per = activation_model(make)
+    assert per > 0
+    for rows in (40, 128):
+        predicted = base + rows * per
+        assert abs(predicted - temp_bytes(*make(rows))) / temp_bytes(*make(rows)) < 0.10
