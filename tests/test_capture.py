@@ -53,3 +53,29 @@ def test_plan_reports_flops_and_xla_memory():
     head_bytes = (24 * 320 + 320) * 4
     assert abs(plan.memory[0].params - (full - head_bytes + head_bytes / 8)) < 1
     assert abs(plan.memory[0].opt_state - 2 * plan.memory[0].params) < 64
+
+
+def test_scan_flops_are_counted_per_iteration():
+    """XLA's cost analysis counts a loop body once; the plan counts it `length` times."""
+    from whalex.balance.profile import taskgraph_flops
+
+    def unrolled_or_scanned(scan):
+        def loss_fn(p, b):
+            def body(c, _):
+                return jnp.tanh(c @ p["w"]), None
+            if scan:
+                h, _ = jax.lax.scan(body, b["x"], None, length=10)
+            else:
+                h = b["x"]
+                for _ in range(10):
+                    h, _ = body(h, None)
+            return jnp.mean(h ** 2)
+        return loss_fn
+
+    params = {"w": jnp.ones((64, 64)) / 64}
+    batch = {"x": jnp.ones((32, 64))}
+    flops = {}
+    for scan in (True, False):
+        cap = capture(unrolled_or_scanned(scan), params, batch)
+        flops[scan] = sum(taskgraph_flops(cap.jaxpr, cap.assign, len(cap.taskgraphs)))
+    assert abs(flops[True] / flops[False] - 1) < 0.15, flops
