@@ -5,7 +5,7 @@ one jitted step.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import numpy as np
@@ -390,7 +390,6 @@ def _pipeline_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, 
         o_bytes = sb(oshapes, ospecs, dict(zip(layout.axis_names, layout.axis_sizes)))
     memory = tuple(DeviceMemory(i, sp.name, float(width), float(width), o_bytes, float(sp.memory_bytes))
                    for i, sp in enumerate(cluster.specs[: layout.size]))
-    stage_of_device = {d: s for s in range(num_stages) for d in placement[s]}
     from whalex.lowering.patterns import Comm
     comms = []
     grad_bytes = program.param_width * np.dtype(program.param_dtype).itemsize

@@ -9,8 +9,6 @@ per-device work proportional to its real shard.
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import optax
 

@@ -7,7 +7,6 @@ from typing import Any
 
 from whalex.balance.profile import DeviceMemory
 from whalex.lowering.patterns import Comm, PatternChoice
-from whalex.lowering.step import Program
 from whalex.mesh.cluster import Cluster
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
 from whalex.primitives.config import Config

@@ -10,7 +10,6 @@ import dataclasses
 from typing import Sequence
 
 import jax
-import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,8 +6,6 @@ with their backward pass (`jax.vjp`) and `Lowered.cost_analysis()` reports the g
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
-
 import jax
 import jax.extend
 import numpy as np

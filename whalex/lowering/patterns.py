@@ -22,8 +22,7 @@ collectives, so the maths is that of the unannotated model by construction.
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 from jax.sharding import PartitionSpec as P
@@ -286,7 +285,6 @@ class _Planner:
         name = eqn.primitive.name
         batch = any(i.batch for i in ins)
         outs = eqn.outvars
-        ma = vd.model_axes
         if name == "dot_general":
             res = self.matmul(path, frame, eqn, ins, tg, vd)
             if res is not None:

@@ -26,7 +26,7 @@ from whalex import _compat as C
 from whalex.errors import PlanError
 from whalex.lowering.capture import Captured
 from whalex.lowering.schedules import Schedule
-from whalex.state import TrainState
+from whalex.lowering.emit import Emitter
 
 STAGE, DATA = "stage", "data"
 
@@ -146,7 +146,7 @@ def _unpack(flat, slots):
 
 
 @dataclasses.dataclass(frozen=True)
-class PipelineProgram:
+class PipelineProgram(Emitter):
     """The pipelined training step: packed stage parameters, schedule tables and the mesh."""
 
     captured: Captured           # traced at micro-batch size
@@ -219,12 +219,6 @@ class PipelineProgram:
         return jax.tree.unflatten(self.captured.batch_tree, [
             jax.ShapeDtypeStruct((self.global_batch,) + tuple(v.aval.shape[1:]), v.aval.dtype)
             for v in self._batch_vars])
-
-    def state_shardings(self):
-        from whalex.lowering.step import opt_state_specs
-        specs, _ = opt_state_specs(self.optimizer, self.packed_shapes(), [P(STAGE)])
-        named = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
-        return TrainState(params=self.param_shardings, opt_state=named, step=NamedSharding(self.mesh, P()))
 
     # -- the stage functions -------------------------------------------------------------------
     def _stage_fn(self, s: int):
@@ -352,52 +346,23 @@ class PipelineProgram:
         return jax.shard_map(body, mesh=self.mesh, in_specs=({"stages": P(STAGE)}, P(DATA)),
                              out_specs=(P(), {"stages": P(STAGE)}), check_vma=False)
 
-    def train_step(self):
+    # -- what the emitter needs -------------------------------------------------------------------
+    has_aux = False
+
+    def param_shapes(self):
+        return self.packed_shapes()
+
+    def param_spec_list(self):
+        return [P(STAGE)]
+
+    def prepare_params(self, params):
+        return self.pack_params(params)
+
+    def value_and_grad(self):
         loss_and_grads = self.loss_and_grads()
-        optimizer = self.optimizer
 
-        def step(state: TrainState, batch):
-            loss, grads = loss_and_grads(state.params, batch)
-            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
-            return TrainState(params=params, opt_state=opt_state, step=state.step + 1), {"loss": loss}
+        def vg(params, batch):
+            loss, grads = loss_and_grads(params, batch)
+            return (loss, None), grads
 
-        return step
-
-    def jitted(self, donate: bool = True):
-        replicated = NamedSharding(self.mesh, P())
-        if self.optimizer is None:
-            return jax.jit(self.loss_and_grads(), in_shardings=(self.param_shardings, self.batch_shardings),
-                           out_shardings=(replicated, self.param_shardings))
-        state = self.state_shardings()
-        return jax.jit(self.train_step(), in_shardings=(state, self.batch_shardings),
-                       out_shardings=(state, replicated), donate_argnums=(0,) if donate else ())
-
-    def abstract_args(self):
-        from whalex.lowering.step import opt_state_specs
-
-        def sds(shapes, shardings):
-            return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
-        batch = sds(self.batch_shapes(), self.batch_shardings)
-        params = sds(self.packed_shapes(), self.param_shardings)
-        if self.optimizer is None:
-            return params, batch
-        shardings = self.state_shardings()
-        _, opt_shapes = opt_state_specs(self.optimizer, self.packed_shapes(), [P(STAGE)])
-        state = TrainState(params=params, opt_state=sds(opt_shapes, shardings.opt_state),
-                           step=jax.ShapeDtypeStruct((), jnp.int32, sharding=shardings.step))
-        return state, batch
-
-    def lower(self):
-        return self.jitted(donate=False).trace(*self.abstract_args()).lower(lowering_platforms=(self.platform,))
-
-    def place_batch(self, batch):
-        from whalex.distributed import place_global     # multi-process: each reads its own rows
-        return place_global(batch, self.batch_shardings)
-
-    def init_state(self, params) -> TrainState:
-        shardings = self.state_shardings()
-        packed = jax.device_put(self.pack_params(params), shardings.params)
-        opt_state = jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(packed)
-        step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
-        return TrainState(params=packed, opt_state=opt_state, step=step)
+        return vg

@@ -9,8 +9,6 @@ runtime needs: it executes `ticks` in lockstep inside one jitted program.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
-
 import numpy as np
 
 from whalex.errors import ConfigError

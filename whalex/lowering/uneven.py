@@ -21,13 +21,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from whalex.lowering.capture import Captured
 from whalex.lowering.interpret import make_evaluator
-from whalex.state import TrainState
+from whalex.lowering.emit import Emitter
 
 DATA = "data"
 
 
 @dataclasses.dataclass(frozen=True)
-class UnevenProgram:
+class UnevenProgram(Emitter):
     captured: Captured           # traced at `unit` rows
     mesh: Any                    # 1-D mesh over every device, axis "data"
     optimizer: optax.GradientTransformation | None
@@ -70,15 +70,12 @@ class UnevenProgram:
         return jax.tree.unflatten(self.captured.batch_tree, [
             jax.ShapeDtypeStruct((k * self.block,) + tuple(v.aval.shape[1:]), v.aval.dtype) for v in invars])
 
-    def state_shardings(self):
-        from whalex.lowering.step import opt_state_specs
-        specs, _ = opt_state_specs(self.optimizer, self.param_shapes(),
-                                   [P()] * self.captured.num_params)
-        named = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
-        return TrainState(params=self.param_shardings, opt_state=named, step=NamedSharding(self.mesh, P()))
+    @property
+    def has_aux(self) -> bool:
+        return self.captured.has_aux
 
-    def unpack_params(self, params):
-        return params
+    def param_spec_list(self):
+        return [P()] * self.captured.num_params
 
     # -- the batch ------------------------------------------------------------------------------
     def pad_batch(self, batch):
@@ -146,54 +143,5 @@ class UnevenProgram:
 
         return run
 
-    def train_step(self):
-        loss_and_grads = self.loss_and_grads()
-        optimizer = self.optimizer
-        has_aux = self.captured.has_aux
-
-        def step(state: TrainState, batch):
-            (value, aux), grads = loss_and_grads(state.params, batch)
-            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
-            metrics = {"loss": value}
-            if has_aux:
-                metrics["aux"] = aux
-            return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
-
-        return step
-
-    def jitted(self, donate: bool = True):
-        replicated = NamedSharding(self.mesh, P())
-        if self.optimizer is None:
-            lg = self.loss_and_grads()
-            return jax.jit(lambda p, b: (lambda r: (r[0][0], r[1]))(lg(p, b)),
-                           in_shardings=(self.param_shardings, self.batch_shardings),
-                           out_shardings=(replicated, self.param_shardings))
-        state = self.state_shardings()
-        return jax.jit(self.train_step(), in_shardings=(state, self.batch_shardings),
-                       out_shardings=(state, replicated), donate_argnums=(0,) if donate else ())
-
-    def abstract_args(self):
-        from whalex.lowering.step import opt_state_specs
-
-        def sds(shapes, shardings):
-            return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
-        batch = sds(self.batch_shapes(), self.batch_shardings)
-        params = sds(self.param_shapes(), self.param_shardings)
-        if self.optimizer is None:
-            return params, batch
-        shardings = self.state_shardings()
-        _, opt_shapes = opt_state_specs(self.optimizer, self.param_shapes(), [P()] * self.captured.num_params)
-        state = TrainState(params=params, opt_state=sds(opt_shapes, shardings.opt_state),
-                           step=jax.ShapeDtypeStruct((), jnp.int32, sharding=shardings.step))
-        return state, batch
-
-    def lower(self):
-        return self.jitted(donate=False).trace(*self.abstract_args()).lower(lowering_platforms=(self.platform,))
-
-    def init_state(self, params) -> TrainState:
-        shardings = self.state_shardings()
-        params = jax.device_put(jax.tree.map(lambda a: jnp.array(a, copy=True), params), shardings.params)
-        opt_state = jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(params)
-        step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
-        return TrainState(params=params, opt_state=opt_state, step=step)
+    def value_and_grad(self):
+        return self.loss_and_grads()

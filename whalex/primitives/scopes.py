@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
-from typing import Any, Callable
+from typing import Any
 
 import jax
 
