@@ -56,5 +56,11 @@ def read(env: dict, v: Any) -> Any:
     return v.val if isinstance(v, Literal) else env[v]
 
 
+def backends_initialized() -> bool:
+    """Whether JAX has started its backends (after which a process group can no longer be joined)."""
+    from jax._src import xla_bridge
+    return xla_bridge.backends_are_initialized()
+
+
 def make_jaxpr(fn, *args) -> ClosedJaxpr:
     return jax.make_jaxpr(fn)(*args)

@@ -13,7 +13,7 @@ import optax
 
 from whalex.balance.profile import DeviceMemory, sharded_bytes, taskgraph_flops
 from whalex.errors import PlanError
-from whalex.lowering.capture import capture
+from whalex.lowering.capture import _dtype, capture
 from whalex.lowering.patterns import plan_shardings
 from whalex.lowering.step import Program, opt_state_specs
 from whalex.mesh.cluster import Cluster
@@ -61,10 +61,6 @@ def _stage_groups(cap) -> list[list[int]]:
 
 def _micro_batch(batch, size):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct((size,) + tuple(np.shape(x)[1:]), _dtype(x)), batch)
-
-
-def _dtype(x):
-    return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
 
 
 def _pipelinable(cap, groups, num_devices: int) -> int | None:
@@ -226,7 +222,7 @@ def _uneven_heads(cap, vds, layout, sharding, cluster, optimizer, mesh):
         opt = 2.0 if optimizer is not None else 0.0
         names = [f"model shard {j} ({cluster.specs[per_model[0, j]].name})" for j in range(len(speeds))]
         per_column = (features + 1) * itemsize * (2 + opt)          # weight, gradient, optimizer state
-        cols, bal = plan_columns(classes, features, speeds, caps, per_column, names)
+        cols, bal = plan_columns(classes, speeds, caps, per_column, names)
         for j, c in enumerate(caps):                                   # every device stores the padded width
             if cols.width * per_column > c:
                 raise PlanError(f"{names[j]} cannot hold the padded head shard of {cols.width} classes "
@@ -238,7 +234,7 @@ def _uneven_heads(cap, vds, layout, sharding, cluster, optimizer, mesh):
         batch_axes = tuple(a for a in vd.batch_axes if layout.axis_size((a,)) > 1)
         head = uneven_head(mesh, axis, batch_axes, cols, cap.global_batch)
         overrides[(i,)] = lambda *args, head=head: [head(*args)]
-        tg_flops = taskgraph_flops(cap.jaxpr, {(j,): int(j == i) for j in range(len(jaxpr.eqns))}, 2)[1]
+        tg_flops = taskgraph_flops(cap.jaxpr, {(j,): 0 if j == i else 1 for j in range(len(jaxpr.eqns))}, 1)[0]
         even = [classes // len(speeds)] * len(speeds)
         reports.append(cost.report([cluster.specs[per_model[0, j]] for j in range(len(speeds))], speeds,
                                    cols.counts, even, source=cluster.speed_source, unit=cols.chunk, applied=True,
@@ -282,7 +278,8 @@ def _balance_data_parallel(loss_fn, params, batch, optimizer, config, cluster, h
         return (f, *[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in c.jaxpr.jaxpr.invars])
 
     cap_u = cap_at(unit)
-    flops_per_sample = sum(taskgraph_flops(cap_u.jaxpr, cap_u.assign, len(cap_u.taskgraphs))) / unit
+    unit_flops = taskgraph_flops(cap_u.jaxpr, cap_u.assign, len(cap_u.taskgraphs))
+    flops_per_sample = sum(unit_flops) / unit
     act_base, act_per = cost.activation_model(make)
     invars = cap_u.jaxpr.jaxpr.invars[: cap_u.num_params]
     shapes = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in invars]
@@ -309,7 +306,7 @@ def _balance_data_parallel(loss_fn, params, batch, optimizer, config, cluster, h
     mesh = layout.build(cluster.devices)
     program = UnevenProgram(cap_u, mesh, optimizer, cluster.platform, tuple(bal.loads), unit, b)
     scale = b / unit
-    flops = [f * scale for f in taskgraph_flops(cap_u.jaxpr, cap_u.assign, len(cap_u.taskgraphs))]
+    flops = [f * scale for f in unit_flops]
     vds = tuple(VirtualDevice(t.index, t.strategy, k, (tuple(range(k)),), (), (DATA,)) for t in cap_u.taskgraphs)
     infos = _taskgraph_infos(cap_u, vds, flops, [0.0] * len(vds))
     memory = tuple(DeviceMemory(i, s.name, p_bytes, p_bytes, o_bytes, float(s.memory_bytes))
@@ -384,10 +381,9 @@ def _pipeline_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, 
     width = program.param_width * np.dtype(program.param_dtype).itemsize
     o_bytes = 0.0
     if optimizer is not None:
-        from whalex.balance.profile import sharded_bytes as sb
         from whalex.lowering.step import opt_state_specs
         ospecs, oshapes = opt_state_specs(optimizer, program.packed_shapes(), [P(STAGE)])
-        o_bytes = sb(oshapes, ospecs, dict(zip(layout.axis_names, layout.axis_sizes)))
+        o_bytes = sharded_bytes(oshapes, ospecs, dict(zip(layout.axis_names, layout.axis_sizes)))
     memory = tuple(DeviceMemory(i, sp.name, float(width), float(width), o_bytes, float(sp.memory_bytes))
                    for i, sp in enumerate(cluster.specs[: layout.size]))
     from whalex.lowering.patterns import Comm
@@ -421,15 +417,12 @@ def _stage_labels(cap, stage_of_eqn, num_stages):
 
 def _layers(cap, stage_of_eqn, s) -> tuple[str, ...]:
     """Names of the model's top-level layers (Flax module paths) whose equations are in stage s."""
-    from whalex.primitives.scopes import PREFIX
+    from whalex.balance.partition import layer_key
     names = []
     for i, st in enumerate(stage_of_eqn):
-        if st != s:
-            continue
-        parts = [p for p in str(cap.jaxpr.jaxpr.eqns[i].source_info.name_stack).split("/")
-                 if p and not p.startswith(PREFIX)]
-        if len(parts) >= 2 and parts[1] not in names:
-            names.append(parts[1])
+        key = layer_key(cap.jaxpr.jaxpr.eqns[i]) if st == s else None
+        if key is not None and key.split("/")[-1] not in names:
+            names.append(key.split("/")[-1])
     return tuple(names)
 
 

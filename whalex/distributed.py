@@ -81,14 +81,15 @@ def maybe_initialize(initialization_timeout: int = 120, strict: bool = True) -> 
     if env is None and not auto:
         return False
     import jax
-    from jax._src import xla_bridge
+
+    from whalex._compat import backends_initialized
 
     if jax.distributed.is_initialized():
         return False
     if env is not None and env[1] == 1:
         return False
     who = f"process {env[2]} of {env[1]} (started by whalex.launch)" if env else f"a {AUTO}=auto process"
-    if xla_bridge.backends_are_initialized():
+    if backends_initialized():
         msg = (
             f"this is {who}, but JAX's backend was already "
             "initialized before the process group was joined, so each process would only see its own "

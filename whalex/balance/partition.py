@@ -176,9 +176,9 @@ def auto_stages(cap, num_stages: int, cluster, optimizer=None, micro_fraction: f
     if num_stages < 2:
         raise PlanError("auto_parallel needs num_task_graph >= 2 stages; set Config(num_task_graph=k).")
     layers = profile_layers(cap, optimizer)
-    speeds = [min(cluster.speeds[i] for i in devs) for devs in stage_devices(cluster, num_stages, hardware_aware)]
-    caps = [min(cluster.specs[i].memory_bytes for i in devs)
-            for devs in stage_devices(cluster, num_stages, hardware_aware)]
+    placement = stage_devices(cluster, num_stages, hardware_aware)
+    speeds = [min(cluster.speeds[i] for i in devs) for devs in placement]
+    caps = [min(cluster.specs[i].memory_bytes for i in devs) for devs in placement]
     if not hardware_aware:
         speeds = [1.0] * num_stages
     starts = partition([l.flops for l in layers], [l.state_bytes for l in layers],

@@ -240,27 +240,3 @@ def passed_origin(eqn, origin: dict):
             new[j] = d
         return leaf, tuple(new)
     return leaf, dims
-
-
-def param_origins(captured: Captured) -> dict:
-    """(frame, var) -> (leaf, dims) for every variable that is a parameter or passes one through."""
-    origins: dict = {}
-
-    def visit(jaxpr, frame, origin):
-        for v, o in origin.items():
-            origins[(frame, v)] = o
-        for i, eqn in enumerate(jaxpr.eqns):
-            path = frame + (i,)
-            if C.is_call(eqn):
-                sub, _ = C.call_jaxpr(eqn)
-                visit(sub, path, {iv: origin[v] for iv, v in zip(sub.invars, eqn.invars)
-                                  if not isinstance(v, C.Literal) and v in origin})
-                continue
-            passed = passed_origin(eqn, origin)
-            if passed is not None:
-                origin[eqn.outvars[0]] = passed
-                origins[(frame, eqn.outvars[0])] = passed
-
-    jaxpr = captured.jaxpr.jaxpr
-    visit(jaxpr, (), {v: (i, tuple(range(v.aval.ndim))) for i, v in enumerate(jaxpr.invars[:captured.num_params])})
-    return origins

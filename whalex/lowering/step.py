@@ -71,20 +71,20 @@ class Program(Emitter):
     def prepare_params(self, params):
         return self.pad_params(params)
 
-    def pad_params(self, params):
+    def _map_padded(self, params, how: str):
+        """Apply UnevenColumns.pad or .unpad to the uneven-split leaves, leave the rest."""
         if not self.padded:
             return params
         leaves, tree = jax.tree.flatten(params)
-        return jax.tree.unflatten(tree, [self.padded[i][0].pad(x, self.padded[i][1]) if i in self.padded else x
-                                         for i, x in enumerate(leaves)])
+        return jax.tree.unflatten(tree, [getattr(self.padded[i][0], how)(x, self.padded[i][1])
+                                         if i in self.padded else x for i, x in enumerate(leaves)])
+
+    def pad_params(self, params):
+        return self._map_padded(params, "pad")
 
     def unpack_params(self, params):
         """The caller's parameter pytree (uneven split leaves without their padding)."""
-        if not self.padded:
-            return params
-        leaves, tree = jax.tree.flatten(params)
-        return jax.tree.unflatten(tree, [self.padded[i][0].unpad(x, self.padded[i][1]) if i in self.padded else x
-                                         for i, x in enumerate(leaves)])
+        return self._map_padded(params, "unpad")
 
     # -- the functions -----------------------------------------------------------------------
     def loss(self) -> Callable:

@@ -96,9 +96,8 @@ class UnevenProgram(Emitter):
         return jax.tree.map(pad, batch)
 
     def place_batch(self, batch):
-        padded = self.pad_batch(batch)
-        return jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda idx: x[idx]),
-                            padded, self.batch_shardings)
+        from whalex.distributed import place_global     # multi-process: each reads its own rows
+        return place_global(self.pad_batch(batch), self.batch_shardings)
 
     # -- the step -------------------------------------------------------------------------------
     def loss_and_grads(self):

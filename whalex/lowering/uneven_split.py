@@ -134,7 +134,7 @@ def uneven_head(mesh, model_axis: str, batch_axes: tuple, layout: UnevenColumns,
     return head
 
 
-def plan_columns(classes: int, features: int, speeds: Sequence[float], capacities: Sequence[float],
+def plan_columns(classes: int, speeds: Sequence[float], capacities: Sequence[float],
                  bytes_per_column: float, names: Sequence[str]):
     """Algorithm 1 over the class dimension: (UnevenColumns, Balance). `chunk` divides `classes`."""
     from whalex.balance.algorithm import balance
