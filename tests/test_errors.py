@@ -36,8 +36,13 @@ def test_bad_config_values():
         wh.Config(schedule="zigzag")
     with pytest.raises(wh.ConfigError, match="num_micro_batch must be a positive integer"):
         wh.Config(num_micro_batch=0)
-    with pytest.raises(wh.ConfigError, match="not supported by this version"):
-        wh.Config(amp="bf16")
+    with pytest.raises(wh.ConfigError, match="unknown amp"):
+        wh.Config(amp="int8")
+    with pytest.raises(wh.ConfigError, match="unknown remat"):
+        wh.Config(remat="sometimes")
+    with pytest.raises(wh.ConfigError, match="unknown offload"):
+        wh.Config(offload="gpu")
+    assert wh.Config(offload="opt_state").offload == ("opt_state",)
 
 
 def test_device_count_larger_than_cluster():

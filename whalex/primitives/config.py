@@ -28,6 +28,9 @@ _DOTTED = {
     "amp.level": "amp",
     "offload.level": "offload",
     "split.matmul_pattern": "matmul_pattern",
+    "gradient_checkpoint.budget": "memory_budget",
+    "communication.gradients_dtype": "comm_dtype",
+    "amp.loss_scale_period": "loss_scale_period",
 }
 
 
@@ -48,6 +51,9 @@ class Config:
     amp: Any = None
     offload: Any = None
     matmul_pattern: str = "auto"
+    memory_budget: Any = None      # bytes per device for remat="auto" (None: the device's memory)
+    comm_dtype: Any = None         # gradient all-reduce dtype: None (param dtype), "bf16", "fp16"
+    loss_scale_period: int = 2000  # amp="fp16": steps without overflow before the scale doubles
 
     def __init__(self, options: Mapping[str, Any] | None = None, /, **kwargs: Any):
         fields = {f.name: f.default for f in dataclasses.fields(Config)}
@@ -84,15 +90,39 @@ class Config:
         for name in ("auto_parallel", "hardware_aware"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}.")
-        for name in ("remat", "amp", "offload"):
-            if getattr(self, name) is not None:
-                raise ConfigError(
-                    f"Config.{name}={getattr(self, name)!r} is not supported by this version of whalex "
-                    f"(memory optimizations are tracked in issue 6); leave {name}=None.")
-        if self.zero_level:
-            raise ConfigError(
-                "Config.zero_level > 0 is not supported by this version of whalex (tracked in issue 6); "
-                "use zero_level=0.")
+        _validate_memory_options(self)
+
+
+REMAT_MODES = ("full", "auto")          # or the name of a policy in jax.checkpoint_policies
+AMP_MODES = ("bf16", "fp16")
+COMM_DTYPES = ("bf16", "fp16")
+OFFLOAD_TARGETS = ("opt_state", "params", "activations")
+
+
+def _validate_memory_options(cfg: "Config") -> None:
+    """Issue-6 options: ZeRO level, remat, amp, gradient communication dtype, offload."""
+    import jax
+
+    if cfg.remat is not None and cfg.remat not in REMAT_MODES and not (
+            isinstance(cfg.remat, str) and hasattr(jax.checkpoint_policies, cfg.remat)):
+        names = [n for n in dir(jax.checkpoint_policies) if not n.startswith("_")]
+        raise ConfigError(f"unknown remat {cfg.remat!r}; use 'full', 'auto' or a policy name from "
+                          f"jax.checkpoint_policies: {', '.join(names)}.")
+    if cfg.memory_budget is not None and (isinstance(cfg.memory_budget, bool) or
+                                          not isinstance(cfg.memory_budget, (int, float)) or cfg.memory_budget <= 0):
+        raise ConfigError(f"memory_budget must be a positive number of bytes per device, got {cfg.memory_budget!r}.")
+    if cfg.amp is not None and cfg.amp not in AMP_MODES:
+        raise ConfigError(f"unknown amp {cfg.amp!r}; use one of {AMP_MODES} or None.")
+    if cfg.comm_dtype is not None and cfg.comm_dtype not in COMM_DTYPES:
+        raise ConfigError(f"unknown comm_dtype {cfg.comm_dtype!r}; use one of {COMM_DTYPES} or None.")
+    _positive_int("loss_scale_period", cfg.loss_scale_period)
+    if cfg.offload is not None:
+        targets = (cfg.offload,) if isinstance(cfg.offload, str) else tuple(cfg.offload)
+        bad = [t for t in targets if t not in OFFLOAD_TARGETS]
+        if bad or not targets:
+            raise ConfigError(f"unknown offload target(s) {bad or cfg.offload!r}; use one or more of "
+                              f"{OFFLOAD_TARGETS}, e.g. offload='opt_state' or offload=('opt_state', 'params').")
+        object.__setattr__(cfg, "offload", targets)
 
 
 def _field_for(key: str, fields: Mapping[str, Any]) -> str:
