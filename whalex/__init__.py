@@ -9,7 +9,7 @@ from whalex.mesh.specs import SPECS, DeviceSpec
 from whalex.mesh.virtual import VirtualDevice
 from whalex.plan import Plan, TaskGraphInfo
 from whalex.primitives import Config, Strategy, init, replicate, set_default_strategy, split
-from whalex import ops
+from whalex import moe, ops
 from whalex.state import TrainState
 
 __version__ = "0.1.0"

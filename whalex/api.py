@@ -175,6 +175,8 @@ def _spmd_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, cap,
         found = _uneven_heads(cap, vds, layout, sharding, cluster, optimizer, mesh)
         if found is not None:
             overrides, padded, sharding, split_report = found
+    if sharding.experts:
+        overrides = {**(overrides or {}), **_expert_overrides(sharding.experts, mesh)}
     program = Program(cap, sharding, mesh, optimizer, cluster.platform, m, overrides, padded)
     report = report or split_report
 
@@ -196,6 +198,17 @@ def _spmd_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, cap,
                 batch_sizes=(per_device,) * layout.size, global_batch=full.global_batch,
                 param_specs=dict(zip(cap.param_paths, sharding.param_specs)), patterns=sharding.choices,
                 comms=sharding.comms, memory=memory, program=program, balance=report)
+
+
+def _expert_overrides(calls, mesh) -> dict:
+    """MoE experts calls under split -> their expert-parallel shard_map (all-to-all dispatch)."""
+    from whalex.moe.parallel import expert_parallel
+
+    def override(call):
+        fn = expert_parallel(mesh, call.token_axes, call.expert_axes, call.activation)
+        return lambda *args: [fn(*args)]
+
+    return {call.path: override(call) for call in calls}
 
 
 def _uneven_heads(cap, vds, layout, sharding, cluster, optimizer, mesh):

@@ -31,6 +31,7 @@ from whalex import _compat as C
 from whalex.errors import PlanError
 from whalex.lowering.capture import Captured, passed_origin
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
+from whalex.moe.dispatch import parse_call_name
 
 Axes = tuple  # tuple[str, ...]
 
@@ -49,7 +50,7 @@ class Comm:
     """One collective the plan implies, with its per-device traffic in bytes (ring algorithm)."""
 
     taskgraph: int
-    kind: str            # all-reduce | all-gather | reduce-scatter
+    kind: str            # all-reduce | all-gather | reduce-scatter | all-to-all
     axes: Axes
     bytes: float
     reason: str
@@ -67,12 +68,25 @@ class PatternChoice:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExpertCall:
+    """An MoE experts call run expert-parallel: groups over `token_axes`, experts over `expert_axes`."""
+
+    path: tuple
+    taskgraph: int
+    activation: str
+    token_axes: Axes
+    expert_axes: Axes
+    experts_per_device: int
+
+
+@dataclasses.dataclass(frozen=True)
 class ShardingPlan:
     param_specs: tuple[P, ...]
     batch_specs: tuple[P, ...]
     constraints: dict          # (path, "in" | "out", position) -> PartitionSpec
     choices: tuple[PatternChoice, ...]
     comms: tuple[Comm, ...]
+    experts: tuple[ExpertCall, ...] = ()
 
     def comm_bytes(self, taskgraph: int | None = None) -> float:
         return sum(c.bytes for c in self.comms if taskgraph is None or c.taskgraph == taskgraph)
@@ -98,6 +112,7 @@ def _nbytes(aval) -> float:
 
 
 def _ring(kind: str, size: float, n: int) -> float:
+    """Per-device bytes sent for a collective over `size` bytes per device (ring; all-to-all direct)."""
     if n <= 1:
         return 0.0
     return (2.0 if kind == "all-reduce" else 1.0) * (n - 1) / n * size
@@ -123,6 +138,7 @@ class _Planner:
         self.constraints: dict = {}
         self.choices: list[PatternChoice] = []
         self.comms: list[Comm] = []
+        self.experts: list[ExpertCall] = []
         self.b = cap.global_batch
 
     # -- helpers ---------------------------------------------------------------------------
@@ -197,7 +213,7 @@ class _Planner:
             spec = self.param_spec.get(i)
             specs.append(to_spec(tuple(spec)) if spec else P())
         return ShardingPlan(tuple(specs), tuple(batch_specs), self.constraints, tuple(self.choices),
-                            tuple(self.comms))
+                            tuple(self.comms), tuple(self.experts))
 
     def _first_consumers(self, jaxpr) -> dict:
         first: dict = {}
@@ -224,6 +240,13 @@ class _Planner:
             path = frame + (i,)
             tg = self.cap.assign[path]
             vd = self.vds[tg]
+            activation = parse_call_name(str(eqn.params.get("name", ""))) if C.is_call(eqn) else None
+            if activation is not None and vd.model_axes:
+                outs = self.expert_parallel(path, frame, eqn, tg, vd, activation)
+                for v, info in zip(eqn.outvars, outs):
+                    self.info[(frame, v)] = info
+                    self.producer[(frame, v)] = tg
+                continue
             ins = [self.bridge(path, pos, frame, v, tg, vd) for pos, v in enumerate(eqn.invars)]
             if C.is_call(eqn):
                 sub, _ = C.call_jaxpr(eqn)
@@ -273,6 +296,49 @@ class _Planner:
                 self.comm(tg, "all-gather", gathered, size, f"bridge into TG{tg}: gather dim {d}")
         self.constraints[(path, "in", pos)] = to_spec(want)
         return Info(want, info.batch)
+
+    # -- experts (MoE) ----------------------------------------------------------------------
+    def expert_parallel(self, path, frame, eqn, tg, vd, activation) -> list[Info]:
+        """Whale's Example 5: experts split over the model axes, tokens stay data parallel.
+
+        The dispatched buffer [G, E, C, d] keeps its groups sharded over every axis of the replica
+        (no bridge gather); the call becomes an all-to-all / local experts / all-to-all shard_map.
+        """
+        buf, weights = eqn.invars[0], eqn.invars[1:]
+        ma = vd.model_axes
+        n = self.shards(ma)
+        g, e = buf.aval.shape[:2]
+        if e % n:
+            raise PlanError(
+                f"the MoE layer has {e} experts, which cannot be spread evenly over the {n} devices of "
+                f"{self.cap.taskgraphs[tg].name} (wh.{vd.strategy.label()}); use a number of experts that is a "
+                f"multiple of {n}, or a split degree that divides {e}.")
+        token_axes = tuple(a for a in self.layout.axis_names if a in ma or (a in vd.batch_axes and self.shards((a,)) > 1))
+        shards = self.shards(token_axes)
+        if g % self.b or g % shards:
+            raise PlanError(
+                f"the MoE layer routes {g} token groups, which do not divide over the {shards} devices that "
+                f"hold tokens (global batch {self.b}); use a batch size that is a multiple of {shards}.")
+        info = self.read(frame, buf)
+        want = (token_axes,) + _unsplit(len(buf.aval.shape) - 1)
+        if info.spec != want:
+            self.constraints[(path, "in", 0)] = to_spec(want)
+        for w in weights:
+            o = self.param_of(frame, w)
+            if o is None:
+                raise PlanError("the MoE experts' weights must be parameters of the model (leaves of params), "
+                                "so that whalex can shard them over the expert devices.")
+            leaf, dims = o
+            if dims[0] is None or not self.decide_param(leaf, len(dims), dims[0], ma):
+                spec = self.param_spec.get(leaf)
+                if spec is None or spec[dims[0]] != ma:
+                    raise PlanError(f"MoE expert weight {self.cap.param_paths[leaf]} is also used outside the "
+                                    "experts with another layout; give the experts their own parameters.")
+        local = _nbytes(buf.aval) / shards
+        for what in ("dispatch", "combine", "dispatch (bwd)", "combine (bwd)"):
+            self.comm(tg, "all-to-all", ma, local, f"MoE {what}")
+        self.experts.append(ExpertCall(path, tg, activation, token_axes, ma, e // n))
+        return [Info(want, True)]
 
     # -- replicate -------------------------------------------------------------------------
     def replicate_rule(self, eqn, ins, vd):
