@@ -220,3 +220,17 @@ def test_expert_count_not_a_multiple_of_devices_is_refused():
     loss_fn, params, batch = _problem(experts=6, split=8, k=1)
     with pytest.raises(wh.PlanError, match="6 experts, which cannot be spread evenly over the 8 devices"):
         wh.plan(loss_fn, params, batch, has_aux=True)
+
+
+def test_moe_transformer_example_trains_and_matches_single_device():
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import moe_transformer as example
+    args = example.parse_args(["--steps", "12", "--layers", "2", "--d-model", "32", "--expert-hidden", "32",
+                               "--check"])
+    out = example.main(args)
+    ce = [h["ce"] for h in out["history"]]
+    assert ce[-1] < ce[0]                              # it learns
+    assert out["max_rel_err"] < 1e-4                   # and equals single-device training
+    assert "expert parallelism: TG1 experts over model (8 devices, 2 per device)" in out["step"].plan.summary()
