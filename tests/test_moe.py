@@ -234,3 +234,39 @@ def test_moe_transformer_example_trains_and_matches_single_device():
     assert ce[-1] < ce[0]                              # it learns
     assert out["max_rel_err"] < 1e-4                   # and equals single-device training
     assert "expert parallelism: TG1 experts over model (8 devices, 2 per device)" in out["step"].plan.summary()
+
+
+def test_giant_style_plan_on_an_abstract_cluster_memory_and_lowering():
+    """Example 5 planned for 64 abstract V100s from shapes only; memory model checked by hand."""
+    from whalex.balance.fit import memory_fit
+    import optax
+    e, n, d, h, seq = 128, 64, 64, 256, 32
+    model = Block(experts=e, split=n, k=2, capacity_factor=1.25)
+    x = jax.ShapeDtypeStruct((n, seq, D_IN), jnp.float32)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, seq, D_IN))))["params"]
+    batch = {"x": x, "y": jax.ShapeDtypeStruct((n, seq, 3), jnp.float32)}
+
+    def loss_fn(p, b):
+        out, upd = model.apply({"params": p}, b["x"], mutable=["moe_losses"])
+        return jnp.mean((out - b["y"]) ** 2) + 0.01 * wh.moe.moe_losses(upd)["aux_loss"]
+
+    plan = wh.plan(loss_fn, params, batch, optimizer=optax.adam(1e-3),
+                   cluster=wh.Cluster.abstract(kinds=["V100-32GB"] * n))
+    [call] = plan.program.sharding.experts
+    assert call.experts_per_device == e // n
+    text = plan.lower()
+    assert "all_to_all" in text and f"mhlo.num_partitions = {n}" in text
+    fit = memory_fit(plan)
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    expert = sum(x.size for p, x in leaves if x.shape[:1] == (e,)) * 4
+    rest = sum(x.size for p, x in leaves if x.shape[:1] != (e,)) * 4
+    assert abs(fit.plain.params - (expert / n + rest)) < 1
+    assert abs(fit.plain.opt_state - 2 * fit.plain.params) < 16      # Adam: mu and nu
+    assert fit.plain.activations > 0 and fit.fits and fit.needs == ()
+    # on a (made-up) tiny device the ladder says what it would take
+    # on a (made-up) small device the ladder says what it would take; activations dominate here
+    small = wh.Cluster.abstract(kinds=[wh.DeviceSpec("tiny", 1e12, 1e12, int(0.6 * fit.plain.device_total), 1e11)] * n)
+    tight = memory_fit(wh.plan(loss_fn, params, batch, optimizer=optax.adam(1e-3), cluster=small))
+    assert not tight.fits and tight.needs is not None and "remat" in tight.needs
+    last = next(s for s in tight.ladder if s.option == tight.needs[-1])
+    assert last.fits and last.footprint.device_total <= tight.capacity

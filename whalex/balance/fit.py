@@ -1,0 +1,170 @@
+"""Will the plan fit, and what would make it fit: a per-device memory model from abstract shapes.
+
+Everything here works from shapes and shardings only (`jax.eval_shape`, no allocation, no
+compilation), so it answers for clusters that are not there (`wh.Cluster.abstract`):
+
+- params, grads, optimizer state per device: each leaf's bytes under its PartitionSpec.
+- activations per device: the residuals the backward pass keeps, measured as the leaves of each
+  TaskGraph's `jax.vjp` closure (batch-major ones, divided over the devices that share the batch).
+- the options, applied cumulatively in the order of what they cost: ZeRO 1/2/3 (shard the optimizer
+  state, gradients, parameters of *replicated* leaves over their replicas), remat (keep only
+  TaskGraph inputs, recompute one TaskGraph at a time), bf16 activations (amp), offload of the
+  optimizer state, the parameters, then the gradients (streamed out as they are produced, as
+  ZeRO-Offload does) to host memory. The first prefix that fits is the need (options that save
+  less than 1% of the device's memory are left out of it).
+
+It is a model, not a measurement: XLA may fuse away or add temporaries. On the 8-device example the
+activation estimate is compared against XLA's compiled temp memory in `bench/moe_plan.py`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from whalex.lowering.interpret import subgraph_function
+
+
+@dataclasses.dataclass(frozen=True)
+class Footprint:
+    """Per-device bytes of one training step's state and activations."""
+
+    params: float
+    grads: float
+    opt_state: float
+    activations: float
+    host: float = 0.0          # bytes kept in host memory (offload)
+
+    @property
+    def device_total(self) -> float:
+        return self.params + self.grads + self.opt_state + self.activations
+
+
+@dataclasses.dataclass(frozen=True)
+class FitStep:
+    """The footprint after applying `option` (and every option before it)."""
+
+    option: str
+    footprint: Footprint
+    fits: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryFit:
+    """The plain footprint, the capacity, and the ladder of options tried."""
+
+    capacity: float
+    plain: Footprint
+    ladder: tuple[FitStep, ...]
+    replicated_fraction: float      # share of per-device parameter bytes that ZeRO could shard
+    replicas: int                   # data-parallel replicas of the replicated leaves
+
+    @property
+    def fits(self) -> bool:
+        return self.plain.device_total <= self.capacity
+
+    @property
+    def needs(self) -> tuple[str, ...] | None:
+        """The options needed to fit (empty if it fits as is), or None if nothing here is enough."""
+        if self.fits:
+            return ()
+        prev = self.plain.device_total
+        chosen = []
+        for step in self.ladder:
+            if prev - step.footprint.device_total >= 0.01 * self.capacity:   # skip options that barely help
+                chosen.append(step.option)
+            prev = step.footprint.device_total
+            if step.fits:
+                return tuple(chosen)
+        return None
+
+
+def _bytes(shape, dtype) -> float:
+    return float(np.prod(shape, dtype=np.float64)) * np.dtype(dtype).itemsize
+
+
+def _shards(spec, axis_sizes: dict) -> int:
+    n = 1
+    for entry in spec:
+        for a in (entry if isinstance(entry, tuple) else (entry,)):
+            if a is not None:
+                n *= axis_sizes[a]
+    return n
+
+
+def taskgraph_residuals(cap, divisors: Sequence[int]) -> tuple[list[float], list[float]]:
+    """Per-device bytes (residuals, batch-major inputs) of each TaskGraph's backward pass."""
+    jaxpr = cap.jaxpr.jaxpr
+    consts = set(jaxpr.constvars)
+    b = cap.global_batch
+    param_shapes = {(tuple(v.aval.shape), v.aval.dtype) for v in jaxpr.invars[: cap.num_params]}
+    residuals, inputs_ = [], []
+    for tg in cap.taskgraphs:
+        idx = [i for i in range(len(jaxpr.eqns)) if cap.assign[(i,)] == tg.index]
+        if not idx:
+            residuals.append(0.0)
+            inputs_.append(0.0)
+            continue
+        inputs, _, fn = subgraph_function(jaxpr, idx)
+        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in inputs if v not in consts]
+        floating = [np.issubdtype(a.dtype, np.floating) for a in avals]
+
+        def f(*fa, avals=avals, floating=floating, fn=fn):
+            it = iter(fa)
+            args = [next(it) if fl else jax.numpy.zeros(a.shape, a.dtype) for a, fl in zip(avals, floating)]
+            return [o for o in fn(*args) if np.issubdtype(o.dtype, np.floating)]
+
+        float_avals = [a for a, fl in zip(avals, floating) if fl]
+        closure = jax.eval_shape(lambda *a: jax.vjp(f, *a)[1], *float_avals)
+        def major(s, params=param_shapes):     # batch-major values that are not parameters
+            return len(s.shape) > 0 and s.shape[0] % b == 0 and (tuple(s.shape), s.dtype) not in params
+        div = divisors[tg.index]
+        residuals.append(sum(_bytes(s.shape, s.dtype) for s in jax.tree.leaves(closure) if major(s)) / div)
+        inputs_.append(sum(_bytes(a.shape, a.dtype) for a in float_avals if major(a)) / div)
+    return residuals, inputs_
+
+
+def memory_fit(plan) -> MemoryFit:
+    """The per-device footprint of `plan` (a GSPMD plan) and the options that would make it fit."""
+    program = plan.program
+    cap = program.captured
+    sizes = dict(zip(plan.layout.axis_names, plan.layout.axis_sizes))
+    n = plan.layout.size
+    leaves = [v.aval for v in cap.jaxpr.jaxpr.invars[: cap.num_params]]
+    specs = list(program.sharding.param_specs)
+    per_dev = [_bytes(a.shape, a.dtype) / _shards(s, sizes) for a, s in zip(leaves, specs)]
+    replicas = [n // _shards(s, sizes) for s in specs]
+    params = sum(per_dev)
+    opt_ratio = (plan.memory[0].opt_state / params) if params else 0.0    # e.g. 2.0 for Adam
+    rep_params = sum(p for p, r in zip(per_dev, replicas) if r > 1)
+    sharded_params = sum(p / r for p, r in zip(per_dev, replicas) if r > 1)
+    expert_tgs = {c.taskgraph for c in getattr(program.sharding, "experts", ())}
+    divisors = []
+    for vd in plan.virtual_devices:
+        full = vd.strategy.kind == "replicate" or vd.taskgraph in expert_tgs
+        divisors.append(n if full else max(1, n // vd.device_count))
+    residuals, boundary = taskgraph_residuals(cap, divisors)
+    plain = Footprint(params, params, opt_ratio * params, sum(residuals))
+    cap_bytes = float(min(s.memory_bytes for s in plan.cluster.specs[:n]))
+
+    steps, cur = [], plain
+    saved_p = rep_params - sharded_params
+
+    def add(option, **changes):
+        nonlocal cur
+        cur = dataclasses.replace(cur, **changes)
+        steps.append(FitStep(option, cur, cur.device_total <= cap_bytes))
+
+    if saved_p > 0:
+        add("zero 1", opt_state=cur.opt_state - opt_ratio * saved_p)
+        add("zero 2", grads=cur.grads - saved_p)
+        add("zero 3", params=cur.params - saved_p)
+    add("remat", activations=sum(boundary) + max(residuals, default=0.0))
+    add("amp bf16 activations", activations=cur.activations / 2)
+    add("offload opt_state", opt_state=0.0, host=cur.host + cur.opt_state)
+    add("offload params", params=0.0, host=cur.host + cur.params)
+    add("offload grads", grads=0.0, host=cur.host + cur.grads)
+    rep = max(replicas) if replicas else 1
+    return MemoryFit(cap_bytes, plain, tuple(steps), rep_params / params if params else 0.0, rep)
