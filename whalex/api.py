@@ -13,11 +13,13 @@ import optax
 
 from whalex.balance.profile import DeviceMemory, sharded_bytes, taskgraph_flops
 from whalex.errors import PlanError
-from whalex.lowering.capture import _dtype, capture
+from whalex.lowering.capture import _dtype
+from whalex.memory.precision import amp_loss, capture     # capture: amp casts moved to their first use
+from whalex.memory.remat import configure as configure_memory
 from whalex.lowering.patterns import plan_shardings
 from whalex.lowering.step import Program, opt_state_specs
 from whalex.mesh.cluster import Cluster
-from whalex.mesh.virtual import mesh_layout, virtual_devices
+from whalex.mesh.virtual import DATA, mesh_layout, virtual_devices
 from whalex.plan import Plan, TaskGraphInfo
 from whalex.primitives.config import DEFAULTS, Config
 from whalex.state import TrainState
@@ -87,7 +89,8 @@ def _pipelinable(cap, groups, num_devices: int) -> int | None:
 
 
 # Memory options accepted by Config but not lowered yet: refused at plan time, never ignored.
-_NOT_BUILT = ("zero_level", "remat", "amp", "offload", "comm_dtype")
+_NOT_BUILT = ()
+_NOT_BUILT_OFFLOAD = ()        # offload targets not lowered yet
 
 
 def _refuse_unbuilt(config: Config) -> None:
@@ -96,12 +99,17 @@ def _refuse_unbuilt(config: Config) -> None:
         if value not in (None, 0):
             raise PlanError(f"Config.{name}={value!r} is not lowered by this version of whalex yet; "
                             f"leave {name} at its default.")
+    for target in config.offload or ():
+        if target in _NOT_BUILT_OFFLOAD:
+            raise PlanError(f"Config.offload={config.offload!r}: offloading {target!r} is not lowered by this "
+                            "version of whalex yet; offload 'opt_state' and/or 'params'.")
 
 
 def build_plan(loss_fn: Callable, params, batch, optimizer=None, config=None, cluster=None,
                has_aux: bool = False) -> Plan:
     config, cluster = _resolve(config, cluster)
     _refuse_unbuilt(config)
+    loss_fn = amp_loss(loss_fn, config.amp, has_aux)
     _check_optimizer(optimizer)
     cap = capture(loss_fn, params, batch, has_aux=has_aux)
     m = config.num_micro_batch
@@ -177,27 +185,50 @@ def _spmd_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, cap,
             overrides, padded, sharding, split_report = found
     if sharding.experts:
         overrides = {**(overrides or {}), **_expert_overrides(sharding.experts, mesh)}
-    program = Program(cap, sharding, mesh, optimizer, cluster.platform, m, overrides, padded)
+    from whalex.memory import MemoryOptions, plan_memory, residual_bytes, zero, zero_sharded
+    axis_sizes = dict(zip(layout.axis_names, layout.axis_sizes))
+    readers = [[t.index for t in cap.taskgraphs if i in t.params] for i in range(cap.num_params)]
+    mem = MemoryOptions.from_config(config, zero.data_parallel_axes(readers, [v.batch_axes for v in vds], axis_sizes))
+    program = Program(cap, sharding, mesh, optimizer, cluster.platform, m, overrides, padded, memory=mem)
+    if mem.zero_level >= 2 and layout.axis_names == (DATA,) and layout.size > 1 and not overrides:
+        program = _zero_data_parallel(loss_fn, params, batch, optimizer, cluster, has_aux, full, m, mesh, mem) \
+            or program
+    program = configure_memory(program, config, cluster, [vd.batch_axes for vd in vds] if isinstance(program, Program)
+                               else [(DATA,)] * len(program.captured.taskgraphs),
+                               lambda rows: capture(loss_fn, params, _micro_batch(batch, rows), has_aux=has_aux))
     report = report or split_report
 
     flops = [f * m for f in taskgraph_flops(cap.jaxpr, cap.assign, len(cap.taskgraphs))]
-    infos = _taskgraph_infos(cap, vds, flops, [sharding.comm_bytes(t.index) * m for t in cap.taskgraphs])
-    axis_sizes = dict(zip(layout.axis_names, layout.axis_sizes))
-    pshapes = program.param_shapes()
-    pspecs = jax.tree.unflatten(cap.params_tree, list(sharding.param_specs))
-    p_bytes = sharded_bytes(pshapes, pspecs, axis_sizes)
-    o_bytes = 0.0
-    if optimizer is not None:
-        ospecs, oshapes = opt_state_specs(optimizer, pshapes, sharding.param_specs)
-        o_bytes = sharded_bytes(oshapes, ospecs, axis_sizes)
-    memory = tuple(DeviceMemory(i, s.name, p_bytes, p_bytes, o_bytes, float(s.memory_bytes))
-                   for i, s in enumerate(cluster.specs[: layout.size]))
+    comms = sharding.comms
+    if mem.zero_level:
+        owner = {cap.param_paths[i]: (r[0] if r else 0) for i, r in enumerate(readers)}
+        comms = zero.comms(comms, mem.zero_level, zero_sharded(program, cap.param_paths), owner)
+    infos = _taskgraph_infos(cap, vds, flops, [sum(c.bytes for c in comms if c.taskgraph == t.index) * m
+                                               for t in cap.taskgraphs])
+    memory = plan_memory(program, cluster.specs[: layout.size],
+                         residual_bytes(cap.jaxpr, cap.num_params) / layout.size)
     first = vds[cap.assign[(0,)]] if cap.assign else vds[0]
     per_device = full.global_batch // layout.axis_size(first.batch_axes)
     return Plan(cluster=cluster, config=config, layout=layout, task_graphs=tuple(infos), virtual_devices=vds,
                 batch_sizes=(per_device,) * layout.size, global_batch=full.global_batch,
                 param_specs=dict(zip(cap.param_paths, sharding.param_specs)), patterns=sharding.choices,
-                comms=sharding.comms, memory=memory, program=program, balance=report)
+                comms=comms, memory=memory, program=program, balance=report)
+
+
+def _zero_data_parallel(loss_fn, params, batch, optimizer, cluster, has_aux, full, m, mesh, mem):
+    """ZeRO 2/3 on a pure data-parallel plan as explicit collectives: the shard_map program of
+    uneven data parallelism with even counts, whose reduce-scatter XLA keeps on every backend
+    (XLA's CPU compiler writes a GSPMD gradient reduce-scatter as all-reduce + dynamic-slice)."""
+    import dataclasses as dc
+
+    from whalex.lowering.uneven import UnevenProgram
+    n, b = mesh.size, full.global_batch
+    if b % (n * m):
+        return None
+    unit = b // (n * m)
+    cap = capture(loss_fn, params, _micro_batch(batch, unit), has_aux=has_aux)
+    mem = dc.replace(mem, zero_axes=((DATA,),) * cap.num_params)
+    return UnevenProgram(cap, mesh, optimizer, cluster.platform, (m,) * n, unit, b, mem)
 
 
 def _expert_overrides(calls, mesh) -> dict:
@@ -314,7 +345,9 @@ def _balance_data_parallel(loss_fn, params, batch, optimizer, config, cluster, h
     if optimizer is not None:
         o_bytes = sum(float(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
                       for x in jax.tree.leaves(jax.eval_shape(optimizer.init, shapes)))
-    state = 2 * p_bytes + o_bytes
+    from whalex.memory import MemoryOptions, account, plan_memory, residual_bytes
+    mem = MemoryOptions.from_config(config, ((DATA,),) * cap_u.num_params)
+    state = sum(account(p_bytes, o_bytes, p_bytes / k, o_bytes / k, mem)[:3])   # ZeRO: ~1/k of a sharded part
     units = b // unit
     names = [f"device {i} ({s.name})" for i, s in enumerate(cluster.specs)]
     bal = balance(units, cluster.speeds, [float(s.memory_bytes) for s in cluster.specs],
@@ -330,13 +363,13 @@ def _balance_data_parallel(loss_fn, params, batch, optimizer, config, cluster, h
         return report, None
     layout = MeshLayout((DATA,), (k,))
     mesh = layout.build(cluster.devices)
-    program = UnevenProgram(cap_u, mesh, optimizer, cluster.platform, tuple(bal.loads), unit, b)
+    program = UnevenProgram(cap_u, mesh, optimizer, cluster.platform, tuple(bal.loads), unit, b, mem)
+    program = configure_memory(program, config, cluster, [(DATA,)] * len(cap_u.taskgraphs))
     scale = b / unit
     flops = [f * scale for f in unit_flops]
     vds = tuple(VirtualDevice(t.index, t.strategy, k, (tuple(range(k)),), (), (DATA,)) for t in cap_u.taskgraphs)
     infos = _taskgraph_infos(cap_u, vds, flops, [0.0] * len(vds))
-    memory = tuple(DeviceMemory(i, s.name, p_bytes, p_bytes, o_bytes, float(s.memory_bytes))
-                   for i, s in enumerate(cluster.specs))
+    memory = plan_memory(program, cluster.specs, residual_bytes(cap_u.jaxpr, cap_u.num_params))  # one chunk live
     plan = Plan(cluster=cluster, config=config, layout=layout, task_graphs=tuple(infos), virtual_devices=vds,
                 batch_sizes=tuple(rows), global_batch=b, param_specs={p: P() for p in cap_u.param_paths},
                 patterns=(), comms=(), memory=memory, program=program, balance=report)
@@ -387,8 +420,15 @@ def _pipeline_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, 
     grid = [[placement[s][r] for s in range(num_stages)] for r in range(dp)]
     ordered = [cluster.devices[i] for row in grid for i in row] if cluster.devices is not None else None
     mesh = layout.build(ordered)
-    program = PipelineProgram(cap, cut, schedule, mesh, optimizer, cluster.platform, full.global_batch, dp)
+    from whalex.memory import MemoryOptions, plan_memory
+    mem = MemoryOptions.from_config(config, ((DATA,),))
+    program = PipelineProgram(cap, cut, schedule, mesh, optimizer, cluster.platform, full.global_batch, dp, mem)
     _ = program.param_dtype
+    if config.remat not in (None, "full") or "activations" in (config.offload or ()):
+        raise PlanError(f"a pipeline already recomputes each stage's forward from its stashed input (remat='full'); "
+                        f"remat={config.remat!r} / offload={config.offload!r} are not supported with pipelines. Use "
+                        "remat=None or 'full' and offload 'opt_state'/'params' only.")
+    program = configure_memory(program, config.replace(remat=None), cluster, [(DATA,)] * num_stages)
 
     assign = {(i,): s for i, s in enumerate(stage_of_eqn)}
     flops = [f * m * dp for f in taskgraph_flops(cap.jaxpr, assign, num_stages)]
@@ -404,20 +444,21 @@ def _pipeline_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, 
         msg = 0.0                      # filled in from the plan's collectives below
         infos.append(TaskGraphInfo(s, f"stage {s}: {labels[s]}", True, 1, groups[0], dp, len(cut.eqns[s]),
                                    sum(sizes), float(nbytes), flops[s], float(msg)))
-    width = program.param_width * np.dtype(program.param_dtype).itemsize
-    o_bytes = 0.0
-    if optimizer is not None:
-        from whalex.lowering.step import opt_state_specs
-        ospecs, oshapes = opt_state_specs(optimizer, program.packed_shapes(), [P(STAGE)])
-        o_bytes = sharded_bytes(oshapes, ospecs, dict(zip(layout.axis_names, layout.axis_sizes)))
-    memory = tuple(DeviceMemory(i, sp.name, float(width), float(width), o_bytes, float(sp.memory_bytes))
-                   for i, sp in enumerate(cluster.specs[: layout.size]))
+    stash = (schedule.slots + schedule.grad_slots) * program.message_width * 4      # stashed stage inputs
+    memory = plan_memory(program, cluster.specs[: layout.size], float(stash))
     from whalex.lowering.patterns import Comm
     comms = []
     grad_bytes = program.param_width * np.dtype(program.param_dtype).itemsize
+    level = mem.zero_level
     for s in range(num_stages):
-        if dp > 1:
+        if dp > 1 and level >= 2:
+            comms.append(Comm(s, "reduce-scatter", (DATA,), (dp - 1) / dp * grad_bytes,
+                              f"gradient sync over replicas (zero {level})"))
+        elif dp > 1:
             comms.append(Comm(s, "all-reduce", (DATA,), 2.0 * (dp - 1) / dp * grad_bytes, "gradient sync over replicas"))
+        if dp > 1 and level >= 1:
+            comms.append(Comm(s, "all-gather", (DATA,), (dp - 1) / dp * grad_bytes,
+                              f"zero {level}: stage parameters over replicas"))
         sends = (s < num_stages - 1) + (s > 0)
         if sends:
             comms.append(Comm(s, "collective-permute", (STAGE,), float(schedule.num_ticks * sends *

@@ -143,8 +143,24 @@ class Plan:
         for (kind, b, _, _), ms in groups.items():
             m = ms[0]
             mem_rows.append([_devices(tuple(x.device for x in ms)), kind, str(b), _fmt_bytes(m.params),
-                             _fmt_bytes(m.grads), _fmt_bytes(m.opt_state), _fmt_bytes(m.capacity)])
+                             _fmt_bytes(m.grads), _fmt_bytes(m.opt_state), _fmt_bytes(m.activations),
+                             _fmt_bytes(m.host), _fmt_bytes(m.capacity)])
         return tg_rows, pat_rows, mem_rows
+
+    def _memory_lines(self) -> list[str]:
+        """Each memory optimization's share of the per-device memory (from the plan's shardings)."""
+        shares = self.memory[0].shares if self.memory else ()
+        lines = []
+        if shares:
+            lines.append("memory optimizations, per device:")
+            width = max(len(x.component) for x in shares)
+            lines += [f"  {x.component:<{width}}  {_fmt_bytes(x.before)} -> {_fmt_bytes(x.after)} ({x.by})"
+                      for x in shares]
+        level = self.config.zero_level
+        if level and not any(x.by.startswith("zero") for x in shares):
+            lines.append(f"zero {level}: nothing to shard (no parameter has a data-parallel axis of more than one "
+                         "device and a dimension it divides)")
+        return lines
 
     def summary(self, compiled_memory: bool = False) -> str:
         """A readable table of the plan; `compiled_memory=True` adds XLA's per-device memory analysis."""
@@ -188,8 +204,11 @@ class Plan:
             lines.append("sharding patterns (least communication wins):")
             lines += _table(["TaskGraph", "unit", "parameter", "pattern", "candidate costs"], pat_rows)
         lines.append("per device:")
-        lines += _table(["devices", "kind", "batch", "params", "grads", "opt state", "capacity"], mem_rows)
+        lines += _table(MEMORY_COLUMNS, mem_rows)
+        lines += self._memory_lines()
         lines.append(f"predicted collective traffic per step and device: {_fmt_bytes(self.predicted_comm_bytes)}")
+        from whalex.memory.remat import summary_lines     # remat per TaskGraph, amp, comm dtype
+        lines += summary_lines(self.program)
         if compiled_memory or "memory" in self._cache:
             m = self.compiled_memory()
             lines.append("XLA memory analysis per device: " + ", ".join(
@@ -213,8 +232,11 @@ class Plan:
                         "FLOPs (fwd+bwd)", "comm/device"], tg_rows)]
         if pat_rows:
             parts.append(table(["TaskGraph", "unit", "parameter", "pattern", "candidate costs"], pat_rows))
-        parts.append(table(["devices", "kind", "batch", "params", "grads", "opt state", "capacity"], mem_rows))
+        parts.append(table(MEMORY_COLUMNS, mem_rows))
         return "\n".join(parts)
+
+
+MEMORY_COLUMNS = ["devices", "kind", "batch", "params", "grads", "opt state", "activations", "host", "capacity"]
 
 
 def _fmt_time(s: float) -> str:

@@ -96,8 +96,19 @@ def taskgraph_flops(closed: C.ClosedJaxpr, assign: dict, num_taskgraphs: int) ->
 
 
 @dataclasses.dataclass(frozen=True)
+class Share:
+    """What one memory optimization did to one component of a device's memory."""
+
+    component: str          # "params", "grads", "optimizer state", "activations"
+    before: float
+    after: float
+    by: str                 # e.g. "zero 1", "offload to pinned_host"
+
+
+@dataclasses.dataclass(frozen=True)
 class DeviceMemory:
-    """Bytes one device holds for the training state (from the plan's shardings)."""
+    """Bytes one device holds for the training state (from the plan's shardings); offloaded
+    state counts in `host`, and `shares` says what each memory optimization saved."""
 
     device: int
     kind: str
@@ -105,6 +116,9 @@ class DeviceMemory:
     grads: float
     opt_state: float
     capacity: float
+    activations: float = 0.0     # forward values kept for the backward (model estimate)
+    host: float = 0.0            # bytes kept in pinned host memory between steps
+    shares: tuple[Share, ...] = ()
 
     @property
     def state(self) -> float:

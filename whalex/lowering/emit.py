@@ -14,6 +14,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from whalex.memory import MemoryOptions, offload, precision, zero
 from whalex.state import TrainState
 
 
@@ -42,13 +43,19 @@ def with_shardings(shapes, shardings):
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
-def make_train_step(value_and_grad: Callable, optimizer, has_aux: bool) -> Callable:
-    """(state, batch) -> (state, metrics): gradients, then the optax update."""
+def make_train_step(value_and_grad: Callable, optimizer, has_aux: bool, shard_update: Callable | None = None) -> Callable:
+    """(state, batch) -> (state, metrics): gradients, then the optax update.
+
+    `shard_update(params, grads) -> (params, grads)` lays both out for the update (ZeRO: each
+    device updates only its shard)."""
 
     def step(state: TrainState, batch):
         (value, aux), grads = value_and_grad(state.params, batch)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        params = state.params
+        if shard_update is not None:
+            params, grads = shard_update(params, grads)
+        updates, opt_state = optimizer.update(grads, state.opt_state, params)
+        params = optax.apply_updates(params, updates)
         metrics = {"loss": value}
         if has_aux:
             metrics["aux"] = aux
@@ -73,29 +80,116 @@ class Emitter:
         """The caller's parameter pytree from the storage layout (identity by default)."""
         return params
 
+    # -- memory options (ZeRO, offload): whalex/memory ----------------------------------------
+    @property
+    def memory_options(self) -> MemoryOptions:
+        return getattr(self, "memory", None) or MemoryOptions()
+
+    def zero_specs(self) -> list:
+        """Per stored parameter leaf: its planned spec, sharded over its data-parallel axes by ZeRO."""
+        opts = self.memory_options
+        specs = self.param_spec_list()
+        if opts.zero_level == 0 or opts.zero_axes is None:
+            return specs
+        return zero.shard_specs(specs, jax.tree.leaves(self.param_shapes()), opts.zero_axes, dict(self.mesh.shape))
+
+    def _param_named(self, specs):
+        return jax.tree.unflatten(jax.tree.structure(self.param_shapes()),
+                                  [NamedSharding(self.mesh, s) for s in specs])
+
+    def compute_shardings(self) -> TrainState:
+        """Where the state lives while the step computes (device memory): ZeRO layouts."""
+        level = self.memory_options.zero_level
+        zspecs = self.zero_specs()
+        params = self._param_named(zspecs) if level >= 3 else self.param_shardings
+        opt = None
+        if self.optimizer is not None:
+            specs, _ = opt_state_specs(self.optimizer, self.param_shapes(), zspecs if level >= 1 else self.param_spec_list())
+            opt = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+        return TrainState(params=params, opt_state=opt, step=NamedSharding(self.mesh, P()))
+
     def state_shardings(self) -> TrainState:
-        specs, _ = opt_state_specs(self.optimizer, self.param_shapes(), self.param_spec_list())
-        named = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
-        return TrainState(params=self.param_shardings, opt_state=named, step=NamedSharding(self.mesh, P()))
+        """Where the state is stored between steps: the compute layout, offloaded parts on the host."""
+        s = self.compute_shardings()
+        opts = self.memory_options
+        return s.replace(params=offload.on_host(s.params) if opts.offloads("params") else s.params,
+                         opt_state=offload.on_host(s.opt_state) if opts.offloads("opt_state") else s.opt_state,
+                         loss_scale=self._loss_scale(lambda _: s.step))
+
+    def _fetch(self, state: TrainState) -> TrainState:
+        """Inside the step: offloaded parts of the state moved to device memory."""
+        opts = self.memory_options
+        if not opts.offload:
+            return state
+        compute = self.compute_shardings()
+        if opts.offloads("params"):
+            state = state.replace(params=offload.fetch(state.params, compute.params))
+        if opts.offloads("opt_state") and state.opt_state is not None:
+            state = state.replace(opt_state=offload.fetch(state.opt_state, compute.opt_state))
+        return state
+
+    def _shard_update(self):
+        """ZeRO 1/2: (params, grads) -> the same on each device's shard (3: already sharded)."""
+        level = self.memory_options.zero_level
+        if level == 0:
+            return None
+        shards = self._param_named(self.zero_specs())
+
+        def shard_update(params, grads):
+            if level >= 2:
+                grads = jax.lax.with_sharding_constraint(grads, shards)
+            if level < 3:
+                params = jax.lax.with_sharding_constraint(params, shards)
+            return params, grads
+
+        return shard_update
+
+    def _loss_scale(self, leaf: Callable):
+        """amp="fp16": the dynamic loss scale with `leaf(initial array)` at each leaf; else None."""
+        prec = getattr(self, "precision", None)
+        if prec is None or not prec.scaled:
+            return None
+        return jax.tree.map(leaf, precision.LossScale.initial())
 
     def train_step(self) -> Callable:
-        return make_train_step(self.value_and_grad(), self.optimizer, self.has_aux)
+        def build(value_and_grad):
+            return make_train_step(value_and_grad, self.optimizer, self.has_aux, self._shard_update())
+
+        prec = getattr(self, "precision", None)
+        if prec is not None and prec.scaled:     # fp16: dynamic loss scaling, non-finite steps skipped
+            inner = precision.loss_scaled_step(self.value_and_grad(), build, prec.period)
+        else:
+            inner = build(self.value_and_grad())
+        if not self.memory_options.offload:
+            return inner
+        return lambda state, batch: inner(self._fetch(state), batch)
 
     def grad_step(self) -> Callable:
         value_and_grad = self.value_and_grad()
+        opts = self.memory_options
+        grads_out = self._param_named(self.zero_specs()) if opts.zero_level >= 2 else None
 
         def step(params, batch):
+            if opts.offloads("params"):
+                params = offload.fetch(params, self.compute_shardings().params)
             (value, _), grads = value_and_grad(params, batch)
+            if grads_out is not None:
+                grads = jax.lax.with_sharding_constraint(grads, grads_out)
             return value, grads
 
         return step
+
+    def stored_param_shardings(self):
+        s = self.compute_shardings().params
+        return offload.on_host(s) if self.memory_options.offloads("params") else s
 
     def jitted(self, donate: bool = True):
         """The jitted training step, or a loss-and-gradient step when there is no optimizer."""
         replicated = NamedSharding(self.mesh, P())
         if self.optimizer is None:
-            return jax.jit(self.grad_step(), in_shardings=(self.param_shardings, self.batch_shardings),
-                           out_shardings=(replicated, self.param_shardings))
+            grads = self._param_named(self.zero_specs()) if self.memory_options.zero_level >= 2 else self.param_shardings
+            return jax.jit(self.grad_step(), in_shardings=(self.stored_param_shardings(), self.batch_shardings),
+                           out_shardings=(replicated, grads))
         state = self.state_shardings()
         return jax.jit(self.train_step(), in_shardings=(state, self.batch_shardings),
                        out_shardings=(state, replicated), donate_argnums=(0,) if donate else ())
@@ -103,13 +197,15 @@ class Emitter:
     def abstract_args(self):
         """ShapeDtypeStructs with shardings for every argument of the jitted step."""
         batch = with_shardings(self.batch_shapes(), self.batch_shardings)
-        params = with_shardings(self.param_shapes(), self.param_shardings)
+        params = with_shardings(self.param_shapes(), self.stored_param_shardings())
         if self.optimizer is None:
             return params, batch
         shardings = self.state_shardings()
         _, opt_shapes = opt_state_specs(self.optimizer, self.param_shapes(), self.param_spec_list())
         state = TrainState(params=params, opt_state=with_shardings(opt_shapes, shardings.opt_state),
-                           step=jax.ShapeDtypeStruct((), jnp.int32, sharding=shardings.step))
+                           step=jax.ShapeDtypeStruct((), jnp.int32, sharding=shardings.step),
+                           loss_scale=self._loss_scale(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                                      sharding=shardings.step)))
         return state, batch
 
     def lower(self):
@@ -121,9 +217,12 @@ class Emitter:
 
     def init_state(self, params) -> TrainState:
         """Place params (a copy: the step donates its state) and a fresh optimizer state."""
-        shardings = self.state_shardings()
+        shardings, compute = self.state_shardings(), self.compute_shardings()
         params = self.prepare_params(jax.tree.map(lambda a: jnp.array(a, copy=True), params))
-        params = jax.device_put(params, shardings.params)
+        params = jax.device_put(params, compute.params)
         opt_state = jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(params)
+        if self.memory_options.offloads("params"):
+            params = jax.device_put(params, shardings.params)
         step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
-        return TrainState(params=params, opt_state=opt_state, step=step)
+        return TrainState(params=params, opt_state=opt_state, step=step,
+                          loss_scale=self._loss_scale(lambda x: jax.device_put(x, shardings.step)))

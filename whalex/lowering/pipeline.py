@@ -27,6 +27,7 @@ from whalex.errors import PlanError
 from whalex.lowering.capture import Captured
 from whalex.lowering.schedules import Schedule
 from whalex.lowering.emit import Emitter
+from whalex.memory import precision as precision_lib, zero as zero_lib
 
 STAGE, DATA = "stage", "data"
 
@@ -157,6 +158,9 @@ class PipelineProgram(Emitter):
     platform: str
     global_batch: int
     data_parallel: int
+    memory: Any = None           # whalex.memory.MemoryOptions (ZeRO level, offload)
+    precision: Any = None        # whalex.memory.precision.Precision (amp, comm_dtype)
+    remat: Any = None            # always None: stages recompute their forward from the stashed input
 
     # -- packing of parameters ------------------------------------------------------------------
     @functools.cached_property
@@ -174,7 +178,10 @@ class PipelineProgram(Emitter):
 
     @functools.cached_property
     def param_width(self) -> int:
-        return max([sum(s.size for s in slots) for slots in self.param_slots] + [1])
+        width = max([sum(s.size for s in slots) for slots in self.param_slots] + [1])
+        if self.memory_options.zero_level and self.data_parallel > 1:   # ZeRO splits the row over replicas
+            width = -(-width // self.data_parallel) * self.data_parallel
+        return width
 
     @functools.cached_property
     def message_width(self) -> int:
@@ -243,7 +250,9 @@ class PipelineProgram(Emitter):
 
         return fn, live_in, live_out
 
-    def _branches(self, M: int):
+    def _branches(self, M: int, scale=None):
+        """idle, forward and backward branch per stage; the backward of the loss starts from
+        1/M, times the loss scale (amp="fp16") when one is given."""
         S = self.cut.num_stages
         A, W = self.message_width, self.param_width
         dtype = self.param_dtype
@@ -285,7 +294,8 @@ class PipelineProgram(Emitter):
 
                 outs, vjp = jax.vjp(f, unpack_params(params), [live[k] for k in diff])
                 if last:
-                    cts = [jnp.asarray(1.0 / M, outs[0].dtype)]
+                    seed = 1.0 / M if scale is None else scale.astype(outs[0].dtype) / M
+                    cts = [jnp.asarray(seed, outs[0].dtype)]
                 else:
                     cts = [c if jnp.issubdtype(o.dtype, jnp.floating) else np.zeros(o.shape, jax.dtypes.float0)
                            for c, o in zip(_unpack(ct, out_slots), outs)]
@@ -316,8 +326,21 @@ class PipelineProgram(Emitter):
         bwd_perm = [(i + 1, i) for i in range(S - 1)]
         dtype = self.param_dtype
 
-        def body(packed, batch):
-            params = packed["stages"][0]
+        level = self.memory_options.zero_level
+        specs, zspecs = self.param_spec_list(), self.zero_specs()
+
+        prec = self.precision
+        scaled = prec is not None and prec.scaled
+
+        def body(packed, batch, *scale):
+            if scale:                 # amp="fp16": the backward starts from the loss scale
+                branches_ = self._branches(M, scale[0])
+            else:
+                branches_ = branches
+            row = packed["stages"]
+            if level >= 3:            # ZeRO 3: all-gather the stage row over the replicas
+                row = zero_lib.gather([row], specs, zspecs, DATA)[0]
+            params = row[0]
             s = jax.lax.axis_index(STAGE)
             leaves = jax.tree.leaves(batch)
 
@@ -330,7 +353,7 @@ class PipelineProgram(Emitter):
                 gstash = gstash.at[bslot].set(jnp.where(rb >= 0, bin_, gstash[bslot]))
                 mbatch = [jax.lax.dynamic_slice_in_dim(x, m * micro, micro, 0) for x in leaves]
                 branch = jnp.where(kind == 0, 0, jnp.where(kind == 1, 1 + s, 1 + S + s))
-                y, dx, dparams, loss = jax.lax.switch(branch, branches, params, stash[m % slots],
+                y, dx, dparams, loss = jax.lax.switch(branch, branches_, params, stash[m % slots],
                                                       gstash[m % gslots], mbatch)
                 fout = jax.lax.ppermute(y, STAGE, fwd_perm) if S > 1 else y
                 bout = jax.lax.ppermute(dx, STAGE, bwd_perm) if S > 1 else dx
@@ -340,11 +363,16 @@ class PipelineProgram(Emitter):
                     jnp.zeros((), jnp.float32), jnp.zeros(A, jnp.float32), jnp.zeros(A, jnp.float32))
             (_, _, gacc, lacc, _, _), _ = jax.lax.scan(tick, init, tables)
             loss = jax.lax.psum(lacc, (STAGE, DATA)) / (M * dp)
-            grads = jax.lax.psum(gacc, DATA) / dp
-            return loss, {"stages": grads[None]}
+            if level >= 2:            # ZeRO 2: reduce-scatter the stage gradient over the replicas
+                grads = precision_lib.reduce_in(
+                    prec, lambda g: zero_lib.scatter_sum([g[None]], specs, zspecs, DATA)[0], gacc) / dp
+            else:
+                grads = precision_lib.reduce_in(prec, lambda g: jax.lax.psum(g, DATA), gacc)[None] / dp
+            return loss, {"stages": grads}
 
-        return jax.shard_map(body, mesh=self.mesh, in_specs=({"stages": P(STAGE)}, P(DATA)),
-                             out_specs=(P(), {"stages": P(STAGE)}), check_vma=False)
+        return jax.shard_map(body, mesh=self.mesh, in_specs=({"stages": zspecs[0] if level >= 3 else P(STAGE)}, P(DATA))
+                             + ((P(),) if scaled else ()),
+                             out_specs=(P(), {"stages": zspecs[0] if level >= 2 else P(STAGE)}), check_vma=False)
 
     # -- what the emitter needs -------------------------------------------------------------------
     has_aux = False
@@ -361,8 +389,11 @@ class PipelineProgram(Emitter):
     def value_and_grad(self):
         loss_and_grads = self.loss_and_grads()
 
-        def vg(params, batch):
-            loss, grads = loss_and_grads(params, batch)
-            return (loss, None), grads
+        def vg(params, batch, scale=None):
+            if scale is None:
+                loss, grads = loss_and_grads(params, batch)
+                return (loss, None), grads
+            loss, grads = loss_and_grads(params, batch, scale)
+            return (loss, None), precision_lib.unscale(grads, scale)
 
         return vg

@@ -15,6 +15,7 @@ from whalex.lowering.capture import Captured
 from whalex.lowering.interpret import make_evaluator
 from whalex.lowering.patterns import ShardingPlan
 from whalex.lowering.emit import Emitter, opt_state_specs  # noqa: F401 (re-exported)
+from whalex.memory.precision import value_and_grad as scaled_value_and_grad
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +30,9 @@ class Program(Emitter):
     num_micro_batch: int = 1     # > 1: gradient accumulation over micro-batches (captured at micro size)
     overrides: Any = None        # path -> function replacing that equation (uneven split head)
     padded: Any = None           # param leaf -> (UnevenColumns, axis): stored padded per device
+    memory: Any = None           # whalex.memory.MemoryOptions (ZeRO level, offload)
+    precision: Any = None        # whalex.memory.precision.Precision (amp, comm_dtype)
+    remat: Any = None            # whalex.memory.remat.RematPlan (per-TaskGraph remat, activation offload)
 
     # -- shardings -------------------------------------------------------------------------
     def named(self, spec_tree):
@@ -90,24 +94,34 @@ class Program(Emitter):
     def loss(self) -> Callable:
         """loss(params, batch) -> (loss, aux) evaluated with the plan's constraints."""
         cap = self.captured
-        evaluate = make_evaluator(cap.jaxpr, self.sharding.constraints, self.mesh, self.overrides)
+        evaluate = self.evaluator()[0]
+        gather = self.param_shardings if self.memory_options.zero_level >= 3 else None
 
         def loss(params, batch):
+            if gather is not None:       # ZeRO 3: stored sharded, gathered where used
+                params = jax.lax.with_sharding_constraint(params, gather)
             outs = evaluate(*jax.tree.leaves(params), *jax.tree.leaves(batch))
             aux = jax.tree.unflatten(cap.aux_tree, outs[1:]) if cap.has_aux else None
             return outs[0], aux
 
         return loss
 
+    def evaluator(self):
+        """(evaluate, comm report): the captured loss with the plan's constraints, remat and comm dtype."""
+        from whalex.memory.remat import program_evaluator
+        return program_evaluator(self.captured, self.sharding.constraints, self.mesh, self.overrides, self.remat,
+                                 self.precision)
+
     def value_and_grad(self) -> Callable:
-        """(params, batch) -> ((loss, aux), grads); with micro-batches, a scan that accumulates."""
+        """(params, batch[, loss scale]) -> ((loss, aux), grads); with micro-batches, a scan that accumulates."""
         loss = self.loss()
-        grad_shardings = self.param_shardings
+        grad_shardings = self._param_named(self.zero_specs()) if self.memory_options.zero_level >= 2 \
+            else self.param_shardings
         m = self.num_micro_batch
-        vg = jax.value_and_grad(loss, has_aux=True)
+        vg = scaled_value_and_grad(loss)
         if m == 1:
-            def plain(params, batch):
-                (value, aux), grads = vg(params, batch)
+            def plain(params, batch, scale=None):
+                (value, aux), grads = vg(params, batch, scale)
                 return (value, aux), jax.lax.with_sharding_constraint(grads, grad_shardings)
             return plain
         specs = self.sharding.batch_specs
@@ -127,12 +141,12 @@ class Program(Emitter):
             y = x.reshape((dp, m, b // (dp * m)) + x.shape[1:]).swapaxes(0, 1).reshape((m, b // m) + x.shape[1:])
             return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, *spec)))
 
-        def accumulate(params, batch):
+        def accumulate(params, batch, scale=None):
             leaves, tree = jax.tree.flatten(batch)
             micro = jax.tree.unflatten(tree, [split(x, s) for x, s in zip(leaves, specs)])
 
             def body(carry, mb):
-                (value, aux), grads = vg(params, mb)
+                (value, aux), grads = vg(params, mb, scale)
                 grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
                 return (carry[0] + value, jax.tree.map(jnp.add, carry[1], grads)), aux
 

@@ -22,6 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from whalex.lowering.capture import Captured
 from whalex.lowering.interpret import make_evaluator
 from whalex.lowering.emit import Emitter
+from whalex.memory import precision as precision_lib, zero as zero_lib
+from whalex.memory.remat import program_evaluator
 
 DATA = "data"
 
@@ -35,6 +37,9 @@ class UnevenProgram(Emitter):
     counts: tuple[int, ...]      # chunks of `unit` rows per device
     unit: int
     global_batch: int
+    memory: Any = None           # whalex.memory.MemoryOptions (ZeRO level, offload)
+    precision: Any = None        # whalex.memory.precision.Precision (amp, comm_dtype)
+    remat: Any = None            # whalex.memory.remat.RematPlan (per-TaskGraph remat, activation offload)
 
     @property
     def rows(self) -> tuple[int, ...]:
@@ -81,13 +86,16 @@ class UnevenProgram(Emitter):
     def pad_batch(self, batch):
         """Host-side: the global batch laid out in per-device padded blocks (numpy)."""
         k, block = len(self.counts), self.block
+        even = len(set(self.counts)) == 1     # the batch already is the per-device layout
 
         def pad(x):
-            x = np.asarray(x)
-            if x.shape[0] != self.global_batch:
+            if np.shape(x)[0] != self.global_batch:
                 from whalex.errors import PlanError
                 raise PlanError(f"this step was planned for a global batch of {self.global_batch}, got "
-                                f"{x.shape[0]}; call step.init with the new batch to re-plan.")
+                                f"{np.shape(x)[0]}; call step.init with the new batch to re-plan.")
+            if even:
+                return x
+            x = np.asarray(x)
             out = np.zeros((k * block,) + x.shape[1:], x.dtype)
             for i, (a, b) in enumerate(self.row_ranges()):
                 out[i * block:i * block + (b - a)] = x[a:b]
@@ -102,7 +110,7 @@ class UnevenProgram(Emitter):
     # -- the step -------------------------------------------------------------------------------
     def loss_and_grads(self):
         cap = self.captured
-        evaluate = make_evaluator(cap.jaxpr, {}, self.mesh)
+        evaluate = program_evaluator(cap, {}, self.mesh, None, self.remat)[0]
         counts = jnp.asarray(self.counts, jnp.int32)
         unit, total = self.unit, float(self.global_batch)
         has_aux = cap.has_aux
@@ -111,15 +119,24 @@ class UnevenProgram(Emitter):
             outs = evaluate(*jax.tree.leaves(params), *batch)
             return outs[0], outs[1:]
 
-        vg = jax.value_and_grad(loss, has_aux=True)
+        vg = precision_lib.value_and_grad(loss)
+        prec = self.precision
+        scaled = prec is not None and prec.scaled
 
-        def body(params, batch):
+        level = self.memory_options.zero_level
+        specs, zspecs = self.param_spec_list(), self.zero_specs()
+        ptree = self.captured.params_tree
+
+        def body(params, batch, *scale):
+            scale = scale[0] if scale else None
+            if level >= 3:            # ZeRO 3: all-gather the shards once per step, before the loop
+                params = jax.tree.unflatten(ptree, zero_lib.gather(jax.tree.leaves(params), specs, zspecs, DATA))
             leaves = jax.tree.leaves(batch)
             n = counts[jax.lax.axis_index(DATA)]
 
             def chunk(k, acc):
                 mb = [jax.lax.dynamic_slice_in_dim(x, k * unit, unit, 0) for x in leaves]
-                (value, aux), grads = vg(params, mb)
+                (value, aux), grads = vg(params, mb, scale)
                 aux = [a * unit if jnp.issubdtype(a.dtype, jnp.floating) else jnp.zeros_like(a) for a in aux]
                 return (acc[0] + value * unit, jax.tree.map(lambda a, g: a + g * unit, acc[1], grads),
                         [a + b for a, b in zip(acc[2], aux)])
@@ -127,16 +144,23 @@ class UnevenProgram(Emitter):
             aux0 = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in cap.jaxpr.jaxpr.outvars[1:]]
             zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params), aux0)
             value, grads, aux = jax.lax.fori_loop(0, n, chunk, zero)
-            value, grads, aux = jax.lax.psum((value, grads, aux), DATA)       # after the loop, never inside
+            value, aux = jax.lax.psum((value, aux), DATA)                     # after the loop, never inside
+            if level >= 2:            # ZeRO 2: reduce-scatter to each device's shard
+                grads = precision_lib.reduce_in(prec, lambda g: jax.tree.unflatten(
+                    ptree, zero_lib.scatter_sum(jax.tree.leaves(g), specs, zspecs, DATA)), grads)
+            else:
+                grads = precision_lib.reduce_in(prec, lambda g: jax.lax.psum(g, DATA), grads)
             grads = jax.tree.map(lambda g: g / total, grads)
             aux = [a / total for a in aux]
             return value / total, grads, aux
 
-        smap = jax.shard_map(body, mesh=self.mesh, in_specs=(P(), P(DATA)), out_specs=(P(), P(), P()),
-                             check_vma=False)
+        tree = lambda ss: jax.tree.unflatten(ptree, list(ss))  # noqa: E731
+        smap = jax.shard_map(body, mesh=self.mesh, in_specs=(tree(zspecs) if level >= 3 else P(), P(DATA))
+                             + ((P(),) if scaled else ()),
+                             out_specs=(P(), tree(zspecs) if level >= 2 else P(), P()), check_vma=False)
 
-        def run(params, batch):
-            value, grads, aux = smap(params, batch)
+        def run(params, batch, scale=None):
+            value, grads, aux = smap(params, batch, *((scale,) if scaled else ()))
             aux = jax.tree.unflatten(cap.aux_tree, aux) if has_aux else None
             return (value, aux), grads
 

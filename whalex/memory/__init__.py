@@ -1,0 +1,134 @@
+"""Memory optimizations of the training state (issue 6): ZeRO levels and host offload.
+
+`MemoryOptions` is what a program needs from `wh.Config` to lay out and update its state;
+`account` turns the plan's shardings into per-device bytes with each optimization's share.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from whalex.memory.offload import TARGETS as OFFLOAD_TARGETS
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryOptions:
+    """ZeRO level, offloaded state, and per stored parameter leaf its data-parallel mesh axes."""
+
+    zero_level: int = 0
+    offload: tuple[str, ...] = ()                         # subset of ("opt_state", "params")
+    zero_axes: tuple[tuple[str, ...], ...] | None = None  # None: ZeRO has no axes to shard over
+
+    @classmethod
+    def from_config(cls, config, zero_axes: Sequence[Sequence[str]] | None) -> "MemoryOptions":
+        offload = tuple(t for t in (config.offload or ()) if t in OFFLOAD_TARGETS)
+        axes = None if zero_axes is None else tuple(tuple(a) for a in zero_axes)
+        return cls(config.zero_level, offload, axes)
+
+    def offloads(self, what: str) -> bool:
+        return what in self.offload
+
+    @property
+    def active(self) -> bool:
+        return self.zero_level > 0 or bool(self.offload)
+
+
+def account(params: float, opt_state: float, params_zero: float, opt_zero: float, options: MemoryOptions,
+            activations: float = 0.0):
+    """Per-device bytes (params, grads, opt_state, host, shares) from the planned bytes without
+    and with ZeRO sharding. `shares` lists (component, before, after, by) for each optimization
+    that changed a component; offloaded state counts as host memory, not device memory."""
+    from whalex.balance.profile import Share
+
+    level = options.zero_level
+    shares = []
+    p, g, o = params, params, opt_state
+    if level >= 1 and opt_zero < o:
+        shares.append(Share("optimizer state", o, opt_zero, "zero 1"))
+        o = opt_zero
+    if level >= 2 and params_zero < g:
+        shares.append(Share("grads", g, params_zero, "zero 2"))
+        g = params_zero
+    if level >= 3 and params_zero < p:
+        shares.append(Share("params", p, params_zero, "zero 3"))
+        p = params_zero
+    host = 0.0
+    if options.offloads("opt_state") and o > 0:
+        shares.append(Share("optimizer state", o, 0.0, "offload to pinned_host"))
+        host, o = host + o, 0.0
+    if options.offloads("params") and p > 0:
+        shares.append(Share("params", p, 0.0, "offload to pinned_host"))
+        host, p = host + p, 0.0
+    return p, g, o, host, tuple(shares)
+
+
+def residual_bytes(closed, num_params: int) -> float:
+    """Bytes of the forward values the backward keeps (the vjp's residuals, minus the inputs) for
+    one evaluation of the captured loss: the model's activation memory, found by tracing only."""
+    import jax
+    import numpy as np
+    from jax.extend.core import jaxpr_as_fun
+
+    fn = jaxpr_as_fun(closed)
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+    floating = [k for k in range(num_params) if np.issubdtype(avals[k].dtype, np.floating)]
+
+    def residuals(*args):
+        def f(*ps):
+            full = list(args)
+            for k, p in zip(floating, ps):
+                full[k] = p
+            return fn(*full)[0]
+        _, vjp = jax.vjp(f, *[args[k] for k in floating])
+        inputs = {id(a) for a in args}
+        return [r for r in jax.tree.leaves(vjp) if id(r) not in inputs]
+
+    out = jax.eval_shape(residuals, *avals)
+    return float(sum(np.prod(r.shape, dtype=np.float64) * np.dtype(r.dtype).itemsize for r in out))
+
+
+def plan_memory(program, device_specs, activations=0.0):
+    """`DeviceMemory` for every device of a program's plan: state bytes from its shardings without
+    and with its memory options; `activations` is one number or one per device."""
+    import jax
+
+    from whalex.balance.profile import DeviceMemory, sharded_bytes
+    from whalex.lowering.emit import opt_state_specs
+
+    sizes = dict(program.mesh.shape)
+    shapes = program.param_shapes()
+    specs, zspecs = program.param_spec_list(), program.zero_specs()
+    tree = lambda ss: jax.tree.unflatten(jax.tree.structure(shapes), list(ss))  # noqa: E731
+    p, pz = sharded_bytes(shapes, tree(specs), sizes), sharded_bytes(shapes, tree(zspecs), sizes)
+    o = oz = 0.0
+    if program.optimizer is not None:
+        ospecs, oshapes = opt_state_specs(program.optimizer, shapes, specs)
+        o = sharded_bytes(oshapes, ospecs, sizes)
+        ospecs, _ = opt_state_specs(program.optimizer, shapes, zspecs)
+        oz = sharded_bytes(oshapes, ospecs, sizes)
+    params, grads, opt, host, shares = account(p, o, pz, oz, program.memory_options)
+    acts = activations if isinstance(activations, (list, tuple)) else [activations] * len(device_specs)
+    return tuple(DeviceMemory(i, s.name, params, grads, opt, float(s.memory_bytes), float(a), host, shares)
+                 for i, (s, a) in enumerate(zip(device_specs, acts)))
+
+
+def zero_sharded(program, paths) -> dict:
+    """path -> (bytes per device as planned, ZeRO degree, ZeRO axes) for each stored leaf ZeRO
+    divides (the pipeline's one packed leaf is named `paths[0]`)."""
+    import jax
+    import numpy as np
+
+    from whalex.balance.profile import sharded_bytes
+    from whalex.memory import zero
+
+    sizes = dict(program.mesh.shape)
+    out = {}
+    for path, shape, spec, zspec in zip(paths, jax.tree.leaves(program.param_shapes()), program.param_spec_list(),
+                                        program.zero_specs()):
+        n = zero.degree(spec, zspec, sizes)
+        if n > 1:
+            d = zero.zero_dim(spec, zspec)
+            entry = list(zspec)[d]
+            axes = tuple(entry) if isinstance(entry, tuple) else (entry,)
+            out[path] = (sharded_bytes([shape], [spec], sizes), n, axes)
+    return out
