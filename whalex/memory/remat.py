@@ -1,0 +1,366 @@
+"""Rematerialization per TaskGraph (`Config.remat`) and activation offload (`offload="activations"`).
+
+The captured loss is evaluated segment by segment: a segment is a run of consecutive top-level
+equations of one TaskGraph, evaluated through `make_evaluator` (so the plan's sharding constraints
+apply unchanged) and optionally wrapped, e.g. in `jax.checkpoint`. Per TaskGraph the level is
+None (save everything), a `jax.checkpoint_policies` name, or "full" (save nothing but the segment's
+inputs). Communication is never recomputed: values at collective points (constrained values and
+reductions/calls in split TaskGraphs) are tagged with `checkpoint_name(COMM)` and every policy
+saves them. `remat="auto"` measures XLA's compiled memory (`memory_analysis`: arguments + temp)
+and remats the TaskGraphs that save the most until the step fits `Config.memory_budget`.
+
+With activation offload, segment outputs (the values at TaskGraph boundaries) are tagged
+`BOUNDARY` and an outer checkpoint moves them to `pinned_host` memory
+(`save_and_offload_only_these_names`), back to the device for the backward pass.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding
+
+from whalex import _compat as C
+from whalex.errors import PlanError
+from whalex.lowering.interpret import make_evaluator
+
+COMM = "whalex_comm"            # values at collective points: always saved
+BOUNDARY = "whalex_boundary"    # segment outputs: offloaded under offload="activations"
+DOTS = "dots_with_no_batch_dims_saveable"   # the middle rung of remat="auto"
+_REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split())
+
+
+# ----------------------------------------------------------------------------------- segments
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Top-level equations [start, stop) of one TaskGraph, with the values crossing its edges."""
+
+    taskgraph: int
+    start: int
+    stop: int
+    inputs: tuple          # Vars read here and defined before (invars, constvars, earlier outputs)
+    outputs: tuple         # Vars defined here and read later (or returned)
+
+
+def segments(cap) -> tuple[Segment, ...]:
+    """Maximal runs of consecutive top-level equations that belong to one TaskGraph."""
+    jaxpr = cap.jaxpr.jaxpr
+    eqns = jaxpr.eqns
+    runs: list[list[int]] = []
+    for i in range(len(eqns)):
+        tg = cap.assign[(i,)]
+        if runs and cap.assign[(runs[-1][0],)] == tg:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    later_use: dict = {}
+    for i, eqn in enumerate(eqns):
+        for v in eqn.invars:
+            if not isinstance(v, C.Literal):
+                later_use[v] = i
+    returned = {v for v in jaxpr.outvars if not isinstance(v, C.Literal)}
+    out = []
+    for run in runs:
+        start, stop = run[0], run[-1] + 1
+        defined, inputs = set(), []
+        for i in run:
+            for v in eqns[i].invars:
+                if not isinstance(v, C.Literal) and v not in defined and v not in inputs:
+                    inputs.append(v)
+            defined.update(eqns[i].outvars)
+        outputs = [v for i in run for v in eqns[i].outvars
+                   if v in returned or later_use.get(v, -1) >= stop]
+        out.append(Segment(cap.assign[(start,)], start, stop, tuple(inputs), tuple(outputs)))
+    return tuple(out)
+
+
+def segment_function(cap, seg: Segment, constraints: dict, mesh, overrides: dict | None) -> Callable[..., list]:
+    """fn(*seg.inputs) -> seg.outputs: the segment's equations through `make_evaluator`, with the
+    constraints and overrides whose (absolute) paths fall inside it."""
+    jaxpr = cap.jaxpr.jaxpr
+    sub = jaxpr.replace(constvars=[], invars=list(seg.inputs), outvars=list(seg.outputs),
+                        eqns=jaxpr.eqns[seg.start:seg.stop], debug_info=None)
+    cons = {((k[0][0] - seg.start,) + tuple(k[0][1:]),) + tuple(k[1:]): s
+            for k, s in constraints.items() if seg.start <= k[0][0] < seg.stop}
+    ovr = {(p[0] - seg.start,) + tuple(p[1:]): f for p, f in (overrides or {}).items() if seg.start <= p[0] < seg.stop}
+    return make_evaluator(C.ClosedJaxpr(sub, []), cons, mesh, ovr)
+
+
+def run_segments(cap, parts: Sequence[tuple[Segment, Callable]]) -> Callable[..., list]:
+    """Evaluate the captured loss segment by segment: parts = [(segment, fn(*inputs) -> outputs)]."""
+    closed = cap.jaxpr
+    jaxpr = closed.jaxpr
+
+    def evaluate(*args):
+        env = dict(zip(jaxpr.constvars, closed.consts))
+        env.update(zip(jaxpr.invars, args))
+        for seg, fn in parts:
+            env.update(zip(seg.outputs, fn(*[env[v] for v in seg.inputs])))
+        return [C.read(env, v) for v in jaxpr.outvars]
+
+    return evaluate
+
+
+# ----------------------------------------------------------------------------------- collective points
+def comm_overrides(cap, constraints: dict, mesh, split_taskgraphs: set, overrides: dict | None) -> dict:
+    """Overrides that tag the values at collective points with `checkpoint_name(COMM)`: the
+    constrained inputs and outputs of an equation, and the outputs of reductions and calls inside
+    split TaskGraphs (reductions over a split dimension all-reduce). Existing overrides are kept."""
+    overrides = dict(overrides or {})
+    constrained: dict = {}
+    for (path, kind, pos), spec in constraints.items():
+        constrained.setdefault(path, []).append((kind, pos, NamedSharding(mesh, spec)))
+    descended = {p[:k] for p in constrained for k in range(1, len(p) + 1)}   # calls the evaluator enters
+    out = dict(overrides)
+    for path, eqn, _ in cap.walk():
+        if len(path) > 1 and path[:-1] not in descended:
+            continue                                    # inside a call evaluated as one equation
+        if C.is_call(eqn) and path in descended:
+            continue                                    # entered: its equations are tagged instead
+        split = cap.assign.get(path) in split_taskgraphs
+        if not (path in constrained or (split and (eqn.primitive.name in _REDUCTIONS or C.is_call(eqn)))):
+            continue
+        cons = constrained.get(path, [])
+        inner = overrides.get(path)
+
+        def fn(*ins, eqn=eqn, cons=cons, inner=inner):
+            ins = list(ins)
+            for kind, pos, _ in cons:
+                if kind == "in":
+                    ins[pos] = checkpoint_name(ins[pos], COMM)
+            outs = list(inner(*ins)) if inner is not None else C.bind(eqn, ins)
+            for kind, pos, s in cons:
+                if kind == "out":
+                    outs[pos] = jax.lax.with_sharding_constraint(outs[pos], s)
+            return [checkpoint_name(o, COMM) for o in outs]
+
+        out[path] = fn
+    return out
+
+
+# ----------------------------------------------------------------------------------- policies
+def _recompute_marker():
+    off = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[], offload_src="device",
+        offload_dst="pinned_host")
+    return off(jax.lax.add_p)
+
+
+def level_policy(level: str):
+    """The checkpoint policy of one remat level; COMM-tagged values are always saved."""
+    keep = jax.checkpoint_policies.save_only_these_names(COMM)
+    if level == "full":
+        return keep
+    return jax.checkpoint_policies.save_from_both_policies(getattr(jax.checkpoint_policies, level), keep)
+
+
+def offload_policy():
+    """Outer policy under offload="activations": BOUNDARY values go to pinned host, COMM values
+    stay on the device, everything else is saved as usual (inner per-TaskGraph remat decides)."""
+    off = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[COMM], names_which_can_be_offloaded=[BOUNDARY], offload_src="device",
+        offload_dst="pinned_host")
+    recompute = _recompute_marker()
+
+    def policy(prim, *args, **params):
+        decision = off(prim, *args, **params)
+        return True if decision is recompute else decision
+
+    return policy
+
+
+# ----------------------------------------------------------------------------------- the plan
+@dataclasses.dataclass(frozen=True)
+class RematPlan:
+    """What each TaskGraph recomputes, and whether boundary activations are offloaded."""
+
+    levels: tuple            # per TaskGraph: None | "full" | a jax.checkpoint_policies name
+    mode: Any = None         # Config.remat as given ("full", a policy name, "auto", or None)
+    offload: bool = False    # offload="activations"
+    budget: float | None = None      # remat="auto": the per-device budget in bytes
+    baseline: float | None = None    # remat="auto": compiled bytes without remat
+    compiled: float | None = None    # remat="auto": compiled bytes of the chosen plan
+
+    @property
+    def active(self) -> bool:
+        return self.offload or any(level is not None for level in self.levels)
+
+    def describe(self) -> str:
+        parts = [f"TG{i} {level or 'none'}" for i, level in enumerate(self.levels)]
+        line = f"remat ({self.mode}): " + ", ".join(parts) if self.mode is not None else ""
+        if self.budget is not None:
+            line += (f"; budget {_mib(self.budget)}/device, compiled {_mib(self.baseline)} without remat -> "
+                     f"{_mib(self.compiled)} (arguments + temp, XLA memory_analysis)")
+        if self.offload:
+            line = (line + "; " if line else "") + "activations at TaskGraph boundaries offloaded to pinned_host"
+        return line
+
+
+def _mib(n) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def remat_segment(plan: RematPlan, seg: Segment, fn: Callable) -> Callable:
+    """fn under its TaskGraph's checkpoint policy; outputs tagged BOUNDARY when offloading."""
+    level = plan.levels[seg.taskgraph] if seg.taskgraph < len(plan.levels) else None
+    inner = jax.checkpoint(fn, policy=level_policy(level)) if level is not None else fn
+    if not plan.offload:
+        return inner
+
+    def tagged(*args):
+        return [checkpoint_name(o, BOUNDARY) for o in inner(*args)]
+
+    return tagged
+
+
+def with_offload(plan: RematPlan | None, evaluate: Callable) -> Callable:
+    """The whole evaluation under the outer offloading checkpoint, when activations are offloaded."""
+    if plan is None or not plan.offload:
+        return evaluate
+    return jax.checkpoint(evaluate, policy=offload_policy())
+
+
+def compiled_bytes(program) -> float:
+    """Arguments + temp of the compiled step on this program's devices (XLA memory_analysis)."""
+    m = program.lower().compile().memory_analysis()
+    return float(m.argument_size_in_bytes + m.temp_size_in_bytes)
+
+
+def choose(program, num_taskgraphs: int, budget: float, offload: bool = False, log=None) -> RematPlan:
+    """remat="auto": per TaskGraph None, DOTS or "full", measured on the compiled step, so that
+    arguments + temp fit `budget`; a PlanError when even full remat everywhere does not fit."""
+    cache: dict = {}
+
+    def measure(levels) -> float:
+        levels = tuple(levels)
+        if levels not in cache:
+            plan = RematPlan(levels, "auto", offload)
+            cache[levels] = compiled_bytes(dataclasses.replace(program, remat=plan))
+            if log is not None:
+                log.append((levels, cache[levels]))
+        return cache[levels]
+
+    none = (None,) * num_taskgraphs
+    base = measure(none)
+
+    def done(levels):
+        return RematPlan(tuple(levels), "auto", offload, budget, base, measure(levels))
+
+    if base <= budget:
+        return done(none)
+    full = ("full",) * num_taskgraphs
+    if measure(full) > budget:
+        raise PlanError(
+            f"remat='auto' cannot fit the step in memory_budget={budget / 2**20:.2f} MiB per device: it needs "
+            f"{base / 2**20:.2f} MiB without remat and still {measure(full) / 2**20:.2f} MiB with full remat of "
+            "every TaskGraph (arguments + temp, XLA memory_analysis). Raise memory_budget, use more devices, "
+            "zero_level or offload, or a smaller batch.")
+    saving = {t: base - measure(tuple("full" if k == t else None for k in range(num_taskgraphs)))
+              for t in range(num_taskgraphs)}
+    order = sorted(range(num_taskgraphs), key=lambda t: -saving[t])
+    levels = list(none)
+    for t in order:
+        levels[t] = "full"
+        if measure(levels) <= budget:
+            break
+    chosen = [t for t in order if levels[t] == "full"]
+    for t in reversed(chosen):                     # recompute less where the budget allows
+        for lighter in (None, DOTS):
+            trial = list(levels)
+            trial[t] = lighter
+            if measure(trial) <= budget:
+                levels = trial
+                break
+    return done(levels)
+
+
+# ----------------------------------------------------------------------------------- composition
+def program_evaluator(cap, constraints: dict, mesh, overrides: dict | None, plan: RematPlan | None,
+                      prec=None) -> tuple[Callable[..., list], dict | None]:
+    """The captured loss evaluated with the plan's constraints, per-TaskGraph remat, activation
+    offload and (prec.comm) data-parallel segments whose gradients are summed in bf16/fp16.
+    Returns (evaluate, comm report {TaskGraph: (axes, reason when not)} or None)."""
+    from whalex.memory import precision as pr
+
+    remat_on = plan is not None and plan.active
+    comm_on = prec is not None and prec.comm is not None
+    if not remat_on and not comm_on:
+        return make_evaluator(cap.jaxpr, constraints, mesh, overrides), None
+    plan = plan if remat_on else RematPlan((None,) * len(cap.taskgraphs))
+    split = {t.index for t in cap.taskgraphs if t.strategy.kind == "split"}
+    segs = segments(cap)
+    manual = pr.comm_segments(cap, segs, prec, overrides, dict(mesh.shape)) if comm_on else {}
+    parts = []
+    for k, seg in enumerate(segs):
+        axes, _ = manual.get(k, ((), None))
+        if axes:                     # traced at the per-device batch, run in a shard_map over `axes`
+            local = prec.local[int(np.prod([dict(mesh.shape)[a] for a in axes]))]
+            lseg = segments(local)[k]
+            cons = pr.strip_axes({key: s for key, s in constraints.items() if seg.start <= key[0][0] < seg.stop},
+                                 axes, tuple(mesh.axis_names))
+            ovr = comm_overrides(local, cons, mesh, split, None) if remat_on else None
+            fn = remat_segment(plan, lseg, segment_function(local, lseg, cons, mesh, ovr))
+            fn = pr.manual_segment(seg, lseg, axes, mesh, cap, local, prec.comm_dtype)(fn)
+        else:
+            ovr = comm_overrides(cap, constraints, mesh, split, overrides) if remat_on else overrides
+            fn = remat_segment(plan, seg, segment_function(cap, seg, constraints, mesh, ovr))
+        parts.append((seg, fn))
+    report = None
+    if comm_on:
+        report = {}
+        for k, (axes, why) in manual.items():
+            tg = segs[k].taskgraph
+            if tg not in report or (report[tg][0] and not axes):
+                report[tg] = (axes, why)
+    return with_offload(plan, run_segments(cap, parts)), report
+
+
+# ----------------------------------------------------------------------------------- configuration
+def configure(program, config, cluster, batch_axes=(), recapture: Callable | None = None):
+    """`program` with the precision and remat of `config` (remat="auto" measures and chooses).
+    `recapture(rows)` traces the loss at another batch size (comm_dtype's per-device segments)."""
+    from whalex.memory.precision import Precision, local_captures
+
+    prec = Precision.from_config(config)
+    if prec is not None:
+        prec = dataclasses.replace(prec, batch_axes=tuple(tuple(a) for a in batch_axes))
+        if prec.comm and recapture is not None:
+            prec = dataclasses.replace(prec, local=local_captures(program.captured, prec.batch_axes,
+                                                                  dict(program.mesh.shape), recapture))
+    program = dataclasses.replace(program, precision=prec)
+    offload = "activations" in (config.offload or ())
+    mode = config.remat
+    if mode is None and not offload:
+        return program
+    n = len(program.captured.taskgraphs)
+    if mode == "auto":
+        if cluster.is_abstract:
+            raise PlanError("remat='auto' measures the compiled step's memory and needs real devices; on an "
+                            "abstract cluster use remat='full' or a jax.checkpoint_policies name.")
+        budget = config.memory_budget
+        if budget is None:
+            budget = min(float(s.memory_bytes) for s in cluster.specs[: program.mesh.size])
+        plan = choose(program, n, float(budget), offload)
+    else:
+        plan = RematPlan((mode,) * n, mode, offload)
+    return dataclasses.replace(program, remat=plan)
+
+
+def summary_lines(program) -> list[str]:
+    """plan.summary() lines: the remat chosen per TaskGraph, compute and communication dtypes."""
+    from whalex.memory.precision import describe
+
+    lines = []
+    plan = getattr(program, "remat", None)
+    if plan is not None and (plan.active or plan.mode is not None):
+        lines.append(plan.describe())
+    prec = getattr(program, "precision", None)
+    if prec is not None:
+        report = None
+        if prec.comm and hasattr(program, "evaluator"):
+            report = program.evaluator()[1]
+        lines.append(describe(prec, report))
+    return lines
