@@ -37,6 +37,19 @@ def capacity(group_size: int, num_experts: int, k: int, capacity_factor: float |
     return max(1, min(group_size, math.ceil(k * group_size * capacity_factor / num_experts)))
 
 
+def _top_k(probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`lax.top_k` as k argmax passes (lowest index wins ties): XLA's SPMD partitioner keeps these
+    sharded over the batch, while it gathers the whole tensor for a TopK (measured in
+    bench/moe_dispatch.py: a 262 KB all-gather per step)."""
+    gates, experts, p = [], [], probs
+    for _ in range(k):
+        idx = jnp.argmax(p, axis=-1)
+        gates.append(jnp.take_along_axis(probs, idx[..., None], axis=-1)[..., 0])
+        experts.append(idx)
+        p = jnp.where(jax.nn.one_hot(idx, p.shape[-1], dtype=bool), -jnp.inf, p)
+    return jnp.stack(gates, -1), jnp.stack(experts, -1)
+
+
 def top_k_gating(logits: jax.Array, k: int, capacity: int) -> Routing:
     """Route each group's tokens (logits [G, T, E]) to their top-k experts under `capacity`."""
     if logits.ndim != 3:
@@ -46,7 +59,7 @@ def top_k_gating(logits: jax.Array, k: int, capacity: int) -> Routing:
         raise ValueError(f"k={k} must be between 1 and the number of experts ({e}).")
     logits = logits.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
-    gate, expert = jax.lax.top_k(probs, k)                       # [G, T, k]
+    gate, expert = _top_k(probs, k)                              # [G, T, k]
     if k > 1:
         gate = gate / jnp.sum(gate, axis=-1, keepdims=True)
     onehot = jax.nn.one_hot(expert, e, dtype=jnp.int32)          # [G, T, k, E]
