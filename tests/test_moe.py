@@ -162,10 +162,11 @@ def test_expert_parallel_matches_single_device(case):
     assert {s.data.shape[0] for s in w_in.addressable_shards} == {call.experts_per_device}
 
 
-@pytest.mark.parametrize("case", ["ep8", "dp2_ep4"])
-def test_expert_parallel_params_after_three_adam_steps(case):
+@pytest.mark.parametrize("case,micro", [("ep8", 1), ("dp2_ep4", 1), ("ep8", 2)])
+def test_expert_parallel_params_after_three_adam_steps(case, micro):
     loss_fn, params, batch = _problem(**CASES[case])
-    assert_matches(loss_fn, params, batch, steps=3, has_aux=True, tol=1e-5)
+    assert_matches(loss_fn, params, batch, steps=3, has_aux=True, tol=1e-5,
+                   config=wh.Config(num_micro_batch=micro))      # micro > 1: gradient accumulation
 
 
 def test_example5_written_by_hand_with_the_functional_api():
