@@ -77,12 +77,21 @@ def segments(cap) -> tuple[Segment, ...]:
     return tuple(out)
 
 
+def _debug_info(jaxpr, seg: Segment):
+    """The parent's DebugInfo resized to the segment's inputs and outputs."""
+    info = jaxpr.debug_info
+    if info is None:
+        return None
+    return info._replace(arg_names=tuple(str(v) for v in seg.inputs),
+                         result_paths=tuple(f"[{i}]" for i in range(len(seg.outputs))))
+
+
 def segment_function(cap, seg: Segment, constraints: dict, mesh, overrides: dict | None) -> Callable[..., list]:
     """fn(*seg.inputs) -> seg.outputs: the segment's equations through `make_evaluator`, with the
     constraints and overrides whose (absolute) paths fall inside it."""
     jaxpr = cap.jaxpr.jaxpr
     sub = jaxpr.replace(constvars=[], invars=list(seg.inputs), outvars=list(seg.outputs),
-                        eqns=jaxpr.eqns[seg.start:seg.stop], debug_info=None)
+                        eqns=jaxpr.eqns[seg.start:seg.stop], debug_info=_debug_info(jaxpr, seg))
     cons = {((k[0][0] - seg.start,) + tuple(k[0][1:]),) + tuple(k[1:]): s
             for k, s in constraints.items() if seg.start <= k[0][0] < seg.stop}
     ovr = {(p[0] - seg.start,) + tuple(p[1:]): f for p, f in (overrides or {}).items() if seg.start <= p[0] < seg.stop}
