@@ -158,27 +158,34 @@ def _recompute_marker():
     return off(jax.lax.add_p)
 
 
-def level_policy(level: str):
-    """The checkpoint policy of one remat level; COMM-tagged values are always saved."""
-    keep = jax.checkpoint_policies.save_only_these_names(COMM)
-    if level == "full":
-        return keep
-    return jax.checkpoint_policies.save_from_both_policies(getattr(jax.checkpoint_policies, level), keep)
-
-
-def offload_policy():
-    """Outer policy under offload="activations": BOUNDARY values go to pinned host, COMM values
-    stay on the device, everything else is saved as usual (inner per-TaskGraph remat decides)."""
+def _offloading(names: list, otherwise):
+    """Policy: values tagged with `names` go to pinned host; `otherwise(prim, ...)` decides the rest."""
     off = jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=[COMM], names_which_can_be_offloaded=[BOUNDARY], offload_src="device",
+        names_which_can_be_saved=[], names_which_can_be_offloaded=names, offload_src="device",
         offload_dst="pinned_host")
     recompute = _recompute_marker()
 
     def policy(prim, *args, **params):
         decision = off(prim, *args, **params)
-        return True if decision is recompute else decision
+        return otherwise(prim, *args, **params) if decision is recompute else decision
 
     return policy
+
+
+def level_policy(level: str, offload: bool = False):
+    """The checkpoint policy of one remat level. COMM-tagged values (collective outputs) are always
+    kept: on the device, or in pinned host memory under offload="activations"."""
+    base = None if level == "full" else getattr(jax.checkpoint_policies, level)
+    if offload:
+        return _offloading([COMM], base or jax.checkpoint_policies.nothing_saveable)
+    keep = jax.checkpoint_policies.save_only_these_names(COMM)
+    return keep if base is None else jax.checkpoint_policies.save_from_both_policies(base, keep)
+
+
+def offload_policy():
+    """Outer policy under offload="activations": values at TaskGraph boundaries and collective
+    points go to pinned host, the rest is saved as usual (the per-TaskGraph remat inside decides)."""
+    return _offloading([BOUNDARY, COMM], jax.checkpoint_policies.everything_saveable)
 
 
 # ----------------------------------------------------------------------------------- the plan
@@ -215,7 +222,7 @@ def _mib(n) -> str:
 def remat_segment(plan: RematPlan, seg: Segment, fn: Callable) -> Callable:
     """fn under its TaskGraph's checkpoint policy; outputs tagged BOUNDARY when offloading."""
     level = plan.levels[seg.taskgraph] if seg.taskgraph < len(plan.levels) else None
-    inner = jax.checkpoint(fn, policy=level_policy(level)) if level is not None else fn
+    inner = jax.checkpoint(fn, policy=level_policy(level, plan.offload)) if level is not None else fn
     if not plan.offload:
         return inner
 
@@ -345,6 +352,8 @@ def configure(program, config, cluster, batch_axes=(), recapture: Callable | Non
     if mode is None and not offload:
         return program
     n = len(program.captured.taskgraphs)
+    if mode is None:                 # what is offloaded are the values remat saves: boundaries, collectives
+        return dataclasses.replace(program, remat=RematPlan(("full",) * n, "full, for offload='activations'", True))
     if mode == "auto":
         if cluster.is_abstract:
             raise PlanError("remat='auto' measures the compiled step's memory and needs real devices; on an "
