@@ -124,6 +124,7 @@ class UnevenProgram(Emitter):
         scaled = prec is not None and prec.scaled
 
         level = self.memory_options.zero_level
+        even_counts = self.counts[0] if len(set(self.counts)) == 1 else None
         specs, zspecs = self.param_spec_list(), self.zero_specs()
         ptree = self.captured.params_tree
 
@@ -143,7 +144,10 @@ class UnevenProgram(Emitter):
 
             aux0 = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in cap.jaxpr.jaxpr.outvars[1:]]
             zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params), aux0)
-            value, grads, aux = jax.lax.fori_loop(0, n, chunk, zero)
+            if even_counts == 1:      # one chunk on every device: no loop, no gradient accumulator
+                value, grads, aux = chunk(0, zero)
+            else:                     # a static trip count when the counts are even
+                value, grads, aux = jax.lax.fori_loop(0, even_counts or n, chunk, zero)
             value, aux = jax.lax.psum((value, aux), DATA)                     # after the loop, never inside
             if level >= 2:            # ZeRO 2: reduce-scatter to each device's shard
                 grads = precision_lib.reduce_in(prec, lambda g: jax.tree.unflatten(
