@@ -75,6 +75,8 @@ def test_amp_trains_like_fp32_with_fp32_master_weights(builder, strategy, amp):
     plain = wh.plan(loss_fn, params, batch, SGD)
     assert [(t.strategy, t.num_params) for t in plan.task_graphs] == \
         [(t.strategy, t.num_params) for t in plain.task_graphs]
+    for t, f in zip(plan.task_graphs, plain.task_graphs):          # FLOPs are counted for half dtypes too
+        assert t.flops == pytest.approx(f.flops, rel=0.05)
     assert f"amp {amp}" in plan.summary()
 
 

@@ -22,19 +22,19 @@ def _flops(lowered) -> float:
 
 
 def _floating(v) -> bool:
-    return np.issubdtype(v.aval.dtype, np.floating)
+    return jax.numpy.issubdtype(v.aval.dtype, np.floating)     # numpy says False for bfloat16
 
 
 def _fwd_bwd_flops(fn, avals) -> float:
     """XLA-counted FLOPs of fn's forward and its vjp w.r.t. the floating arguments."""
-    fl = [k for k, a in enumerate(avals) if np.issubdtype(a.dtype, np.floating)]
+    fl = [k for k, a in enumerate(avals) if jax.numpy.issubdtype(a.dtype, np.floating)]
 
     def fb(float_args, other_args):
         def f(*fa):
             args, it, jt = [], iter(fa), iter(other_args)
             for k in range(len(avals)):
                 args.append(next(it) if k in fl else next(jt))
-            return [o for o in fn(*args) if np.issubdtype(o.dtype, np.floating)]
+            return [o for o in fn(*args) if jax.numpy.issubdtype(o.dtype, np.floating)]
         outs, vjp = jax.vjp(f, *float_args)
         return outs, vjp([jax.numpy.ones_like(o) for o in outs]) if outs and float_args else ()
 

@@ -32,6 +32,7 @@ from whalex.lowering import capture as capture_mod
 
 HALF = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 MAX_SCALE = 2.0 ** 15
+NOT_SHARDED = "its batch is not sharded"
 INITIAL_SCALE = 2.0 ** 15
 
 
@@ -251,7 +252,7 @@ def comm_segments(cap, segs, prec: Precision, overrides: dict | None, axis_sizes
         n = int(np.prod([axis_sizes[a] for a in axes])) if axes else 1
         why = None
         if not axes:
-            why = "its batch is not sharded"
+            why = NOT_SHARDED
         elif n not in prec.local:
             why = f"the batch of {b} does not divide over {n} devices"
         elif len(segments(prec.local[n])) != len(segs):
@@ -345,10 +346,13 @@ def describe(prec: Precision | None, comm_report: dict | None = None) -> str:
     if prec.comm:
         if comm_report:
             done = [f"TG{t}" for t, (axes, why) in comm_report.items() if axes]
-            left = [f"TG{t} ({why})" for t, (axes, why) in comm_report.items() if not axes and why]
+            local = [f"TG{t}" for t, (axes, why) in comm_report.items() if why == NOT_SHARDED]
+            left = [f"TG{t} ({why})" for t, (axes, why) in comm_report.items() if not axes and why != NOT_SHARDED]
             text = f"gradient all-reduce in {prec.comm}: " + (", ".join(done) or "none")
             if left:
                 text += "; in the parameter dtype: " + ", ".join(left)
+            if local:
+                text += "; no data-parallel gradient all-reduce: " + ", ".join(local)
             parts.append(text)
         else:
             parts.append(f"gradient all-reduce in {prec.comm}")
