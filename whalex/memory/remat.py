@@ -6,12 +6,14 @@ apply unchanged) and optionally wrapped, e.g. in `jax.checkpoint`. Per TaskGraph
 None (save everything), a `jax.checkpoint_policies` name, or "full" (save nothing but the segment's
 inputs). Communication is never recomputed: values at collective points (constrained values and
 reductions/calls in split TaskGraphs) are tagged with `checkpoint_name(COMM)` and every policy
-saves them. `remat="auto"` measures XLA's compiled memory (`memory_analysis`: arguments + temp)
-and remats the TaskGraphs that save the most until the step fits `Config.memory_budget`.
+saves them. `remat="auto"` measures the compiled step (`compiled_bytes`: XLA's memory_analysis of
+the donated step) and remats the TaskGraphs that save the most until it fits `Config.memory_budget`.
 
 With activation offload, segment outputs (the values at TaskGraph boundaries) are tagged
-`BOUNDARY` and an outer checkpoint moves them to `pinned_host` memory
-(`save_and_offload_only_these_names`), back to the device for the backward pass.
+`BOUNDARY`; they and the COMM values go to `pinned_host` memory instead of staying on the device
+(`save_and_offload_only_these_names`, an outer checkpoint for the boundaries, each TaskGraph's
+policy for its collective outputs) and come back for the backward pass. Those are the values remat
+keeps, so offload="activations" alone means remat="full" with them on the host.
 """
 from __future__ import annotations
 
@@ -209,7 +211,7 @@ class RematPlan:
         line = f"remat ({self.mode}): " + ", ".join(parts) if self.mode is not None else ""
         if self.budget is not None:
             line += (f"; budget {_mib(self.budget)}/device, compiled {_mib(self.baseline)} without remat -> "
-                     f"{_mib(self.compiled)} (arguments + temp, XLA memory_analysis)")
+                     f"{_mib(self.compiled)} (XLA memory_analysis of the donated step)")
         if self.offload:
             line = (line + "; " if line else "") + "activations at TaskGraph boundaries offloaded to pinned_host"
         return line
@@ -240,9 +242,12 @@ def with_offload(plan: RematPlan | None, evaluate: Callable) -> Callable:
 
 
 def compiled_bytes(program) -> float:
-    """Arguments + temp of the compiled step on this program's devices (XLA memory_analysis)."""
-    m = program.lower().compile().memory_analysis()
-    return float(m.argument_size_in_bytes + m.temp_size_in_bytes)
+    """Device bytes of the compiled training step as it runs (state donated): arguments + outputs
+    + temp - aliased outputs, from XLA's memory_analysis. (Without donation XLA parks gradients in
+    the separate output buffers and reports a temp that hides them.)"""
+    step = program.jitted(donate=program.optimizer is not None)
+    m = step.trace(*program.abstract_args()).lower(lowering_platforms=(program.platform,)).compile().memory_analysis()
+    return float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
 
 
 def choose(program, num_taskgraphs: int, budget: float, offload: bool = False, log=None) -> RematPlan:
@@ -272,7 +277,8 @@ def choose(program, num_taskgraphs: int, budget: float, offload: bool = False, l
         raise PlanError(
             f"remat='auto' cannot fit the step in memory_budget={budget / 2**20:.2f} MiB per device: it needs "
             f"{base / 2**20:.2f} MiB without remat and still {measure(full) / 2**20:.2f} MiB with full remat of "
-            "every TaskGraph (arguments + temp, XLA memory_analysis). Raise memory_budget, use more devices, "
+            "every TaskGraph (XLA memory_analysis of the donated step: arguments + outputs + temp - aliased). "
+            "Raise memory_budget, use more devices, "
             "zero_level or offload, or a smaller batch.")
     saving = {t: base - measure(tuple("full" if k == t else None for k in range(num_taskgraphs)))
               for t in range(num_taskgraphs)}
