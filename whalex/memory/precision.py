@@ -108,13 +108,14 @@ def _sink_casts(cap):
     while lead < len(eqns) and _is_cast(eqns[lead]) and eqns[lead].invars[0] in inputs:
         lead += 1
     pending = {e.outvars[0]: e for e in eqns[:lead]}
+    loss = jaxpr.outvars[0]
     producer: dict = {}
     moved = []
     for eqn in eqns[lead:]:
         for v in eqn.invars:
             if not isinstance(v, C.Literal) and v in pending:
                 moved.append(pending.pop(v).replace(source_info=eqn.source_info))
-        if _is_cast(eqn) and not isinstance(eqn.invars[0], C.Literal) and eqn.invars[0] in producer:
+        if eqn.outvars[0] is loss and _is_cast(eqn) and eqn.invars[0] in producer:    # AmpLoss's fp32 cast
             eqn = eqn.replace(source_info=producer[eqn.invars[0]].source_info)
         moved.append(eqn)
         for v in eqn.outvars:
@@ -255,7 +256,7 @@ def comm_segments(cap, segs, prec: Precision, overrides: dict | None, axis_sizes
             why = NOT_SHARDED
         elif n not in prec.local:
             why = f"the batch of {b} does not divide over {n} devices"
-        elif len(segments(prec.local[n])) != len(segs):
+        elif _shape(segments(prec.local[n])) != _shape(segs):
             why = "the loss traces differently at the per-device batch"
         elif any(seg.start <= i < seg.stop for i in overridden):
             why = "an equation of it is replaced (uneven head or experts)"
@@ -271,13 +272,18 @@ def comm_segments(cap, segs, prec: Precision, overrides: dict | None, axis_sizes
     return result
 
 
+def _shape(segs) -> list:
+    return [(s.taskgraph, s.start, s.stop, len(s.inputs), len(s.outputs)) for s in segs]
+
+
 def segments(cap):
     from whalex.memory.remat import segments as segs
     return segs(cap)
 
 
-def manual_segment(seg, local_seg, axes: tuple, mesh, cap, local, dtype) -> Callable:
-    """wrap(fn) for fn(*local_seg.inputs) traced at the per-device batch: run it in a shard_map
+def manual_segment(seg, axes: tuple, mesh, cap, dtype) -> Callable:
+    """wrap(fn) for fn(*inputs) traced at the per-device batch (the segment of the loss captured
+    at global_batch / n, inputs in `seg.inputs` order): run it in a shard_map
     manual over `axes`. Batch-major values are sharded over `axes`; floating parameters enter tiled
     (one copy per device, `_tile`), so their gradients leave per device and are summed in `dtype`;
     the loss is averaged over `axes`. check_vma=False: the captured equations are re-bound as
@@ -357,10 +363,6 @@ def describe(prec: Precision | None, comm_report: dict | None = None) -> str:
         else:
             parts.append(f"gradient all-reduce in {prec.comm}")
     return "; ".join(parts)
-
-
-def np_dtype(name: str | None):
-    return None if name is None else np.dtype(HALF[name])
 
 
 def reduce_in(prec: Precision | None, reduce: Callable, grads):

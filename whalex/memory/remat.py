@@ -315,20 +315,21 @@ def program_evaluator(cap, constraints: dict, mesh, overrides: dict | None, plan
     split = {t.index for t in cap.taskgraphs if t.strategy.kind == "split"}
     segs = segments(cap)
     manual = pr.comm_segments(cap, segs, prec, overrides, dict(mesh.shape)) if comm_on else {}
+    tagged = comm_overrides(cap, constraints, mesh, split, overrides) if remat_on else overrides
+    local_segs = {n: segments(c) for n, c in (prec.local.items() if comm_on else ())}
     parts = []
     for k, seg in enumerate(segs):
         axes, _ = manual.get(k, ((), None))
         if axes:                     # traced at the per-device batch, run in a shard_map over `axes`
-            local = prec.local[int(np.prod([dict(mesh.shape)[a] for a in axes]))]
-            lseg = segments(local)[k]
+            n = int(np.prod([dict(mesh.shape)[a] for a in axes]))
+            local, lseg = prec.local[n], local_segs[n][k]
             cons = pr.strip_axes({key: s for key, s in constraints.items() if seg.start <= key[0][0] < seg.stop},
                                  axes, tuple(mesh.axis_names))
             ovr = comm_overrides(local, cons, mesh, split, None) if remat_on else None
             fn = remat_segment(plan, lseg, segment_function(local, lseg, cons, mesh, ovr))
-            fn = pr.manual_segment(seg, lseg, axes, mesh, cap, local, prec.comm_dtype)(fn)
+            fn = pr.manual_segment(seg, axes, mesh, cap, prec.comm_dtype)(fn)
         else:
-            ovr = comm_overrides(cap, constraints, mesh, split, overrides) if remat_on else overrides
-            fn = remat_segment(plan, seg, segment_function(cap, seg, constraints, mesh, ovr))
+            fn = remat_segment(plan, seg, segment_function(cap, seg, constraints, mesh, tagged))
         parts.append((seg, fn))
     report = None
     if comm_on:
