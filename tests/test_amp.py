@@ -93,6 +93,14 @@ def test_amp_on_uneven_heterogeneous_data_parallelism():
     assert len(set(step.plan.batch_sizes)) > 1                     # really the uneven program
 
 
+def test_amp_uneven_split_head_sees_the_parameter_behind_the_cast():
+    from test_hetero import _head_model
+    loss_fn, params, batch = _head_model()
+    step, state = check_half(loss_fn, params, batch, "bf16", cluster=wh.Cluster(kinds=HETERO))
+    assert step.plan.balance is not None and step.plan.balance.kind.startswith("classes")
+    assert state.params["kernel"].shape == (24, 800)                 # stored padded, uneven class shards
+
+
 # ------------------------------------------------------------------------------------------ loss scaling
 def _overflow_batch(batch):
     return {**batch, "x": batch["x"].at[0, 0].set(1e5)}          # > 65504: inf once cast to fp16

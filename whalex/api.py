@@ -264,6 +264,8 @@ def _uneven_heads(cap, vds, layout, sharding, cluster, optimizer, mesh):
         if vd.strategy.kind != "split" or len(vd.model_axes) != 1:
             continue
         x, kernel, bias, labels = eqn.invars
+        cast = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns[:i] if e.primitive.name == "convert_element_type"}
+        kernel, bias = cast.get(kernel, kernel), cast.get(bias, bias)     # amp: the fp32 parameter behind the cast
         if kernel not in params or bias not in params:
             continue
         axis = vd.model_axes[0]
