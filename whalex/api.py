@@ -11,13 +11,13 @@ import jax
 import numpy as np
 import optax
 
-from whalex.balance.profile import DeviceMemory, sharded_bytes, taskgraph_flops
+from whalex.balance.profile import taskgraph_flops
 from whalex.errors import PlanError
 from whalex.lowering.capture import _dtype
 from whalex.memory.precision import amp_loss, capture     # capture: amp casts moved to their first use
 from whalex.memory.remat import configure as configure_memory
 from whalex.lowering.patterns import plan_shardings
-from whalex.lowering.step import Program, opt_state_specs
+from whalex.lowering.step import Program
 from whalex.mesh.cluster import Cluster
 from whalex.mesh.virtual import DATA, mesh_layout, virtual_devices
 from whalex.plan import Plan, TaskGraphInfo

@@ -116,7 +116,6 @@ def zero_sharded(program, paths) -> dict:
     """path -> (bytes per device as planned, ZeRO degree, ZeRO axes) for each stored leaf ZeRO
     divides (the pipeline's one packed leaf is named `paths[0]`)."""
     import jax
-    import numpy as np
 
     from whalex.balance.profile import sharded_bytes
     from whalex.memory import zero
