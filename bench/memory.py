@@ -12,7 +12,9 @@ What it measures
         offload             optimizer state in pinned host memory between steps
         zero 1 + offload    both (acceptance 1)
     Each plan is lowered and COMPILED by XLA, never run: params and batch are ShapeDtypeStructs.
-    A row whose config whalex refuses (PlanError: not built yet) prints "not built".
+    A row whose config whalex refuses prints "not built" (option not lowered yet) or "refused"
+    (e.g. remat auto when no remat fits the budget: at the default, state-dominated shape remat
+    has almost no activations to save).
 
     The default shape (1 sequence of 64 tokens per device, 5.3M parameters) is the regime ZeRO is
     for: the training state (params + grads + Adam = 16 bytes a parameter) dominates the activations.
@@ -239,7 +241,8 @@ def main():
           f"{mib(pd['temp_size_in_bytes']):>8}{mib(pd['peak']):>8}{1.0:>9.2f}{mib(pn['peak']):>8}")
     for r in rows:
         if not r["built"]:
-            print(f"{r['name']:<26}  not built ({r['reason'][:70]})")
+            label = "not built" if "not lowered" in r["reason"] else "refused"
+            print(f"{r['name']:<26}  {label} ({r['reason'][:80]})")
             continue
         m, a = r["memory_donated"], r["arguments"]
         r["vs_plain"] = r["device_peak_donated"] / pd["peak"]
@@ -269,8 +272,9 @@ def main():
         "every row's argument bytes = params + opt state + batch + step (+ other state)":
             all(r["args_add_up"] for r in by.values()),
         "baseline peak within 5% of plain JAX": abs(base["device_peak_donated"] / pd["peak"] - 1) <= 0.05,
-        f"remat auto's peak within its budget of {mib(budget)} MiB (part B; reported, not asserted)":
-            any(r["name"].startswith("remat auto") and r["built"] and r["device_peak_donated"] <= budget for r in rows),
+        f"remat auto's peak within its budget of {mib(budget)} MiB, or the budget refused (part B; not asserted)":
+            any(r["name"].startswith("remat auto") and (r["device_peak_donated"] <= budget if r["built"] else
+                                                         "cannot fit" in r["reason"]) for r in rows),
         "peak falls with every ZeRO level": by["zero 1"]["device_peak_donated"] < base["device_peak_donated"] and
             by["zero 2"]["device_peak_donated"] < by["zero 1"]["device_peak_donated"] and
             by["zero 3"]["device_peak_donated"] < by["zero 2"]["device_peak_donated"],
