@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 
 from whalex import _compat as C
 from whalex.errors import PlanError
@@ -325,8 +325,9 @@ def program_evaluator(cap, constraints: dict, mesh, overrides: dict | None, plan
             local, lseg = prec.local[n], local_segs[n][k]
             cons = pr.strip_axes({key: s for key, s in constraints.items() if seg.start <= key[0][0] < seg.stop},
                                  axes, tuple(mesh.axis_names))
-            ovr = comm_overrides(local, cons, mesh, split, None) if remat_on else None
-            fn = remat_segment(plan, lseg, segment_function(local, lseg, cons, mesh, ovr))
+            inner = mesh.abstract_mesh.update_axis_types({a: AxisType.Manual for a in axes})   # as seen inside
+            ovr = comm_overrides(local, cons, inner, split, None) if remat_on else None
+            fn = remat_segment(plan, lseg, segment_function(local, lseg, cons, inner, ovr))
             fn = pr.manual_segment(seg, axes, mesh, cap, prec.comm_dtype)(fn)
         else:
             fn = remat_segment(plan, seg, segment_function(cap, seg, constraints, mesh, tagged))
