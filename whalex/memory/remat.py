@@ -14,6 +14,9 @@ With activation offload, segment outputs (the values at TaskGraph boundaries) ar
 (`save_and_offload_only_these_names`, an outer checkpoint for the boundaries, each TaskGraph's
 policy for its collective outputs) and come back for the backward pass. Those are the values remat
 keeps, so offload="activations" alone means remat="full" with them on the host.
+
+`program_evaluator` also runs comm_dtype's data-parallel segments (whalex.memory.precision) on the
+same segmentation: each in a shard_map, with remat inside it.
 """
 from __future__ import annotations
 
