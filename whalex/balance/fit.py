@@ -109,12 +109,12 @@ def taskgraph_residuals(cap, divisors: Sequence[int]) -> tuple[list[float], list
             continue
         inputs, _, fn = subgraph_function(jaxpr, idx)
         avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in inputs if v not in consts]
-        floating = [np.issubdtype(a.dtype, np.floating) for a in avals]
+        floating = [jax.numpy.issubdtype(a.dtype, jax.numpy.floating) for a in avals]
 
         def f(*fa, avals=avals, floating=floating, fn=fn):
             it = iter(fa)
             args = [next(it) if fl else jax.numpy.zeros(a.shape, a.dtype) for a, fl in zip(avals, floating)]
-            return [o for o in fn(*args) if np.issubdtype(o.dtype, np.floating)]
+            return [o for o in fn(*args) if jax.numpy.issubdtype(o.dtype, jax.numpy.floating)]
 
         float_avals = [a for a, fl in zip(avals, floating) if fl]
         closure = jax.eval_shape(lambda *a: jax.vjp(f, *a)[1], *float_avals)

@@ -122,7 +122,7 @@ def capture(loss_fn: Callable, params, batch, *, has_aux: bool = False,
     with recording_default() as defaults:
         jaxpr = C.make_jaxpr(flat_loss, *abstract)
     loss_aval = jaxpr.out_avals[0]
-    if loss_aval.shape != () or not np.issubdtype(loss_aval.dtype, np.floating):
+    if loss_aval.shape != () or not jax.numpy.issubdtype(loss_aval.dtype, jax.numpy.floating):
         hint = " (it returned a tuple: pass has_aux=True)" if not has_aux and len(jaxpr.out_avals) > 1 else ""
         raise PlanError(
             f"loss_fn must return a scalar floating-point loss (the mean over the batch), got "
