@@ -193,10 +193,7 @@ class Plan:
                          f"{_fmt_time(r.balanced_time)} ({r.predicted_speedup:.2f}x)")
         for e in getattr(getattr(self.program, "sharding", None), "experts", ()):
             a2a = sum(c.bytes for c in self.comms if c.taskgraph == e.taskgraph and c.kind == "all-to-all")
-            sizes = dict(zip(self.layout.axis_names, self.layout.axis_sizes))
-            n = 1
-            for a in e.expert_axes:
-                n *= sizes[a]
+            n = self.layout.axis_size(e.expert_axes)
             lines.append(f"expert parallelism: TG{e.taskgraph} experts over {'x'.join(e.expert_axes)} ({n} devices, "
                          f"{e.experts_per_device} per device), tokens over {'x'.join(e.token_axes)}; all-to-all "
                          f"dispatch and combine, {_fmt_bytes(a2a)} per step and device")

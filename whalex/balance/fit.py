@@ -24,6 +24,8 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from whalex.balance.profile import sharded_bytes, spec_shards
+from whalex.lowering.emit import opt_state_specs
 from whalex.lowering.interpret import subgraph_function
 
 
@@ -85,15 +87,6 @@ def _bytes(shape, dtype) -> float:
     return float(np.prod(shape, dtype=np.float64)) * np.dtype(dtype).itemsize
 
 
-def _shards(spec, axis_sizes: dict) -> int:
-    n = 1
-    for entry in spec:
-        for a in (entry if isinstance(entry, tuple) else (entry,)):
-            if a is not None:
-                n *= axis_sizes[a]
-    return n
-
-
 def taskgraph_residuals(cap, divisors: Sequence[int]) -> tuple[list[float], list[float]]:
     """Per-device bytes (residuals, batch-major inputs) of each TaskGraph's backward pass."""
     jaxpr = cap.jaxpr.jaxpr
@@ -134,10 +127,15 @@ def memory_fit(plan) -> MemoryFit:
     n = plan.layout.size
     leaves = [v.aval for v in cap.jaxpr.jaxpr.invars[: cap.num_params]]
     specs = list(program.sharding.param_specs)
-    per_dev = [_bytes(a.shape, a.dtype) / _shards(s, sizes) for a, s in zip(leaves, specs)]
-    replicas = [n // _shards(s, sizes) for s in specs]
+    per_dev = [_bytes(a.shape, a.dtype) / spec_shards(s, sizes) for a, s in zip(leaves, specs)]
+    replicas = [n // spec_shards(s, sizes) for s in specs]
     params = sum(per_dev)
-    opt_ratio = (plan.memory[0].opt_state / params) if params else 0.0    # e.g. 2.0 for Adam
+    # The plain optimizer state under the plan's specs (plan.memory already applies zero/offload).
+    opt_state = 0.0
+    if program.optimizer is not None:
+        ospecs, oshapes = opt_state_specs(program.optimizer, program.param_shapes(), specs)
+        opt_state = sharded_bytes(oshapes, ospecs, sizes)
+    opt_ratio = opt_state / params if params else 0.0    # e.g. 2.0 for Adam
     rep_params = sum(p for p, r in zip(per_dev, replicas) if r > 1)
     sharded_params = sum(p / r for p, r in zip(per_dev, replicas) if r > 1)
     expert_tgs = {c.taskgraph for c in getattr(program.sharding, "experts", ())}
@@ -146,7 +144,7 @@ def memory_fit(plan) -> MemoryFit:
         full = vd.strategy.kind == "replicate" or vd.taskgraph in expert_tgs
         divisors.append(n if full else max(1, n // vd.device_count))
     residuals, boundary = taskgraph_residuals(cap, divisors)
-    plain = Footprint(params, params, opt_ratio * params, sum(residuals))
+    plain = Footprint(params, params, opt_state, sum(residuals))
     cap_bytes = float(min(s.memory_bytes for s in plan.cluster.specs[:n]))
 
     steps, cur = [], plain

@@ -125,14 +125,19 @@ class DeviceMemory:
         return self.params + self.grads + self.opt_state
 
 
+def spec_shards(spec, axis_sizes: dict) -> int:
+    """How many shards a PartitionSpec cuts an array into (product of its mesh axes' sizes)."""
+    n = 1
+    for entry in spec:
+        for a in (entry if isinstance(entry, tuple) else (entry,)):
+            if a is not None:
+                n *= axis_sizes[a]
+    return n
+
+
 def sharded_bytes(shapes, specs, axis_sizes: dict) -> float:
     """Per-device bytes of a pytree of ShapeDtypeStructs under PartitionSpecs (even shards)."""
     total = 0.0
     for s, spec in zip(jax.tree.leaves(shapes), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))):
-        n = 1
-        for entry in spec:
-            for a in (entry if isinstance(entry, tuple) else (entry,)):
-                if a is not None:
-                    n *= axis_sizes[a]
-        total += float(np.prod(s.shape, dtype=np.float64)) * np.dtype(s.dtype).itemsize / n
+        total += float(np.prod(s.shape, dtype=np.float64)) * np.dtype(s.dtype).itemsize / spec_shards(spec, axis_sizes)
     return total

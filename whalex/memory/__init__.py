@@ -71,7 +71,7 @@ def residual_bytes(closed, num_params: int) -> float:
 
     fn = jaxpr_as_fun(closed)
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
-    floating = [k for k in range(num_params) if np.issubdtype(avals[k].dtype, np.floating)]
+    floating = [k for k in range(num_params) if jax.numpy.issubdtype(avals[k].dtype, jax.numpy.floating)]
 
     def residuals(*args):
         def f(*ps):

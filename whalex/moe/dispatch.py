@@ -19,11 +19,16 @@ EXPERTS_NAME = "whalex_moe_experts"
 ACTIVATIONS = {"relu": jax.nn.relu, "gelu": jax.nn.gelu, "silu": jax.nn.silu, "tanh": jnp.tanh}
 
 
+def _slots(routing: Routing, num_experts: int, capacity: int) -> jax.Array:
+    """[G, T, k] row of each choice in the flattened [E * C] buffer; dropped ones -> the extra row E * C."""
+    return jnp.where(routing.keep, routing.expert * capacity + routing.position, num_experts * capacity)
+
+
 def dispatch(x: jax.Array, routing: Routing, num_experts: int, capacity: int) -> jax.Array:
     """Tokens [G, T, d] into expert buffers [G, E, C, d] (empty and dropped slots stay zero)."""
     g, t, d = x.shape
     k = routing.expert.shape[-1]
-    slot = jnp.where(routing.keep, routing.expert * capacity + routing.position, num_experts * capacity)
+    slot = _slots(routing, num_experts, capacity)
 
     def one(xs, sl):
         buf = jnp.zeros((num_experts * capacity + 1, d), x.dtype)
@@ -37,7 +42,7 @@ def combine(out: jax.Array, routing: Routing) -> jax.Array:
     """Expert outputs [G, E, C, d] back to tokens [G, T, d], weighted by the gates."""
     g, e, c, d = out.shape
     flat = jnp.concatenate([out.reshape(g, e * c, d), jnp.zeros((g, 1, d), out.dtype)], axis=1)
-    slot = jnp.where(routing.keep, routing.expert * c + routing.position, e * c)    # [G, T, k]
+    slot = _slots(routing, e, c)
     t, k = slot.shape[1:]
     picked = jnp.take_along_axis(flat, slot.reshape(g, t * k, 1), axis=1).reshape(g, t, k, d)
     return jnp.einsum("gtk,gtkd->gtd", routing.gate.astype(out.dtype), picked)
