@@ -182,3 +182,14 @@ def test_errors_lose_nothing():
 def test_all_errors_are_value_errors():
     for cls in (wh.ConfigError, wh.ScopeError, wh.ClusterError, wh.PlanError):
         assert issubclass(cls, ValueError)
+
+
+def test_reusing_a_donated_state():
+    """Re-running `step(state, batch)` on a state an earlier step consumed raises before the jitted
+    call (which would crash the process on the donated buffers)."""
+    step = wh.parallelize(_head, adam())
+    state = step.init(plain_params(), data())
+    new, _ = step(state, data())
+    with pytest.raises(wh.PlanError, match=r"consumed by an earlier step.*state, metrics = step\(state, batch\)"):
+        step(state, data())
+    step(new, data())                    # the returned state is the one to use

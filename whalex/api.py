@@ -501,6 +501,15 @@ def plan(loss_fn: Callable, params, batch, optimizer=None, config=None, cluster=
     return build_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux)
 
 
+def _check_not_donated(state) -> None:
+    """Refuse a state whose buffers an earlier step consumed: the jitted step donates its state, and
+    running it again on donated buffers crashes the process instead of raising."""
+    if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
+        raise PlanError("this state was consumed by an earlier step (the step donates its state argument, so its "
+                        "arrays are deleted); use the state returned by that step: state, metrics = step(state, "
+                        "batch). If you re-ran a notebook cell, re-run step.init(params, batch) first.")
+
+
 class Step:
     """A parallelized training step: `state = step.init(params, batch)`, `state, metrics = step(state, batch)`."""
 
@@ -549,6 +558,7 @@ class Step:
     def __call__(self, state: TrainState, batch):
         if not isinstance(state, TrainState):
             raise PlanError("step(state, batch) takes the wh.TrainState returned by step.init(params, batch).")
+        _check_not_donated(state)
         key = self._key(state.params, batch)
         p = self._plans.get(key)
         if p is None:
