@@ -193,3 +193,31 @@ def test_reusing_a_donated_state():
     with pytest.raises(wh.PlanError, match=r"consumed by an earlier step.*state, metrics = step\(state, batch\)"):
         step(state, data())
     step(new, data())                    # the returned state is the one to use
+
+
+def test_default_strategy_inside_a_trace_leaves_the_process_default():
+    import flax.linen as nn
+    from whalex.primitives.config import DEFAULTS
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            wh.set_default_strategy(wh.replicate(8))         # model code, as in Whale's Example 5
+            return nn.Dense(3)(x)
+
+    before = DEFAULTS.strategy
+    x = data()["x"]
+    try:
+        variables = Net().init(jax.random.key(0), x)         # eager Flax init
+        jax.jit(Net().init)(jax.random.key(0), x)            # a jitted init
+        jax.jit(Net().apply)(variables, x)
+        jax.jit(lambda v: (wh.set_default_strategy(wh.split(8)), v * 2)[1])(x)
+        jax.grad(lambda v: (wh.set_default_strategy(wh.split(8)), v.sum())[1])(x)
+        assert DEFAULTS.strategy == before
+        # another model on fewer devices is still planned (a leaked replicate(8) would refuse it)
+        plan = _plan(_head, cluster=wh.Cluster(devices=jax.devices()[:4]))
+        assert [t.device_count for t in plan.task_graphs] == [4]
+        wh.set_default_strategy(wh.replicate(4))              # at top level it still sets the default
+        assert DEFAULTS.strategy == wh.replicate(4).strategy
+    finally:
+        DEFAULTS.strategy = before

@@ -64,3 +64,20 @@ def backends_initialized() -> bool:
 
 def make_jaxpr(fn, *args) -> ClosedJaxpr:
     return jax.make_jaxpr(fn)(*args)
+
+
+def in_jax_trace() -> bool:
+    """Whether a JAX transformation (jit, grad, vmap, make_jaxpr, shard_map...) is tracing the caller."""
+    from jax._src import core
+    clean = getattr(core, "trace_state_clean", None)
+    return not (clean() if clean is not None else core.trace_ctx.is_top_level())
+
+
+def in_flax_module() -> bool:
+    """Whether a Flax linen module method is running (e.g. an eager `model.init` or `model.apply`)."""
+    try:
+        from flax.linen import module as linen_module
+    except ImportError:
+        return False
+    stack = getattr(getattr(linen_module, "_context", None), "module_stack", None)
+    return bool(stack) and stack[-1] is not None

@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 
+from whalex import _compat as C
 from whalex.errors import ScopeError
 from whalex.primitives.config import DEFAULTS, MATMUL_PATTERNS
 
@@ -141,7 +142,9 @@ _default_in_trace: contextvars.ContextVar[list | None] = contextvars.ContextVar(
 def set_default_strategy(primitive: Primitive) -> None:
     """The strategy for operations outside every scope (Whale's `wh.set_default_strategy`).
 
-    Called while whalex captures a model, it applies to that capture; called elsewhere it sets
+    Called while whalex captures a model, it applies to that capture; called inside model code run
+    by anything else (a JAX transformation such as `jax.jit`, or a Flax module's `init`/`apply`) it
+    only marks, like the scopes, and leaves the process default alone; called at top level it sets
     the process default.
     """
     if not isinstance(primitive, Primitive):
@@ -150,7 +153,7 @@ def set_default_strategy(primitive: Primitive) -> None:
     record = _default_in_trace.get()
     if record is not None:
         record.append(primitive.strategy)
-    else:
+    elif not (C.in_jax_trace() or C.in_flax_module()):
         DEFAULTS.strategy = primitive.strategy
 
 
