@@ -221,3 +221,24 @@ def test_default_strategy_inside_a_trace_leaves_the_process_default():
         assert DEFAULTS.strategy == wh.replicate(4).strategy
     finally:
         DEFAULTS.strategy = before
+
+
+def test_options_that_would_be_ignored():
+    with pytest.raises(wh.ConfigError, match=r"num_task_graph=4 only applies with auto_parallel=True"):
+        wh.Config(num_task_graph=4)
+    with pytest.raises(wh.ConfigError, match=r"num_task_graph=2 only applies with auto_parallel=True"):
+        wh.Config({"pipeline.num_stages": 2})
+    with pytest.raises(wh.ConfigError, match=r"memory_budget=1024 only applies with remat='auto'"):
+        wh.Config(memory_budget=1024)
+    with pytest.raises(wh.ConfigError, match=r"memory_budget=1024 only applies with remat='auto'.*remat='full'"):
+        wh.Config(remat="full", memory_budget=1024)
+    with pytest.raises(wh.ConfigError, match=r"loss_scale_period=10 only applies with amp='fp16'"):
+        wh.Config(loss_scale_period=10)
+    with pytest.raises(wh.ConfigError, match=r"loss_scale_period=10 only applies with amp='fp16'.*amp='bf16'"):
+        wh.Config(amp="bf16", loss_scale_period=10)
+    # the same options where they apply
+    assert wh.Config(auto_parallel=True, num_task_graph=4).num_task_graph == 4
+    assert wh.Config(remat="auto", memory_budget=1024).memory_budget == 1024
+    assert wh.Config(amp="fp16", loss_scale_period=10).loss_scale_period == 10
+    with pytest.raises(wh.ConfigError, match="memory_budget"):
+        wh.Config(remat="auto", memory_budget=1024).replace(remat="full")

@@ -90,6 +90,12 @@ class Config:
         for name in ("auto_parallel", "hardware_aware"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}.")
+        if self.num_task_graph != 1 and not self.auto_parallel:
+            raise ConfigError(
+                f"num_task_graph={self.num_task_graph} only applies with auto_parallel=True (it is the number of "
+                "TaskGraphs auto_parallel cuts an un-annotated model into) and would be ignored; pass "
+                f"Config(auto_parallel=True, num_task_graph={self.num_task_graph}), or leave num_task_graph at 1 "
+                "and annotate the stages with wh.replicate/wh.split scopes.")
         _validate_memory_options(self)
 
 
@@ -116,6 +122,16 @@ def _validate_memory_options(cfg: "Config") -> None:
     if cfg.comm_dtype is not None and cfg.comm_dtype not in COMM_DTYPES:
         raise ConfigError(f"unknown comm_dtype {cfg.comm_dtype!r}; use one of {COMM_DTYPES} or None.")
     _positive_int("loss_scale_period", cfg.loss_scale_period)
+    if cfg.memory_budget is not None and cfg.remat != "auto":
+        raise ConfigError(
+            f"memory_budget={cfg.memory_budget!r} only applies with remat='auto' (the budget it fits the step into) "
+            f"and would be ignored with remat={cfg.remat!r}; pass Config(remat='auto', memory_budget=...), or drop "
+            "memory_budget.")
+    if cfg.loss_scale_period != Config.loss_scale_period and cfg.amp != "fp16":
+        raise ConfigError(
+            f"loss_scale_period={cfg.loss_scale_period} only applies with amp='fp16' (dynamic loss scaling) and would "
+            f"be ignored with amp={cfg.amp!r}; pass Config(amp='fp16', loss_scale_period=...), or drop "
+            "loss_scale_period.")
     if cfg.offload is not None:
         targets = (cfg.offload,) if isinstance(cfg.offload, str) else tuple(cfg.offload)
         bad = [t for t in targets if t not in OFFLOAD_TARGETS]
