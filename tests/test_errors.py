@@ -242,3 +242,30 @@ def test_options_that_would_be_ignored():
     assert wh.Config(amp="fp16", loss_scale_period=10).loss_scale_period == 10
     with pytest.raises(wh.ConfigError, match="memory_budget"):
         wh.Config(remat="auto", memory_budget=1024).replace(remat="full")
+
+
+def test_collective_written_for_pmap():
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.BatchNorm(use_running_average=False, axis_name="batch")(nn.Dense(4)(x))
+            return nn.Dense(3)(x)
+
+    batch = {"x": data()["x"], "y": data()["y"] % 3}
+    variables = Net().init(jax.random.key(0), batch["x"])
+
+    def loss_fn(p, b):
+        out, _ = Net().apply({"params": p, "batch_stats": variables["batch_stats"]}, b["x"],
+                             mutable=["batch_stats"])
+        return optax.softmax_cross_entropy_with_integer_labels(out, b["y"]).mean()
+
+    fix = r"axis name 'batch'.*whole batch.*synchronised.*Drop axis_name='batch'"
+    with pytest.raises(wh.PlanError, match=fix):
+        _plan(loss_fn, variables["params"], batch)
+
+    def pmean_loss(p, b):
+        return jax.lax.pmean(_head(p, b), "batch")
+    with pytest.raises(wh.PlanError, match=fix):
+        _plan(pmean_loss)

@@ -120,7 +120,11 @@ def capture(loss_fn: Callable, params, batch, *, has_aux: bool = False,
 
     abstract = [jax.ShapeDtypeStruct(np.shape(x), _dtype(x)) for x in flat_params + flat_batch]
     with recording_default() as defaults:
-        jaxpr = C.make_jaxpr(flat_loss, *abstract)
+        try:
+            jaxpr = C.make_jaxpr(flat_loss, *abstract)
+        except NameError as e:
+            _unbound_axis(e)
+            raise
     loss_aval = jaxpr.out_avals[0]
     if loss_aval.shape != () or not jax.numpy.issubdtype(loss_aval.dtype, jax.numpy.floating):
         hint = " (it returned a tuple: pass has_aux=True)" if not has_aux and len(jaxpr.out_avals) > 1 else ""
@@ -133,6 +137,20 @@ def capture(loss_fn: Callable, params, batch, *, has_aux: bool = False,
     param_paths = tuple(jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0])
     return Captured(jaxpr, taskgraphs, assign, n, params_tree, batch_tree, param_paths, b, has_aux,
                     aux_box[0] if aux_box else None, default)
+
+
+def _unbound_axis(e: NameError) -> None:
+    """A loss written for pmap/shard_map (a collective over a named axis): refuse it with the fix."""
+    msg = str(e)
+    if "unbound axis name: " not in msg:
+        return
+    name = msg.split("unbound axis name: ", 1)[1].split(". To fix", 1)[0].strip().rstrip(".")
+    raise PlanError(
+        f"loss_fn uses a collective over the axis name {name!r} (e.g. nn.BatchNorm(axis_name={name!r}) or "
+        f"jax.lax.pmean(x, {name!r})), written for jax.pmap/shard_map; under whalex that axis does not exist. "
+        "whalex computes the loss over the global batch itself, as on one device: BatchNorm statistics are "
+        "taken over the whole batch and gradients are synchronised for you. Drop axis_name="
+        f"{name!r} / the explicit collective over {name!r}.") from None
 
 
 def _dtype(x):
