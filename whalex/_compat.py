@@ -81,3 +81,12 @@ def in_flax_module() -> bool:
         return False
     stack = getattr(getattr(linen_module, "_context", None), "module_stack", None)
     return bool(stack) and stack[-1] is not None
+
+
+def source_line(eqn: JaxprEqn) -> str:
+    """'file:line (function)' of the user code that traced an equation."""
+    from jax._src import source_info_util
+    try:
+        return source_info_util.summarize(eqn.source_info)
+    except Exception:   # noqa: BLE001 (no traceback recorded)
+        return "unknown location"

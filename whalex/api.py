@@ -16,6 +16,7 @@ from whalex.errors import PlanError
 from whalex.lowering.capture import _dtype
 from whalex.memory.precision import amp_loss, capture     # capture: amp casts moved to their first use
 from whalex.memory.remat import configure as configure_memory
+from whalex.lowering.parts import PartLoss, analyse
 from whalex.lowering.patterns import plan_shardings
 from whalex.lowering.step import Program
 from whalex.mesh.cluster import Cluster
@@ -189,9 +190,15 @@ def _spmd_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, cap,
     axis_sizes = dict(zip(layout.axis_names, layout.axis_sizes))
     readers = [[t.index for t in cap.taskgraphs if i in t.params] for i in range(cap.num_params)]
     mem = MemoryOptions.from_config(config, zero.data_parallel_axes(readers, [v.batch_axes for v in vds], axis_sizes))
-    program = Program(cap, sharding, mesh, optimizer, cluster.platform, m, overrides, padded, memory=mem)
+    parts = None
+    if m > 1:
+        if config.comm_dtype is not None:
+            raise PlanError(f"comm_dtype={config.comm_dtype!r} with num_micro_batch={m} on collocated TaskGraphs is "
+                            "not lowered yet; use comm_dtype=None, or num_micro_batch=1.")
+        parts = _parts(cap, full, config, "micro-batches (gradient accumulation)")
+    program = Program(cap, sharding, mesh, optimizer, cluster.platform, m, overrides, padded, memory=mem, parts=parts)
     if mem.zero_level >= 2 and layout.axis_names == (DATA,) and layout.size > 1 and not overrides:
-        program = _zero_data_parallel(loss_fn, params, batch, optimizer, cluster, has_aux, full, m, mesh, mem) \
+        program = _zero_data_parallel(loss_fn, params, batch, optimizer, config, cluster, has_aux, full, m, mesh, mem) \
             or program
     program = configure_memory(program, config, cluster, [vd.batch_axes for vd in vds] if isinstance(program, Program)
                                else [(DATA,)] * len(program.captured.taskgraphs),
@@ -209,13 +216,28 @@ def _spmd_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, cap,
                          residual_bytes(cap.jaxpr, cap.num_params) / layout.size)
     first = vds[cap.assign[(0,)]] if cap.assign else vds[0]
     per_device = full.global_batch // layout.axis_size(first.batch_axes)
+    parts = getattr(program, "parts", None)
+    couplings = tuple(parts.sem.lines()) if parts is not None else \
+        _whole_batch_couplings(loss_fn, params, batch, has_aux, full)
     return Plan(cluster=cluster, config=config, layout=layout, task_graphs=tuple(infos), virtual_devices=vds,
                 batch_sizes=(per_device,) * layout.size, global_batch=full.global_batch,
                 param_specs=dict(zip(cap.param_paths, sharding.param_specs)), patterns=sharding.choices,
-                comms=comms, memory=memory, program=program, balance=report)
+                comms=comms, memory=memory, program=program, balance=report, couplings=couplings)
 
 
-def _zero_data_parallel(loss_fn, params, batch, optimizer, cluster, has_aux, full, m, mesh, mem):
+def _whole_batch_couplings(loss_fn, params, batch, has_aux, full) -> tuple[str, ...]:
+    """The batch reductions of a loss that a plan computes whole (found against a half-batch trace)."""
+    b = full.global_batch
+    if b % 2 or b < 2:
+        return ()
+    try:
+        half = capture(loss_fn, params, _micro_batch(batch, b // 2), has_aux=has_aux)
+        return tuple(analyse(half, full, per_part=True).lines(whole=True))
+    except PlanError:
+        return ()
+
+
+def _zero_data_parallel(loss_fn, params, batch, optimizer, config, cluster, has_aux, full, m, mesh, mem):
     """ZeRO 2/3 on a pure data-parallel plan as explicit collectives: the shard_map program of
     uneven data parallelism with even counts, whose reduce-scatter XLA keeps on every backend
     (XLA's CPU compiler writes a GSPMD gradient reduce-scatter as all-reduce + dynamic-slice)."""
@@ -228,7 +250,17 @@ def _zero_data_parallel(loss_fn, params, batch, optimizer, cluster, has_aux, ful
     unit = b // (n * m)
     cap = capture(loss_fn, params, _micro_batch(batch, unit), has_aux=has_aux)
     mem = dc.replace(mem, zero_axes=((DATA,),) * cap.num_params)
-    return UnevenProgram(cap, mesh, optimizer, cluster.platform, (m,) * n, unit, b, mem)
+    parts = _parts(cap, full, config, f"per-device parts (zero {mem.zero_level} on data parallelism)")
+    return UnevenProgram(cap, mesh, optimizer, cluster.platform, (m,) * n, unit, b, mem, parts=parts)
+
+
+def _parts(part, whole, config, context):
+    """The loss contract over parts of `part.global_batch` samples (analysed against the whole batch)."""
+    if part.global_batch == whole.global_batch:
+        sem = analyse(whole, whole, per_part=config.batch_coupling == "per_part", context=context)
+    else:
+        sem = analyse(part, whole, per_part=config.batch_coupling == "per_part", context=context)
+    return PartLoss(sem, part, whole)
 
 
 def _expert_overrides(calls, mesh) -> dict:
@@ -365,7 +397,8 @@ def _balance_data_parallel(loss_fn, params, batch, optimizer, config, cluster, h
         return report, None
     layout = MeshLayout((DATA,), (k,))
     mesh = layout.build(cluster.devices)
-    program = UnevenProgram(cap_u, mesh, optimizer, cluster.platform, tuple(bal.loads), unit, b, mem)
+    parts = _parts(cap_u, full, config, "uneven per-device chunks")
+    program = UnevenProgram(cap_u, mesh, optimizer, cluster.platform, tuple(bal.loads), unit, b, mem, parts=parts)
     program = configure_memory(program, config, cluster, [(DATA,)] * len(cap_u.taskgraphs))
     scale = b / unit
     flops = [f * scale for f in unit_flops]
@@ -374,7 +407,8 @@ def _balance_data_parallel(loss_fn, params, batch, optimizer, config, cluster, h
     memory = plan_memory(program, cluster.specs, residual_bytes(cap_u.jaxpr, cap_u.num_params))  # one chunk live
     plan = Plan(cluster=cluster, config=config, layout=layout, task_graphs=tuple(infos), virtual_devices=vds,
                 batch_sizes=tuple(rows), global_batch=b, param_specs={p: P() for p in cap_u.param_paths},
-                patterns=(), comms=(), memory=memory, program=program, balance=report)
+                patterns=(), comms=(), memory=memory, program=program, balance=report,
+                couplings=tuple(parts.sem.lines()))
     return report, plan
 
 

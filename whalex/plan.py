@@ -67,6 +67,7 @@ class Plan:
     schedule: Any = None                      # the pipeline Schedule, when the plan is a pipeline
     stage_layers: tuple = ()                  # per stage, the names of the layers it holds
     balance: Any = None                       # the hardware-aware BalanceReport, on heterogeneous clusters
+    couplings: tuple = ()                     # how each batch reduction of the loss is computed (the loss contract)
     _cache: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     # -- lowering ---------------------------------------------------------------------------
@@ -197,6 +198,9 @@ class Plan:
             lines.append(f"expert parallelism: TG{e.taskgraph} experts over {'x'.join(e.expert_axes)} ({n} devices, "
                          f"{e.experts_per_device} per device), tokens over {'x'.join(e.token_axes)}; all-to-all "
                          f"dispatch and combine, {_fmt_bytes(a2a)} per step and device")
+        if self.couplings:
+            lines.append("batch couplings of the loss (reductions over the batch, and how this plan computes them):")
+            lines += [f"  {c}" for c in self.couplings]
         if pat_rows:
             lines.append("sharding patterns (least communication wins):")
             lines += _table(["TaskGraph", "unit", "parameter", "pattern", "candidate costs"], pat_rows)

@@ -15,7 +15,10 @@ from whalex.lowering.capture import Captured
 from whalex.lowering.interpret import make_evaluator
 from whalex.lowering.patterns import ShardingPlan
 from whalex.lowering.emit import Emitter, opt_state_specs  # noqa: F401 (re-exported)
+from whalex.lowering import parts as parts_lib
+from whalex.memory import precision as precision_lib
 from whalex.memory.precision import value_and_grad as scaled_value_and_grad
+from whalex.memory.remat import program_evaluator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +36,7 @@ class Program(Emitter):
     memory: Any = None           # whalex.memory.MemoryOptions (ZeRO level, offload)
     precision: Any = None        # whalex.memory.precision.Precision (amp, comm_dtype)
     remat: Any = None            # whalex.memory.remat.RematPlan (per-TaskGraph remat, activation offload)
+    parts: Any = None            # whalex.lowering.parts.PartLoss: the loss contract over micro-batches
 
     # -- shardings -------------------------------------------------------------------------
     def named(self, spec_tree):
@@ -108,7 +112,6 @@ class Program(Emitter):
 
     def evaluator(self):
         """(evaluate, comm report): the captured loss with the plan's constraints, remat and comm dtype."""
-        from whalex.memory.remat import program_evaluator
         return program_evaluator(self.captured, self.sharding.constraints, self.mesh, self.overrides, self.remat,
                                  self.precision)
 
@@ -141,18 +144,48 @@ class Program(Emitter):
             y = x.reshape((dp, m, b // (dp * m)) + x.shape[1:]).swapaxes(0, 1).reshape((m, b // m) + x.shape[1:])
             return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, *spec)))
 
+        pl, random = self.parts, self.random
+        ptree = self.captured.params_tree
+
+        def evaluator_for(c, overrides):
+            return program_evaluator(c, self.sharding.constraints, mesh, {**(self.overrides or {}), **overrides},
+                                     self.remat, None)[0]
+
+        def across(values, kinds):    # one GSPMD program: every micro-batch already spans the mesh
+            return values
+
+        gather = self.param_shardings if self.memory_options.zero_level >= 3 else None
+
         def accumulate(params, batch, scale=None):
+            if gather is not None:       # ZeRO 3: stored sharded, gathered where used
+                params = jax.lax.with_sharding_constraint(params, gather)
             leaves, tree = jax.tree.flatten(batch)
-            micro = jax.tree.unflatten(tree, [split(x, s) for x, s in zip(leaves, specs)])
+            micro = [split(x, s) for x, s in zip(leaves, specs)]
+            b = leaves[0].shape[0]
+            c = b // (dp * m)
 
-            def body(carry, mb):
-                (value, aux), grads = vg(params, mb, scale)
-                grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
-                return (carry[0] + value, jax.tree.map(jnp.add, carry[1], grads)), aux
+            def loop(fn, init):
+                def body(acc, xs):
+                    k, mb = xs
+                    where = tuple((j * (b // dp) + k * c, c) for j in range(dp))
+                    return fn(mb, where, acc), None
+                return jax.lax.scan(body, init, (jnp.arange(m), micro))[0]
 
-            zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-            (total, grads), auxs = jax.lax.scan(body, zero, micro)
-            aux = jax.tree.map(lambda a: a.mean(0) if jnp.issubdtype(a.dtype, jnp.floating) else a[-1], auxs)
-            return (total / m, aux), jax.tree.map(lambda g: g / m, grads)
+            outs, grads, direct = parts_lib.value_and_grad(pl, evaluator_for, loop, across, jax.tree.leaves(params),
+                                                           [], random, scale)
+            grads = jax.tree.unflatten(ptree, [g + d for g, d in zip(grads, direct)])
+            if scale is not None:
+                grads = precision_lib.unscale(grads, scale)
+            grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+            aux = jax.tree.unflatten(self.captured.aux_tree, outs[1:1 + self.num_aux]) if self.captured.has_aux else None
+            return (outs[0], aux), grads
 
         return accumulate
+
+    @property
+    def num_aux(self) -> int:
+        return len(self.captured.jaxpr.jaxpr.outvars) - 1
+
+    @property
+    def random(self):
+        return None

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from whalex.lowering.capture import Captured
 from whalex.lowering.interpret import make_evaluator
+from whalex.lowering import parts as parts_lib
 from whalex.lowering.emit import Emitter
 from whalex.memory import precision as precision_lib, zero as zero_lib
 from whalex.memory.remat import program_evaluator
@@ -40,6 +41,7 @@ class UnevenProgram(Emitter):
     memory: Any = None           # whalex.memory.MemoryOptions (ZeRO level, offload)
     precision: Any = None        # whalex.memory.precision.Precision (amp, comm_dtype)
     remat: Any = None            # whalex.memory.remat.RematPlan (per-TaskGraph remat, activation offload)
+    parts: Any = None            # whalex.lowering.parts.PartLoss: the loss contract over chunks
 
     @property
     def rows(self) -> tuple[int, ...]:
@@ -110,53 +112,54 @@ class UnevenProgram(Emitter):
     # -- the step -------------------------------------------------------------------------------
     def loss_and_grads(self):
         cap = self.captured
-        evaluate = program_evaluator(cap, {}, self.mesh, None, self.remat)[0]
-        counts = jnp.asarray(self.counts, jnp.int32)
-        unit, total = self.unit, float(self.global_batch)
+        pl = self.parts
+        unit = self.unit
         has_aux = cap.has_aux
-
-        def loss(params, batch):
-            outs = evaluate(*jax.tree.leaves(params), *batch)
-            return outs[0], outs[1:]
-
-        vg = precision_lib.value_and_grad(loss)
         prec = self.precision
         scaled = prec is not None and prec.scaled
-
         level = self.memory_options.zero_level
         even_counts = self.counts[0] if len(set(self.counts)) == 1 else None
         specs, zspecs = self.param_spec_list(), self.zero_specs()
         ptree = self.captured.params_tree
+        counts = jnp.asarray(self.counts, jnp.int32)
+        starts = jnp.asarray([a for a, _ in self.row_ranges()], jnp.int32)
+        mesh, remat = self.mesh, self.remat
+        random = self.random
+
+        def evaluator_for(c, overrides):
+            return program_evaluator(c, {}, mesh, overrides, remat)[0]
+
+        def across(values, kinds):
+            ops = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}
+            return [ops[k or "sum"](v, DATA) for v, k in zip(values, kinds)]
 
         def body(params, batch, *scale):
             scale = scale[0] if scale else None
             if level >= 3:            # ZeRO 3: all-gather the shards once per step, before the loop
                 params = jax.tree.unflatten(ptree, zero_lib.gather(jax.tree.leaves(params), specs, zspecs, DATA))
             leaves = jax.tree.leaves(batch)
-            n = counts[jax.lax.axis_index(DATA)]
+            d = jax.lax.axis_index(DATA)
+            n = counts[d]
 
-            def chunk(k, acc):
-                mb = [jax.lax.dynamic_slice_in_dim(x, k * unit, unit, 0) for x in leaves]
-                (value, aux), grads = vg(params, mb, scale)
-                aux = [a * unit if jnp.issubdtype(a.dtype, jnp.floating) else jnp.zeros_like(a) for a in aux]
-                return (acc[0] + value * unit, jax.tree.map(lambda a, g: a + g * unit, acc[1], grads),
-                        [a + b for a, b in zip(acc[2], aux)])
+            def loop(fn, init):       # the device's own chunks; no collective inside (trip counts differ)
+                def chunk(k, acc):
+                    part = [jax.lax.dynamic_slice_in_dim(x, k * unit, unit, 0) for x in leaves]
+                    return fn(part, ((starts[d] + k * unit, unit),), acc)
+                if even_counts == 1:  # one chunk on every device: no loop, no accumulator
+                    return chunk(0, init)
+                return jax.lax.fori_loop(0, even_counts or n, chunk, init)
 
-            aux0 = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in cap.jaxpr.jaxpr.outvars[1:]]
-            zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params), aux0)
-            if even_counts == 1:      # one chunk on every device: no loop, no gradient accumulator
-                value, grads, aux = chunk(0, zero)
-            else:                     # a static trip count when the counts are even
-                value, grads, aux = jax.lax.fori_loop(0, even_counts or n, chunk, zero)
-            value, aux = jax.lax.psum((value, aux), DATA)                     # after the loop, never inside
+            outs, grads, direct = parts_lib.value_and_grad(pl, evaluator_for, loop, across,
+                                                           jax.tree.leaves(params), [], random, scale)
+            on_first = (d == 0).astype(jnp.float32)
+            grads = [g + (x * on_first).astype(g.dtype) for g, x in zip(grads, direct)]   # the head's own gradient, once
+            grads = jax.tree.unflatten(ptree, grads)
             if level >= 2:            # ZeRO 2: reduce-scatter to each device's shard
                 grads = precision_lib.reduce_in(prec, lambda g: jax.tree.unflatten(
                     ptree, zero_lib.scatter_sum(jax.tree.leaves(g), specs, zspecs, DATA)), grads)
             else:
                 grads = precision_lib.reduce_in(prec, lambda g: jax.lax.psum(g, DATA), grads)
-            grads = jax.tree.map(lambda g: g / total, grads)
-            aux = [a / total for a in aux]
-            return value / total, grads, aux
+            return outs[0], grads, list(outs[1:1 + self.num_aux])
 
         tree = lambda ss: jax.tree.unflatten(ptree, list(ss))  # noqa: E731
         smap = jax.shard_map(body, mesh=self.mesh, in_specs=(tree(zspecs) if level >= 3 else P(), P(DATA))
@@ -165,10 +168,20 @@ class UnevenProgram(Emitter):
 
         def run(params, batch, scale=None):
             value, grads, aux = smap(params, batch, *((scale,) if scaled else ()))
+            if scaled:
+                grads = precision_lib.unscale(grads, scale)
             aux = jax.tree.unflatten(cap.aux_tree, aux) if has_aux else None
             return (value, aux), grads
 
         return run
+
+    @property
+    def num_aux(self) -> int:
+        return len(self.captured.jaxpr.jaxpr.outvars) - 1
+
+    @property
+    def random(self):
+        return None
 
     def value_and_grad(self):
         return self.loss_and_grads()

@@ -12,6 +12,7 @@ from whalex.errors import ConfigError
 
 SCHEDULES = ("1f1b", "gpipe")
 MATMUL_PATTERNS = ("auto", "column", "row")
+BATCH_COUPLINGS = ("exact", "per_part")
 
 # Whale/EPL dotted keys -> Config field.
 _DOTTED = {
@@ -31,6 +32,7 @@ _DOTTED = {
     "gradient_checkpoint.budget": "memory_budget",
     "communication.gradients_dtype": "comm_dtype",
     "amp.loss_scale_period": "loss_scale_period",
+    "batch.coupling": "batch_coupling",
 }
 
 
@@ -54,6 +56,7 @@ class Config:
     memory_budget: Any = None      # bytes per device for remat="auto" (None: the device's memory)
     comm_dtype: Any = None         # gradient all-reduce dtype: None (param dtype), "bf16", "fp16"
     loss_scale_period: int = 2000  # amp="fp16": steps without overflow before the scale doubles
+    batch_coupling: str = "exact"  # "per_part": batch statistics inside the model (BatchNorm) per part
 
     def __init__(self, options: Mapping[str, Any] | None = None, /, **kwargs: Any):
         fields = {f.name: f.default for f in dataclasses.fields(Config)}
@@ -87,6 +90,9 @@ class Config:
                 f"unknown matmul_pattern {self.matmul_pattern!r}; use one of {MATMUL_PATTERNS}.")
         if self.zero_level not in (0, 1, 2, 3):
             raise ConfigError(f"zero_level must be 0, 1, 2 or 3, got {self.zero_level!r}.")
+        if self.batch_coupling not in BATCH_COUPLINGS:
+            raise ConfigError(f"unknown batch_coupling {self.batch_coupling!r}; use 'exact' (statistics over the "
+                              "global batch, refused where a plan cannot) or 'per_part' (statistics per part).")
         for name in ("auto_parallel", "hardware_aware"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}.")

@@ -1,0 +1,130 @@
+"""Issue 10: every plan trains the same model, whatever the loss computes (DESIGN.md section 1).
+
+A tiny language model on padded sequences, with the losses real training code writes: a plain
+mean, a sum, a masked mean over examples, lm1b's token-weighted cross-entropy (some rows all
+padding), and cross-entropy plus a z-loss and a weight penalty written in the loss. Each runs under
+the plans that see the whole batch and those that evaluate the loss in parts, with SGD and Adam,
+against single-device training of the same model on the same batch.
+"""
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import whalex as wh
+from conftest import adam, assert_matches
+
+B, T, V, D = 32, 6, 16, 12
+HETERO = ["V100-32GB"] * 4 + ["T4-16GB"] * 4
+
+
+def lm_batch(seed=0):
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    tok = jax.random.randint(k1, (B, T + 1), 1, V)
+    lengths = jax.random.randint(k2, (B,), 1, T + 1)
+    lengths = lengths.at[jnp.array([3, 17, 18, 30])].set(0)          # rows that are all padding
+    pos = jnp.arange(T + 1)[None]
+    tok = jnp.where(pos <= lengths[:, None], tok, 0)                 # 0 is padding
+    weight = jax.random.uniform(k3, (B,)) * (lengths > 0)              # per-example weights (masked mean)
+    return {"inputs": tok[:, :-1], "targets": tok[:, 1:], "weight": weight}
+
+
+def lm_params(seed=1):
+    k = jax.random.split(jax.random.key(seed), 4)
+    return {"emb": jax.random.normal(k[0], (V, D)) * 0.5, "w1": jax.random.normal(k[1], (D, D)) * 0.3,
+            "w2": jax.random.normal(k[2], (D, D)) * 0.3, "out": jax.random.normal(k[3], (D, V)) * 0.3}
+
+
+def _reduce(kind, logits, b, p):
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"])       # [B, T]
+    if kind == "mean":
+        return ce.mean()
+    if kind == "sum":
+        return ce.sum() * 0.01
+    if kind == "masked":                                                # sum(e * m) / sum(m) over examples
+        w = b["weight"]
+        return (ce.mean(-1) * w).sum() / w.sum()
+    if kind == "token":                                                 # lm1b: weights = targets > 0
+        w = (b["targets"] > 0).astype(jnp.float32)
+        return (ce * w).sum() / jnp.maximum(w.sum(), 1.0)
+    if kind == "aux":                                                   # + z-loss + a weight penalty
+        z = jax.nn.logsumexp(logits, -1)
+        w = (b["targets"] > 0).astype(jnp.float32)
+        return (ce * w).sum() / w.sum() + 1e-2 * jnp.mean(z ** 2) + 1e-3 * jnp.sum(p["out"] ** 2)
+    raise ValueError(kind)
+
+
+def lm_loss(kind, scopes):
+    """scopes: 4 context factories, one per layer (embedding, w1, w2, head + loss)."""
+
+    def loss_fn(p, b):
+        with scopes[0]():
+            h = p["emb"][b["inputs"]]
+        with scopes[1]():
+            h = jnp.tanh(h @ p["w1"])
+        with scopes[2]():
+            h = jnp.tanh(h @ p["w2"])
+        with scopes[3]():
+            return _reduce(kind, h @ p["out"], b, p)
+
+    return loss_fn
+
+
+none = contextlib.nullcontext
+PLANS = {
+    # name: (scopes, Config kwargs, cluster kinds)
+    "dp": ((none,) * 4, {}, None),
+    "hybrid": ((lambda: wh.replicate(8),) * 3 + (lambda: wh.split(8),), {}, None),
+    "micro4": ((none,) * 4, {"num_micro_batch": 4}, None),
+    "hetero": ((none,) * 4, {}, HETERO),
+    "zero1": ((none,) * 4, {"zero_level": 1}, None),
+    "zero2": ((none,) * 4, {"zero_level": 2}, None),
+    "zero3": ((none,) * 4, {"zero_level": 3}, None),
+    "pipe2_1f1b": ((lambda: wh.replicate(1),) * 2 + (none,) * 2, {"num_micro_batch": 4}, None),
+    "pipe4_gpipe": ((lambda: wh.replicate(1),) * 4, {"num_micro_batch": 4, "schedule": "gpipe"}, None),
+    "pipe4_1f1b": ((lambda: wh.replicate(1),) * 4, {"num_micro_batch": 2}, None),
+}
+KINDS = ("mean", "sum", "masked", "token", "aux")
+
+
+def _run(kind, plan, optimizer, steps=3):
+    scopes, cfg, kinds = PLANS[plan]
+    cluster = wh.Cluster(kinds=kinds) if kinds else None
+    step, _ = assert_matches(lm_loss(kind, scopes), lm_params(), lm_batch(), steps=steps, optimizer=optimizer,
+                             tol=1e-4, config=wh.Config(**cfg), cluster=cluster)
+    return step
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("kind", KINDS)
+def test_losses_sgd(kind, plan):
+    step = _run(kind, plan, optax.sgd(0.5))
+    if plan == "hetero":
+        assert len(set(step.plan.batch_sizes)) > 1
+
+
+@pytest.mark.parametrize("plan", ["micro4", "hetero", "zero2", "pipe4_gpipe"])
+@pytest.mark.parametrize("kind", ["token", "aux"])
+def test_losses_adam(kind, plan):
+    _run(kind, plan, adam(1e-2))
+
+
+def test_all_padding_part_is_not_nan():
+    """A chunk with no real token: the normaliser is global, so no 0/0 anywhere."""
+    batch = lm_batch()
+    batch["targets"] = batch["targets"].at[:8].set(0)                # the first 8 rows: all padding
+    step = wh.parallelize(lm_loss("token", (none,) * 4), optax.sgd(0.5), cluster=wh.Cluster(kinds=HETERO))
+    state = step.init(lm_params(), batch)
+    state, metrics = step(state, batch)
+    assert np.isfinite(float(metrics["loss"]))
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(step.params(state)))
+
+
+def test_summary_lists_couplings():
+    plan = wh.plan(lm_loss("token", (none,) * 4), lm_params(), lm_batch(), optax.sgd(0.1),
+                   config=wh.Config(num_micro_batch=4))
+    text = plan.summary()
+    assert "normaliser (global pre-pass)" in text and "global sum (accumulated over parts)" in text

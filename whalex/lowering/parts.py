@@ -1,0 +1,536 @@
+"""The loss contract for plans that evaluate the loss in parts (DESIGN.md section 1).
+
+A loss means its value on the whole global batch. Uneven data parallelism (per-device chunks),
+gradient accumulation (micro-batches) and pipelines (micro-batches per replica) evaluate it on
+parts of `part_rows` samples. Comparing the loss traced at the part size with the loss traced at
+the global size shows where the batch is reduced: values whose shape changes carry the batch,
+and an equation that takes such values to a batch-free value is a *batch reduction*
+(`jnp.sum/mean` over the batch, `sum(mask)`, a dot product that contracts the batch).
+
+The loss is then `H(theta, R)`, a batch-free *head* of the reductions `R`, and every reduction is
+a sum (or max/min) of per-part values. `analyse` sorts the reductions:
+
+- data-only (no parameter dependence, e.g. the real-token count `sum(mask)`): computed over the
+  global batch in a pre-pass, before the parts run, and fed to every part;
+- parameter-dependent and read only by the head (the loss sum, an aux term): accumulated across
+  parts; the gradient of each part is the vector-Jacobian product of its partial sums with
+  `dH/dR`, which is known before the parts run when the head is affine in them (means, sums,
+  masked and token-weighted means, weighted sums of several terms). A head that is not affine in
+  them (e.g. `log(mean(...))`) takes an exact second pass: one forward over the parts first;
+- parameter-dependent and used inside the model (BatchNorm statistics in training mode): one pass
+  cannot compute them exactly; refused with an error naming the operation, unless the Config
+  accepts per-part statistics (`batch_coupling="per_part"`), when each part computes its own and
+  the outputs that depend on them (running averages) are averaged over parts.
+
+Constants that depend on the batch size (the `1/B` of a mean) take their global value.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from whalex import _compat as C
+from whalex.errors import PlanError
+from whalex.lowering.capture import Captured
+
+_COMBINE = {"reduce_sum": "sum", "dot_general": "sum", "reduce_max": "max", "reduce_min": "min",
+            "reduce_or": "max", "reduce_and": "min"}
+_AXIS_OPS = {"cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": "axis",
+             "cumlogsumexp": "axis", "sort": "dimension"}
+OPT_IN = "wh.Config(batch_coupling='per_part')"
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+    """One batch reduction of the loss (an equation at the top level of the captured jaxpr)."""
+
+    index: int
+    op: str
+    combine: str | None          # "sum", "max", "min"; None: not a sum of per-part values
+    params: bool                 # depends on the parameters
+    feedback: bool               # used (directly or through the head) inside per-sample computation
+    level: int                   # data-only reductions: pre-pass level (0 first)
+    where: str                   # module path and source line
+    local: bool = False          # computed per part (batch_coupling="per_part")
+
+    @property
+    def kind(self) -> str:
+        if self.local:
+            return "statistic (per part, opt-in)"
+        if not self.params:
+            return "normaliser (global pre-pass)"
+        return "global sum (accumulated over parts)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Semantics:
+    """What `analyse` found: the batch reductions and how a plan in parts computes them."""
+
+    part_rows: int
+    global_rows: int
+    reductions: tuple[Reduction, ...]
+    affine: bool                 # the loss is affine in its parameter-dependent sums: one pass
+    local_outputs: tuple[int, ...]   # outputs (positions) that depend on per-part statistics: averaged
+    random: tuple[str, ...]      # how random draws of the batch are made per part
+
+    @property
+    def levels(self) -> int:
+        return 1 + max([r.level for r in self.reductions if not r.params] + [-1])
+
+    def lines(self, whole: bool = False) -> list[str]:
+        """One line per batch reduction: where it is and how the plan computes it (`whole`: a plan
+        that sees the whole batch at once, where every reduction is exact as on one device)."""
+        out = []
+        for r in self.reductions:
+            if whole:
+                what = "statistic used inside the model" if r.feedback and r.params else \
+                    "normaliser" if not r.params else "sum"
+                out.append(f"{r.op} over the batch at {r.where}: {what}, over the whole batch in one program (exact)")
+            else:
+                out.append(f"{r.op} over the batch at {r.where}: {r.kind}")
+        if whole:
+            return out
+        if not self.affine:
+            out.append("the loss is not affine in its batch sums: exact in two passes (one extra forward)")
+        out.extend(self.random)
+        return out
+
+
+def source(eqn) -> str:
+    """'Module/path (file:line)' of an equation, for errors and the summary."""
+    stack = C.name_stack(eqn)
+    line = C.source_line(eqn)
+    return f"{stack} ({line})" if stack else line
+
+
+def _shape(v):
+    return tuple(v.aval.shape) if hasattr(v, "aval") and hasattr(v.aval, "shape") else ()
+
+
+def _floating(v) -> bool:
+    return hasattr(v.aval, "dtype") and jnp.issubdtype(v.aval.dtype, jnp.floating)
+
+
+def analyse(part: Captured, whole: Captured, *, per_part: bool = False, context: str = "parts") -> Semantics:
+    """Find the batch reductions of the loss traced at `part.global_batch` rows and at
+    `whole.global_batch` rows; raise PlanError for couplings one pass cannot compute exactly."""
+    jp, jg = part.jaxpr.jaxpr, whole.jaxpr.jaxpr
+    b, B = part.global_batch, whole.global_batch
+    r = B / b
+    if len(jp.eqns) != len(jg.eqns) or any(e.primitive != f.primitive for e, f in zip(jp.eqns, jg.eqns)):
+        raise PlanError(
+            f"the loss traces differently at {b} and {B} samples (its operations depend on the batch size); "
+            "whalex evaluates it in parts here, so write it without Python branches on the batch size.")
+    gvar: dict = {}
+    for vp, vg in zip(list(jp.invars) + list(jp.constvars), list(jg.invars) + list(jg.constvars)):
+        gvar[vp] = vg
+    for ep, eg in zip(jp.eqns, jg.eqns):
+        gvar.update(zip(ep.outvars, eg.outvars))
+
+    def is_b(v) -> bool:
+        return not isinstance(v, C.Literal) and _shape(v) != _shape(gvar[v])
+
+    for v in jp.constvars:
+        if is_b(v):
+            raise PlanError("the loss closes over a constant with the batch dimension; pass it in the batch.")
+    n = part.num_params
+    pdep = {v: True for v in jp.invars[:n]}
+    dep: dict = {}                               # var -> frozenset of reductions its value depends on
+    reds: dict[int, dict] = {}
+    feedback_vars: set = set()
+    couplings = []                               # (eqn index, message) of cross-sample per-sample ops
+
+    def deps(vs):
+        out = frozenset()
+        for v in vs:
+            out |= dep.get(v, frozenset())
+        return out
+
+    for i, eqn in enumerate(jp.eqns):
+        ins = [v for v in eqn.invars if not isinstance(v, C.Literal)]
+        b_in = [v for v in ins if is_b(v)]
+        b_out = [o for o in eqn.outvars if is_b(o)]
+        d = deps(ins)
+        p = any(pdep.get(v, False) for v in ins)
+        for o in eqn.outvars:
+            pdep[o] = p
+        if b_in and not b_out:                   # a batch reduction
+            combine = _COMBINE.get(eqn.primitive.name)
+            reds[i] = dict(op=eqn.primitive.name, combine=combine, params=p, inputs=d, where=source(eqn))
+            for o in eqn.outvars:
+                dep[o] = d | {i}
+            feedback_vars.update(v for v in ins if not is_b(v) and dep.get(v))
+            continue
+        for o in eqn.outvars:
+            dep[o] = d
+        if b_out or b_in:                        # per-sample computation
+            feedback_vars.update(v for v in ins if not is_b(v) and dep.get(v))
+            for o in b_out:
+                ratio = np.prod(_shape(gvar[o])) / max(np.prod(_shape(o)), 1)
+                if not np.isclose(ratio, r):
+                    couplings.append((i, f"{eqn.primitive.name} mixes samples of the batch "
+                                         f"({list(_shape(o))} at {b} samples, {list(_shape(gvar[o]))} at {B})"))
+                    break
+            else:
+                axis_param = _AXIS_OPS.get(eqn.primitive.name)
+                if axis_param is not None and b_in:
+                    axes = eqn.params[axis_param]
+                    axes = axes if isinstance(axes, tuple) else (axes,)
+                    bdims = {k for k, (x, y) in enumerate(zip(_shape(b_in[0]), _shape(gvar[b_in[0]]))) if x != y}
+                    if bdims & set(axes):
+                        couplings.append((i, f"{eqn.primitive.name} runs along the batch dimension"))
+            if C.is_call(eqn) and b_in:
+                _check_call(eqn, i, b, B, couplings, gvar)
+    # which reductions feed per-sample computation (through the values they produce)
+    fed = set()
+    for v in feedback_vars:
+        fed |= dep[v]
+    for i, info in reds.items():
+        info["feedback"] = i in fed
+    # outputs
+    out_vars = list(jp.outvars)
+    for k, v in enumerate(out_vars):
+        if not isinstance(v, C.Literal) and is_b(v):
+            raise PlanError(
+                f"output {k} of the loss ({'the loss' if k == 0 else 'an aux or model-state leaf'}, shape "
+                f"{list(_shape(v))}) has the batch dimension, but this plan evaluates the loss in {context}; "
+                "return batch-free values (reduce per-example outputs over the batch) or use a plan without parts.")
+    # refusals and per-part choices
+    problems = []
+    local = set()
+    for i, info in sorted(reds.items()):
+        if info["feedback"] and info["params"]:
+            if per_part:
+                local.add(i)
+            else:
+                problems.append(
+                    f"{info['op']} at {info['where']} computes a statistic of parameter-dependent values over the "
+                    f"batch and uses it inside the model (e.g. BatchNorm in training mode); this plan computes it on "
+                    f"{context} of {b} samples, not on the global batch of {B}")
+        elif info["combine"] is None:
+            if per_part:
+                local.add(i)
+            else:
+                problems.append(f"{info['op']} at {info['where']} reduces the batch in a way that is not a sum "
+                                f"over samples; this plan evaluates the loss in {context} of {b} samples")
+    for i, msg in couplings:
+        if not per_part:
+            problems.append(f"{msg} at {source(jp.eqns[i])}; this plan evaluates the loss in {context} of {b} "
+                            "samples")
+    if problems:
+        raise PlanError(
+            "the loss couples the samples of the batch in a way one pass over parts cannot compute exactly:\n  - "
+            + "\n  - ".join(problems)
+            + f"\nUse a plan that sees the whole batch at once (data or hybrid parallelism without micro-batches, "
+              f"on devices of one kind, or Config(hardware_aware=False)), or accept per-part statistics with "
+              f"{OPT_IN} (what PyTorch pipelines and GShard do).")
+    local_outputs = tuple(k for k, v in enumerate(out_vars)
+                          if not isinstance(v, C.Literal) and (dep.get(v, frozenset()) & local))
+    if 0 in local_outputs:
+        raise PlanError(
+            "the loss reads a per-part statistic directly (not through per-sample values); with "
+            f"{OPT_IN} it must only shape per-sample computation and model-state outputs.")
+    # levels of data-only reductions
+    level: dict[int, int] = {}
+    for i in sorted(reds):
+        info = reds[i]
+        ups = [u for u in info["inputs"] if u in reds]
+        level[i] = 0 if not ups else 1 + max(level[u] for u in ups)
+    # the head must be a sum of per-part values for every differentiable parameter reduction
+    loss_cone = _cone(jp, [jp.outvars[0]])
+    for i, info in reds.items():
+        if info["params"] and i not in local and info["combine"] != "sum" and i in loss_cone \
+                and any(_floating(o) for o in jp.eqns[i].outvars):
+            raise PlanError(
+                f"{info['op']} at {info['where']} takes a {info['combine']} over the batch of parameter-dependent "
+                f"values on the loss's gradient path; its gradient cannot be split over {context}. Use a sum or "
+                f"mean, a plan without parts, or {OPT_IN}.")
+    grad_reds = {i for i, info in reds.items() if info["params"] and i not in local and i in loss_cone}
+    affine = _affine(jp, grad_reds)
+    reductions = tuple(
+        Reduction(i, info["op"], info["combine"], info["params"], info["feedback"],
+                  level[i] if not info["params"] else 0, info["where"], i in local)
+        for i, info in sorted(reds.items()))
+    return Semantics(b, B, reductions, affine, local_outputs, ())
+
+
+def _check_call(eqn, i, b, B, couplings, gvar):
+    """A call whose outputs lose the batch reduces inside: whalex needs such reductions at top level."""
+    outs_b = [o for o in eqn.outvars if _shape(o) != _shape(gvar[o])]
+    if len(outs_b) < len(eqn.outvars):
+        name = eqn.params.get("name", eqn.primitive.name)
+        couplings.append((i, f"the call {name!r} reduces over the batch inside it (call it without jax.jit so "
+                             "whalex can see the reduction)"))
+
+
+def _cone(jaxpr, outs, stop=()) -> set:
+    """Indices of the top-level equations the values `outs` depend on (not looking past `stop`)."""
+    producer = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for o in eqn.outvars:
+            producer[o] = i
+    seen, stack = set(), [v for v in outs if not isinstance(v, C.Literal)]
+    while stack:
+        v = stack.pop()
+        i = producer.get(v)
+        if i is None or i in seen:
+            continue
+        seen.add(i)
+        if i not in stop:
+            stack.extend(u for u in jaxpr.eqns[i].invars if not isinstance(u, C.Literal))
+    return seen
+
+
+_LINEAR = {"add", "sub", "neg", "convert_element_type", "reduce_sum", "broadcast_in_dim", "reshape", "squeeze",
+           "expand_dims", "transpose", "slice", "concatenate", "copy", "copy_p", "pad", "add_any", "select_n",
+           "dynamic_slice", "real", "imag"}
+
+
+def _affine(jaxpr, grad_reds: set) -> bool:
+    """Whether the loss (output 0) is affine in the outputs of the reductions `grad_reds`."""
+    lin = set()
+    for i, eqn in enumerate(jaxpr.eqns):
+        if i in grad_reds:
+            lin.update(eqn.outvars)
+            continue
+        ins = [v for v in eqn.invars if not isinstance(v, C.Literal)]
+        which = [k for k, v in enumerate(eqn.invars) if not isinstance(v, C.Literal) and v in lin]
+        if not which:
+            continue
+        name = eqn.primitive.name
+        ok = False
+        if name in _LINEAR:
+            ok = not (name == "select_n" and 0 in which)
+        elif name in ("mul", "dot_general"):
+            ok = len(which) == 1
+        elif name == "div":
+            ok = which == [0]
+        elif name == "stop_gradient":
+            continue
+        if not ok:
+            return False
+        lin.update(o for o in eqn.outvars if _floating(o))
+        del ins
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class PartLoss:
+    """The loss evaluated in parts with whole-batch semantics: pure functions for a program's loop.
+
+    Inputs of every function: `params` (leaves), `part` (the part's batch leaves), `extra` (the
+    other inputs of the loss: model state and rng leaves), `given` (global values of reductions
+    already known: {reduction index: [outputs]}).
+    """
+
+    sem: Semantics
+    part: Captured
+    whole: Captured
+
+    @property
+    def num_parts(self) -> int:
+        return self.sem.global_rows // self.sem.part_rows
+
+    def _reds(self, pred) -> list[Reduction]:
+        return [r for r in self.sem.reductions if pred(r)]
+
+    def data_reductions(self, level: int) -> list[Reduction]:
+        return self._reds(lambda r: not r.params and r.level == level)
+
+    @property
+    def sums(self) -> list[Reduction]:
+        """Parameter-dependent reductions accumulated across parts."""
+        return self._reds(lambda r: r.params and not r.local)
+
+    # -- the body: the loss at part size with global values substituted ---------------------------
+    @property
+    def body_jaxpr(self):
+        """The part jaxpr with batch-size constants of per-sample equations at their global values."""
+        jp, jg = self.part.jaxpr.jaxpr, self.whole.jaxpr.jaxpr
+        local = {r.index for r in self.sem.reductions if r.local}
+        keep = _cone(jp, [o for i in local for o in jp.eqns[i].outvars])
+        tainted: set = set()
+        for i, eqn in enumerate(jp.eqns):
+            if i in local or any(not isinstance(v, C.Literal) and v in tainted for v in eqn.invars):
+                tainted.update(eqn.outvars)
+                if i in local or all(_shape(o) == _shape(g) for o, g in zip(eqn.outvars, jg.eqns[i].outvars)):
+                    keep.add(i)
+        eqns = []
+        for i, (ep, eg) in enumerate(zip(jp.eqns, jg.eqns)):
+            if i not in keep and any(isinstance(v, C.Literal) and isinstance(w, C.Literal) and
+                                           not _same(v.val, w.val) for v, w in zip(ep.invars, eg.invars)):
+                ep = ep.replace(invars=[w if isinstance(v, C.Literal) else v for v, w in zip(ep.invars, eg.invars)])
+            eqns.append(ep)
+        return jp.replace(eqns=eqns)
+
+    def body(self, outvars) -> Captured:
+        """A Captured whose jaxpr is the body returning `outvars` (paths unchanged)."""
+        closed = C.ClosedJaxpr(self.body_jaxpr.replace(outvars=list(outvars)), self.part.jaxpr.consts)
+        return dataclasses.replace(self.part, jaxpr=closed)
+
+    def given_overrides(self, given: dict) -> dict:
+        """Overrides {path: fn} replacing reductions whose global values are known."""
+        return {(i,): (lambda *_, vals=vals: list(vals)) for i, vals in given.items()}
+
+    def sum_outvars(self):
+        jp = self.part.jaxpr.jaxpr
+        outs = [o for r in self.sums for o in jp.eqns[r.index].outvars]
+        locs = [jp.outvars[k] for k in self.sem.local_outputs]
+        return outs, locs
+
+    # -- the head ---------------------------------------------------------------------------------
+    def head(self, inputs: Sequence[Any], given: dict, local: Sequence[Any] = ()) -> list:
+        """All outputs of the loss from the global values of every reduction (`given`), evaluated
+        with the global-size jaxpr: `inputs` are the loss's inputs (batch leaves may be None)."""
+        jg = self.whole.jaxpr.jaxpr
+        env: dict = dict(zip(jg.constvars, self.whole.jaxpr.consts))
+        env.update({v: x for v, x in zip(jg.invars, inputs) if x is not None})
+        overrides = {jg.outvars[k]: x for k, x in zip(self.sem.local_outputs, local)}
+        needed = _cone(jg, [v for v in jg.outvars if v not in overrides], stop=set(given))
+        for i, eqn in enumerate(jg.eqns):
+            if i in given:
+                env.update(zip(eqn.outvars, given[i]))
+                continue
+            if i not in needed:
+                continue
+            env.update(zip(eqn.outvars, C.bind(eqn, [C.read(env, v) for v in eqn.invars])))
+        env.update(overrides)
+        return [C.read(env, v) for v in jg.outvars]
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+    except Exception:   # noqa: BLE001 (typed keys and other opaque literals: compare identity)
+        return a is b
+
+
+def combine(kind: str | None, a, b):
+    if kind == "max":
+        return jnp.maximum(a, b)
+    if kind == "min":
+        return jnp.minimum(a, b)
+    return a + b
+
+
+def identity(kind: str | None, like):
+    dtype = like.dtype
+    if kind == "max":
+        return jnp.full(like.shape, jnp.finfo(dtype).min if jnp.issubdtype(dtype, jnp.floating)
+                        else (False if dtype == jnp.bool_ else jnp.iinfo(dtype).min), dtype)
+    if kind == "min":
+        return jnp.full(like.shape, jnp.finfo(dtype).max if jnp.issubdtype(dtype, jnp.floating)
+                        else (True if dtype == jnp.bool_ else jnp.iinfo(dtype).max), dtype)
+    return jnp.zeros(like.shape, dtype)
+
+
+# ----------------------------------------------------------------------------------- the driver
+def value_and_grad(pl: PartLoss, evaluator_for: Callable, loop: Callable, across: Callable, params: list,
+                   extra: list, random: Callable | None = None, scale=None):
+    """Loss, outputs and gradients of the whole batch from a loop over parts.
+
+    evaluator_for(captured, overrides) -> evaluate(*inputs) -> outputs: how the program evaluates a
+      captured jaxpr (constraints, remat);
+    loop(fn, init) -> acc: runs acc = fn(part_leaves, where, acc) over this device's parts (`where`
+      says which global rows the part holds, for random draws);
+    across(values, kinds) -> values combined over devices ("sum"/"max"/"min" per value);
+    random(where) -> overrides for the part's random draws (or None).
+    Returns (outputs, local gradient sum, direct gradient): the program sums the local gradients
+    over devices (all-reduce or reduce-scatter) and adds the direct gradient (the head's own
+    dependence on parameters, e.g. a weight penalty written in the loss) once.
+    """
+    jp = pl.part.jaxpr.jaxpr
+    nb = len(jp.invars) - len(params) - len(extra)
+    given: dict = {}
+
+    def overrides(where, known):
+        out = pl.given_overrides(known)
+        if random is not None:
+            out.update(random(where))
+        return out
+
+    def run_loop(outvars, kinds, known, with_grads=None):
+        ev_cap = pl.body(outvars)
+
+        def fn(part, where, acc):
+            evaluate = evaluator_for(ev_cap, overrides(where, known))
+            vals = evaluate(*params, *part, *extra)
+            return [combine(k, a, v) for k, a, v in zip(kinds, acc, vals)]
+
+        init = [identity(k, o.aval) for k, o in zip(kinds, outvars)]
+        return across(loop(fn, init), kinds)
+
+    for level in range(pl.sem.levels):                 # data-only reductions over the global batch
+        reds = pl.data_reductions(level)
+        outs = [o for r in reds for o in jp.eqns[r.index].outvars]
+        kinds = [r.combine for r in reds for _ in jp.eqns[r.index].outvars]
+        vals = iter(run_loop(outs, kinds, dict(given)))
+        for r in reds:
+            given[r.index] = [next(vals) for _ in jp.eqns[r.index].outvars]
+
+    sums = pl.sums
+    sum_vars = [o for r in sums for o in jp.eqns[r.index].outvars]
+    sum_kinds = [r.combine for r in sums for _ in jp.eqns[r.index].outvars]
+    local_vars = [jp.outvars[k] for k in pl.sem.local_outputs]
+    fl = [k for k, v in enumerate(sum_vars) if _floating(v)]
+    inputs = list(params) + [None] * nb + list(extra)
+
+    def known_with(values):
+        known = dict(given)
+        it = iter(values)
+        for r in sums:
+            known[r.index] = [next(it) for _ in jp.eqns[r.index].outvars]
+        return known
+
+    if pl.sem.affine:
+        at = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in sum_vars]
+    else:                                              # exact second pass: the sums first
+        at = run_loop(sum_vars, sum_kinds, dict(given))
+
+    def head_loss(fvals):
+        vals = list(at)
+        for k, x in zip(fl, fvals):
+            vals[k] = x
+        zeros = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in local_vars]
+        return pl.head(inputs, known_with(vals), zeros)[0]
+
+    cot = jax.grad(head_loss)([at[k] for k in fl]) if fl else []
+    if scale is not None:
+        cot = [c * scale.astype(c.dtype) for c in cot]
+    body = pl.body(sum_vars + local_vars)
+
+    def fn(part, where, acc):
+        evaluate = evaluator_for(body, overrides(where, given))
+
+        def f(ps):
+            vals = evaluate(*ps, *part, *extra)
+            return [vals[k] for k in fl], vals
+
+        _, vjp, vals = jax.vjp(f, list(params), has_aux=True)
+        (grads,) = vjp(cot) if fl else ([jnp.zeros_like(p) for p in params],)
+        sums_acc, loc_acc, g_acc = acc
+        sums_acc = [combine(k, a, v) for k, a, v in zip(sum_kinds, sums_acc, vals[:len(sum_vars)])]
+        loc_acc = [a + v for a, v in zip(loc_acc, vals[len(sum_vars):])]
+        return sums_acc, loc_acc, [a + g for a, g in zip(g_acc, grads)]
+
+    init = ([identity(k, v.aval) for k, v in zip(sum_kinds, sum_vars)],
+            [jnp.zeros(v.aval.shape, v.aval.dtype) for v in local_vars],
+            [jnp.zeros_like(p) for p in params])
+    sums_acc, loc_acc, grads = loop(fn, init)
+    combined = across(list(sums_acc) + list(loc_acc), list(sum_kinds) + ["sum"] * len(loc_acc))
+    totals, locs = combined[:len(sums_acc)], combined[len(sums_acc):]
+    locs = [x / pl.num_parts if jnp.issubdtype(x.dtype, jnp.inexact) else x for x in locs]
+    known = known_with(totals)
+
+    def head_of_params(ps):
+        outs = pl.head(list(ps) + inputs[len(params):], known, locs)
+        return outs[0], outs
+
+    direct, outs = jax.grad(head_of_params, has_aux=True)(list(params))
+    if scale is not None:
+        direct = [d * scale.astype(d.dtype) for d in direct]
+    return outs, grads, direct
