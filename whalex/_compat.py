@@ -90,3 +90,25 @@ def source_line(eqn: JaxprEqn) -> str:
         return source_info_util.summarize(eqn.source_info)
     except Exception:   # noqa: BLE001 (no traceback recorded)
         return "unknown location"
+
+
+def varying_axes(x: Any) -> frozenset:
+    """Mesh axes over which `x` varies inside `shard_map` (its type's vma); empty outside."""
+    t = jax.typeof(x)
+    vma = getattr(t, "vma", None)
+    if vma is None:                        # jax 0.10: ShapedArray.mat (ManualAxisType).varying
+        vma = getattr(getattr(t, "mat", None), "varying", ())
+    return frozenset(vma)
+
+
+def match_varying(*xs: Any) -> list[Any]:
+    """Cast each of `xs` to vary over every axis any of them varies over.
+
+    A primitive bound directly (not through jax.numpy) does not insert these casts itself; jax's
+    threefry2x32 lowering, for one, fails inside `shard_map` when its key is replicated and its
+    counts vary (the counts of a part that depend on `axis_index`).
+    """
+    axes = [varying_axes(x) for x in xs]
+    union = frozenset().union(*axes)
+    return [x if a == union else jax.lax.pcast(x, tuple(sorted(union - a)), to="varying")
+            for x, a in zip(xs, axes)]
