@@ -107,12 +107,13 @@ def _refuse_unbuilt(config: Config) -> None:
 
 
 def build_plan(loss_fn: Callable, params, batch, optimizer=None, config=None, cluster=None,
-               has_aux: bool = False) -> Plan:
+               has_aux: bool = False, model_state=None, rng=None) -> Plan:
+    inputs = {k: v for k, v in (("model_state", model_state), ("rng", rng)) if v is not None}
     config, cluster = _resolve(config, cluster)
     _refuse_unbuilt(config)
     loss_fn = amp_loss(loss_fn, config.amp, has_aux)
     _check_optimizer(optimizer)
-    cap = capture(loss_fn, params, batch, has_aux=has_aux)
+    cap = capture(loss_fn, params, batch, has_aux=has_aux, **inputs)
     m = config.num_micro_batch
     if config.auto_parallel:
         from whalex.balance.partition import auto_stages
@@ -149,25 +150,25 @@ def build_plan(loss_fn: Callable, params, batch, optimizer=None, config=None, cl
                     "pipeline are not supported yet. Use wh.replicate(n) stages, or give every TaskGraph the "
                     "same device_count to share devices (then micro-batches accumulate gradients).")
     if per_stage is None and all(t.strategy.kind == "replicate" for t in cap.taskgraphs):
-        report, uneven = _balance_data_parallel(loss_fn, params, batch, optimizer, config, cluster, has_aux, cap)
+        report, uneven = _balance_data_parallel(loss_fn, params, batch, inputs, optimizer, config, cluster, has_aux, cap)
         if uneven is not None:
             return uneven
-        return _spmd_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, cap, report)
+        return _spmd_plan(loss_fn, params, batch, inputs, optimizer, config, cluster, has_aux, cap, report)
     if per_stage is not None:
         if stage_of_eqn is None:
             tg_stage = {tg: s for s, g in enumerate(groups) for tg in g}
             stage_of_eqn = [tg_stage[cap.assign[(i,)]] for i in range(len(cap.jaxpr.jaxpr.eqns))]
-        return _pipeline_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, cap,
+        return _pipeline_plan(loss_fn, params, batch, inputs, optimizer, config, cluster, has_aux, cap,
                               stage_of_eqn, per_stage)
-    return _spmd_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, cap)
+    return _spmd_plan(loss_fn, params, batch, inputs, optimizer, config, cluster, has_aux, cap)
 
 
-def _spmd_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, cap, report=None) -> Plan:
+def _spmd_plan(loss_fn, params, batch, inputs, optimizer, config, cluster, has_aux, cap, report=None) -> Plan:
     """Collocated TaskGraphs in one GSPMD program; micro-batches accumulate gradients."""
     m = config.num_micro_batch
     full = cap
     if m > 1:
-        cap = capture(loss_fn, params, _micro_batch(batch, full.global_batch // m), has_aux=has_aux)
+        cap = capture(loss_fn, params, _micro_batch(batch, full.global_batch // m), has_aux=has_aux, **inputs)
     strategies = [t.strategy for t in cap.taskgraphs]
     layout = mesh_layout(strategies, cluster.size)
     vds = virtual_devices(strategies, layout)
@@ -198,11 +199,11 @@ def _spmd_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, cap,
         parts = _parts(cap, full, config, "micro-batches (gradient accumulation)")
     program = Program(cap, sharding, mesh, optimizer, cluster.platform, m, overrides, padded, memory=mem, parts=parts)
     if mem.zero_level >= 2 and layout.axis_names == (DATA,) and layout.size > 1 and not overrides:
-        program = _zero_data_parallel(loss_fn, params, batch, optimizer, config, cluster, has_aux, full, m, mesh, mem) \
+        program = _zero_data_parallel(loss_fn, params, batch, inputs, optimizer, config, cluster, has_aux, full, m, mesh, mem) \
             or program
     program = configure_memory(program, config, cluster, [vd.batch_axes for vd in vds] if isinstance(program, Program)
                                else [(DATA,)] * len(program.captured.taskgraphs),
-                               lambda rows: capture(loss_fn, params, _micro_batch(batch, rows), has_aux=has_aux))
+                               lambda rows: capture(loss_fn, params, _micro_batch(batch, rows), has_aux=has_aux, **inputs))
     report = report or split_report
 
     flops = [f * m for f in taskgraph_flops(cap.jaxpr, cap.assign, len(cap.taskgraphs))]
@@ -218,26 +219,26 @@ def _spmd_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, cap,
     per_device = full.global_batch // layout.axis_size(first.batch_axes)
     parts = getattr(program, "parts", None)
     couplings = tuple(parts.sem.lines()) if parts is not None else \
-        _whole_batch_couplings(loss_fn, params, batch, has_aux, full)
+        _whole_batch_couplings(loss_fn, params, batch, inputs, has_aux, full)
     return Plan(cluster=cluster, config=config, layout=layout, task_graphs=tuple(infos), virtual_devices=vds,
                 batch_sizes=(per_device,) * layout.size, global_batch=full.global_batch,
                 param_specs=dict(zip(cap.param_paths, sharding.param_specs)), patterns=sharding.choices,
                 comms=comms, memory=memory, program=program, balance=report, couplings=couplings)
 
 
-def _whole_batch_couplings(loss_fn, params, batch, has_aux, full) -> tuple[str, ...]:
+def _whole_batch_couplings(loss_fn, params, batch, inputs, has_aux, full) -> tuple[str, ...]:
     """The batch reductions of a loss that a plan computes whole (found against a half-batch trace)."""
     b = full.global_batch
     if b % 2 or b < 2:
         return ()
     try:
-        half = capture(loss_fn, params, _micro_batch(batch, b // 2), has_aux=has_aux)
+        half = capture(loss_fn, params, _micro_batch(batch, b // 2), has_aux=has_aux, **inputs)
         return tuple(analyse(half, full, per_part=True).lines(whole=True))
     except PlanError:
         return ()
 
 
-def _zero_data_parallel(loss_fn, params, batch, optimizer, config, cluster, has_aux, full, m, mesh, mem):
+def _zero_data_parallel(loss_fn, params, batch, inputs, optimizer, config, cluster, has_aux, full, m, mesh, mem):
     """ZeRO 2/3 on a pure data-parallel plan as explicit collectives: the shard_map program of
     uneven data parallelism with even counts, whose reduce-scatter XLA keeps on every backend
     (XLA's CPU compiler writes a GSPMD gradient reduce-scatter as all-reduce + dynamic-slice)."""
@@ -248,9 +249,12 @@ def _zero_data_parallel(loss_fn, params, batch, optimizer, config, cluster, has_
     if b % (n * m):
         return None
     unit = b // (n * m)
-    cap = capture(loss_fn, params, _micro_batch(batch, unit), has_aux=has_aux)
+    cap = capture(loss_fn, params, _micro_batch(batch, unit), has_aux=has_aux, **inputs)
     mem = dc.replace(mem, zero_axes=((DATA,),) * cap.num_params)
-    parts = _parts(cap, full, config, f"per-device parts (zero {mem.zero_level} on data parallelism)")
+    context = f"per-device parts (zero {mem.zero_level} on data parallelism)"
+    if analyse(cap, full, per_part=True, context=context).accepted:
+        return None              # the loss couples samples: the GSPMD program sees the whole batch (exact)
+    parts = _parts(cap, full, config, context)
     return UnevenProgram(cap, mesh, optimizer, cluster.platform, (m,) * n, unit, b, mem, parts=parts)
 
 
@@ -337,7 +341,7 @@ def _uneven_heads(cap, vds, layout, sharding, cluster, optimizer, mesh):
     return overrides, padded, dc.replace(sharding, param_specs=tuple(specs)), reports[0]
 
 
-def _balance_data_parallel(loss_fn, params, batch, optimizer, config, cluster, has_aux, full):
+def _balance_data_parallel(loss_fn, params, batch, inputs, optimizer, config, cluster, has_aux, full):
     """Algorithm 1 over a data-parallel model: (report, uneven Plan or None for the even plan)."""
     from jax.sharding import PartitionSpec as P
 
@@ -356,7 +360,7 @@ def _balance_data_parallel(loss_fn, params, batch, optimizer, config, cluster, h
 
     def cap_at(rows):
         if rows not in captures:
-            captures[rows] = capture(loss_fn, params, _micro_batch(batch, rows), has_aux=has_aux)
+            captures[rows] = capture(loss_fn, params, _micro_batch(batch, rows), has_aux=has_aux, **inputs)
         return captures[rows]
 
     def make(rows):
@@ -423,7 +427,7 @@ def _taskgraph_infos(cap, vds, flops, comm):
     return infos
 
 
-def _pipeline_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, full, stage_of_eqn,
+def _pipeline_plan(loss_fn, params, batch, inputs, optimizer, config, cluster, has_aux, full, stage_of_eqn,
                    per_stage) -> Plan:
     from jax.sharding import PartitionSpec as P
 
@@ -444,7 +448,7 @@ def _pipeline_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, 
             f"the global batch of {full.global_batch} cannot be split into {m} micro-batches on each of the "
             f"{dp} pipeline replicas; use a batch size that is a multiple of {dp * m}.")
     micro = full.global_batch // (dp * m)
-    cap = capture(loss_fn, params, _micro_batch(batch, micro), has_aux=False)
+    cap = capture(loss_fn, params, _micro_batch(batch, micro), has_aux=False, **inputs)
     if len(cap.jaxpr.jaxpr.eqns) != len(stage_of_eqn):
         raise PlanError("the loss traced differently at micro-batch size; whalex needs a loss whose "
                         "operations do not depend on the batch size.")
@@ -530,9 +534,10 @@ def _layers(cap, stage_of_eqn, s) -> tuple[str, ...]:
 
 
 def plan(loss_fn: Callable, params, batch, optimizer=None, config=None, cluster=None,
-         has_aux: bool = False) -> Plan:
-    """Plan `loss_fn(params, batch)` for a cluster without running it (abstract clusters too)."""
-    return build_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux)
+         has_aux: bool = False, model_state=None, rng=None) -> Plan:
+    """Plan `loss_fn(params, batch)` for a cluster without running it (abstract clusters too);
+    `model_state` / `rng` as in `Step.init`."""
+    return build_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, model_state, rng)
 
 
 def _check_not_donated(state) -> None:
@@ -568,10 +573,11 @@ class Step:
             (np.shape(x), str(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype))
             for x in jax.tree.leaves((params, batch)))
 
-    def _plan_for(self, params, batch) -> Plan:
+    def _plan_for(self, params, batch, model_state=None, rng=None) -> Plan:
         key = self._key(params, batch)
         if key not in self._plans:
-            p = build_plan(self.loss_fn, params, batch, self.optimizer, self._config, self._cluster, self.has_aux)
+            p = build_plan(self.loss_fn, params, batch, self.optimizer, self._config, self._cluster, self.has_aux,
+                           model_state, rng)
             if p.cluster.is_abstract:
                 raise PlanError("an abstract cluster can plan and lower but not run; use wh.plan(...) with it, "
                                 "or Cluster.detect() / Cluster(kinds=...) to train.")
@@ -580,10 +586,14 @@ class Step:
         self._last = self._plans[key]
         return self._plans[key]
 
-    def init(self, params, example_batch) -> TrainState:
-        """Plan for these shapes and place params and optimizer state per the plan."""
-        p = self._plan_for(params, example_batch)
-        state = p.program.init_state(params)
+    def init(self, params, example_batch, model_state=None, rng=None) -> TrainState:
+        """Plan for these shapes and place params, optimizer state, model state and rng per the plan.
+
+        With `model_state` (non-trainable collections, e.g. {'batch_stats': ...}), loss_fn is called as
+        loss_fn(params, batch, model_state=ms) and returns (loss, new_model_state); with `rng`, it gets
+        rng=key, a fresh key every step."""
+        p = self._plan_for(params, example_batch, model_state, rng)
+        state = p.program.init_state(params, model_state, rng)
         key = self._key(state.params, example_batch)       # pipelines carry packed parameters
         self._plans[key] = p
         self._jitted[key] = self._jitted[self._key(params, example_batch)]
@@ -599,7 +609,7 @@ class Step:
             if self._last is not None and self._last.schedule is not None:
                 raise PlanError("the batch shapes differ from the ones this pipeline was planned for; call "
                                 "step.init(params, batch) with the new shapes.")
-            p = self._plan_for(state.params, batch)
+            p = self._plan_for(state.params, batch, state.model_state, state.rng)
         self._last = p
         return self._jitted[key](state, p.place_batch(batch))
 

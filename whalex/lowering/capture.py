@@ -55,10 +55,36 @@ class Captured:
     has_aux: bool
     aux_tree: Any
     default: Strategy
+    num_batch: int = -1              # batch leaves after the parameters (-1: every other input)
+    state_tree: Any = None           # model_state: its tree (inputs after the batch, outputs after aux)
+    num_state: int = 0
+    rng: Any = None                  # ShapeDtypeStruct of the key passed as rng=, or None (last input)
+    num_aux: int = -1                # aux leaves after the loss (-1: every other output)
 
     @property
     def num_inputs(self) -> int:
         return len(self.jaxpr.jaxpr.invars)
+
+    @property
+    def batch_vars(self) -> list:
+        invars = self.jaxpr.jaxpr.invars
+        n = self.num_params
+        return list(invars[n:n + self.num_batch] if self.num_batch >= 0 else invars[n:])
+
+    @property
+    def num_extra(self) -> int:
+        """Inputs after the batch: model-state leaves, then the rng key."""
+        return self.num_state + (self.rng is not None)
+
+    @property
+    def aux_count(self) -> int:
+        return self.num_aux if self.num_aux >= 0 else len(self.jaxpr.jaxpr.outvars) - 1
+
+    def split_outputs(self, outs) -> tuple[Any, Any, list]:
+        """(loss, aux pytree or None, new model-state leaves) from the flat outputs."""
+        k = self.aux_count
+        aux = jax.tree.unflatten(self.aux_tree, list(outs[1:1 + k])) if self.has_aux else None
+        return outs[0], aux, list(outs[1 + k:1 + k + self.num_state])
 
     def walk(self):
         """Yield (path, eqn, frame) for every equation, descending into calls; frame = enclosing path."""
@@ -93,32 +119,62 @@ def global_batch_size(batch) -> int:
 
 
 def capture(loss_fn: Callable, params, batch, *, has_aux: bool = False,
-            default: Strategy | None = None) -> Captured:
-    """Trace `loss_fn(params, batch)` and group equations into TaskGraphs."""
+            default: Strategy | None = None, model_state=None, rng=None) -> Captured:
+    """Trace `loss_fn(params, batch[, model_state=][, rng=])` and group equations into TaskGraphs.
+
+    Inputs: parameter leaves, batch leaves, model-state leaves, the rng key. Outputs: the loss, aux
+    leaves, new model-state leaves."""
     b = global_batch_size(batch)
     flat_params, params_tree = jax.tree.flatten(params)
     flat_batch, batch_tree = jax.tree.flatten(batch)
-    n = len(flat_params)
+    flat_state, state_tree = jax.tree.flatten(model_state) if model_state is not None else ([], None)
+    n, nb, ns = len(flat_params), len(flat_batch), len(flat_state)
     aux_box: list = []
+    _check_state(params, model_state)
 
     def flat_loss(*leaves):
         p = jax.tree.unflatten(params_tree, leaves[:n])
-        x = jax.tree.unflatten(batch_tree, leaves[n:])
-        out = loss_fn(p, x)
+        x = jax.tree.unflatten(batch_tree, leaves[n:n + nb])
+        kwargs = {}
+        if model_state is not None:
+            kwargs["model_state"] = jax.tree.unflatten(state_tree, leaves[n + nb:n + nb + ns])
+        if rng is not None:
+            kwargs["rng"] = leaves[-1]
+        out = loss_fn(p, x, **kwargs)
+        new_state = []
+        if model_state is not None:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise PlanError("with model_state, loss_fn must return (loss, new_model_state), or "
+                                "(loss, (new_model_state, aux)) with has_aux=True.")
+            out, rest = out
+            if has_aux:
+                if not (isinstance(rest, tuple) and len(rest) == 2):
+                    raise PlanError("with model_state and has_aux=True, loss_fn must return "
+                                    "(loss, (new_model_state, aux)).")
+                rest, aux = rest
+                out = (out, aux)
+            new_leaves, new_tree = jax.tree.flatten(rest)
+            if new_tree != state_tree:
+                raise PlanError(f"loss_fn returned a new model state whose structure differs from model_state:\n"
+                                f"  given    {state_tree}\n  returned {new_tree}\nreturn every collection "
+                                "of model_state, updated or not (flax: mutable=list(model_state)).")
+            new_state = list(new_leaves)
         if has_aux:
             if not (isinstance(out, tuple) and len(out) == 2):
                 raise PlanError("has_aux=True but loss_fn did not return a (loss, aux) pair.")
             loss, aux = out
             aux_leaves, aux_tree = jax.tree.flatten(aux)
-            aux_box.append(aux_tree)
-            return (loss, *aux_leaves)
+            aux_box.append((aux_tree, len(aux_leaves)))
+            return (loss, *aux_leaves, *new_state)
         if len(jax.tree.leaves(out)) != 1:
             raise PlanError(
                 f"loss_fn must return a scalar floating-point loss, got a {type(out).__name__} of "
                 f"{len(jax.tree.leaves(out))} arrays; if it returns (loss, aux), pass has_aux=True.")
-        return (jax.tree.leaves(out)[0],)
+        aux_box.append((None, 0))
+        return (jax.tree.leaves(out)[0], *new_state)
 
-    abstract = [jax.ShapeDtypeStruct(np.shape(x), _dtype(x)) for x in flat_params + flat_batch]
+    leaves = flat_params + flat_batch + flat_state + ([rng] if rng is not None else [])
+    abstract = [jax.ShapeDtypeStruct(np.shape(x), _dtype(x)) for x in leaves]
     with recording_default() as defaults:
         try:
             jaxpr = C.make_jaxpr(flat_loss, *abstract)
@@ -135,8 +191,27 @@ def capture(loss_fn: Callable, params, batch, *, has_aux: bool = False,
         default = defaults[-1] if defaults else (DEFAULTS.strategy or Strategy("replicate", None))
     taskgraphs, assign = _group(jaxpr.jaxpr, n, default)
     param_paths = tuple(jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0])
+    aux_tree, num_aux = aux_box[0] if aux_box else (None, 0)
     return Captured(jaxpr, taskgraphs, assign, n, params_tree, batch_tree, param_paths, b, has_aux,
-                    aux_box[0] if aux_box else None, default)
+                    aux_tree, default, nb, state_tree, ns,
+                    jax.ShapeDtypeStruct(np.shape(rng), _dtype(rng)) if rng is not None else None, num_aux)
+
+
+_STATE_COLLECTIONS = ("batch_stats", "cache", "intermediates", "moe_losses")
+
+
+def _check_state(params, model_state) -> None:
+    """A mutable collection passed inside params would be trained by the optimizer: refuse it."""
+    if not isinstance(params, dict):
+        return
+    for name in _STATE_COLLECTIONS:
+        if name in params:
+            raise PlanError(
+                f"params has a {name!r} collection: it is model state, not a parameter (the optimizer would train "
+                f"it and the step would never update it). Pass params=variables['params'] and "
+                f"model_state={{'{name}': variables['{name}']}} to step.init, and have loss_fn take model_state= and "
+                "return (loss, new_model_state).")
+
 
 
 def _unbound_axis(e: NameError) -> None:

@@ -43,6 +43,16 @@ def with_shardings(shapes, shardings):
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
+def step_inputs(state: TrainState) -> tuple[list, Any]:
+    """The loss's inputs after the batch (model-state leaves, a fresh key) and the next rng."""
+    extra = list(jax.tree.leaves(state.model_state)) if state.model_state is not None else []
+    rng = state.rng
+    if rng is not None:
+        rng, key = jax.random.split(rng)
+        extra.append(key)
+    return extra, rng
+
+
 def make_train_step(value_and_grad: Callable, optimizer, has_aux: bool, shard_update: Callable | None = None) -> Callable:
     """(state, batch) -> (state, metrics): gradients, then the optax update.
 
@@ -50,7 +60,8 @@ def make_train_step(value_and_grad: Callable, optimizer, has_aux: bool, shard_up
     device updates only its shard)."""
 
     def step(state: TrainState, batch):
-        (value, aux), grads = value_and_grad(state.params, batch)
+        extra, rng = step_inputs(state)
+        (value, aux, new_state), grads = value_and_grad(state.params, batch, extra)
         params = state.params
         if shard_update is not None:
             params, grads = shard_update(params, grads)
@@ -59,7 +70,10 @@ def make_train_step(value_and_grad: Callable, optimizer, has_aux: bool, shard_up
         metrics = {"loss": value}
         if has_aux:
             metrics["aux"] = aux
-        return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
+        model_state = jax.tree.unflatten(jax.tree.structure(state.model_state), new_state) \
+            if state.model_state is not None else None
+        return TrainState(params=params, opt_state=opt_state, step=state.step + 1, model_state=model_state,
+                          rng=rng), metrics
 
     return step
 
@@ -106,7 +120,14 @@ class Emitter:
         if self.optimizer is not None:
             specs, _ = opt_state_specs(self.optimizer, self.param_shapes(), zspecs if level >= 1 else self.param_spec_list())
             opt = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
-        return TrainState(params=params, opt_state=opt, step=NamedSharding(self.mesh, P()))
+        rep = NamedSharding(self.mesh, P())
+        cap = getattr(self, "captured", None)
+        ms = rng = None
+        if cap is not None and cap.state_tree is not None:
+            ms = jax.tree.unflatten(cap.state_tree, [rep] * cap.num_state)
+        if cap is not None and cap.rng is not None:
+            rng = rep
+        return TrainState(params=params, opt_state=opt, step=rep, model_state=ms, rng=rng)
 
     def state_shardings(self) -> TrainState:
         """Where the state is stored between steps: the compute layout, offloaded parts on the host."""
@@ -172,7 +193,7 @@ class Emitter:
         def step(params, batch):
             if opts.offloads("params"):
                 params = offload.fetch(params, self.compute_shardings().params)
-            (value, _), grads = value_and_grad(params, batch)
+            (value, _, _), grads = value_and_grad(params, batch, [])
             if grads_out is not None:
                 grads = jax.lax.with_sharding_constraint(grads, grads_out)
             return value, grads
@@ -202,10 +223,21 @@ class Emitter:
             return params, batch
         shardings = self.state_shardings()
         _, opt_shapes = opt_state_specs(self.optimizer, self.param_shapes(), self.param_spec_list())
+        cap = self.captured
+        ms = rng = None
+        if cap.state_tree is not None:
+            invars = cap.jaxpr.jaxpr.invars
+            start = cap.num_params + len(cap.batch_vars)
+            ms = jax.tree.unflatten(cap.state_tree, [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
+                                                                          sharding=shardings.step)
+                                                     for v in invars[start:start + cap.num_state]])
+        if cap.rng is not None:
+            rng = jax.ShapeDtypeStruct(cap.rng.shape, cap.rng.dtype, sharding=shardings.step)
         state = TrainState(params=params, opt_state=with_shardings(opt_shapes, shardings.opt_state),
                            step=jax.ShapeDtypeStruct((), jnp.int32, sharding=shardings.step),
                            loss_scale=self._loss_scale(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                                                      sharding=shardings.step)))
+                                                                                      sharding=shardings.step)),
+                           model_state=ms, rng=rng)
         return state, batch
 
     def lower(self):
@@ -215,8 +247,9 @@ class Emitter:
         from whalex.distributed import place_global     # multi-process: each reads its own rows
         return place_global(batch, self.batch_shardings)
 
-    def init_state(self, params) -> TrainState:
-        """Place params (a copy: the step donates its state) and a fresh optimizer state."""
+    def init_state(self, params, model_state=None, rng=None) -> TrainState:
+        """Place params (a copy: the step donates its state), a fresh optimizer state, the model
+        state and the rng key."""
         shardings, compute = self.state_shardings(), self.compute_shardings()
         params = self.prepare_params(jax.tree.map(lambda a: jnp.array(a, copy=True), params))
         params = jax.device_put(params, compute.params)
@@ -224,5 +257,9 @@ class Emitter:
         if self.memory_options.offloads("params"):
             params = jax.device_put(params, shardings.params)
         step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
+        copy = lambda t: jax.tree.map(lambda a: jnp.array(a, copy=True), t)  # noqa: E731
+        model_state = jax.device_put(copy(model_state), shardings.model_state) if model_state is not None else None
+        rng = jax.device_put(copy(rng), shardings.rng) if rng is not None else None
         return TrainState(params=params, opt_state=opt_state, step=step,
-                          loss_scale=self._loss_scale(lambda x: jax.device_put(x, shardings.step)))
+                          loss_scale=self._loss_scale(lambda x: jax.device_put(x, shardings.step)),
+                          model_state=model_state, rng=rng)

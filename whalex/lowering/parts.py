@@ -27,6 +27,7 @@ Constants that depend on the batch size (the `1/B` of a mean) take their global 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -35,6 +36,7 @@ import numpy as np
 
 from whalex import _compat as C
 from whalex.errors import PlanError
+from whalex.lowering import random_rows
 from whalex.lowering.capture import Captured
 
 _COMBINE = {"reduce_sum": "sum", "dot_general": "sum", "reduce_max": "max", "reduce_min": "min",
@@ -76,6 +78,7 @@ class Semantics:
     affine: bool                 # the loss is affine in its parameter-dependent sums: one pass
     local_outputs: tuple[int, ...]   # outputs (positions) that depend on per-part statistics: averaged
     random: tuple[str, ...]      # how random draws of the batch are made per part
+    accepted: tuple[str, ...] = ()   # couplings computed per part because the Config accepts it
 
     @property
     def levels(self) -> int:
@@ -206,30 +209,38 @@ def analyse(part: Captured, whole: Captured, *, per_part: bool = False, context:
         if info["feedback"] and info["params"]:
             if per_part:
                 local.add(i)
-            else:
-                problems.append(
+            problems.append(
                     f"{info['op']} at {info['where']} computes a statistic of parameter-dependent values over the "
                     f"batch and uses it inside the model (e.g. BatchNorm in training mode); this plan computes it on "
                     f"{context} of {b} samples, not on the global batch of {B}")
         elif info["combine"] is None:
             if per_part:
                 local.add(i)
-            else:
-                problems.append(f"{info['op']} at {info['where']} reduces the batch in a way that is not a sum "
+            problems.append(f"{info['op']} at {info['where']} reduces the batch in a way that is not a sum "
                                 f"over samples; this plan evaluates the loss in {context} of {b} samples")
     for i, msg in couplings:
-        if not per_part:
-            problems.append(f"{msg} at {source(jp.eqns[i])}; this plan evaluates the loss in {context} of {b} "
+        problems.append(f"{msg} at {source(jp.eqns[i])}; this plan evaluates the loss in {context} of {b} "
                             "samples")
-    if problems:
+    problems = list(dict.fromkeys(problems))
+    if problems and not per_part:
         raise PlanError(
             "the loss couples the samples of the batch in a way one pass over parts cannot compute exactly:\n  - "
             + "\n  - ".join(problems)
             + f"\nUse a plan that sees the whole batch at once (data or hybrid parallelism without micro-batches, "
               f"on devices of one kind, or Config(hardware_aware=False)), or accept per-part statistics with "
               f"{OPT_IN} (what PyTorch pipelines and GShard do).")
+    fdep: dict = {}                              # reductions reaching a batch-free value through batch-free values
+    for i, eqn in enumerate(jp.eqns):
+        if i in reds:
+            fdep.update((o, frozenset({i})) for o in eqn.outvars)
+        elif not any(is_b(o) for o in eqn.outvars):
+            d = frozenset()
+            for v in eqn.invars:
+                if not isinstance(v, C.Literal) and not is_b(v):
+                    d |= fdep.get(v, frozenset())
+            fdep.update((o, d) for o in eqn.outvars)
     local_outputs = tuple(k for k, v in enumerate(out_vars)
-                          if not isinstance(v, C.Literal) and (dep.get(v, frozenset()) & local))
+                          if not isinstance(v, C.Literal) and (fdep.get(v, frozenset()) & local))
     if 0 in local_outputs:
         raise PlanError(
             "the loss reads a per-part statistic directly (not through per-sample values); with "
@@ -255,7 +266,52 @@ def analyse(part: Captured, whole: Captured, *, per_part: bool = False, context:
         Reduction(i, info["op"], info["combine"], info["params"], info["feedback"],
                   level[i] if not info["params"] else 0, info["where"], i in local)
         for i, info in sorted(reds.items()))
-    return Semantics(b, B, reductions, affine, local_outputs, ())
+    return Semantics(b, B, reductions, affine, local_outputs, tuple(_random_lines(part, whole)), tuple(problems))
+
+
+def random_draws(part: Captured, whole: Captured) -> list[tuple[tuple, Any, tuple, bool]]:
+    """(path, equation, global shape, exact) of every draw of random bits whose shape has the batch:
+    `exact` when the part's rows of the whole-batch draw can be computed directly (partitionable
+    threefry, batch leading), else the part draws with its own key (never repeated across parts)."""
+    out = []
+    for (path, ep, _), (_, eg, _) in zip(part.walk(), whole.walk()):
+        if ep.primitive.name != "random_bits":
+            continue
+        ps, gs = tuple(ep.params["shape"]), tuple(eg.params["shape"])
+        if ps == gs:
+            continue
+        exact = ps[1:] == gs[1:] and ps[0] * (whole.global_batch // part.global_batch) == gs[0] and \
+            random_rows.row_bits_override(ep, 0, gs[0]) is not None
+        out.append((path, ep, gs, exact))
+    return out
+
+
+def _random_lines(part, whole) -> list[str]:
+    lines = []
+    for path, eqn, gs, exact in random_draws(part, whole):
+        how = "each part draws its rows of the whole-batch draw (equal to one device)" if exact else \
+            "each part folds its first row into the key (distinct per part, not equal to one device)"
+        lines.append(f"random bits {list(gs)} at {source(eqn)}: {how}")
+    return lines
+
+
+def random_overrides(draws, where) -> dict:
+    """{path: fn} drawing the random bits of the part holding the global rows `where`
+    ((offset, rows) segments)."""
+    out = {}
+    for path, eqn, gs, exact in draws:
+        bw, shape = int(eqn.params["bit_width"]), tuple(eqn.params["shape"])
+        if exact:
+            def fn(key, *_, bw=bw, gs=gs):
+                parts = [random_rows.bits_rows(key, bw, gs, off, n) for off, n in where]
+                return [parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)]
+        else:
+            def fn(key, *_, eqn=eqn):
+                folded = jax.random.fold_in(key, where[0][0]) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) \
+                    else key
+                return C.bind(eqn, [folded])
+        out[path] = fn
+    return out
 
 
 def _check_call(eqn, i, b, B, couplings, gvar):
@@ -330,6 +386,13 @@ class PartLoss:
     sem: Semantics
     part: Captured
     whole: Captured
+
+    @functools.cached_property
+    def draws(self):
+        return random_draws(self.part, self.whole)
+
+    def random(self, where) -> dict:
+        return random_overrides(self.draws, where)
 
     @property
     def num_parts(self) -> int:
@@ -449,8 +512,7 @@ def value_and_grad(pl: PartLoss, evaluator_for: Callable, loop: Callable, across
 
     def overrides(where, known):
         out = pl.given_overrides(known)
-        if random is not None:
-            out.update(random(where))
+        out.update((random or pl.random)(where))
         return out
 
     def run_loop(outvars, kinds, known, with_grads=None):

@@ -187,7 +187,7 @@ class _Planner:
             self.origin[((), v)] = (i, tuple(range(len(v.aval.shape))))
         first_use = self._first_consumers(jaxpr)
         batch_specs = []
-        for v in jaxpr.invars[n:]:
+        for v in self.cap.batch_vars:
             tg = first_use.get(v, 0)
             vd = self.vds[tg]
             spec = self.batch_spec(vd, v.aval)

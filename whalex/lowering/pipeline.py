@@ -217,7 +217,7 @@ class PipelineProgram(Emitter):
 
     @property
     def _batch_vars(self):
-        return self.captured.jaxpr.jaxpr.invars[self.captured.num_params:]
+        return self.captured.batch_vars
 
     def packed_shapes(self):
         return {"stages": jax.ShapeDtypeStruct((self.cut.num_stages, self.param_width), self.param_dtype)}
@@ -389,11 +389,11 @@ class PipelineProgram(Emitter):
     def value_and_grad(self):
         loss_and_grads = self.loss_and_grads()
 
-        def vg(params, batch, scale=None):
+        def vg(params, batch, extra=(), scale=None):
             if scale is None:
                 loss, grads = loss_and_grads(params, batch)
-                return (loss, None), grads
+                return (loss, None, []), grads
             loss, grads = loss_and_grads(params, batch, scale)
-            return (loss, None), precision_lib.unscale(grads, scale)
+            return (loss, None, []), precision_lib.unscale(grads, scale)
 
         return vg

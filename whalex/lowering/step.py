@@ -64,7 +64,7 @@ class Program(Emitter):
         return jax.tree.unflatten(self.captured.params_tree, shapes)
 
     def batch_shapes(self):
-        invars = self.captured.jaxpr.jaxpr.invars[self.captured.num_params:]
+        invars = self.captured.batch_vars
         m = self.num_micro_batch
         return jax.tree.unflatten(self.captured.batch_tree, [
             jax.ShapeDtypeStruct((v.aval.shape[0] * m,) + tuple(v.aval.shape[1:]), v.aval.dtype) for v in invars])
@@ -101,12 +101,13 @@ class Program(Emitter):
         evaluate = self.evaluator()[0]
         gather = self.param_shardings if self.memory_options.zero_level >= 3 else None
 
-        def loss(params, batch):
+        def loss(params, inputs):
+            batch, extra = inputs
             if gather is not None:       # ZeRO 3: stored sharded, gathered where used
                 params = jax.lax.with_sharding_constraint(params, gather)
-            outs = evaluate(*jax.tree.leaves(params), *jax.tree.leaves(batch))
-            aux = jax.tree.unflatten(cap.aux_tree, outs[1:]) if cap.has_aux else None
-            return outs[0], aux
+            outs = evaluate(*jax.tree.leaves(params), *jax.tree.leaves(batch), *extra)
+            value, aux, new_state = cap.split_outputs(outs)
+            return value, (aux, new_state)
 
         return loss
 
@@ -116,16 +117,17 @@ class Program(Emitter):
                                  self.precision)
 
     def value_and_grad(self) -> Callable:
-        """(params, batch[, loss scale]) -> ((loss, aux), grads); with micro-batches, a scan that accumulates."""
+        """(params, batch, extra[, loss scale]) -> ((loss, aux, new model state), grads); with
+        micro-batches, a loop over them that keeps the whole-batch meaning of the loss."""
         loss = self.loss()
         grad_shardings = self._param_named(self.zero_specs()) if self.memory_options.zero_level >= 2 \
             else self.param_shardings
         m = self.num_micro_batch
         vg = scaled_value_and_grad(loss)
         if m == 1:
-            def plain(params, batch, scale=None):
-                (value, aux), grads = vg(params, batch, scale)
-                return (value, aux), jax.lax.with_sharding_constraint(grads, grad_shardings)
+            def plain(params, batch, extra=(), scale=None):
+                (value, (aux, new_state)), grads = vg(params, (batch, list(extra)), scale)
+                return (value, aux, new_state), jax.lax.with_sharding_constraint(grads, grad_shardings)
             return plain
         specs = self.sharding.batch_specs
         mesh = self.mesh
@@ -156,7 +158,7 @@ class Program(Emitter):
 
         gather = self.param_shardings if self.memory_options.zero_level >= 3 else None
 
-        def accumulate(params, batch, scale=None):
+        def accumulate(params, batch, extra=(), scale=None):
             if gather is not None:       # ZeRO 3: stored sharded, gathered where used
                 params = jax.lax.with_sharding_constraint(params, gather)
             leaves, tree = jax.tree.flatten(batch)
@@ -172,19 +174,15 @@ class Program(Emitter):
                 return jax.lax.scan(body, init, (jnp.arange(m), micro))[0]
 
             outs, grads, direct = parts_lib.value_and_grad(pl, evaluator_for, loop, across, jax.tree.leaves(params),
-                                                           [], random, scale)
+                                                           list(extra), random, scale)
             grads = jax.tree.unflatten(ptree, [g + d for g, d in zip(grads, direct)])
             if scale is not None:
                 grads = precision_lib.unscale(grads, scale)
             grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
-            aux = jax.tree.unflatten(self.captured.aux_tree, outs[1:1 + self.num_aux]) if self.captured.has_aux else None
-            return (outs[0], aux), grads
+            value, aux, new_state = self.captured.split_outputs(outs)
+            return (value, aux, new_state), grads
 
         return accumulate
-
-    @property
-    def num_aux(self) -> int:
-        return len(self.captured.jaxpr.jaxpr.outvars) - 1
 
     @property
     def random(self):

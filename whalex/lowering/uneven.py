@@ -72,7 +72,7 @@ class UnevenProgram(Emitter):
 
     def batch_shapes(self):
         """Shapes of the padded batch the step takes."""
-        invars = self.captured.jaxpr.jaxpr.invars[self.captured.num_params:]
+        invars = self.captured.batch_vars
         k = len(self.counts)
         return jax.tree.unflatten(self.captured.batch_tree, [
             jax.ShapeDtypeStruct((k * self.block,) + tuple(v.aval.shape[1:]), v.aval.dtype) for v in invars])
@@ -133,7 +133,7 @@ class UnevenProgram(Emitter):
             ops = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}
             return [ops[k or "sum"](v, DATA) for v, k in zip(values, kinds)]
 
-        def body(params, batch, *scale):
+        def body(params, batch, extra, *scale):
             scale = scale[0] if scale else None
             if level >= 3:            # ZeRO 3: all-gather the shards once per step, before the loop
                 params = jax.tree.unflatten(ptree, zero_lib.gather(jax.tree.leaves(params), specs, zspecs, DATA))
@@ -150,7 +150,7 @@ class UnevenProgram(Emitter):
                 return jax.lax.fori_loop(0, even_counts or n, chunk, init)
 
             outs, grads, direct = parts_lib.value_and_grad(pl, evaluator_for, loop, across,
-                                                           jax.tree.leaves(params), [], random, scale)
+                                                           jax.tree.leaves(params), list(extra), random, scale)
             on_first = (d == 0).astype(jnp.float32)
             grads = [g + (x * on_first).astype(g.dtype) for g, x in zip(grads, direct)]   # the head's own gradient, once
             grads = jax.tree.unflatten(ptree, grads)
@@ -159,25 +159,21 @@ class UnevenProgram(Emitter):
                     ptree, zero_lib.scatter_sum(jax.tree.leaves(g), specs, zspecs, DATA)), grads)
             else:
                 grads = precision_lib.reduce_in(prec, lambda g: jax.lax.psum(g, DATA), grads)
-            return outs[0], grads, list(outs[1:1 + self.num_aux])
+            return outs[0], grads, list(outs[1:])
 
         tree = lambda ss: jax.tree.unflatten(ptree, list(ss))  # noqa: E731
-        smap = jax.shard_map(body, mesh=self.mesh, in_specs=(tree(zspecs) if level >= 3 else P(), P(DATA))
+        smap = jax.shard_map(body, mesh=self.mesh, in_specs=(tree(zspecs) if level >= 3 else P(), P(DATA), P())
                              + ((P(),) if scaled else ()),
                              out_specs=(P(), tree(zspecs) if level >= 2 else P(), P()), check_vma=False)
 
-        def run(params, batch, scale=None):
-            value, grads, aux = smap(params, batch, *((scale,) if scaled else ()))
+        def run(params, batch, extra=(), scale=None):
+            value, grads, rest = smap(params, batch, list(extra), *((scale,) if scaled else ()))
             if scaled:
                 grads = precision_lib.unscale(grads, scale)
-            aux = jax.tree.unflatten(cap.aux_tree, aux) if has_aux else None
-            return (value, aux), grads
+            _, aux, new_state = cap.split_outputs([value, *rest])
+            return (value, aux, new_state), grads
 
         return run
-
-    @property
-    def num_aux(self) -> int:
-        return len(self.captured.jaxpr.jaxpr.outvars) - 1
 
     @property
     def random(self):

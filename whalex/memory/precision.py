@@ -68,8 +68,14 @@ class AmpLoss:
     def __init__(self, loss_fn: Callable, amp: str, has_aux: bool):
         self.loss_fn, self.dtype, self.has_aux = loss_fn, HALF[amp], has_aux
 
-    def __call__(self, params, batch):
-        out = self.loss_fn(cast(params, self.dtype), cast(batch, self.dtype))
+    def __call__(self, params, batch, **kwargs):
+        out = self.loss_fn(cast(params, self.dtype), cast(batch, self.dtype), **kwargs)
+        if "model_state" in kwargs:          # (loss, new state) or (loss, (new state, aux)): state keeps its dtypes
+            loss, rest = out
+            like = kwargs["model_state"]
+            keep = lambda new: jax.tree.map(lambda x, y: jnp.asarray(x).astype(y.dtype), new, like)  # noqa: E731
+            rest = (keep(rest[0]), rest[1]) if self.has_aux else keep(rest)
+            return jnp.asarray(loss).astype(jnp.float32), rest
         if self.has_aux:
             loss, aux = out
             return jnp.asarray(loss).astype(jnp.float32), aux
@@ -86,9 +92,9 @@ def cast(tree, dtype):
                         if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating) else x, tree)
 
 
-def capture(loss_fn: Callable, params, batch, *, has_aux: bool = False):
+def capture(loss_fn: Callable, params, batch, *, has_aux: bool = False, **inputs):
     """`capture.capture`, with an `AmpLoss`'s input casts moved to their first use."""
-    cap = capture_mod.capture(loss_fn, params, batch, has_aux=has_aux)
+    cap = capture_mod.capture(loss_fn, params, batch, has_aux=has_aux, **inputs)
     if not isinstance(loss_fn, AmpLoss):
         return cap
     return _sink_casts(cap)
@@ -185,15 +191,16 @@ def loss_scaled_step(value_and_grad: Callable, build: Callable, period: int) -> 
         ls = state.loss_scale
         box = {}
 
-        def vg(params, batch):
-            (value, aux), grads = value_and_grad(params, batch, ls.scale)
+        def vg(params, batch, extra=()):
+            (value, aux, new_state), grads = value_and_grad(params, batch, extra, ls.scale)
             box["finite"] = all_finite(grads)
-            return (value, aux), grads
+            return (value, aux, new_state), grads
 
         new, metrics = build(vg)(state.replace(loss_scale=None), batch)
         finite = box["finite"]
         keep = lambda a, b: jax.tree.map(lambda x, y: jnp.where(finite, x, y), a, b)  # noqa: E731
         new = new.replace(params=keep(new.params, state.params), opt_state=keep(new.opt_state, state.opt_state),
+                          model_state=keep(new.model_state, state.model_state),
                           loss_scale=ls.adjust(finite, period))
         return new, {**metrics, "loss_scale": ls.scale, "grads_finite": finite}
 
