@@ -79,6 +79,7 @@ class Semantics:
     local_outputs: tuple[int, ...]   # outputs (positions) that depend on per-part statistics: averaged
     random: tuple[str, ...]      # how random draws of the batch are made per part
     accepted: tuple[str, ...] = ()   # couplings computed per part because the Config accepts it
+    terms: tuple = ()            # (part var, global var): parameter-dependent values the head reads
 
     @property
     def levels(self) -> int:
@@ -261,12 +262,24 @@ def analyse(part: Captured, whole: Captured, *, per_part: bool = False, context:
                 f"values on the loss's gradient path; its gradient cannot be split over {context}. Use a sum or "
                 f"mean, a plan without parts, or {OPT_IN}.")
     grad_reds = {i for i, info in reds.items() if info["params"] and i not in local and i in loss_cone}
-    affine = _affine(jp, grad_reds)
+    # parameter-dependent batch-free values the head reads (a weight penalty, a learned temperature):
+    # every part computes them; the head takes their average, so each part carries 1/K of their gradient
+    terms = []
+    for i, eqn in enumerate(jp.eqns):
+        if i in reds or any(is_b(o) for o in eqn.outvars) or not dep.get(eqn.outvars[0]) if eqn.outvars else True:
+            continue
+        terms.extend(v for v in eqn.invars if not isinstance(v, C.Literal) and not is_b(v)
+                     and pdep.get(v) and not dep.get(v))
+    terms.extend(v for v in out_vars if not isinstance(v, C.Literal) and not is_b(v) and pdep.get(v)
+                 and not dep.get(v))
+    terms = list(dict.fromkeys(terms))
+    affine = _affine(jp, grad_reds, {v for v in terms if _floating(v)})
     reductions = tuple(
         Reduction(i, info["op"], info["combine"], info["params"], info["feedback"],
                   level[i] if not info["params"] else 0, info["where"], i in local)
         for i, info in sorted(reds.items()))
-    return Semantics(b, B, reductions, affine, local_outputs, tuple(_random_lines(part, whole)), tuple(problems))
+    return Semantics(b, B, reductions, affine, local_outputs, tuple(_random_lines(part, whole)), tuple(problems),
+                     tuple((v, gvar[v]) for v in terms))
 
 
 def random_draws(part: Captured, whole: Captured) -> list[tuple[tuple, Any, tuple, bool]]:
@@ -346,9 +359,10 @@ _LINEAR = {"add", "sub", "neg", "convert_element_type", "reduce_sum", "broadcast
            "dynamic_slice", "real", "imag"}
 
 
-def _affine(jaxpr, grad_reds: set) -> bool:
-    """Whether the loss (output 0) is affine in the outputs of the reductions `grad_reds`."""
-    lin = set()
+def _affine(jaxpr, grad_reds: set, seeds: set = frozenset()) -> bool:
+    """Whether the loss (output 0) is affine in the outputs of the reductions `grad_reds` and in
+    the values `seeds`, jointly."""
+    lin = set(seeds)
     for i, eqn in enumerate(jaxpr.eqns):
         if i in grad_reds:
             lin.update(eqn.outvars)
@@ -439,29 +453,48 @@ class PartLoss:
         """Overrides {path: fn} replacing reductions whose global values are known."""
         return {(i,): (lambda *_, vals=vals: list(vals)) for i, vals in given.items()}
 
-    def sum_outvars(self):
+    # -- the outputs of a part and the head ---------------------------------------------------------
+    def part_outputs(self) -> tuple[list, list, list, list]:
+        """(vars, combine kinds, which of them carry a gradient, scale of their cotangent): the
+        parameter-dependent sums, the head's parameter terms (averaged) and the per-part
+        model-state outputs (averaged) that each part returns."""
         jp = self.part.jaxpr.jaxpr
-        outs = [o for r in self.sums for o in jp.eqns[r.index].outvars]
+        sums = [o for r in self.sums for o in jp.eqns[r.index].outvars]
+        kinds = [r.combine for r in self.sums for _ in jp.eqns[r.index].outvars]
+        terms = [v for v, _ in self.sem.terms]
         locs = [jp.outvars[k] for k in self.sem.local_outputs]
-        return outs, locs
+        outvars = sums + terms + locs
+        grad = [_floating(v) for v in sums + terms] + [False] * len(locs)
+        weight = [1.0] * len(sums) + [1.0 / self.num_parts] * len(terms) + [0.0] * len(locs)
+        return outvars, kinds + ["sum"] * (len(terms) + len(locs)), grad, weight
 
-    # -- the head ---------------------------------------------------------------------------------
-    def head(self, inputs: Sequence[Any], given: dict, local: Sequence[Any] = ()) -> list:
-        """All outputs of the loss from the global values of every reduction (`given`), evaluated
-        with the global-size jaxpr: `inputs` are the loss's inputs (batch leaves may be None)."""
+    def head(self, inputs: Sequence[Any], given: dict, values: Sequence[Any]) -> list:
+        """All outputs of the loss, evaluated once with the global-size jaxpr from the global values
+        of every reduction (`given`: {index: outputs}) and of the part outputs (`values`, in the
+        order of `part_outputs`: the sums' entries are ignored, `given` has them). `inputs` are the
+        loss's inputs; parameters and batch leaves may be None (the head never reads them)."""
         jg = self.whole.jaxpr.jaxpr
-        env: dict = dict(zip(jg.constvars, self.whole.jaxpr.consts))
-        env.update({v: x for v, x in zip(jg.invars, inputs) if x is not None})
-        overrides = {jg.outvars[k]: x for k, x in zip(self.sem.local_outputs, local)}
-        needed = _cone(jg, [v for v in jg.outvars if v not in overrides], stop=set(given))
-        for i, eqn in enumerate(jg.eqns):
-            if i in given:
-                env.update(zip(eqn.outvars, given[i]))
-                continue
-            if i not in needed:
-                continue
+        known: dict = dict(zip(jg.constvars, self.whole.jaxpr.consts))
+        known.update({v: x for v, x in zip(jg.invars, inputs) if x is not None})
+        for i, vals in given.items():
+            known.update(zip(jg.eqns[i].outvars, vals))
+        n_sums = len(values) - len(self.sem.terms) - len(self.sem.local_outputs)
+        later = list(values[n_sums:])
+        for (_, g), x in zip(self.sem.terms, later):
+            known[g] = x
+        for k, x in zip(self.sem.local_outputs, later[len(self.sem.terms):]):
+            known[jg.outvars[k]] = x
+        want = {v for v in jg.outvars if not isinstance(v, C.Literal) and v not in known}
+        needed = []
+        for i in range(len(jg.eqns) - 1, -1, -1):        # the equations the outputs still need
+            eqn = jg.eqns[i]
+            if any(o in want for o in eqn.outvars):
+                needed.append(i)
+                want.update(v for v in eqn.invars if not isinstance(v, C.Literal) and v not in known)
+        env = dict(known)
+        for i in reversed(needed):
+            eqn = jg.eqns[i]
             env.update(zip(eqn.outvars, C.bind(eqn, [C.read(env, v) for v in eqn.invars])))
-        env.update(overrides)
         return [C.read(env, v) for v in jg.outvars]
 
 
@@ -494,105 +527,103 @@ def identity(kind: str | None, like):
 # ----------------------------------------------------------------------------------- the driver
 def value_and_grad(pl: PartLoss, evaluator_for: Callable, loop: Callable, across: Callable, params: list,
                    extra: list, random: Callable | None = None, scale=None):
-    """Loss, outputs and gradients of the whole batch from a loop over parts.
+    """Outputs of the loss on the whole batch and this device's gradient sum, from a loop over parts.
 
     evaluator_for(captured, overrides) -> evaluate(*inputs) -> outputs: how the program evaluates a
       captured jaxpr (constraints, remat);
-    loop(fn, init) -> acc: runs acc = fn(part_leaves, where, acc) over this device's parts (`where`
-      says which global rows the part holds, for random draws);
+    loop(fn, init) -> acc: runs acc = fn(part_leaves, where, acc) over this device's parts (`where`:
+      the global rows the part holds, as (offset, rows) segments, for random draws);
     across(values, kinds) -> values combined over devices ("sum"/"max"/"min" per value);
-    random(where) -> overrides for the part's random draws (or None).
-    Returns (outputs, local gradient sum, direct gradient): the program sums the local gradients
-    over devices (all-reduce or reduce-scatter) and adds the direct gradient (the head's own
-    dependence on parameters, e.g. a weight penalty written in the loss) once.
+    random(where) -> overrides for the part's random draws (default: rows of the whole-batch draw).
+    Returns (outputs, gradient): the program sums the gradients over devices (all-reduce or
+    reduce-scatter); with `scale` (fp16 loss scaling) they are scaled.
     """
     jp = pl.part.jaxpr.jaxpr
     nb = len(jp.invars) - len(params) - len(extra)
-    given: dict = {}
+    given = prepass(pl, evaluator_for, loop, across, params, extra, random)
+    outvars, kinds, grad, weight = pl.part_outputs()
+    n_sums = len(kinds) - len(pl.sem.terms) - len(pl.sem.local_outputs)
+    inputs = [None] * (len(params) + nb) + list(extra)
+    body = pl.body(outvars)
 
-    def overrides(where, known):
-        out = pl.given_overrides(known)
+    def overrides(where):
+        out = pl.given_overrides(given)
         out.update((random or pl.random)(where))
         return out
 
-    def run_loop(outvars, kinds, known, with_grads=None):
-        ev_cap = pl.body(outvars)
-
-        def fn(part, where, acc):
-            evaluate = evaluator_for(ev_cap, overrides(where, known))
-            vals = evaluate(*params, *part, *extra)
-            return [combine(k, a, v) for k, a, v in zip(kinds, acc, vals)]
-
-        init = [identity(k, o.aval) for k, o in zip(kinds, outvars)]
-        return across(loop(fn, init), kinds)
-
-    for level in range(pl.sem.levels):                 # data-only reductions over the global batch
-        reds = pl.data_reductions(level)
-        outs = [o for r in reds for o in jp.eqns[r.index].outvars]
-        kinds = [r.combine for r in reds for _ in jp.eqns[r.index].outvars]
-        vals = iter(run_loop(outs, kinds, dict(given)))
-        for r in reds:
-            given[r.index] = [next(vals) for _ in jp.eqns[r.index].outvars]
-
-    sums = pl.sums
-    sum_vars = [o for r in sums for o in jp.eqns[r.index].outvars]
-    sum_kinds = [r.combine for r in sums for _ in jp.eqns[r.index].outvars]
-    local_vars = [jp.outvars[k] for k in pl.sem.local_outputs]
-    fl = [k for k, v in enumerate(sum_vars) if _floating(v)]
-    inputs = list(params) + [None] * nb + list(extra)
-
     def known_with(values):
         known = dict(given)
-        it = iter(values)
-        for r in sums:
+        it = iter(values[:n_sums])
+        for r in pl.sums:
             known[r.index] = [next(it) for _ in jp.eqns[r.index].outvars]
         return known
 
+    def run(fn, init):
+        return loop(fn, init)
+
     if pl.sem.affine:
-        at = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in sum_vars]
-    else:                                              # exact second pass: the sums first
-        at = run_loop(sum_vars, sum_kinds, dict(given))
+        at = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in outvars]
+    else:                                              # exact second pass: the part outputs first
+        def forward(part, where, acc):
+            vals = evaluator_for(body, overrides(where))(*params, *part, *extra)
+            return [combine(k, a, v) for k, a, v in zip(kinds, acc, vals)]
+        at = _finish(pl, across(run(forward, [identity(k, v.aval) for k, v in zip(kinds, outvars)]), kinds), n_sums)
+    idx = [k for k, g in enumerate(grad) if g]
 
     def head_loss(fvals):
         vals = list(at)
-        for k, x in zip(fl, fvals):
+        for k, x in zip(idx, fvals):
             vals[k] = x
-        zeros = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in local_vars]
-        return pl.head(inputs, known_with(vals), zeros)[0]
+        return pl.head(inputs, known_with(vals), vals)[0]
 
-    cot = jax.grad(head_loss)([at[k] for k in fl]) if fl else []
+    cot = jax.grad(head_loss)([at[k] for k in idx]) if idx else []
+    cot = [c * weight[k] for c, k in zip(cot, idx)]
     if scale is not None:
         cot = [c * scale.astype(c.dtype) for c in cot]
-    body = pl.body(sum_vars + local_vars)
 
     def fn(part, where, acc):
-        evaluate = evaluator_for(body, overrides(where, given))
+        evaluate = evaluator_for(body, overrides(where))
 
         def f(ps):
             vals = evaluate(*ps, *part, *extra)
-            return [vals[k] for k in fl], vals
+            return [vals[k] for k in idx], vals
 
         _, vjp, vals = jax.vjp(f, list(params), has_aux=True)
-        (grads,) = vjp(cot) if fl else ([jnp.zeros_like(p) for p in params],)
-        sums_acc, loc_acc, g_acc = acc
-        sums_acc = [combine(k, a, v) for k, a, v in zip(sum_kinds, sums_acc, vals[:len(sum_vars)])]
-        loc_acc = [a + v for a, v in zip(loc_acc, vals[len(sum_vars):])]
-        return sums_acc, loc_acc, [a + g for a, g in zip(g_acc, grads)]
+        (grads,) = vjp(cot) if idx else ([jnp.zeros_like(p) for p in params],)
+        out_acc, g_acc = acc
+        out_acc = [combine(k, a, v) for k, a, v in zip(kinds, out_acc, vals)]
+        return out_acc, [a + g for a, g in zip(g_acc, grads)]
 
-    init = ([identity(k, v.aval) for k, v in zip(sum_kinds, sum_vars)],
-            [jnp.zeros(v.aval.shape, v.aval.dtype) for v in local_vars],
-            [jnp.zeros_like(p) for p in params])
-    sums_acc, loc_acc, grads = loop(fn, init)
-    combined = across(list(sums_acc) + list(loc_acc), list(sum_kinds) + ["sum"] * len(loc_acc))
-    totals, locs = combined[:len(sums_acc)], combined[len(sums_acc):]
-    locs = [x / pl.num_parts if jnp.issubdtype(x.dtype, jnp.inexact) else x for x in locs]
-    known = known_with(totals)
+    init = ([identity(k, v.aval) for k, v in zip(kinds, outvars)], [jnp.zeros_like(p) for p in params])
+    out_acc, grads = run(fn, init)
+    values = _finish(pl, across(list(out_acc), kinds), n_sums)
+    return pl.head(inputs, known_with(values), values), grads
 
-    def head_of_params(ps):
-        outs = pl.head(list(ps) + inputs[len(params):], known, locs)
-        return outs[0], outs
 
-    direct, outs = jax.grad(head_of_params, has_aux=True)(list(params))
-    if scale is not None:
-        direct = [d * scale.astype(d.dtype) for d in direct]
-    return outs, grads, direct
+def _finish(pl, values, n_sums):
+    """Part outputs combined over every part: parameter terms and per-part outputs averaged."""
+    return list(values[:n_sums]) + [x / pl.num_parts if jnp.issubdtype(x.dtype, jnp.inexact) else x
+                                    for x in values[n_sums:]]
+
+
+def prepass(pl: PartLoss, evaluator_for, loop, across, params, extra, random=None) -> dict:
+    """Global values of the data-only reductions (normalisers), level by level: {index: outputs}."""
+    jp = pl.part.jaxpr.jaxpr
+    given: dict = {}
+    for level in range(pl.sem.levels):
+        reds = pl.data_reductions(level)
+        outs = [o for r in reds for o in jp.eqns[r.index].outvars]
+        kinds = [r.combine for r in reds for _ in jp.eqns[r.index].outvars]
+        body = pl.body(outs)
+        known = dict(given)
+
+        def fn(part, where, acc, body=body, known=known, kinds=kinds):
+            ovr = pl.given_overrides(known)
+            ovr.update((random or pl.random)(where))
+            vals = evaluator_for(body, ovr)(*params, *part, *extra)
+            return [combine(k, a, v) for k, a, v in zip(kinds, acc, vals)]
+
+        vals = iter(across(loop(fn, [identity(k, o.aval) for k, o in zip(kinds, outs)]), kinds))
+        for r in reds:
+            given[r.index] = [next(vals) for _ in jp.eqns[r.index].outvars]
+    return given

@@ -173,9 +173,9 @@ class Program(Emitter):
                     return fn(mb, where, acc), None
                 return jax.lax.scan(body, init, (jnp.arange(m), micro))[0]
 
-            outs, grads, direct = parts_lib.value_and_grad(pl, evaluator_for, loop, across, jax.tree.leaves(params),
-                                                           list(extra), random, scale)
-            grads = jax.tree.unflatten(ptree, [g + d for g, d in zip(grads, direct)])
+            outs, grads = parts_lib.value_and_grad(pl, evaluator_for, loop, across, jax.tree.leaves(params),
+                                                   list(extra), random, scale)
+            grads = jax.tree.unflatten(ptree, grads)
             if scale is not None:
                 grads = precision_lib.unscale(grads, scale)
             grads = jax.lax.with_sharding_constraint(grads, grad_shardings)

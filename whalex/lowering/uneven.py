@@ -149,10 +149,8 @@ class UnevenProgram(Emitter):
                     return chunk(0, init)
                 return jax.lax.fori_loop(0, even_counts or n, chunk, init)
 
-            outs, grads, direct = parts_lib.value_and_grad(pl, evaluator_for, loop, across,
-                                                           jax.tree.leaves(params), list(extra), random, scale)
-            on_first = (d == 0).astype(jnp.float32)
-            grads = [g + (x * on_first).astype(g.dtype) for g, x in zip(grads, direct)]   # the head's own gradient, once
+            outs, grads = parts_lib.value_and_grad(pl, evaluator_for, loop, across,
+                                                   jax.tree.leaves(params), list(extra), random, scale)
             grads = jax.tree.unflatten(ptree, grads)
             if level >= 2:            # ZeRO 2: reduce-scatter to each device's shard
                 grads = precision_lib.reduce_in(prec, lambda g: jax.tree.unflatten(
