@@ -108,8 +108,10 @@ class Primitive:
 
 
 def _decorate_class(primitive: Primitive, cls: type) -> type:
-    call = cls.__dict__.get("__call__") or getattr(cls, "__call__", None)
-    if call is None or call is object.__call__:
+    # Look in the class's own MRO: `getattr(cls, "__call__")` on a class without one finds the
+    # metaclass's `__call__` (the constructor; for flax.nnx, PytreeMeta's) and would wrap that.
+    call = next((k.__dict__["__call__"] for k in cls.__mro__ if "__call__" in k.__dict__), None)
+    if call is None:
         raise ScopeError(f"wh.{primitive.strategy.label()} decorates classes with a __call__ method; "
                          f"{cls.__name__} has none.")
 
