@@ -12,6 +12,7 @@ import numpy as np
 import optax
 
 from whalex.balance.profile import taskgraph_flops
+from whalex import nnx as nnx_lib
 from whalex.errors import PlanError
 from whalex.lowering.capture import _dtype
 from whalex.memory.precision import amp_loss, capture     # capture: amp casts moved to their first use
@@ -23,6 +24,7 @@ from whalex.mesh.cluster import Cluster
 from whalex.mesh.virtual import DATA, mesh_layout, virtual_devices
 from whalex.plan import Plan, TaskGraphInfo
 from whalex.primitives.config import DEFAULTS, Config
+from whalex.nnx import NnxModel
 from whalex.state import TrainState
 
 
@@ -436,9 +438,6 @@ def _pipeline_plan(loss_fn, params, batch, inputs, optimizer, config, cluster, h
     from whalex.mesh.virtual import MeshLayout, VirtualDevice
     from whalex.primitives.scopes import Strategy
 
-    if has_aux:
-        raise PlanError("has_aux=True is not supported with pipelining yet; return only the loss, or use "
-                        "num_micro_batch=1.")
     m = config.num_micro_batch
     num_stages = max(stage_of_eqn) + 1 if stage_of_eqn else 1
     k = cluster.size
@@ -448,10 +447,16 @@ def _pipeline_plan(loss_fn, params, batch, inputs, optimizer, config, cluster, h
             f"the global batch of {full.global_batch} cannot be split into {m} micro-batches on each of the "
             f"{dp} pipeline replicas; use a batch size that is a multiple of {dp * m}.")
     micro = full.global_batch // (dp * m)
-    cap = capture(loss_fn, params, _micro_batch(batch, micro), has_aux=False, **inputs)
+    cap = capture(loss_fn, params, _micro_batch(batch, micro), has_aux=has_aux, **inputs)
     if len(cap.jaxpr.jaxpr.eqns) != len(stage_of_eqn):
         raise PlanError("the loss traced differently at micro-batch size; whalex needs a loss whose "
                         "operations do not depend on the batch size.")
+    parts = _parts(cap, full, config, "pipeline micro-batches")
+    if not parts.sem.affine:
+        raise PlanError("the loss is not affine in its sums over the batch (e.g. the log of a mean); a pipeline "
+                        "cannot split its gradient over micro-batches in one pass. Write the loss as a sum or mean "
+                        "of per-example terms, or use a plan without micro-batches.")
+    cap = parts.body(parts.part_outputs()[0])       # stages end in the loss's sums over each micro-batch
     cut = cut_stages(cap, stage_of_eqn, num_stages)
     schedule = make_schedule(config.schedule, num_stages, m)
     layout = MeshLayout((DATA, STAGE), (dp, num_stages))
@@ -462,7 +467,8 @@ def _pipeline_plan(loss_fn, params, batch, inputs, optimizer, config, cluster, h
     mesh = layout.build(ordered)
     from whalex.memory import MemoryOptions, plan_memory
     mem = MemoryOptions.from_config(config, ((DATA,),))
-    program = PipelineProgram(cap, cut, schedule, mesh, optimizer, cluster.platform, full.global_batch, dp, mem)
+    program = PipelineProgram(cap, cut, schedule, mesh, optimizer, cluster.platform, full.global_batch, dp, mem,
+                              parts=parts)
     _ = program.param_dtype
     if config.remat not in (None, "full") or "activations" in (config.offload or ()):
         raise PlanError(f"a pipeline already recomputes each stage's forward from its stashed input (remat='full'); "
@@ -509,7 +515,7 @@ def _pipeline_plan(loss_fn, params, batch, inputs, optimizer, config, cluster, h
     return Plan(cluster=cluster, config=config, layout=layout, task_graphs=tuple(infos), virtual_devices=tuple(vds),
                 batch_sizes=(full.global_batch // dp,) * layout.size, global_batch=full.global_batch,
                 param_specs={p: P(STAGE) for p in cap.param_paths}, patterns=(), comms=tuple(comms), memory=memory,
-                program=program, schedule=schedule,
+                program=program, schedule=schedule, couplings=tuple(parts.sem.lines()),
                 stage_layers=tuple(_layers(full, stage_of_eqn, s) for s in range(num_stages)))
 
 
@@ -536,7 +542,10 @@ def _layers(cap, stage_of_eqn, s) -> tuple[str, ...]:
 def plan(loss_fn: Callable, params, batch, optimizer=None, config=None, cluster=None,
          has_aux: bool = False, model_state=None, rng=None) -> Plan:
     """Plan `loss_fn(params, batch)` for a cluster without running it (abstract clusters too);
-    `model_state` / `rng` as in `Step.init`."""
+    `model_state` / `rng` as in `Step.init`, and `params` may be an NNX module."""
+    if nnx_lib.is_module(params):
+        nm, params, model_state = nnx_lib.NnxModel.split(params)
+        loss_fn = nm.wrap(loss_fn, has_aux)
     return build_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, model_state, rng)
 
 
@@ -561,6 +570,7 @@ class Step:
         self._plans: dict = {}
         self._jitted: dict = {}
         self._last: Plan | None = None
+        self._nnx: NnxModel | None = None        # step.init(nnx_module, batch): the module's static structure
 
     @property
     def plan(self) -> Plan:
@@ -576,7 +586,8 @@ class Step:
     def _plan_for(self, params, batch, model_state=None, rng=None) -> Plan:
         key = self._key(params, batch)
         if key not in self._plans:
-            p = build_plan(self.loss_fn, params, batch, self.optimizer, self._config, self._cluster, self.has_aux,
+            loss_fn = self._nnx.wrap(self.loss_fn, self.has_aux) if self._nnx is not None else self.loss_fn
+            p = build_plan(loss_fn, params, batch, self.optimizer, self._config, self._cluster, self.has_aux,
                            model_state, rng)
             if p.cluster.is_abstract:
                 raise PlanError("an abstract cluster can plan and lower but not run; use wh.plan(...) with it, "
@@ -591,7 +602,16 @@ class Step:
 
         With `model_state` (non-trainable collections, e.g. {'batch_stats': ...}), loss_fn is called as
         loss_fn(params, batch, model_state=ms) and returns (loss, new_model_state); with `rng`, it gets
-        rng=key, a fresh key every step."""
+        rng=key, a fresh key every step.
+
+        `params` may be a Flax NNX module (`model.train()` first): loss_fn is then loss_fn(model, batch);
+        its nnx.Params are trained, every other variable (BatchStat, RngState...) is model state, and
+        `step.model(state)` gives the module back."""
+        if nnx_lib.is_module(params):
+            if model_state is not None:
+                raise PlanError("step.init(model, batch) with an NNX module takes its model state from the module; "
+                                "do not pass model_state=.")
+            self._nnx, params, model_state = nnx_lib.NnxModel.split(params)
         p = self._plan_for(params, example_batch, model_state, rng)
         state = p.program.init_state(params, model_state, rng)
         key = self._key(state.params, example_batch)       # pipelines carry packed parameters
@@ -616,6 +636,13 @@ class Step:
     def params(self, state: TrainState):
         """The parameters of `state` as the caller's pytree (unpacks pipeline stage buffers)."""
         return self.plan.program.unpack_params(state.params)
+
+    def model(self, state: TrainState):
+        """The NNX module of `state` (after step.init(model, batch)): trained params and model state."""
+        if self._nnx is None:
+            raise PlanError("step.model(state) needs a step initialised with an NNX module (step.init(model, batch)); "
+                            "use step.params(state) and state.model_state otherwise.")
+        return self._nnx.module(self.params(state), state.model_state)
 
     def lower(self) -> str:
         return self.plan.lower()

@@ -78,3 +78,21 @@ def subgraph_function(jaxpr, indices: Sequence[int]):
         return [env[v] for v in outputs]
 
     return inputs, outputs, fn
+
+
+def apply_eqn(eqn, path: tuple, invals: Sequence[Any], overrides: dict, prefixes: set | None = None) -> list:
+    """Evaluate one equation, replacing it (or an equation inside a call it makes) by
+    `overrides[path]`; `prefixes` are the paths that lead to an override (computed when None)."""
+    if prefixes is None:
+        prefixes = {p[:k] for p in overrides for k in range(1, len(p) + 1)}
+    if path in overrides:
+        return list(overrides[path](*invals))
+    if path in prefixes and C.is_call(eqn):
+        sub, consts = C.call_jaxpr(eqn)
+        env = dict(zip(sub.constvars, consts))
+        env.update(zip(sub.invars, invals))
+        for j, e in enumerate(sub.eqns):
+            env.update(zip(e.outvars, apply_eqn(e, path + (j,), [C.read(env, v) for v in e.invars], overrides,
+                                                prefixes)))
+        return [C.read(env, v) for v in sub.outvars]
+    return C.bind(eqn, invals)

@@ -600,6 +600,52 @@ def value_and_grad(pl: PartLoss, evaluator_for: Callable, loop: Callable, across
     return pl.head(inputs, known_with(values), values), grads
 
 
+def cotangents(pl: PartLoss, given: dict, extra: list, num_params: int, scale=None) -> tuple[list, list]:
+    """(positions among the part outputs, cotangents) that start each part's backward pass, for a
+    head affine in the part outputs: dH/d(part output) times its weight (and the loss scale)."""
+    if not pl.sem.affine:
+        raise PlanError("the loss is not affine in its batch sums (e.g. log of a mean); this plan needs it to be "
+                        "(an exact second pass is not built for it): write the loss as a sum or mean of terms.")
+    jp = pl.part.jaxpr.jaxpr
+    nb = len(jp.invars) - num_params - len(extra)
+    outvars, kinds, grad, weight = pl.part_outputs()
+    n_sums = len(kinds) - len(pl.sem.terms) - len(pl.sem.local_outputs)
+    inputs = [None] * (num_params + nb) + list(extra)
+    at = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in outvars]
+    idx = [k for k, g in enumerate(grad) if g]
+
+    def head_loss(fvals):
+        vals = list(at)
+        for k, x in zip(idx, fvals):
+            vals[k] = x
+        return pl.head(inputs, known(pl, given, vals, n_sums), vals)[0]
+
+    cot = jax.grad(head_loss)([at[k] for k in idx]) if idx else []
+    cot = [c * weight[k] for c, k in zip(cot, idx)]
+    if scale is not None:
+        cot = [c * scale.astype(c.dtype) for c in cot]
+    return idx, cot
+
+
+def known(pl: PartLoss, given: dict, values, n_sums: int) -> dict:
+    """`given` with the global values of the parameter-dependent sums added: {index: outputs}."""
+    jp = pl.part.jaxpr.jaxpr
+    out = dict(given)
+    it = iter(values[:n_sums])
+    for r in pl.sums:
+        out[r.index] = [next(it) for _ in jp.eqns[r.index].outvars]
+    return out
+
+
+def finish(pl: PartLoss, given: dict, extra: list, num_params: int, values) -> list:
+    """The loss's outputs from the part outputs combined over every part (sums, term sums, ...)."""
+    jp = pl.part.jaxpr.jaxpr
+    nb = len(jp.invars) - num_params - len(extra)
+    n_sums = len(values) - len(pl.sem.terms) - len(pl.sem.local_outputs)
+    values = _finish(pl, values, n_sums)
+    return pl.head([None] * (num_params + nb) + list(extra), known(pl, given, values, n_sums), values)
+
+
 def _finish(pl, values, n_sums):
     """Part outputs combined over every part: parameter terms and per-part outputs averaged."""
     return list(values[:n_sums]) + [x / pl.num_parts if jnp.issubdtype(x.dtype, jnp.inexact) else x

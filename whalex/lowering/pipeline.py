@@ -24,7 +24,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from whalex import _compat as C
 from whalex.errors import PlanError
+from whalex.lowering import parts as parts_lib
 from whalex.lowering.capture import Captured
+from whalex.lowering.interpret import apply_eqn, make_evaluator
 from whalex.lowering.schedules import Schedule
 from whalex.lowering.emit import Emitter
 from whalex.memory import precision as precision_lib, zero as zero_lib
@@ -101,9 +103,6 @@ def cut_stages(cap: Captured, stage_of_eqn: Sequence[int], num_stages: int) -> S
     for k in range(num_stages - 1):
         live = [v for v, s in produced_at.items() if s <= k and last_use.get(v, -1) > k]
         boundaries.append(tuple(sorted(live, key=lambda v: (produced_at[v], str(v)))))
-    if jaxpr.outvars and not isinstance(jaxpr.outvars[0], C.Literal) and \
-            produced_at.get(jaxpr.outvars[0], num_stages - 1) != num_stages - 1:
-        raise PlanError("the loss must be computed in the last pipeline stage.")
     return StageCut(tuple(tuple(e) for e in eqns), tuple(tuple(sorted(p)) for p in params), tuple(boundaries))
 
 
@@ -142,6 +141,17 @@ def _pack(values, slots, width):
     return jnp.pad(flat, (0, width - flat.shape[0]))
 
 
+def _pack_values(values, width):
+    """Outputs summed over micro-batches: every value as float32 by value (integers count)."""
+    parts = [jnp.asarray(v).astype(jnp.float32).reshape(-1) for v in values]
+    flat = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.float32)
+    return jnp.pad(flat, (0, width - flat.shape[0]))
+
+
+def _unpack_values(flat, slots):
+    return [flat[s.offset:s.offset + s.size].reshape(s.shape).astype(s.dtype) for s in slots]
+
+
 def _unpack(flat, slots):
     return [_from_f32(flat[s.offset:s.offset + s.size].reshape(s.shape), s.dtype) for s in slots]
 
@@ -161,6 +171,7 @@ class PipelineProgram(Emitter):
     memory: Any = None           # whalex.memory.MemoryOptions (ZeRO level, offload)
     precision: Any = None        # whalex.memory.precision.Precision (amp, comm_dtype)
     remat: Any = None            # always None: stages recompute their forward from the stashed input
+    parts: Any = None            # whalex.lowering.parts.PartLoss: the loss contract over micro-batches
 
     # -- packing of parameters ------------------------------------------------------------------
     @functools.cached_property
@@ -229,37 +240,47 @@ class PipelineProgram(Emitter):
 
     # -- the stage functions -------------------------------------------------------------------
     def _stage_fn(self, s: int):
-        """f_s(params_s leaves, live_in values, batch leaves) -> live_out values (or [loss])."""
+        """f_s(params_s leaves, live_in values, (batch leaves, extra leaves), overrides) -> live_out
+        values (the last stage: the part outputs of the loss contract)."""
         jaxpr = self.captured.jaxpr.jaxpr
         consts = dict(zip(jaxpr.constvars, self.captured.jaxpr.consts))
         n = self.captured.num_params
         live_in = self.cut.boundaries[s - 1] if s > 0 else ()
-        live_out = self.cut.boundaries[s] if s < self.cut.num_stages - 1 else (jaxpr.outvars[0],)
+        live_out = self.cut.boundaries[s] if s < self.cut.num_stages - 1 else tuple(jaxpr.outvars)
         param_vars = [jaxpr.invars[p] for p in self.cut.params[s]]
-        batch_vars = jaxpr.invars[n:]
-        eqns = [jaxpr.eqns[i] for i in self.cut.eqns[s]]
+        input_vars = jaxpr.invars[n:]
+        eqns = [(i, jaxpr.eqns[i]) for i in self.cut.eqns[s]]
 
-        def fn(params_s, live, batch):
+        def fn(params_s, live, inputs, overrides):
             env = dict(consts)
             env.update(zip(param_vars, params_s))
-            env.update(zip(batch_vars, batch))
+            env.update(zip(input_vars, inputs))
             env.update(zip(live_in, live))
-            for eqn in eqns:
-                env.update(zip(eqn.outvars, C.bind(eqn, [C.read(env, v) for v in eqn.invars])))
+            prefixes = {p[:k] for p in overrides for k in range(1, len(p) + 1)}
+            for i, eqn in eqns:
+                env.update(zip(eqn.outvars, apply_eqn(eqn, (i,), [C.read(env, v) for v in eqn.invars], overrides,
+                                                      prefixes)))
             return [C.read(env, v) for v in live_out]
 
         return fn, live_in, live_out
 
-    def _branches(self, M: int, scale=None):
-        """idle, forward and backward branch per stage; the backward of the loss starts from
-        1/M, times the loss scale (amp="fp16") when one is given."""
+    @functools.cached_property
+    def output_slots(self) -> tuple[tuple[Slot, ...], int]:
+        """Where the last stage's outputs (the part outputs) sit in the per-step accumulator."""
+        slots, width = _layout(self.captured.jaxpr.jaxpr.outvars)
+        return tuple(slots), max(width, 1)
+
+    def _branches(self, overrides, cot):
+        """idle, forward and backward branch per stage; the backward of the last stage starts from
+        the cotangent vector `cot` of the part outputs (dH/dR, times the loss scale)."""
         S = self.cut.num_stages
         A, W = self.message_width, self.param_width
+        oslots, O = self.output_slots
         dtype = self.param_dtype
 
-        def idle(params, x, ct, batch):
+        def idle(params, x, ct, inputs):
             return (jnp.zeros(A, jnp.float32), jnp.zeros(A, jnp.float32), jnp.zeros(W, dtype),
-                    jnp.zeros((), jnp.float32))
+                    jnp.zeros(O, jnp.float32))
 
         fwds, bwds = [], []
         for s in range(S):
@@ -272,42 +293,38 @@ class PipelineProgram(Emitter):
             def unpack_params(params, pslots=pslots):
                 return [params[sl.offset:sl.offset + sl.size].reshape(sl.shape) for sl in pslots]
 
-            def fwd(params, x, ct, batch, fn=fn, in_slots=in_slots, out_slots=out_slots, last=last,
+            def fwd(params, x, ct, inputs, fn=fn, in_slots=in_slots, out_slots=out_slots, last=last,
                     unpack_params=unpack_params):
-                outs = fn(unpack_params(params), _unpack(x, in_slots), batch)
+                outs = fn(unpack_params(params), _unpack(x, in_slots), inputs[0], overrides(inputs[1]))
                 if last:
                     return (jnp.zeros(A, jnp.float32), jnp.zeros(A, jnp.float32), jnp.zeros(W, dtype),
-                            outs[0].astype(jnp.float32))
+                            _pack_values(outs, O))
                 return (_pack(outs, out_slots, A), jnp.zeros(A, jnp.float32), jnp.zeros(W, dtype),
-                        jnp.zeros((), jnp.float32))
+                        jnp.zeros(O, jnp.float32))
 
-            def bwd(params, x, ct, batch, fn=fn, in_slots=in_slots, out_slots=out_slots, last=last,
+            def bwd(params, x, ct, inputs, fn=fn, in_slots=in_slots, out_slots=out_slots, last=last,
                     unpack_params=unpack_params, pslots=pslots):
                 live = _unpack(x, in_slots)
                 diff = [k for k, sl in enumerate(in_slots) if jnp.issubdtype(sl.dtype, jnp.floating)]
+                ovr = overrides(inputs[1])
 
                 def f(p, dl):
                     full = list(live)
                     for k, v in zip(diff, dl):
                         full[k] = v
-                    return fn(p, full, batch)
+                    return fn(p, full, inputs[0], ovr)
 
                 outs, vjp = jax.vjp(f, unpack_params(params), [live[k] for k in diff])
-                if last:
-                    seed = 1.0 / M if scale is None else scale.astype(outs[0].dtype) / M
-                    cts = [jnp.asarray(seed, outs[0].dtype)]
-                else:
-                    cts = [c if jnp.issubdtype(o.dtype, jnp.floating) else np.zeros(o.shape, jax.dtypes.float0)
-                           for c, o in zip(_unpack(ct, out_slots), outs)]
-                    cts = [c.astype(o.dtype) if jnp.issubdtype(o.dtype, jnp.floating) else c
-                           for c, o in zip(cts, outs)]
+                cts = _unpack(cot, oslots) if last else _unpack(ct, out_slots)
+                cts = [c.astype(o.dtype) if jnp.issubdtype(o.dtype, jnp.floating)
+                       else np.zeros(o.shape, jax.dtypes.float0) for c, o in zip(cts, outs)]
                 dp, dl = vjp(cts)
                 dflat = jnp.concatenate([g.reshape(-1).astype(dtype) for g in dp]) if dp else jnp.zeros((0,), dtype)
                 dparams = jnp.pad(dflat, (0, W - dflat.shape[0]))
                 full = [jnp.zeros(sl.shape, jnp.float32) for sl in in_slots]
                 for k, g in zip(diff, dl):
                     full[k] = g
-                return (jnp.zeros(A, jnp.float32), _pack(full, in_slots, A), dparams, jnp.zeros((), jnp.float32))
+                return (jnp.zeros(A, jnp.float32), _pack(full, in_slots, A), dparams, jnp.zeros(O, jnp.float32))
 
             fwds.append(fwd)
             bwds.append(bwd)
@@ -318,13 +335,17 @@ class PipelineProgram(Emitter):
         S, M = self.cut.num_stages, self.schedule.num_micro_batch
         dp = self.data_parallel
         A, W = self.message_width, self.param_width
+        oslots, O = self.output_slots
         slots, gslots = self.schedule.slots, self.schedule.grad_slots
         tables = {k: jnp.asarray(v) for k, v in self.schedule.tables().items()}
-        branches = self._branches(M)
         micro = self.global_batch // (dp * M)
+        per_replica = self.global_batch // dp
         fwd_perm = [(i, i + 1) for i in range(S - 1)]
         bwd_perm = [(i + 1, i) for i in range(S - 1)]
         dtype = self.param_dtype
+        pl = self.parts
+        n = self.captured.num_params
+        param_avals = [v.aval for v in self.captured.jaxpr.jaxpr.invars[:n]]
 
         level = self.memory_options.zero_level
         specs, zspecs = self.param_spec_list(), self.zero_specs()
@@ -332,20 +353,48 @@ class PipelineProgram(Emitter):
         prec = self.precision
         scaled = prec is not None and prec.scaled
 
-        def body(packed, batch, *scale):
-            if scale:                 # amp="fp16": the backward starts from the loss scale
-                branches_ = self._branches(M, scale[0])
-            else:
-                branches_ = branches
+        def body(packed, batch, extra, *scale):
+            scale = scale[0] if scale else None
             row = packed["stages"]
             if level >= 3:            # ZeRO 3: all-gather the stage row over the replicas
                 row = zero_lib.gather([row], specs, zspecs, DATA)[0]
             params = row[0]
             s = jax.lax.axis_index(STAGE)
+            r = jax.lax.axis_index(DATA)
             leaves = jax.tree.leaves(batch)
+            extra = list(extra)
+
+            def where_of(m):
+                return ((r * per_replica + m * micro, micro),)
+
+            def loop(fn, init):       # every micro-batch of this replica (the data-only pre-pass)
+                def step(k, acc):
+                    part = [jax.lax.dynamic_slice_in_dim(x, k * micro, micro, 0) for x in leaves]
+                    return fn(part, where_of(k), acc)
+                return jax.lax.fori_loop(0, M, step, init)
+
+            def across(values, kinds):
+                ops = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}
+                return [ops[k or "sum"](v, DATA) for v, k in zip(values, kinds)]
+
+            zeros = [jnp.zeros(a.shape, a.dtype) for a in param_avals]     # the pre-pass reads no parameter
+            given = parts_lib.prepass(pl, lambda c, ovr: make_evaluator(c.jaxpr, {}, None, ovr), loop, across,
+                                      zeros, extra)
+            idx, cots = parts_lib.cotangents(pl, given, extra, n, scale)
+            full = [jnp.zeros(sl.shape, jnp.float32) for sl in oslots]
+            for k, c in zip(idx, cots):
+                full[k] = c.astype(jnp.float32)
+            cot = _pack_values(full, O)
+
+            def overrides(m):
+                out = pl.given_overrides(given)
+                out.update(pl.random(where_of(m)))
+                return out
+
+            branches = self._branches(overrides, cot)
 
             def tick(carry, row):
-                stash, gstash, gacc, lacc, fin, bin_ = carry
+                stash, gstash, gacc, oacc, fin, bin_ = carry
                 kind, m = row["kind"][s], row["mb"][s]
                 rf, rb = row["recv_f"][s], row["recv_b"][s]
                 fslot, bslot = jnp.maximum(rf, 0) % slots, jnp.maximum(rb, 0) % gslots
@@ -353,29 +402,33 @@ class PipelineProgram(Emitter):
                 gstash = gstash.at[bslot].set(jnp.where(rb >= 0, bin_, gstash[bslot]))
                 mbatch = [jax.lax.dynamic_slice_in_dim(x, m * micro, micro, 0) for x in leaves]
                 branch = jnp.where(kind == 0, 0, jnp.where(kind == 1, 1 + s, 1 + S + s))
-                y, dx, dparams, loss = jax.lax.switch(branch, branches_, params, stash[m % slots],
-                                                      gstash[m % gslots], mbatch)
+                y, dx, dparams, outs = jax.lax.switch(branch, branches, params, stash[m % slots],
+                                                      gstash[m % gslots], (mbatch + extra, m))
                 fout = jax.lax.ppermute(y, STAGE, fwd_perm) if S > 1 else y
                 bout = jax.lax.ppermute(dx, STAGE, bwd_perm) if S > 1 else dx
-                return (stash, gstash, gacc + dparams, lacc + loss, fout, bout), None
+                return (stash, gstash, gacc + dparams, oacc + outs, fout, bout), None
 
             init = (jnp.zeros((slots, A), jnp.float32), jnp.zeros((gslots, A), jnp.float32), jnp.zeros(W, dtype),
-                    jnp.zeros((), jnp.float32), jnp.zeros(A, jnp.float32), jnp.zeros(A, jnp.float32))
-            (_, _, gacc, lacc, _, _), _ = jax.lax.scan(tick, init, tables)
-            loss = jax.lax.psum(lacc, (STAGE, DATA)) / (M * dp)
+                    jnp.zeros(O, jnp.float32), jnp.zeros(A, jnp.float32), jnp.zeros(A, jnp.float32))
+            (_, _, gacc, oacc, _, _), _ = jax.lax.scan(tick, init, tables)
+            values = _unpack_values(jax.lax.psum(oacc, (STAGE, DATA)), oslots)
+            outs = parts_lib.finish(pl, given, extra, n, values)
             if level >= 2:            # ZeRO 2: reduce-scatter the stage gradient over the replicas
                 grads = precision_lib.reduce_in(
-                    prec, lambda g: zero_lib.scatter_sum([g[None]], specs, zspecs, DATA)[0], gacc) / dp
+                    prec, lambda g: zero_lib.scatter_sum([g[None]], specs, zspecs, DATA)[0], gacc)
             else:
-                grads = precision_lib.reduce_in(prec, lambda g: jax.lax.psum(g, DATA), gacc)[None] / dp
-            return loss, {"stages": grads}
+                grads = precision_lib.reduce_in(prec, lambda g: jax.lax.psum(g, DATA), gacc)[None]
+            return outs, {"stages": grads}
 
-        return jax.shard_map(body, mesh=self.mesh, in_specs=({"stages": zspecs[0] if level >= 3 else P(STAGE)}, P(DATA))
+        return jax.shard_map(body, mesh=self.mesh,
+                             in_specs=({"stages": zspecs[0] if level >= 3 else P(STAGE)}, P(DATA), P())
                              + ((P(),) if scaled else ()),
                              out_specs=(P(), {"stages": zspecs[0] if level >= 2 else P(STAGE)}), check_vma=False)
 
     # -- what the emitter needs -------------------------------------------------------------------
-    has_aux = False
+    @property
+    def has_aux(self) -> bool:
+        return self.parts.whole.has_aux
 
     def param_shapes(self):
         return self.packed_shapes()
@@ -389,11 +442,14 @@ class PipelineProgram(Emitter):
     def value_and_grad(self):
         loss_and_grads = self.loss_and_grads()
 
+        cap = self.parts.whole
+
         def vg(params, batch, extra=(), scale=None):
-            if scale is None:
-                loss, grads = loss_and_grads(params, batch)
-                return (loss, None, []), grads
-            loss, grads = loss_and_grads(params, batch, scale)
-            return (loss, None, []), precision_lib.unscale(grads, scale)
+            args = (params, batch, list(extra)) + ((scale,) if scale is not None else ())
+            outs, grads = loss_and_grads(*args)
+            if scale is not None:
+                grads = precision_lib.unscale(grads, scale)
+            value, aux, new_state = cap.split_outputs(outs)
+            return (value, aux, new_state), grads
 
         return vg
