@@ -147,7 +147,7 @@ def test_expert_parallel_matches_single_device(case):
     assert call.experts_per_device == CASES[case]["experts"] // CASES[case]["split"]
     ps = jax.device_put(params, plan.program.param_shardings)
     placed = plan.place_batch(batch)
-    (loss, aux) = jax.jit(plan.program.loss())(ps, placed)
+    (loss, (aux, _)) = jax.jit(plan.program.loss())(ps, (placed, []))
     ref_loss, ref_aux = loss_fn(params, batch)
     assert rel_err(aux["out"], ref_aux["out"]) < 1e-5
     assert abs(float(aux["aux_loss"]) - float(ref_aux["aux_loss"])) < 1e-5 * float(ref_aux["aux_loss"])
