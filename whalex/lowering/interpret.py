@@ -22,7 +22,7 @@ def make_evaluator(closed: C.ClosedJaxpr, constraints: dict, mesh, overrides: di
     overrides = overrides or {}
     shardings = {key: NamedSharding(mesh, spec) for key, spec in constraints.items()}
     paths = {key[0] for key in shardings}
-    prefixes = {p[:k] for p in paths for k in range(1, len(p) + 1)}
+    prefixes = {p[:k] for p in paths | set(overrides) for k in range(1, len(p) + 1)}
 
     def evaluate(jaxpr, consts, args: Sequence[Any], frame: tuple) -> list:
         env: dict = {}

@@ -80,6 +80,7 @@ class Semantics:
     random: tuple[str, ...]      # how random draws of the batch are made per part
     accepted: tuple[str, ...] = ()   # couplings computed per part because the Config accepts it
     terms: tuple = ()            # (part var, global var): parameter-dependent values the head reads
+    row_outputs: tuple = ()      # aux outputs (positions) with the batch dimension: gathered by rows
 
     @property
     def levels(self) -> int:
@@ -197,12 +198,16 @@ def analyse(part: Captured, whole: Captured, *, per_part: bool = False, context:
         info["feedback"] = i in fed
     # outputs
     out_vars = list(jp.outvars)
+    row_outputs = []
     for k, v in enumerate(out_vars):
         if not isinstance(v, C.Literal) and is_b(v):
-            raise PlanError(
-                f"output {k} of the loss ({'the loss' if k == 0 else 'an aux or model-state leaf'}, shape "
-                f"{list(_shape(v))}) has the batch dimension, but this plan evaluates the loss in {context}; "
-                "return batch-free values (reduce per-example outputs over the batch) or use a plan without parts.")
+            if k == 0 or _shape(v)[1:] != _shape(gvar[v])[1:] or k > part.aux_count:
+                raise PlanError(
+                    f"output {k} of the loss ({'the loss' if k == 0 else 'an aux or model-state leaf'}, shape "
+                    f"{list(_shape(v))}) has the batch dimension, but this plan evaluates the loss in {context}; "
+                    "return batch-free values (reduce per-example outputs over the batch) or use a plan without "
+                    "parts.")
+            row_outputs.append(k)                # per-example aux: each part writes its rows
     # refusals and per-part choices
     problems = []
     local = set()
@@ -265,8 +270,15 @@ def analyse(part: Captured, whole: Captured, *, per_part: bool = False, context:
     # parameter-dependent batch-free values the head reads (a weight penalty, a learned temperature):
     # every part computes them; the head takes their average, so each part carries 1/K of their gradient
     terms = []
+    into_body = set()                            # batch-free equations whose values feed per-sample work
+    needs = set(feedback_vars)
+    for i in range(len(jp.eqns) - 1, -1, -1):
+        eqn = jp.eqns[i]
+        if any(o in needs for o in eqn.outvars) or any(is_b(o) for o in eqn.outvars) or i in reds:
+            into_body.add(i)
+            needs.update(v for v in eqn.invars if not isinstance(v, C.Literal))
     for i, eqn in enumerate(jp.eqns):
-        if i in reds or any(is_b(o) for o in eqn.outvars) or not dep.get(eqn.outvars[0]) if eqn.outvars else True:
+        if i in into_body or not eqn.outvars or not dep.get(eqn.outvars[0]):
             continue
         terms.extend(v for v in eqn.invars if not isinstance(v, C.Literal) and not is_b(v)
                      and pdep.get(v) and not dep.get(v))
@@ -279,7 +291,7 @@ def analyse(part: Captured, whole: Captured, *, per_part: bool = False, context:
                   level[i] if not info["params"] else 0, info["where"], i in local)
         for i, info in sorted(reds.items()))
     return Semantics(b, B, reductions, affine, local_outputs, tuple(_random_lines(part, whole)), tuple(problems),
-                     tuple((v, gvar[v]) for v in terms))
+                     tuple((v, gvar[v]) for v in terms), tuple(row_outputs))
 
 
 def random_draws(part: Captured, whole: Captured) -> list[tuple[tuple, Any, tuple, bool]]:
@@ -463,10 +475,29 @@ class PartLoss:
         kinds = [r.combine for r in self.sums for _ in jp.eqns[r.index].outvars]
         terms = [v for v, _ in self.sem.terms]
         locs = [jp.outvars[k] for k in self.sem.local_outputs]
-        outvars = sums + terms + locs
-        grad = [_floating(v) for v in sums + terms] + [False] * len(locs)
-        weight = [1.0] * len(sums) + [1.0 / self.num_parts] * len(terms) + [0.0] * len(locs)
-        return outvars, kinds + ["sum"] * (len(terms) + len(locs)), grad, weight
+        rows = [jp.outvars[k] for k in self.sem.row_outputs]
+        outvars = sums + terms + locs + rows
+        grad = [_floating(v) for v in sums + terms] + [False] * (len(locs) + len(rows))
+        weight = [1.0] * len(sums) + [1.0 / self.num_parts] * len(terms) + [0.0] * (len(locs) + len(rows))
+        return outvars, kinds + ["sum"] * (len(terms) + len(locs)) + ["rows"] * len(rows), grad, weight
+
+    @property
+    def n_sums(self) -> int:
+        return len(self.sums_vars)
+
+    @property
+    def sums_vars(self) -> list:
+        jp = self.part.jaxpr.jaxpr
+        return [o for r in self.sums for o in jp.eqns[r.index].outvars]
+
+    def accumulator(self, outvars, kinds) -> list:
+        """Zero accumulators of the part outputs (a per-example output: its global shape)."""
+        jg = self.whole.jaxpr.jaxpr
+        rows = iter(self.sem.row_outputs)
+        out = []
+        for v, k in zip(outvars, kinds):
+            out.append(jnp.zeros(jg.outvars[next(rows)].aval.shape, v.aval.dtype) if k == "rows" else identity(k, v.aval))
+        return out
 
     def head(self, inputs: Sequence[Any], given: dict, values: Sequence[Any]) -> list:
         """All outputs of the loss, evaluated once with the global-size jaxpr from the global values
@@ -478,11 +509,11 @@ class PartLoss:
         known.update({v: x for v, x in zip(jg.invars, inputs) if x is not None})
         for i, vals in given.items():
             known.update(zip(jg.eqns[i].outvars, vals))
-        n_sums = len(values) - len(self.sem.terms) - len(self.sem.local_outputs)
-        later = list(values[n_sums:])
+        later = list(values[self.n_sums:])
         for (_, g), x in zip(self.sem.terms, later):
             known[g] = x
-        for k, x in zip(self.sem.local_outputs, later[len(self.sem.terms):]):
+        later = later[len(self.sem.terms):]
+        for k, x in zip(self.sem.local_outputs + self.sem.row_outputs, later):
             known[jg.outvars[k]] = x
         want = {v for v in jg.outvars if not isinstance(v, C.Literal) and v not in known}
         needed = []
@@ -505,7 +536,14 @@ def _same(a, b) -> bool:
         return a is b
 
 
-def combine(kind: str | None, a, b):
+def combine(kind: str | None, a, b, where=None):
+    """`a` (accumulated) combined with a part's `b`; "rows": b's rows written at `where`."""
+    if kind == "rows":
+        start = 0
+        for off, n in where:
+            a = jax.lax.dynamic_update_slice_in_dim(a, b[start:start + n].astype(a.dtype), off, 0)
+            start += n
+        return a
     if kind == "max":
         return jnp.maximum(a, b)
     if kind == "min":
@@ -542,7 +580,7 @@ def value_and_grad(pl: PartLoss, evaluator_for: Callable, loop: Callable, across
     nb = len(jp.invars) - len(params) - len(extra)
     given = prepass(pl, evaluator_for, loop, across, params, extra, random)
     outvars, kinds, grad, weight = pl.part_outputs()
-    n_sums = len(kinds) - len(pl.sem.terms) - len(pl.sem.local_outputs)
+    n_sums = pl.n_sums
     inputs = [None] * (len(params) + nb) + list(extra)
     body = pl.body(outvars)
 
@@ -566,8 +604,8 @@ def value_and_grad(pl: PartLoss, evaluator_for: Callable, loop: Callable, across
     else:                                              # exact second pass: the part outputs first
         def forward(part, where, acc):
             vals = evaluator_for(body, overrides(where))(*params, *part, *extra)
-            return [combine(k, a, v) for k, a, v in zip(kinds, acc, vals)]
-        at = _finish(pl, across(run(forward, [identity(k, v.aval) for k, v in zip(kinds, outvars)]), kinds), n_sums)
+            return [combine(k, a, v, where) for k, a, v in zip(kinds, acc, vals)]
+        at = _finish(pl, across(run(forward, pl.accumulator(outvars, kinds)), kinds), n_sums)
     idx = [k for k, g in enumerate(grad) if g]
 
     def head_loss(fvals):
@@ -591,10 +629,10 @@ def value_and_grad(pl: PartLoss, evaluator_for: Callable, loop: Callable, across
         _, vjp, vals = jax.vjp(f, list(params), has_aux=True)
         (grads,) = vjp(cot) if idx else ([jnp.zeros_like(p) for p in params],)
         out_acc, g_acc = acc
-        out_acc = [combine(k, a, v) for k, a, v in zip(kinds, out_acc, vals)]
+        out_acc = [combine(k, a, v, where) for k, a, v in zip(kinds, out_acc, vals)]
         return out_acc, [a + g for a, g in zip(g_acc, grads)]
 
-    init = ([identity(k, v.aval) for k, v in zip(kinds, outvars)], [jnp.zeros_like(p) for p in params])
+    init = (pl.accumulator(outvars, kinds), [jnp.zeros_like(p) for p in params])
     out_acc, grads = run(fn, init)
     values = _finish(pl, across(list(out_acc), kinds), n_sums)
     return pl.head(inputs, known_with(values), values), grads
@@ -609,7 +647,7 @@ def cotangents(pl: PartLoss, given: dict, extra: list, num_params: int, scale=No
     jp = pl.part.jaxpr.jaxpr
     nb = len(jp.invars) - num_params - len(extra)
     outvars, kinds, grad, weight = pl.part_outputs()
-    n_sums = len(kinds) - len(pl.sem.terms) - len(pl.sem.local_outputs)
+    n_sums = pl.n_sums
     inputs = [None] * (num_params + nb) + list(extra)
     at = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in outvars]
     idx = [k for k, g in enumerate(grad) if g]
@@ -641,15 +679,16 @@ def finish(pl: PartLoss, given: dict, extra: list, num_params: int, values) -> l
     """The loss's outputs from the part outputs combined over every part (sums, term sums, ...)."""
     jp = pl.part.jaxpr.jaxpr
     nb = len(jp.invars) - num_params - len(extra)
-    n_sums = len(values) - len(pl.sem.terms) - len(pl.sem.local_outputs)
+    n_sums = pl.n_sums
     values = _finish(pl, values, n_sums)
     return pl.head([None] * (num_params + nb) + list(extra), known(pl, given, values, n_sums), values)
 
 
 def _finish(pl, values, n_sums):
     """Part outputs combined over every part: parameter terms and per-part outputs averaged."""
-    return list(values[:n_sums]) + [x / pl.num_parts if jnp.issubdtype(x.dtype, jnp.inexact) else x
-                                    for x in values[n_sums:]]
+    n_avg = len(pl.sem.terms) + len(pl.sem.local_outputs)
+    avg = [x / pl.num_parts if jnp.issubdtype(x.dtype, jnp.inexact) else x for x in values[n_sums:n_sums + n_avg]]
+    return list(values[:n_sums]) + avg + list(values[n_sums + n_avg:])
 
 
 def prepass(pl: PartLoss, evaluator_for, loop, across, params, extra, random=None) -> dict:

@@ -374,7 +374,7 @@ class PipelineProgram(Emitter):
                 return jax.lax.fori_loop(0, M, step, init)
 
             def across(values, kinds):
-                ops = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}
+                ops = {"sum": jax.lax.psum, "rows": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}
                 return [ops[k or "sum"](v, DATA) for v, k in zip(values, kinds)]
 
             zeros = [jnp.zeros(a.shape, a.dtype) for a in param_avals]     # the pre-pass reads no parameter

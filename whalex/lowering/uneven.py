@@ -130,7 +130,7 @@ class UnevenProgram(Emitter):
             return program_evaluator(c, {}, mesh, overrides, remat)[0]
 
         def across(values, kinds):
-            ops = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}
+            ops = {"sum": jax.lax.psum, "rows": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}
             return [ops[k or "sum"](v, DATA) for v, k in zip(values, kinds)]
 
         def body(params, batch, extra, *scale):
