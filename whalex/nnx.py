@@ -38,11 +38,11 @@ Facts measured on jax 0.10.2 / flax 0.12.8 (tests/test_nnx_adapter.py):
   `np.asarray(key)` raises TypeError (use `jax.random.key_data`), so host-side code that pads or
   copies model state with NumPy must skip or unwrap key leaves (`is_key` below). Their dtype is
   neither floating nor integer for `jnp.issubdtype`; `jnp.zeros(shape, key_dtype)` works.
-- Dropout masks have the shape of the activations they are drawn for: a plan that evaluates the
-  loss in parts (micro-batches, uneven per-device loops) draws per-part masks that are not slices
-  of the whole-batch mask, and threads `RngCount` once per part. Only whole-batch (GSPMD) evaluation
-  reproduces single-device dropout bit for bit (`jax_threefry_partitionable` is on by default, so a
-  sharded draw equals the unsharded one).
+- Dropout masks have the shape of the activations they are drawn for. Whole-batch (GSPMD)
+  evaluation reproduces single-device dropout bit for bit (`jax_threefry_partitionable` is on by
+  default, so a sharded draw equals the unsharded one); plans that evaluate the loss in parts
+  replace each draw by the part's rows of the whole-batch draw (whalex/lowering/parts.py), and the
+  `RngCount` update is computed once from the whole-batch head, so they match too.
 """
 from __future__ import annotations
 
