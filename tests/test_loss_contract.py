@@ -154,3 +154,42 @@ def test_summary_lists_couplings():
                    config=wh.Config(num_micro_batch=4))
     text = plan.summary()
     assert "normaliser (global pre-pass)" in text and "global sum (accumulated over parts)" in text
+
+
+def _log_mean(p, b):
+    """Not affine in its batch sum: log of a mean (exact in two passes over the parts)."""
+    logits = jnp.tanh(p["emb"][b["inputs"]] @ p["w1"]) @ p["out"]
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"])
+    return jnp.log(ce.mean())
+
+
+@pytest.mark.parametrize("plan", ["micro4", "hetero"])
+def test_loss_not_affine_in_its_sums_is_exact_in_two_passes(plan):
+    scopes, cfg, kinds = PLANS[plan]
+    cluster = wh.Cluster(kinds=kinds) if kinds else None
+    step, _ = assert_matches(_log_mean, lm_params(), lm_batch(), steps=3, optimizer=optax.sgd(0.5), tol=1e-4,
+                             config=wh.Config(**cfg), cluster=cluster)
+    assert any("two passes" in c for c in step.plan.couplings)
+
+
+def test_pipeline_refuses_a_loss_not_affine_in_its_sums():
+    def staged(p, b):
+        with wh.replicate(1):
+            h = jnp.tanh(p["emb"][b["inputs"]] @ p["w1"])
+        with wh.replicate(1):
+            ce = optax.softmax_cross_entropy_with_integer_labels(h @ p["out"], b["targets"])
+            return jnp.log(ce.mean())
+    with pytest.raises(wh.PlanError, match="not affine"):
+        wh.plan(staged, lm_params(), lm_batch(), optax.sgd(0.1), config=wh.Config(num_micro_batch=4))
+
+
+def test_samples_coupled_across_the_batch_are_refused_in_parts():
+    """A contrastive loss (each sample against every other) cannot be split over parts."""
+    def contrastive(p, b):
+        z = jnp.tanh(p["emb"][b["inputs"]].mean(1) @ p["w1"])
+        logits = z @ z.T                                     # [B, B]: samples against samples
+        return optax.softmax_cross_entropy_with_integer_labels(logits, jnp.arange(z.shape[0])).mean()
+    with pytest.raises(wh.PlanError, match="mixes samples"):
+        wh.plan(contrastive, lm_params(), lm_batch(), optax.sgd(0.1), config=wh.Config(num_micro_batch=4))
+    plan = wh.plan(contrastive, lm_params(), lm_batch(), optax.sgd(0.1))     # the whole batch at once: fine
+    assert plan.program is not None
