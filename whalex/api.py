@@ -221,11 +221,11 @@ def _spmd_plan(loss_fn, params, batch, inputs, optimizer, config, cluster, has_a
     per_device = full.global_batch // layout.axis_size(first.batch_axes)
     parts = getattr(program, "parts", None)
     couplings = tuple(parts.sem.lines()) if parts is not None else \
-        _whole_batch_couplings(loss_fn, params, batch, inputs, has_aux, full)
+        (lambda: _whole_batch_couplings(loss_fn, params, batch, inputs, has_aux, full))     # found when asked
     return Plan(cluster=cluster, config=config, layout=layout, task_graphs=tuple(infos), virtual_devices=vds,
                 batch_sizes=(per_device,) * layout.size, global_batch=full.global_batch,
                 param_specs=dict(zip(cap.param_paths, sharding.param_specs)), patterns=sharding.choices,
-                comms=comms, memory=memory, program=program, balance=report, couplings=couplings)
+                comms=comms, memory=memory, program=program, balance=report, batch_couplings=couplings)
 
 
 def _whole_batch_couplings(loss_fn, params, batch, inputs, has_aux, full) -> tuple[str, ...]:
@@ -254,9 +254,10 @@ def _zero_data_parallel(loss_fn, params, batch, inputs, optimizer, config, clust
     cap = capture(loss_fn, params, _micro_batch(batch, unit), has_aux=has_aux, **inputs)
     mem = dc.replace(mem, zero_axes=((DATA,),) * cap.num_params)
     context = f"per-device parts (zero {mem.zero_level} on data parallelism)"
-    if analyse(cap, full, per_part=True, context=context).accepted:
+    sem = analyse(cap, full, per_part=True, context=context)
+    if sem.accepted:
         return None              # the loss couples samples: the GSPMD program sees the whole batch (exact)
-    parts = _parts(cap, full, config, context)
+    parts = PartLoss(sem, cap, full)
     return UnevenProgram(cap, mesh, optimizer, cluster.platform, (m,) * n, unit, b, mem, parts=parts)
 
 
@@ -414,7 +415,7 @@ def _balance_data_parallel(loss_fn, params, batch, inputs, optimizer, config, cl
     plan = Plan(cluster=cluster, config=config, layout=layout, task_graphs=tuple(infos), virtual_devices=vds,
                 batch_sizes=tuple(rows), global_batch=b, param_specs={p: P() for p in cap_u.param_paths},
                 patterns=(), comms=(), memory=memory, program=program, balance=report,
-                couplings=tuple(parts.sem.lines()))
+                batch_couplings=tuple(parts.sem.lines()))
     return report, plan
 
 
@@ -518,7 +519,7 @@ def _pipeline_plan(loss_fn, params, batch, inputs, optimizer, config, cluster, h
     return Plan(cluster=cluster, config=config, layout=layout, task_graphs=tuple(infos), virtual_devices=tuple(vds),
                 batch_sizes=(full.global_batch // dp,) * layout.size, global_batch=full.global_batch,
                 param_specs={p: P(STAGE) for p in cap.param_paths}, patterns=(), comms=tuple(comms), memory=memory,
-                program=program, schedule=schedule, couplings=tuple(parts.sem.lines()),
+                program=program, schedule=schedule, batch_couplings=tuple(parts.sem.lines()),
                 stage_layers=tuple(_layers(full, stage_of_eqn, s) for s in range(num_stages)))
 
 

@@ -67,8 +67,16 @@ class Plan:
     schedule: Any = None                      # the pipeline Schedule, when the plan is a pipeline
     stage_layers: tuple = ()                  # per stage, the names of the layers it holds
     balance: Any = None                       # the hardware-aware BalanceReport, on heterogeneous clusters
-    couplings: tuple = ()                     # how each batch reduction of the loss is computed (the loss contract)
+    batch_couplings: Any = dataclasses.field(default=(), repr=False, compare=False)   # lines, or a function of none
     _cache: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def couplings(self) -> tuple[str, ...]:
+        """How the plan computes each batch reduction of the loss (the loss contract), one line each."""
+        if "couplings" not in self._cache:
+            c = self.batch_couplings
+            self._cache["couplings"] = tuple(c() if callable(c) else c)
+        return self._cache["couplings"]
 
     # -- lowering ---------------------------------------------------------------------------
     def lowered(self):
