@@ -564,7 +564,7 @@ def identity(kind: str | None, like):
 
 # ----------------------------------------------------------------------------------- the driver
 def value_and_grad(pl: PartLoss, evaluator_for: Callable, loop: Callable, across: Callable, params: list,
-                   extra: list, random: Callable | None = None, scale=None):
+                   extra: list, random: Callable | None = None, scale=None, map_parts: Callable | None = None):
     """Outputs of the loss on the whole batch and this device's gradient sum, from a loop over parts.
 
     evaluator_for(captured, overrides) -> evaluate(*inputs) -> outputs: how the program evaluates a
@@ -572,13 +572,14 @@ def value_and_grad(pl: PartLoss, evaluator_for: Callable, loop: Callable, across
     loop(fn, init) -> acc: runs acc = fn(part_leaves, where, acc) over this device's parts (`where`:
       the global rows the part holds, as (offset, rows) segments, for random draws);
     across(values, kinds) -> values combined over devices ("sum"/"max"/"min" per value);
-    random(where) -> overrides for the part's random draws (default: rows of the whole-batch draw).
+    random(where) -> overrides for the part's random draws (default: rows of the whole-batch draw);
+    map_parts(g) -> g evaluated on every part at once, stacked (for the pre-pass; optional).
     Returns (outputs, gradient): the program sums the gradients over devices (all-reduce or
     reduce-scatter); with `scale` (fp16 loss scaling) they are scaled.
     """
     jp = pl.part.jaxpr.jaxpr
     nb = len(jp.invars) - len(params) - len(extra)
-    given = prepass(pl, evaluator_for, loop, across, params, extra, random)
+    given = prepass(pl, evaluator_for, loop, across, params, extra, random, map_parts)
     outvars, kinds, grad, weight = pl.part_outputs()
     n_sums = pl.n_sums
     inputs = [None] * (len(params) + nb) + list(extra)
@@ -691,8 +692,12 @@ def _finish(pl, values, n_sums):
     return list(values[:n_sums]) + avg + list(values[n_sums + n_avg:])
 
 
-def prepass(pl: PartLoss, evaluator_for, loop, across, params, extra, random=None) -> dict:
-    """Global values of the data-only reductions (normalisers), level by level: {index: outputs}."""
+def prepass(pl: PartLoss, evaluator_for, loop, across, params, extra, random=None, map_parts=None) -> dict:
+    """Global values of the data-only reductions (normalisers), level by level: {index: outputs}.
+
+    `map_parts(g)`, when given, evaluates g(part, where) -> values on every part at once (vmap) and
+    returns them stacked: one reduction over the stack instead of a loop (one collective per
+    normaliser in a GSPMD program, not one per micro-batch)."""
     jp = pl.part.jaxpr.jaxpr
     given: dict = {}
     for level in range(pl.sem.levels):
@@ -708,7 +713,18 @@ def prepass(pl: PartLoss, evaluator_for, loop, across, params, extra, random=Non
             vals = evaluator_for(body, ovr)(*params, *part, *extra)
             return [combine(k, a, v) for k, a, v in zip(kinds, acc, vals)]
 
-        vals = iter(across(loop(fn, [identity(k, o.aval) for k, o in zip(kinds, outs)]), kinds))
+        if map_parts is not None:
+            def g(part, where, body=body, known=known):
+                ovr = pl.given_overrides(known)
+                ovr.update((random or pl.random)(where))
+                return evaluator_for(body, ovr)(*params, *part, *extra)
+            stacked = map_parts(g)
+            red = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}
+            combined = [red[k or "sum"](x, axis=0).astype(x.dtype) if k != "sum" or x.dtype != jnp.bool_
+                        else jnp.sum(x, axis=0) for k, x in zip(kinds, stacked)]
+            vals = iter(across(combined, kinds))
+        else:
+            vals = iter(across(loop(fn, [identity(k, o.aval) for k, o in zip(kinds, outs)]), kinds))
         for r in reds:
             given[r.index] = [next(vals) for _ in jp.eqns[r.index].outvars]
     return given

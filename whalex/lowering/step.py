@@ -173,8 +173,13 @@ class Program(Emitter):
                     return fn(mb, where, acc), None
                 return jax.lax.scan(body, init, (jnp.arange(m), micro))[0]
 
+            def map_parts(g):          # the pre-pass: every micro-batch at once, one reduction
+                def one(k, mb):
+                    return g(mb, tuple((j * (b // dp) + k * c, c) for j in range(dp)))
+                return jax.vmap(one)(jnp.arange(m), micro)
+
             outs, grads = parts_lib.value_and_grad(pl, evaluator_for, loop, across, jax.tree.leaves(params),
-                                                   list(extra), random, scale)
+                                                   list(extra), random, scale, map_parts)
             grads = jax.tree.unflatten(ptree, grads)
             if scale is not None:
                 grads = precision_lib.unscale(grads, scale)
