@@ -175,3 +175,31 @@ def test_step_model_needs_an_nnx_step():
     state = step.init({"w": jnp.ones((3,))}, {"x": jnp.ones((8, 3))})
     with pytest.raises(wh.PlanError, match="NNX module"):
         step.model(state)
+
+
+@pytest.mark.parametrize("level", [1, 3])
+def test_nnx_batchnorm_exact_under_zero(level):
+    cls, loss_fn, batch = cnn_problem()
+    ref_losses, ref_model = nnx_reference("cnn", "sgd")
+    model = cls(nnx.Rngs(0, dropout=1))
+    model.train()
+    step = wh.parallelize(loss_fn, _tx("sgd"), config=wh.Config(zero_level=level))
+    state = step.init(model, batch)
+    losses = []
+    for _ in range(3):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    trained = step.model(state)
+    for kind in (nnx.Param, nnx.BatchStat):
+        errs = jax.tree.map(_err, nnx.to_pure_dict(nnx.state(trained, kind)),
+                            nnx.to_pure_dict(nnx.state(ref_model, kind)))
+        assert max(jax.tree.leaves(errs)) < 1e-4, (kind, errs)
+
+
+def test_nnx_batchnorm_refused_by_name_on_uneven_chunks():
+    cls, loss_fn, batch = cnn_problem()
+    model = cls(nnx.Rngs(0, dropout=1))
+    model.train()
+    with pytest.raises(wh.PlanError, match=r"(?s)self.bn.*batch_coupling='per_part'"):
+        wh.plan(loss_fn, model, batch, optax.sgd(0.1), cluster=wh.Cluster(kinds=["V100-32GB"] * 4 + ["T4-16GB"] * 4))

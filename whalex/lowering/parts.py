@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import linecache
+import re
 from typing import Any, Callable, Sequence
 
 import jax
@@ -106,9 +108,14 @@ class Semantics:
 
 
 def source(eqn) -> str:
-    """'Module/path (file:line)' of an equation, for errors and the summary."""
-    stack = C.name_stack(eqn)
+    """'Module/path (file:line (function): `code`)' of an equation, for errors and the summary."""
+    stack = "/".join(c for c in C.name_stack(eqn).split("/") if c and not c.startswith("whalex."))
     line = C.source_line(eqn)
+    found = re.match(r"(.+?):(\d+)(?::\d+)? \(", line)
+    if found:
+        code = linecache.getline(found.group(1), int(found.group(2))).strip()
+        if code:
+            line = f"{line}: `{code}`"
     return f"{stack} ({line})" if stack else line
 
 
