@@ -65,7 +65,7 @@ def launch_env() -> tuple[str, int, int] | None:
 
 
 def is_initialized() -> bool:
-    import jax          # lazily, here and below: JAX is imported only once a process group is to be joined
+    import jax          # lazily, here and below: the environment is read before JAX is imported
     return jax.distributed.is_initialized()
 
 
