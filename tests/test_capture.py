@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import optax
 
 import whalex as wh
-from whalex.lowering.capture import capture, scope_of
+from whalex.core.capture import capture, scope_of
 from models import flax_model, plain_model
 
 

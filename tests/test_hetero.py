@@ -139,14 +139,14 @@ def test_even_split_head_on_a_homogeneous_cluster_uses_plain_sharding():
 def test_memory_model_predicts_xla_memory_analysis():
     """The per-device activation model (a line through XLA's temp bytes at 16 and 64 rows)
     predicts the compiled temp memory at another batch size."""
-    from whalex.api import _micro_batch
+    from whalex.planner.common import micro_batch
     from whalex.balance.cost import activation_model, temp_bytes
-    from whalex.lowering.capture import capture
-    from whalex.lowering.interpret import make_evaluator
+    from whalex.core.capture import capture
+    from whalex.core.interpret import make_evaluator
     loss_fn, params, batch = plain_model("dp", "ctx")
 
     def make(rows):
-        c = capture(loss_fn, params, _micro_batch(batch, rows))
+        c = capture(loss_fn, params, micro_batch(batch, rows))
         ev, n = make_evaluator(c.jaxpr, {}, None), c.num_params
 
         def f(*leaves):

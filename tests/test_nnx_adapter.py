@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import whalex as wh
-from whalex.lowering.capture import capture
+from whalex.core.capture import capture
 from whalex.nnx import NnxModel, is_key, is_module
 from conftest import adam, rel_err
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import jax
+from flax.linen import module as linen_module
+from jax._src import core as src_core, source_info_util, xla_bridge
 from jax.extend import core as jex
 
 Literal = jex.Literal
@@ -58,7 +60,6 @@ def read(env: dict, v: Any) -> Any:
 
 def backends_initialized() -> bool:
     """Whether JAX has started its backends (after which a process group can no longer be joined)."""
-    from jax._src import xla_bridge
     return xla_bridge.backends_are_initialized()
 
 
@@ -68,24 +69,18 @@ def make_jaxpr(fn, *args) -> ClosedJaxpr:
 
 def in_jax_trace() -> bool:
     """Whether a JAX transformation (jit, grad, vmap, make_jaxpr, shard_map...) is tracing the caller."""
-    from jax._src import core
-    clean = getattr(core, "trace_state_clean", None)
-    return not (clean() if clean is not None else core.trace_ctx.is_top_level())
+    clean = getattr(src_core, "trace_state_clean", None)
+    return not (clean() if clean is not None else src_core.trace_ctx.is_top_level())
 
 
 def in_flax_module() -> bool:
     """Whether a Flax linen module method is running (e.g. an eager `model.init` or `model.apply`)."""
-    try:
-        from flax.linen import module as linen_module
-    except ImportError:
-        return False
     stack = getattr(getattr(linen_module, "_context", None), "module_stack", None)
     return bool(stack) and stack[-1] is not None
 
 
 def source_line(eqn: JaxprEqn) -> str:
     """'file:line (function)' of the user code that traced an equation."""
-    from jax._src import source_info_util
     try:
         return source_info_util.summarize(eqn.source_info)
     except Exception:   # noqa: BLE001 (no traceback recorded)

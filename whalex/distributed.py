@@ -33,6 +33,9 @@ On one host with several GPUs, give each process its own GPU(s) before whalex is
 from __future__ import annotations
 
 import os
+import warnings
+
+import numpy as np
 
 ADDRESS = "WHALEX_COORDINATOR_ADDRESS"
 NUM_PROCESSES = "WHALEX_NUM_PROCESSES"
@@ -62,7 +65,7 @@ def launch_env() -> tuple[str, int, int] | None:
 
 
 def is_initialized() -> bool:
-    import jax
+    import jax          # lazily, here and below: the environment is read before JAX is imported
     return jax.distributed.is_initialized()
 
 
@@ -82,7 +85,7 @@ def maybe_initialize(initialization_timeout: int = 120, strict: bool = True) -> 
         return False
     import jax
 
-    from whalex._compat import backends_initialized
+    from whalex._compat import backends_initialized     # lazily: it imports JAX
 
     if jax.distributed.is_initialized():
         return False
@@ -97,7 +100,6 @@ def maybe_initialize(initialization_timeout: int = 120, strict: bool = True) -> 
             "that touches devices (jax.devices(), jnp arrays, jax.device_put...).")
         if strict:
             raise RuntimeError(msg)
-        import warnings
         warnings.warn(msg, RuntimeWarning, stacklevel=2)
         return False
     if not os.environ.get("JAX_CPU_COLLECTIVES_IMPLEMENTATION"):      # respect an explicit choice (mpi)
@@ -122,7 +124,6 @@ def place_global(tree, shardings):
     already placed go through `jax.device_put` unchanged.
     """
     import jax
-    import numpy as np
 
     def put(x, s):
         if s.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):

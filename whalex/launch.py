@@ -24,6 +24,7 @@ orphans waiting on a coordinator.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import signal
 import socket
@@ -68,7 +69,6 @@ def _preexec(cores):
         if cores is not None:
             os.sched_setaffinity(0, cores)
         try:                                            # die with the launcher (Linux)
-            import ctypes
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)     # PR_SET_PDEATHSIG = 1
         except Exception:
             pass

@@ -5,8 +5,12 @@ import dataclasses
 import html
 from typing import Any
 
+import jax
+
 from whalex.balance.profile import DeviceMemory
-from whalex.lowering.patterns import Comm, PatternChoice
+from whalex.core.comm import Comm
+from whalex.lowering.patterns import PatternChoice
+from whalex.memory.remat import summary_lines
 from whalex.mesh.cluster import Cluster
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
 from whalex.primitives.config import Config
@@ -107,7 +111,6 @@ class Plan:
         """The global batch placed for the step (uneven plans lay rows out per device)."""
         if hasattr(self.program, "place_batch"):
             return self.program.place_batch(batch)
-        import jax
         return jax.device_put(batch, self.program.batch_shardings)
 
     def device_rows(self) -> tuple[tuple[int, int], ...]:
@@ -216,8 +219,7 @@ class Plan:
         lines += _table(MEMORY_COLUMNS, mem_rows)
         lines += self._memory_lines()
         lines.append(f"predicted collective traffic per step and device: {_fmt_bytes(self.predicted_comm_bytes)}")
-        from whalex.memory.remat import summary_lines     # remat per TaskGraph, amp, comm dtype
-        lines += summary_lines(self.program)
+        lines += summary_lines(self.program)             # remat per TaskGraph, amp, comm dtype
         if compiled_memory or "memory" in self._cache:
             m = self.compiled_memory()
             lines.append("XLA memory analysis per device: " + ", ".join(

@@ -14,6 +14,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from whalex.mesh.cluster import Cluster
 
@@ -63,6 +64,5 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
     for i, s in local.items():
         speeds[i] = s
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
         speeds = np.asarray(multihost_utils.process_allgather(speeds)).reshape(jax.process_count(), -1).sum(0)
     return cluster.with_speeds(speeds)

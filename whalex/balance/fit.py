@@ -25,8 +25,8 @@ import jax
 import numpy as np
 
 from whalex.balance.profile import sharded_bytes, spec_shards
-from whalex.lowering.emit import opt_state_specs
-from whalex.lowering.interpret import subgraph_function
+from whalex.core.interpret import subgraph_function
+from whalex.core.shardings import opt_state_specs
 
 
 @dataclasses.dataclass(frozen=True)

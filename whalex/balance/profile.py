@@ -11,7 +11,7 @@ import jax.extend
 import numpy as np
 
 from whalex import _compat as C
-from whalex.lowering.interpret import subgraph_function
+from whalex.core.interpret import subgraph_function
 
 
 def _flops(lowered) -> float:

@@ -10,32 +10,13 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from whalex.core.shardings import opt_state_specs
+from whalex.distributed import place_global
 from whalex.memory import MemoryOptions, offload, precision, zero
 from whalex.state import TrainState
-
-
-def opt_state_specs(optimizer: optax.GradientTransformation, params, param_specs):
-    """PartitionSpecs for the optimizer state: subtrees shaped like the params follow their specs."""
-    shapes = jax.eval_shape(optimizer.init, params)
-    treedef = jax.tree.structure(params)
-    spec_tree = jax.tree.unflatten(treedef, list(param_specs))
-    param_shapes = [np.shape(p) for p in jax.tree.leaves(params)]
-
-    def is_param_tree(x):
-        if x is None or jax.tree.structure(x) != treedef:
-            return False
-        return [np.shape(l) for l in jax.tree.leaves(x)] == param_shapes
-
-    def assign(sub):
-        if is_param_tree(sub):
-            return spec_tree
-        return jax.tree.map(lambda _: P(), sub)
-
-    return jax.tree.map(assign, shapes, is_leaf=is_param_tree), shapes
 
 
 def with_shardings(shapes, shardings):
@@ -244,8 +225,7 @@ class Emitter:
         return self.jitted(donate=False).trace(*self.abstract_args()).lower(lowering_platforms=(self.platform,))
 
     def place_batch(self, batch):
-        from whalex.distributed import place_global     # multi-process: each reads its own rows
-        return place_global(batch, self.batch_shardings)
+        return place_global(batch, self.batch_shardings)     # multi-process: each reads its own rows
 
     def init_state(self, params, model_state=None, rng=None) -> TrainState:
         """Place params (a copy: the step donates its state), a fresh optimizer state, the model

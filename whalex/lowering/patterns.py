@@ -28,12 +28,11 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from whalex import _compat as C
+from whalex.core.capture import Captured, passed_origin
+from whalex.core.comm import Axes, Comm
+from whalex.core.names import parse_call_name
 from whalex.errors import PlanError
-from whalex.lowering.capture import Captured, passed_origin
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
-from whalex.moe.dispatch import parse_call_name
-
-Axes = tuple  # tuple[str, ...]
 
 ELEMENTWISE = frozenset("""
 add sub mul div max min neg exp exp2 log log1p expm1 tanh logistic sin cos tan sqrt rsqrt cbrt pow
@@ -43,17 +42,6 @@ imag real conj sinh cosh asinh acosh atanh asin acos atan
 """.split())
 REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split())
 OPAQUE_CALLS = frozenset(("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "checkpoint", "remat"))
-
-
-@dataclasses.dataclass(frozen=True)
-class Comm:
-    """One collective the plan implies, with its per-device traffic in bytes (ring algorithm)."""
-
-    taskgraph: int
-    kind: str            # all-reduce | all-gather | reduce-scatter | all-to-all
-    axes: Axes
-    bytes: float
-    reason: str
 
 
 @dataclasses.dataclass(frozen=True)

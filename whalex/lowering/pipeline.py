@@ -23,12 +23,12 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from whalex import _compat as C
+from whalex.core import parts as parts_lib
+from whalex.core.capture import Captured
+from whalex.core.interpret import apply_eqn, make_evaluator
 from whalex.errors import PlanError
-from whalex.lowering import parts as parts_lib
-from whalex.lowering.capture import Captured
-from whalex.lowering.interpret import apply_eqn, make_evaluator
-from whalex.lowering.schedules import Schedule
 from whalex.lowering.emit import Emitter
+from whalex.lowering.schedules import Schedule
 from whalex.memory import precision as precision_lib, zero as zero_lib
 
 STAGE, DATA = "stage", "data"
@@ -171,7 +171,7 @@ class PipelineProgram(Emitter):
     memory: Any = None           # whalex.memory.MemoryOptions (ZeRO level, offload)
     precision: Any = None        # whalex.memory.precision.Precision (amp, comm_dtype)
     remat: Any = None            # always None: stages recompute their forward from the stashed input
-    parts: Any = None            # whalex.lowering.parts.PartLoss: the loss contract over micro-batches
+    parts: Any = None            # whalex.core.parts.PartLoss: the loss contract over micro-batches
 
     # -- packing of parameters ------------------------------------------------------------------
     @functools.cached_property

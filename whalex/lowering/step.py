@@ -11,11 +11,10 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from whalex.lowering.capture import Captured
-from whalex.lowering.interpret import make_evaluator
+from whalex.core import parts as parts_lib
+from whalex.core.capture import Captured
+from whalex.lowering.emit import Emitter
 from whalex.lowering.patterns import ShardingPlan
-from whalex.lowering.emit import Emitter, opt_state_specs  # noqa: F401 (re-exported)
-from whalex.lowering import parts as parts_lib
 from whalex.memory import precision as precision_lib
 from whalex.memory.precision import value_and_grad as scaled_value_and_grad
 from whalex.memory.remat import program_evaluator
@@ -36,7 +35,7 @@ class Program(Emitter):
     memory: Any = None           # whalex.memory.MemoryOptions (ZeRO level, offload)
     precision: Any = None        # whalex.memory.precision.Precision (amp, comm_dtype)
     remat: Any = None            # whalex.memory.remat.RematPlan (per-TaskGraph remat, activation offload)
-    parts: Any = None            # whalex.lowering.parts.PartLoss: the loss contract over micro-batches
+    parts: Any = None            # whalex.core.parts.PartLoss: the loss contract over micro-batches
 
     # -- shardings -------------------------------------------------------------------------
     def named(self, spec_tree):

@@ -1,11 +1,12 @@
 """Uneven data parallelism in one SPMD program (Whale section 3.3.1, intra-TaskGraph balance).
 
-Device i trains on its own number of samples, `counts[i] * unit`, chosen by Algorithm 1. The
-global batch is laid out padded: device i's block of `max(counts) * unit` rows holds its real rows
-first and padding after. Inside `shard_map`, each device runs a `fori_loop` over its own number
-of `unit`-row chunks (the trip count differs between devices, so no collective runs inside the
-loop), accumulating sample-weighted loss and gradients; one `psum` after the loop gives exactly the
-global-batch mean. Padding rows are never read.
+Device i trains on its own number of samples, `counts[i] * unit`, chosen by Algorithm 1 (in
+`whalex.planner.uneven`). The global batch is laid out padded: device i's block of
+`max(counts) * unit` rows holds its real rows first and padding after. Inside `shard_map`, each
+device runs a `fori_loop` over its own number of `unit`-row chunks (the trip count differs
+between devices, so no collective runs inside the loop), accumulating sample-weighted loss and
+gradients; one `psum` after the loop gives exactly the global-batch mean. Padding rows are never
+read.
 """
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from whalex.lowering.capture import Captured
-from whalex.lowering.interpret import make_evaluator
-from whalex.lowering import parts as parts_lib
+from whalex.core import parts as parts_lib
+from whalex.core.capture import Captured
+from whalex.distributed import place_global
+from whalex.errors import PlanError
 from whalex.lowering.emit import Emitter
 from whalex.memory import precision as precision_lib, zero as zero_lib
 from whalex.memory.remat import program_evaluator
@@ -41,7 +43,7 @@ class UnevenProgram(Emitter):
     memory: Any = None           # whalex.memory.MemoryOptions (ZeRO level, offload)
     precision: Any = None        # whalex.memory.precision.Precision (amp, comm_dtype)
     remat: Any = None            # whalex.memory.remat.RematPlan (per-TaskGraph remat, activation offload)
-    parts: Any = None            # whalex.lowering.parts.PartLoss: the loss contract over chunks
+    parts: Any = None            # whalex.core.parts.PartLoss: the loss contract over chunks
 
     @property
     def rows(self) -> tuple[int, ...]:
@@ -92,7 +94,6 @@ class UnevenProgram(Emitter):
 
         def pad(x):
             if np.shape(x)[0] != self.global_batch:
-                from whalex.errors import PlanError
                 raise PlanError(f"this step was planned for a global batch of {self.global_batch}, got "
                                 f"{np.shape(x)[0]}; call step.init with the new batch to re-plan.")
             if even:
@@ -106,8 +107,7 @@ class UnevenProgram(Emitter):
         return jax.tree.map(pad, batch)
 
     def place_batch(self, batch):
-        from whalex.distributed import place_global     # multi-process: each reads its own rows
-        return place_global(self.pad_batch(batch), self.batch_shardings)
+        return place_global(self.pad_batch(batch), self.batch_shardings)   # multi-process: each reads its own rows
 
     # -- the step -------------------------------------------------------------------------------
     def loss_and_grads(self):

@@ -1,8 +1,8 @@
 """Uneven `split` of the classification head (Whale section 3.3.1, intra-TaskGraph balance for split).
 
-Device i of the model axis owns `counts[i]` classes (proportional to its speed, under memory),
-stored padded to a common `width` so the weight is one evenly sharded buffer `[features,
-devices * width]`. The head runs in `shard_map`: each device loops over its own number of
+Device i of the model axis owns `counts[i]` classes (proportional to its speed, under memory;
+chosen by the planner with Algorithm 1, `whalex.planner.spmd.plan_columns`), stored padded to a
+common `width` so the weight is one evenly sharded buffer `[features, devices * width]`. The head runs in `shard_map`: each device loops over its own number of
 `chunk`-column blocks (per-device work proportional to its real shard; trip counts differ, so no
 collective runs inside a loop), then the softmax statistics are combined with `pmax`/`psum` over
 the model axis, never gathering logits. A `custom_vjp` gives the backward pass the same shape:
@@ -11,7 +11,6 @@ chunk loops for the weight gradient and the input gradient, then one `psum`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -133,14 +132,3 @@ def uneven_head(mesh, model_axis: str, batch_axes: tuple, layout: UnevenColumns,
     head.defvjp(fwd, bwd)
     return head
 
-
-def plan_columns(classes: int, speeds: Sequence[float], capacities: Sequence[float],
-                 bytes_per_column: float, names: Sequence[str]):
-    """Algorithm 1 over the class dimension: (UnevenColumns, Balance). `chunk` divides `classes`."""
-    from whalex.balance.algorithm import balance
-    from whalex.balance.cost import balance_unit
-    chunk = balance_unit(classes, len(speeds))
-    bal = balance(classes // chunk, speeds, capacities, [0.0] * len(speeds), [bytes_per_column * chunk] * len(speeds),
-                  names)
-    counts = tuple(u * chunk for u in bal.loads)
-    return UnevenColumns(counts, max(counts), chunk), bal

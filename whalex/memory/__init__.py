@@ -8,6 +8,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import jax
+import numpy as np
+from jax.extend.core import jaxpr_as_fun
+
+from whalex.balance.profile import DeviceMemory, Share, sharded_bytes
+from whalex.core.shardings import opt_state_specs
+from whalex.memory import zero
 from whalex.memory.offload import TARGETS as OFFLOAD_TARGETS
 
 
@@ -38,8 +45,6 @@ def account(params: float, opt_state: float, params_zero: float, opt_zero: float
     """Per-device bytes (params, grads, opt_state, host, shares) from the planned bytes without
     and with ZeRO sharding. `shares` lists (component, before, after, by) for each optimization
     that changed a component; offloaded state counts as host memory, not device memory."""
-    from whalex.balance.profile import Share
-
     level = options.zero_level
     shares = []
     p, g, o = params, params, opt_state
@@ -65,10 +70,6 @@ def account(params: float, opt_state: float, params_zero: float, opt_zero: float
 def residual_bytes(closed, num_params: int) -> float:
     """Bytes of the forward values the backward keeps (the vjp's residuals, minus the inputs) for
     one evaluation of the captured loss: the model's activation memory, found by tracing only."""
-    import jax
-    import numpy as np
-    from jax.extend.core import jaxpr_as_fun
-
     fn = jaxpr_as_fun(closed)
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
     floating = [k for k in range(num_params) if jax.numpy.issubdtype(avals[k].dtype, jax.numpy.floating)]
@@ -90,11 +91,6 @@ def residual_bytes(closed, num_params: int) -> float:
 def plan_memory(program, device_specs, activations=0.0):
     """`DeviceMemory` for every device of a program's plan: state bytes from its shardings without
     and with its memory options; `activations` is one number or one per device."""
-    import jax
-
-    from whalex.balance.profile import DeviceMemory, sharded_bytes
-    from whalex.lowering.emit import opt_state_specs
-
     sizes = dict(program.mesh.shape)
     shapes = program.param_shapes()
     specs, zspecs = program.param_spec_list(), program.zero_specs()
@@ -115,11 +111,6 @@ def plan_memory(program, device_specs, activations=0.0):
 def zero_sharded(program, paths) -> dict:
     """path -> (bytes per device as planned, ZeRO degree, ZeRO axes) for each stored leaf ZeRO
     divides (the pipeline's one packed leaf is named `paths[0]`)."""
-    import jax
-
-    from whalex.balance.profile import sharded_bytes
-    from whalex.memory import zero
-
     sizes = dict(program.mesh.shape)
     out = {}
     for path, shape, spec, zspec in zip(paths, jax.tree.leaves(program.param_shapes()), program.param_spec_list(),

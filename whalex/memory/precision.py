@@ -28,7 +28,8 @@ from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from whalex import _compat as C
-from whalex.lowering import capture as capture_mod
+from whalex.core import capture as capture_mod
+from whalex.memory.segments import segments
 
 HALF = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 MAX_SCALE = 2.0 ** 15
@@ -281,11 +282,6 @@ def comm_segments(cap, segs, prec: Precision, overrides: dict | None, axis_sizes
 
 def _shape(segs) -> list:
     return [(s.taskgraph, s.start, s.stop, len(s.inputs), len(s.outputs)) for s in segs]
-
-
-def segments(cap):
-    from whalex.memory.remat import segments as segs
-    return segs(cap)
 
 
 def manual_segment(seg, axes: tuple, mesh, cap, dtype) -> Callable:

@@ -21,7 +21,7 @@ same segmentation: each in a shard_map, with remat inside it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -29,93 +29,16 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, NamedSharding
 
 from whalex import _compat as C
+from whalex.core.interpret import make_evaluator
 from whalex.errors import PlanError
-from whalex.lowering.interpret import make_evaluator
+from whalex.memory import precision as pr
+from whalex.memory.precision import Precision, describe, local_captures
+from whalex.memory.segments import Segment, run_segments, segment_function, segments
 
 COMM = "whalex_comm"            # values at collective points: always saved
 BOUNDARY = "whalex_boundary"    # segment outputs: offloaded under offload="activations"
 DOTS = "dots_with_no_batch_dims_saveable"   # the middle rung of remat="auto"
 _REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split())
-
-
-# ----------------------------------------------------------------------------------- segments
-@dataclasses.dataclass(frozen=True)
-class Segment:
-    """Top-level equations [start, stop) of one TaskGraph, with the values crossing its edges."""
-
-    taskgraph: int
-    start: int
-    stop: int
-    inputs: tuple          # Vars read here and defined before (invars, constvars, earlier outputs)
-    outputs: tuple         # Vars defined here and read later (or returned)
-
-
-def segments(cap) -> tuple[Segment, ...]:
-    """Maximal runs of consecutive top-level equations that belong to one TaskGraph."""
-    jaxpr = cap.jaxpr.jaxpr
-    eqns = jaxpr.eqns
-    runs: list[list[int]] = []
-    for i in range(len(eqns)):
-        tg = cap.assign[(i,)]
-        if runs and cap.assign[(runs[-1][0],)] == tg:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    later_use: dict = {}
-    for i, eqn in enumerate(eqns):
-        for v in eqn.invars:
-            if not isinstance(v, C.Literal):
-                later_use[v] = i
-    returned = {v for v in jaxpr.outvars if not isinstance(v, C.Literal)}
-    out = []
-    for run in runs:
-        start, stop = run[0], run[-1] + 1
-        defined, inputs = set(), []
-        for i in run:
-            for v in eqns[i].invars:
-                if not isinstance(v, C.Literal) and v not in defined and v not in inputs:
-                    inputs.append(v)
-            defined.update(eqns[i].outvars)
-        outputs = [v for i in run for v in eqns[i].outvars
-                   if v in returned or later_use.get(v, -1) >= stop]
-        out.append(Segment(cap.assign[(start,)], start, stop, tuple(inputs), tuple(outputs)))
-    return tuple(out)
-
-
-def _debug_info(jaxpr, seg: Segment):
-    """The parent's DebugInfo resized to the segment's inputs and outputs."""
-    info = jaxpr.debug_info
-    if info is None:
-        return None
-    return info._replace(arg_names=tuple(str(v) for v in seg.inputs),
-                         result_paths=tuple(f"[{i}]" for i in range(len(seg.outputs))))
-
-
-def segment_function(cap, seg: Segment, constraints: dict, mesh, overrides: dict | None) -> Callable[..., list]:
-    """fn(*seg.inputs) -> seg.outputs: the segment's equations through `make_evaluator`, with the
-    constraints and overrides whose (absolute) paths fall inside it."""
-    jaxpr = cap.jaxpr.jaxpr
-    sub = jaxpr.replace(constvars=[], invars=list(seg.inputs), outvars=list(seg.outputs),
-                        eqns=jaxpr.eqns[seg.start:seg.stop], debug_info=_debug_info(jaxpr, seg))
-    cons = {((k[0][0] - seg.start,) + tuple(k[0][1:]),) + tuple(k[1:]): s
-            for k, s in constraints.items() if seg.start <= k[0][0] < seg.stop}
-    ovr = {(p[0] - seg.start,) + tuple(p[1:]): f for p, f in (overrides or {}).items() if seg.start <= p[0] < seg.stop}
-    return make_evaluator(C.ClosedJaxpr(sub, []), cons, mesh, ovr)
-
-
-def run_segments(cap, parts: Sequence[tuple[Segment, Callable]]) -> Callable[..., list]:
-    """Evaluate the captured loss segment by segment: parts = [(segment, fn(*inputs) -> outputs)]."""
-    closed = cap.jaxpr
-    jaxpr = closed.jaxpr
-
-    def evaluate(*args):
-        env = dict(zip(jaxpr.constvars, closed.consts))
-        env.update(zip(jaxpr.invars, args))
-        for seg, fn in parts:
-            env.update(zip(seg.outputs, fn(*[env[v] for v in seg.inputs])))
-        return [C.read(env, v) for v in jaxpr.outvars]
-
-    return evaluate
 
 
 # ----------------------------------------------------------------------------------- collective points
@@ -308,8 +231,6 @@ def program_evaluator(cap, constraints: dict, mesh, overrides: dict | None, plan
     """The captured loss evaluated with the plan's constraints, per-TaskGraph remat, activation
     offload and (prec.comm) data-parallel segments whose gradients are summed in bf16/fp16.
     Returns (evaluate, comm report {TaskGraph: (axes, reason when not)} or None)."""
-    from whalex.memory import precision as pr
-
     remat_on = plan is not None and plan.active
     comm_on = prec is not None and prec.comm is not None
     if not remat_on and not comm_on:
@@ -349,8 +270,6 @@ def program_evaluator(cap, constraints: dict, mesh, overrides: dict | None, plan
 def configure(program, config, cluster, batch_axes=(), recapture: Callable | None = None):
     """`program` with the precision and remat of `config` (remat="auto" measures and chooses).
     `recapture(rows)` traces the loss at another batch size (comm_dtype's per-device segments)."""
-    from whalex.memory.precision import Precision, local_captures
-
     prec = Precision.from_config(config)
     if prec is not None:
         prec = dataclasses.replace(prec, batch_axes=tuple(tuple(a) for a in batch_axes))
@@ -380,8 +299,6 @@ def configure(program, config, cluster, batch_axes=(), recapture: Callable | Non
 
 def summary_lines(program) -> list[str]:
     """plan.summary() lines: the remat chosen per TaskGraph, compute and communication dtypes."""
-    from whalex.memory.precision import describe
-
     lines = []
     plan = getattr(program, "remat", None)
     if plan is not None and (plan.active or plan.mode is not None):

@@ -10,11 +10,14 @@ with `shard_map` use `scatter_sum` and `gather` for the explicit reduce-scatter 
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
+
+from whalex.core.comm import Comm
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -91,10 +94,6 @@ def comms(planned: Sequence, level: int, sharded: Mapping[str, tuple[float, int,
     degree, axes)` for each leaf ZeRO divides. Level >= 2 turns its gradient all-reduce into a
     reduce-scatter; every level all-gathers the parameter over its ZeRO axes once a step (after
     the sharded update for 1 and 2, before its use for 3)."""
-    import dataclasses
-
-    from whalex.lowering.patterns import Comm
-
     out = []
     for c in planned:
         path = c.reason[len("gradient sync "):] if c.reason.startswith("gradient sync ") else None

@@ -13,10 +13,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from whalex.core.names import EXPERT_ACTIVATIONS, call_name
 from whalex.moe.gating import Routing
 
-EXPERTS_NAME = "whalex_moe_experts"
 ACTIVATIONS = {"relu": jax.nn.relu, "gelu": jax.nn.gelu, "silu": jax.nn.silu, "tanh": jnp.tanh}
+assert tuple(ACTIVATIONS) == EXPERT_ACTIVATIONS       # the names the sharding patterns recognise
 
 
 def _slots(routing: Routing, num_experts: int, capacity: int) -> jax.Array:
@@ -53,16 +54,6 @@ def feed_forward(buf, w_in, b_in, w_out, b_out, activation: str):
     act = ACTIVATIONS[activation]
     h = act(jnp.einsum("gecd,edh->gech", buf, w_in) + b_in[None, :, None, :])
     return jnp.einsum("gech,ehd->gecd", h, w_out) + b_out[None, :, None, :]
-
-
-def call_name(activation: str) -> str:
-    return f"{EXPERTS_NAME}__{activation}"
-
-
-def parse_call_name(name: str) -> str | None:
-    """The activation of an experts call, or None if `name` is not one."""
-    prefix = EXPERTS_NAME + "__"
-    return name[len(prefix):] if name.startswith(prefix) and name[len(prefix):] in ACTIVATIONS else None
 
 
 @functools.lru_cache(maxsize=None)

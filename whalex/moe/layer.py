@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from whalex.moe.dispatch import ACTIVATIONS, combine, dispatch, experts
 from whalex.moe.gating import capacity, top_k_gating
+from whalex.primitives.scopes import split
 
 COLLECTION = "moe_losses"
 
@@ -68,7 +69,6 @@ class MoE(nn.Module):
         routing = top_k_gating(xg @ router, self.k, cap)
         buf = dispatch(xg, routing, e, cap)
         if self.expert_parallel:
-            from whalex.primitives.scopes import split
             with split(self.expert_parallel):
                 out = experts(buf, w_in, b_in, w_out, b_out, self.activation)
         else:

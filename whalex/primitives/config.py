@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+import jax
+
 from whalex.errors import ConfigError
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -113,8 +115,6 @@ OFFLOAD_TARGETS = ("opt_state", "params", "activations")
 
 def _validate_memory_options(cfg: "Config") -> None:
     """Issue-6 options: ZeRO level, remat, amp, gradient communication dtype, offload."""
-    import jax
-
     if cfg.remat is not None and cfg.remat not in REMAT_MODES and not (
             isinstance(cfg.remat, str) and hasattr(jax.checkpoint_policies, cfg.remat)):
         names = [n for n in dir(jax.checkpoint_policies) if not n.startswith("_")]

@@ -38,8 +38,8 @@ import numpy as np
 
 from whalex import _compat as C
 from whalex.errors import PlanError
-from whalex.lowering import random_rows
-from whalex.lowering.capture import Captured
+from whalex.core import random_rows
+from whalex.core.capture import Captured
 
 _COMBINE = {"reduce_sum": "sum", "dot_general": "sum", "reduce_max": "max", "reduce_min": "min",
             "reduce_or": "max", "reduce_and": "min"}

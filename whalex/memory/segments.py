@@ -1,0 +1,90 @@
+"""The captured loss as segments: maximal runs of consecutive top-level equations of one
+TaskGraph, each evaluated as a function of the values crossing its edges (through
+`make_evaluator`, so the plan's constraints apply unchanged). Remat wraps segments in
+`jax.checkpoint`; comm_dtype runs data-parallel ones in a shard_map (whalex.memory.precision)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+from whalex import _compat as C
+from whalex.core.interpret import make_evaluator
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Top-level equations [start, stop) of one TaskGraph, with the values crossing its edges."""
+
+    taskgraph: int
+    start: int
+    stop: int
+    inputs: tuple          # Vars read here and defined before (invars, constvars, earlier outputs)
+    outputs: tuple         # Vars defined here and read later (or returned)
+
+
+def segments(cap) -> tuple[Segment, ...]:
+    """Maximal runs of consecutive top-level equations that belong to one TaskGraph."""
+    jaxpr = cap.jaxpr.jaxpr
+    eqns = jaxpr.eqns
+    runs: list[list[int]] = []
+    for i in range(len(eqns)):
+        tg = cap.assign[(i,)]
+        if runs and cap.assign[(runs[-1][0],)] == tg:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    later_use: dict = {}
+    for i, eqn in enumerate(eqns):
+        for v in eqn.invars:
+            if not isinstance(v, C.Literal):
+                later_use[v] = i
+    returned = {v for v in jaxpr.outvars if not isinstance(v, C.Literal)}
+    out = []
+    for run in runs:
+        start, stop = run[0], run[-1] + 1
+        defined, inputs = set(), []
+        for i in run:
+            for v in eqns[i].invars:
+                if not isinstance(v, C.Literal) and v not in defined and v not in inputs:
+                    inputs.append(v)
+            defined.update(eqns[i].outvars)
+        outputs = [v for i in run for v in eqns[i].outvars
+                   if v in returned or later_use.get(v, -1) >= stop]
+        out.append(Segment(cap.assign[(start,)], start, stop, tuple(inputs), tuple(outputs)))
+    return tuple(out)
+
+
+def _debug_info(jaxpr, seg: Segment):
+    """The parent's DebugInfo resized to the segment's inputs and outputs."""
+    info = jaxpr.debug_info
+    if info is None:
+        return None
+    return info._replace(arg_names=tuple(str(v) for v in seg.inputs),
+                         result_paths=tuple(f"[{i}]" for i in range(len(seg.outputs))))
+
+
+def segment_function(cap, seg: Segment, constraints: dict, mesh, overrides: dict | None) -> Callable[..., list]:
+    """fn(*seg.inputs) -> seg.outputs: the segment's equations through `make_evaluator`, with the
+    constraints and overrides whose (absolute) paths fall inside it."""
+    jaxpr = cap.jaxpr.jaxpr
+    sub = jaxpr.replace(constvars=[], invars=list(seg.inputs), outvars=list(seg.outputs),
+                        eqns=jaxpr.eqns[seg.start:seg.stop], debug_info=_debug_info(jaxpr, seg))
+    cons = {((k[0][0] - seg.start,) + tuple(k[0][1:]),) + tuple(k[1:]): s
+            for k, s in constraints.items() if seg.start <= k[0][0] < seg.stop}
+    ovr = {(p[0] - seg.start,) + tuple(p[1:]): f for p, f in (overrides or {}).items() if seg.start <= p[0] < seg.stop}
+    return make_evaluator(C.ClosedJaxpr(sub, []), cons, mesh, ovr)
+
+
+def run_segments(cap, parts: Sequence[tuple[Segment, Callable]]) -> Callable[..., list]:
+    """Evaluate the captured loss segment by segment: parts = [(segment, fn(*inputs) -> outputs)]."""
+    closed = cap.jaxpr
+    jaxpr = closed.jaxpr
+
+    def evaluate(*args):
+        env = dict(zip(jaxpr.constvars, closed.consts))
+        env.update(zip(jaxpr.invars, args))
+        for seg, fn in parts:
+            env.update(zip(seg.outputs, fn(*[env[v] for v in seg.inputs])))
+        return [C.read(env, v) for v in jaxpr.outvars]
+
+    return evaluate

@@ -1,0 +1,96 @@
+"""What every kind of plan needs: the planning request, checks of its inputs, captures at other
+batch sizes, the loss contract over parts, and the per-TaskGraph rows of a Plan."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import optax
+
+from whalex.core.capture import _dtype
+from whalex.core.parts import PartLoss, analyse
+from whalex.errors import PlanError
+from whalex.memory.precision import capture     # capture: amp casts moved to their first use
+from whalex.mesh.cluster import Cluster
+from whalex.plan import TaskGraphInfo
+from whalex.primitives.config import DEFAULTS, Config
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Request:
+    """What a plan is built for: the loss (amp already applied), example inputs, optimizer,
+    Config and Cluster (both resolved)."""
+
+    loss_fn: Callable
+    params: Any
+    batch: Any
+    inputs: dict                 # model_state / rng, where given: the loss's keyword inputs
+    has_aux: bool
+    optimizer: optax.GradientTransformation | None
+    config: Config
+    cluster: Cluster
+
+    def capture(self, rows: int | None = None):
+        """The loss captured at the example batch, or at `rows` samples (abstract shapes)."""
+        batch = self.batch if rows is None else micro_batch(self.batch, rows)
+        return capture(self.loss_fn, self.params, batch, has_aux=self.has_aux, **self.inputs)
+
+
+def resolve(config, cluster) -> tuple[Config, Cluster]:
+    config = config if config is not None else (DEFAULTS.config or Config())
+    if not isinstance(config, Config):
+        config = Config(config)
+    cluster = cluster if cluster is not None else (DEFAULTS.cluster or Cluster.detect())
+    if not isinstance(cluster, Cluster):
+        raise PlanError(f"cluster must be a wh.Cluster, got {type(cluster).__name__}; use wh.Cluster.detect().")
+    return config, cluster
+
+
+def check_optimizer(optimizer):
+    if optimizer is not None and not isinstance(optimizer, optax.GradientTransformation):
+        raise PlanError(f"optimizer must be an optax.GradientTransformation (e.g. optax.adam(1e-3)), "
+                        f"got {type(optimizer).__name__}.")
+
+
+# Memory options accepted by Config but not lowered yet: refused at plan time, never ignored.
+_NOT_BUILT = ()
+_NOT_BUILT_OFFLOAD = ()        # offload targets not lowered yet
+
+
+def refuse_unbuilt(config: Config) -> None:
+    for name in _NOT_BUILT:
+        value = getattr(config, name)
+        if value not in (None, 0):
+            raise PlanError(f"Config.{name}={value!r} is not lowered by this version of whalex yet; "
+                            f"leave {name} at its default.")
+    for target in config.offload or ():
+        if target in _NOT_BUILT_OFFLOAD:
+            raise PlanError(f"Config.offload={config.offload!r}: offloading {target!r} is not lowered by this "
+                            "version of whalex yet; offload 'opt_state' and/or 'params'.")
+
+
+def micro_batch(batch, size):
+    """Abstract leaves of `batch` with `size` rows."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((size,) + tuple(np.shape(x)[1:]), _dtype(x)), batch)
+
+
+def loss_parts(part, whole, config, context):
+    """The loss contract over parts of `part.global_batch` samples (analysed against the whole batch)."""
+    if part.global_batch == whole.global_batch:
+        sem = analyse(whole, whole, per_part=config.batch_coupling == "per_part", context=context)
+    else:
+        sem = analyse(part, whole, per_part=config.batch_coupling == "per_part", context=context)
+    return PartLoss(sem, part, whole)
+
+
+def taskgraph_infos(cap, vds, flops, comm):
+    invars = cap.jaxpr.jaxpr.invars
+    infos = []
+    for tg, vd, f, c in zip(cap.taskgraphs, vds, flops, comm):
+        sizes = [int(np.prod(invars[i].aval.shape)) for i in tg.params]
+        nbytes = sum(s * np.dtype(invars[i].aval.dtype).itemsize for s, i in zip(sizes, tg.params))
+        infos.append(TaskGraphInfo(tg.index, tg.strategy.label(), tg.annotated, vd.device_count, vd.devices,
+                                   vd.nested_dp, tg.num_eqns, sum(sizes), float(nbytes), f, c))
+    return infos

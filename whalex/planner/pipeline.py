@@ -1,0 +1,123 @@
+"""The pipeline plan (Whale sections 3.1.2 and 4): stages on disjoint devices (placed by
+`balance.partition.stage_devices`), micro-batches under a schedule, nested data parallelism over
+pipeline replicas."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from whalex.balance.partition import layer_key, stage_devices
+from whalex.balance.profile import taskgraph_flops
+from whalex.core.comm import Comm
+from whalex.errors import PlanError
+from whalex.lowering.pipeline import DATA, STAGE, PipelineProgram, cut_stages
+from whalex.lowering.schedules import make_schedule
+from whalex.memory import MemoryOptions, plan_memory
+from whalex.memory.remat import configure as configure_memory
+from whalex.mesh.virtual import MeshLayout, VirtualDevice
+from whalex.plan import Plan, TaskGraphInfo
+from whalex.planner.common import Request, loss_parts
+from whalex.primitives.scopes import Strategy
+
+
+def pipeline_plan(req: Request, full, stage_of_eqn, per_stage) -> Plan:
+    config, cluster, optimizer = req.config, req.cluster, req.optimizer
+    m = config.num_micro_batch
+    num_stages = max(stage_of_eqn) + 1 if stage_of_eqn else 1
+    k = cluster.size
+    dp = k // num_stages                   # nested data parallelism (includes replicate(n) inside stages)
+    if full.global_batch % (dp * m):
+        raise PlanError(
+            f"the global batch of {full.global_batch} cannot be split into {m} micro-batches on each of the "
+            f"{dp} pipeline replicas; use a batch size that is a multiple of {dp * m}.")
+    micro = full.global_batch // (dp * m)
+    cap = req.capture(micro)
+    if len(cap.jaxpr.jaxpr.eqns) != len(stage_of_eqn):
+        raise PlanError("the loss traced differently at micro-batch size; whalex needs a loss whose "
+                        "operations do not depend on the batch size.")
+    parts = loss_parts(cap, full, config, "pipeline micro-batches")
+    if parts.sem.row_outputs:
+        raise PlanError("aux outputs with the batch dimension (per-example values) are not gathered by pipelines yet; "
+                        "return batch-free aux values (reduced over the batch) with pipelining.")
+    if not parts.sem.affine:
+        raise PlanError("the loss is not affine in its sums over the batch (e.g. the log of a mean); a pipeline "
+                        "cannot split its gradient over micro-batches in one pass. Write the loss as a sum or mean "
+                        "of per-example terms, or use a plan without micro-batches.")
+    cap = parts.body(parts.part_outputs()[0])       # stages end in the loss's sums over each micro-batch
+    cut = cut_stages(cap, stage_of_eqn, num_stages)
+    schedule = make_schedule(config.schedule, num_stages, m)
+    layout = MeshLayout((DATA, STAGE), (dp, num_stages))
+    placement = stage_devices(cluster, num_stages, config.hardware_aware)   # [stage][replica] -> device
+    grid = [[placement[s][r] for s in range(num_stages)] for r in range(dp)]
+    ordered = [cluster.devices[i] for row in grid for i in row] if cluster.devices is not None else None
+    mesh = layout.build(ordered)
+    mem = MemoryOptions.from_config(config, ((DATA,),))
+    program = PipelineProgram(cap, cut, schedule, mesh, optimizer, cluster.platform, full.global_batch, dp, mem,
+                              parts=parts)
+    _ = program.param_dtype
+    if config.remat not in (None, "full") or "activations" in (config.offload or ()):
+        raise PlanError(f"a pipeline already recomputes each stage's forward from its stashed input (remat='full'); "
+                        f"remat={config.remat!r} / offload={config.offload!r} are not supported with pipelines. Use "
+                        "remat=None or 'full' and offload 'opt_state'/'params' only.")
+    program = configure_memory(program, config.replace(remat=None), cluster, [(DATA,)] * num_stages)
+
+    assign = {(i,): s for i, s in enumerate(stage_of_eqn)}
+    flops = [f * m * dp for f in taskgraph_flops(cap.jaxpr, assign, num_stages)]
+    invars = cap.jaxpr.jaxpr.invars
+    infos, vds = [], []
+    labels = stage_labels(full, stage_of_eqn, num_stages)
+    for s in range(num_stages):
+        sizes = [int(np.prod(invars[i].aval.shape)) for i in cut.params[s]]
+        nbytes = sum(sz * np.dtype(invars[i].aval.dtype).itemsize for sz, i in zip(sizes, cut.params[s]))
+        groups = tuple((placement[s][r],) for r in range(dp))
+        strategy = Strategy("replicate", per_stage)
+        vds.append(VirtualDevice(s, strategy, 1, groups, (), (DATA,)))
+        msg = 0.0                      # filled in from the plan's collectives below
+        infos.append(TaskGraphInfo(s, f"stage {s}: {labels[s]}", True, 1, groups[0], dp, len(cut.eqns[s]),
+                                   sum(sizes), float(nbytes), flops[s], float(msg)))
+    stash = (schedule.slots + schedule.grad_slots) * program.message_width * 4      # stashed stage inputs
+    memory = plan_memory(program, cluster.specs[: layout.size], float(stash))
+    comms = []
+    grad_bytes = program.param_width * np.dtype(program.param_dtype).itemsize
+    level = mem.zero_level
+    for s in range(num_stages):
+        if dp > 1 and level >= 2:
+            comms.append(Comm(s, "reduce-scatter", (DATA,), (dp - 1) / dp * grad_bytes,
+                              f"gradient sync over replicas (zero {level})"))
+        elif dp > 1:
+            comms.append(Comm(s, "all-reduce", (DATA,), 2.0 * (dp - 1) / dp * grad_bytes, "gradient sync over replicas"))
+        if dp > 1 and level >= 1:
+            comms.append(Comm(s, "all-gather", (DATA,), (dp - 1) / dp * grad_bytes,
+                              f"zero {level}: stage parameters over replicas"))
+        sends = (s < num_stages - 1) + (s > 0)
+        if sends:
+            comms.append(Comm(s, "collective-permute", (STAGE,), float(schedule.num_ticks * sends *
+                                                                      program.message_width * 4),
+                              "activations to the next stage, gradients to the previous (every tick)"))
+    infos = [dataclasses.replace(t, comm_bytes=sum(c.bytes for c in comms if c.taskgraph == t.index)) for t in infos]
+    return Plan(cluster=cluster, config=config, layout=layout, task_graphs=tuple(infos), virtual_devices=tuple(vds),
+                batch_sizes=(full.global_batch // dp,) * layout.size, global_batch=full.global_batch,
+                param_specs={p: P(STAGE) for p in cap.param_paths}, patterns=(), comms=tuple(comms), memory=memory,
+                program=program, schedule=schedule, batch_couplings=tuple(parts.sem.lines()),
+                stage_layers=tuple(stage_layer_names(full, stage_of_eqn, s) for s in range(num_stages)))
+
+
+def stage_labels(cap, stage_of_eqn, num_stages):
+    labels = []
+    for s in range(num_stages):
+        tgs = sorted({cap.assign[(i,)] for i, st in enumerate(stage_of_eqn) if st == s})
+        strategies = sorted({cap.taskgraphs[t].strategy.label() for t in tgs if cap.taskgraphs[t].annotated})
+        labels.append(", ".join(strategies) or "auto")
+    return labels
+
+
+def stage_layer_names(cap, stage_of_eqn, s) -> tuple[str, ...]:
+    """Names of the model's top-level layers (Flax module paths) whose equations are in stage s."""
+    names = []
+    for i, st in enumerate(stage_of_eqn):
+        key = layer_key(cap.jaxpr.jaxpr.eqns[i]) if st == s else None
+        if key is not None and key.split("/")[-1] not in names:
+            names.append(key.split("/")[-1])
+    return tuple(names)

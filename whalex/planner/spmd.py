@@ -1,0 +1,194 @@
+"""The GSPMD plan: collocated TaskGraphs in one program on one mesh (micro-batches accumulate
+gradients), with the decisions that stay inside it: uneven class shards of a split head
+(Algorithm 1 over the class dimension), expert parallelism for MoE calls, and ZeRO 2/3 on pure
+data parallelism as explicit collectives."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from whalex import _compat as C
+from whalex.balance import cost
+from whalex.balance.algorithm import balance
+from whalex.balance.profile import taskgraph_flops
+from whalex.core.parts import PartLoss, analyse
+from whalex.errors import PlanError
+from whalex.lowering.patterns import plan_shardings
+from whalex.lowering.step import Program
+from whalex.lowering.uneven import UnevenProgram
+from whalex.lowering.uneven_split import UnevenColumns, uneven_head
+from whalex.memory import MemoryOptions, plan_memory, residual_bytes, zero, zero_sharded
+from whalex.memory.remat import configure as configure_memory
+from whalex.mesh.virtual import DATA, mesh_layout, virtual_devices
+from whalex.moe.parallel import expert_parallel
+from whalex.ops import HEAD_NAME
+from whalex.plan import Plan
+from whalex.planner.common import Request, loss_parts, taskgraph_infos
+
+
+def spmd_plan(req: Request, cap, report=None) -> Plan:
+    """Collocated TaskGraphs in one GSPMD program; micro-batches accumulate gradients."""
+    config, cluster, optimizer = req.config, req.cluster, req.optimizer
+    m = config.num_micro_batch
+    full = cap
+    if m > 1:
+        cap = req.capture(full.global_batch // m)
+    strategies = [t.strategy for t in cap.taskgraphs]
+    layout = mesh_layout(strategies, cluster.size)
+    vds = virtual_devices(strategies, layout)
+    try:
+        sharding = plan_shardings(cap, vds, layout, config.matmul_pattern)
+    except PlanError as e:
+        if m > 1:
+            raise PlanError(f"{e} (with num_micro_batch={m}, each micro-batch of {cap.global_batch} samples "
+                            "must divide over the data-parallel replicas)") from None
+        raise
+    mesh = layout.build(cluster.devices)
+    overrides, padded, split_report = None, None, None
+    if config.hardware_aware and m == 1:
+        found = uneven_heads(cap, vds, layout, sharding, cluster, optimizer, mesh)
+        if found is not None:
+            overrides, padded, sharding, split_report = found
+    if sharding.experts:
+        overrides = {**(overrides or {}), **expert_overrides(sharding.experts, mesh)}
+    axis_sizes = dict(zip(layout.axis_names, layout.axis_sizes))
+    readers = [[t.index for t in cap.taskgraphs if i in t.params] for i in range(cap.num_params)]
+    mem = MemoryOptions.from_config(config, zero.data_parallel_axes(readers, [v.batch_axes for v in vds], axis_sizes))
+    parts = None
+    if m > 1:
+        if config.comm_dtype is not None:
+            raise PlanError(f"comm_dtype={config.comm_dtype!r} with num_micro_batch={m} on collocated TaskGraphs is "
+                            "not lowered yet; use comm_dtype=None, or num_micro_batch=1.")
+        parts = loss_parts(cap, full, config, "micro-batches (gradient accumulation)")
+    program = Program(cap, sharding, mesh, optimizer, cluster.platform, m, overrides, padded, memory=mem, parts=parts)
+    if mem.zero_level >= 2 and layout.axis_names == (DATA,) and layout.size > 1 and not overrides:
+        program = zero_data_parallel(req, full, m, mesh, mem) or program
+    program = configure_memory(program, config, cluster, [vd.batch_axes for vd in vds] if isinstance(program, Program)
+                               else [(DATA,)] * len(program.captured.taskgraphs), req.capture)
+    report = report or split_report
+
+    flops = [f * m for f in taskgraph_flops(cap.jaxpr, cap.assign, len(cap.taskgraphs))]
+    comms = sharding.comms
+    if mem.zero_level:
+        owner = {cap.param_paths[i]: (r[0] if r else 0) for i, r in enumerate(readers)}
+        comms = zero.comms(comms, mem.zero_level, zero_sharded(program, cap.param_paths), owner)
+    infos = taskgraph_infos(cap, vds, flops, [sum(c.bytes for c in comms if c.taskgraph == t.index) * m
+                                              for t in cap.taskgraphs])
+    memory = plan_memory(program, cluster.specs[: layout.size],
+                         residual_bytes(cap.jaxpr, cap.num_params) / layout.size)
+    first = vds[cap.assign[(0,)]] if cap.assign else vds[0]
+    per_device = full.global_batch // layout.axis_size(first.batch_axes)
+    parts = getattr(program, "parts", None)
+    couplings = tuple(parts.sem.lines()) if parts is not None else \
+        (lambda: whole_batch_couplings(req, full))       # found when asked (one more trace)
+    return Plan(cluster=cluster, config=config, layout=layout, task_graphs=tuple(infos), virtual_devices=vds,
+                batch_sizes=(per_device,) * layout.size, global_batch=full.global_batch,
+                param_specs=dict(zip(cap.param_paths, sharding.param_specs)), patterns=sharding.choices,
+                comms=comms, memory=memory, program=program, balance=report, batch_couplings=couplings)
+
+
+def whole_batch_couplings(req: Request, full) -> tuple[str, ...]:
+    """The batch reductions of a loss that a plan computes whole (found against a half-batch trace)."""
+    b = full.global_batch
+    if b % 2 or b < 2:
+        return ()
+    try:
+        half = req.capture(b // 2)
+        return tuple(analyse(half, full, per_part=True).lines(whole=True))
+    except PlanError:
+        return ()
+
+
+def zero_data_parallel(req: Request, full, m, mesh, mem):
+    """ZeRO 2/3 on a pure data-parallel plan as explicit collectives: the shard_map program of
+    uneven data parallelism with even counts, whose reduce-scatter XLA keeps on every backend
+    (XLA's CPU compiler writes a GSPMD gradient reduce-scatter as all-reduce + dynamic-slice)."""
+    n, b = mesh.size, full.global_batch
+    if b % (n * m):
+        return None
+    unit = b // (n * m)
+    cap = req.capture(unit)
+    mem = dataclasses.replace(mem, zero_axes=((DATA,),) * cap.num_params)
+    context = f"per-device parts (zero {mem.zero_level} on data parallelism)"
+    sem = analyse(cap, full, per_part=True, context=context)
+    if sem.accepted:
+        return None              # the loss couples samples: the GSPMD program sees the whole batch (exact)
+    parts = PartLoss(sem, cap, full)
+    return UnevenProgram(cap, mesh, req.optimizer, req.cluster.platform, (m,) * n, unit, b, mem, parts=parts)
+
+
+def expert_overrides(calls, mesh) -> dict:
+    """MoE experts calls under split -> their expert-parallel shard_map (all-to-all dispatch)."""
+
+    def override(call):
+        fn = expert_parallel(mesh, call.token_axes, call.expert_axes, call.activation)
+        return lambda *args: [fn(*args)]
+
+    return {call.path: override(call) for call in calls}
+
+
+def plan_columns(classes: int, speeds: Sequence[float], capacities: Sequence[float],
+                 bytes_per_column: float, names: Sequence[str]):
+    """Algorithm 1 over the class dimension: (UnevenColumns, Balance). `chunk` divides `classes`."""
+    chunk = cost.balance_unit(classes, len(speeds))
+    bal = balance(classes // chunk, speeds, capacities, [0.0] * len(speeds), [bytes_per_column * chunk] * len(speeds),
+                  names)
+    counts = tuple(u * chunk for u in bal.loads)
+    return UnevenColumns(counts, max(counts), chunk), bal
+
+
+def uneven_heads(cap, vds, layout, sharding, cluster, optimizer, mesh):
+    """Uneven class shards for `wh.ops.softmax_cross_entropy_head` under split on a heterogeneous
+    model axis: (overrides, padded, sharding, report), or None when the even plan applies."""
+    jaxpr = cap.jaxpr.jaxpr
+    params = {v: i for i, v in enumerate(jaxpr.invars[: cap.num_params])}
+    overrides, padded, specs, reports = {}, {}, list(sharding.param_specs), []
+    for i, eqn in enumerate(jaxpr.eqns):
+        if not (C.is_call(eqn) and eqn.params.get("name") == HEAD_NAME):
+            continue
+        vd = vds[cap.assign[(i,)]]
+        if vd.strategy.kind != "split" or len(vd.model_axes) != 1:
+            continue
+        x, kernel, bias, labels = eqn.invars
+        cast = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns[:i] if e.primitive.name == "convert_element_type"}
+        kernel, bias = cast.get(kernel, kernel), cast.get(bias, bias)     # amp: the fp32 parameter behind the cast
+        if kernel not in params or bias not in params:
+            continue
+        axis = vd.model_axes[0]
+        grid = np.asarray(range(layout.size)).reshape(layout.axis_sizes)
+        model_dim = layout.axis_names.index(axis)
+        per_model = np.moveaxis(grid, model_dim, -1).reshape(-1, layout.axis_sizes[model_dim])
+        speeds = [min(cluster.speeds[d] for d in per_model[:, j]) for j in range(per_model.shape[1])]
+        caps = [min(cluster.specs[d].memory_bytes for d in per_model[:, j]) for j in range(per_model.shape[1])]
+        if len(set(speeds)) == 1:
+            continue
+        features, classes = kernel.aval.shape
+        itemsize = np.dtype(kernel.aval.dtype).itemsize
+        opt = 2.0 if optimizer is not None else 0.0
+        names = [f"model shard {j} ({cluster.specs[per_model[0, j]].name})" for j in range(len(speeds))]
+        per_column = (features + 1) * itemsize * (2 + opt)          # weight, gradient, optimizer state
+        cols, bal = plan_columns(classes, speeds, caps, per_column, names)
+        for j, c in enumerate(caps):                                   # every device stores the padded width
+            if cols.width * per_column > c:
+                raise PlanError(f"{names[j]} cannot hold the padded head shard of {cols.width} classes "
+                                f"({cols.width * per_column / 2**30:.2f} GiB > {c / 2**30:.2f} GiB); use more devices "
+                                "or hardware_aware=False.")
+        pk, pb = params[kernel], params[bias]
+        padded[pk], padded[pb] = (cols, 1), (cols, 0)
+        specs[pk], specs[pb] = P(None, axis), P(axis)
+        batch_axes = tuple(a for a in vd.batch_axes if layout.axis_size((a,)) > 1)
+        head = uneven_head(mesh, axis, batch_axes, cols, cap.global_batch)
+        overrides[(i,)] = lambda *args, head=head: [head(*args)]
+        tg_flops = taskgraph_flops(cap.jaxpr, {(j,): 0 if j == i else 1 for j in range(len(jaxpr.eqns))}, 1)[0]
+        even = [classes // len(speeds)] * len(speeds)
+        reports.append(cost.report([cluster.specs[per_model[0, j]] for j in range(len(speeds))], speeds,
+                                   cols.counts, even, source=cluster.speed_source, unit=cols.chunk, applied=True,
+                                   shifted=bal.shifted, flops_per_sample=tg_flops / classes,
+                                   state_bytes=cols.width * per_column, act_base=0.0, act_per_sample=0.0))
+        reports[-1] = dataclasses.replace(reports[-1], kind=f"classes of {cap.param_paths[pk]} (padded to {cols.width})")
+    if not overrides:
+        return None
+    return overrides, padded, dataclasses.replace(sharding, param_specs=tuple(specs)), reports[0]
