@@ -1,7 +1,7 @@
 """Cost of the loss contract's global pre-pass (8 simulated CPU devices).
 
 What it measures
-    Plans that evaluate the loss in parts keep its whole-batch meaning (whalex/lowering/parts.py):
+    Plans that evaluate the loss in parts keep its whole-batch meaning (whalex/core/parts.py):
     a batch-only normaliser such as the real-token count ``sum(w)`` is computed over the global
     batch in a pre-pass (one more loop over the parts, then a combine over devices) before the
     parts run. This bench prices that pre-pass on a small GPT-style language model written with
@@ -43,7 +43,7 @@ How
       plan's host-side batch layout and transfer, identical for a and b).
 
     On 2 shared cores the end-to-end a/b interval is several percent wide, wider than the 2%
-    target, so the pre-pass is also timed alone: ``whalex.lowering.parts.prepass`` with the plan's
+    target, so the pre-pass is also timed alone: ``whalex.core.parts.prepass`` with the plan's
     PartLoss, the same loop over parts and the same combine over devices, as its own jitted
     program, beside a null program on the same inputs (the cost of a call). The whole call is an
     upper bound of what the pre-pass adds to a step. The compiled HLO of every program is
@@ -79,7 +79,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import whalex as wh
-from whalex.lowering import parts as parts_lib
+from whalex.core import parts as parts_lib
 from whalex.memory.remat import program_evaluator
 
 N_DEV = 8
@@ -203,9 +203,9 @@ def while_bodies(compiled) -> list[dict]:
 # ----------------------------------------------------------------------------------- the pre-pass alone
 
 def prepass_alone(program):
-    """A jitted program running only the plan's pre-pass: `whalex.lowering.parts.prepass` with the
+    """A jitted program running only the plan's pre-pass: `whalex.core.parts.prepass` with the
     plan's PartLoss, over the same parts (the chunk loop of the uneven program, the micro-batch scan
-    of gradient accumulation) and the same combine over devices, returning the normalisers. It
+    of gradient accumulation, evaluated at once with vmap) and the same combine over devices, returning the normalisers. It
     mirrors the loops of whalex/lowering/uneven.py and step.py (internals: update it with them).
     Also returns a null program (same inputs and shardings, returns one parameter element, no
     collective) for the cost of a call."""
@@ -274,7 +274,13 @@ def prepass_alone(program):
                 return f(mb, tuple((j * (b // dp) + k * c, c) for j in range(dp)), acc), None
             return jax.lax.scan(step_, init, (jnp.arange(m), micro))[0]
 
-        given = parts_lib.prepass(pl, evaluator_for, loop, lambda v, k: v, jax.tree.leaves(params), [])
+        def map_parts(g):                       # as the program: every micro-batch at once (vmap)
+            def one(k, mb):
+                return g(mb, tuple((j * (b // dp) + k * c, c) for j in range(dp)))
+            return jax.vmap(one)(jnp.arange(m), micro)
+
+        given = parts_lib.prepass(pl, evaluator_for, loop, lambda v, k: v, jax.tree.leaves(params), [],
+                                  map_parts=map_parts)
         return [v for vals in given.values() for v in vals]
 
     def null_fn(params, batch):

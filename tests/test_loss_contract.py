@@ -7,6 +7,7 @@ the plans that see the whole batch and those that evaluate the loss in parts, wi
 against single-device training of the same model on the same batch.
 """
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ import optax
 import pytest
 
 import whalex as wh
-from conftest import adam, assert_matches
+from conftest import adam, assert_matches, reference_train, rel_err, whalex_train
 
 B, T, V, D = 32, 6, 16, 12
 HETERO = ["V100-32GB"] * 4 + ["T4-16GB"] * 4
@@ -90,30 +91,44 @@ PLANS = {
 KINDS = ("mean", "sum", "masked", "token", "aux")
 
 
-def _run(kind, plan, optimizer, steps=3):
+OPTIMIZERS = {"sgd": lambda: optax.sgd(0.5), "adam": lambda: adam(1e-2)}
+
+
+@functools.cache
+def _reference(kind, opt, steps=3):
+    """Single-device training (annotations are inert there: one reference serves every plan)."""
+    return reference_train(lm_loss(kind, (none,) * 4), lm_params(), lm_batch(), OPTIMIZERS[opt](), steps)
+
+
+def _run(kind, plan, opt, steps=3):
     scopes, cfg, kinds = PLANS[plan]
     cluster = wh.Cluster(kinds=kinds) if kinds else None
-    step, _ = assert_matches(lm_loss(kind, scopes), lm_params(), lm_batch(), steps=steps, optimizer=optimizer,
-                             tol=1e-4, config=wh.Config(**cfg), cluster=cluster)
+    ref_losses, ref_params = _reference(kind, opt, steps)
+    losses, state, step = whalex_train(lm_loss(kind, scopes), lm_params(), lm_batch(), OPTIMIZERS[opt](), steps,
+                                       config=wh.Config(**cfg), cluster=cluster)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    errs = jax.tree.map(rel_err, step.params(state), ref_params)
+    assert max(jax.tree.leaves(errs)) < 1e-4, errs
+    assert max(jax.tree.leaves(jax.tree.map(rel_err, ref_params, lm_params()))) > 1e-3     # training moved
     return step
 
 
 @pytest.mark.parametrize("plan", list(PLANS))
 @pytest.mark.parametrize("kind", KINDS)
 def test_losses_sgd(kind, plan):
-    step = _run(kind, plan, optax.sgd(0.5))
+    step = _run(kind, plan, "sgd")
     if plan == "hetero":
         assert len(set(step.plan.batch_sizes)) > 1
 
 
 @pytest.mark.parametrize("plan", list(PLANS))
 def test_losses_adam(plan):
-    _run("aux", plan, adam(1e-2))
+    _run("aux", plan, "adam")
 
 
 @pytest.mark.parametrize("plan", ["micro4", "pipe4_gpipe"])
 def test_token_loss_adam(plan):
-    _run("token", plan, adam(1e-2))
+    _run("token", plan, "adam")
 
 
 @pytest.mark.parametrize("plan", ["micro4", "hetero"])
