@@ -79,7 +79,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import whalex as wh
-from whalex.core import parts as parts_lib
+from whalex.core import part_loss as parts_lib
 from whalex.memory.remat import program_evaluator
 
 N_DEV = 8

@@ -23,7 +23,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from whalex import _compat as C
-from whalex.core import parts as parts_lib
+from whalex.core import part_loss as parts_lib
 from whalex.core.capture import Captured
 from whalex.core.interpret import apply_eqn, make_evaluator
 from whalex.errors import PlanError

@@ -20,7 +20,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from whalex.core import parts as parts_lib
+from whalex.core import part_loss as parts_lib
 from whalex.core.capture import Captured
 from whalex.distributed import place_global
 from whalex.errors import PlanError

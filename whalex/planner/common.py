@@ -10,7 +10,8 @@ import numpy as np
 import optax
 
 from whalex.core.capture import _dtype
-from whalex.core.parts import PartLoss, analyse
+from whalex.core.part_loss import PartLoss
+from whalex.core.parts import analyse
 from whalex.errors import PlanError
 from whalex.memory.precision import capture     # capture: amp casts moved to their first use
 from whalex.mesh.cluster import Cluster

@@ -14,7 +14,8 @@ from whalex import _compat as C
 from whalex.balance import cost
 from whalex.balance.algorithm import balance
 from whalex.balance.profile import taskgraph_flops
-from whalex.core.parts import PartLoss, analyse
+from whalex.core.part_loss import PartLoss
+from whalex.core.parts import analyse
 from whalex.errors import PlanError
 from whalex.lowering.patterns import plan_shardings
 from whalex.lowering.step import Program
