@@ -227,14 +227,28 @@ def prepass_alone(program):
         def body(params, batch):
             leaves = jax.tree.leaves(batch)
             d = jax.lax.axis_index("data")
+            n = even or counts[d]
 
             def loop(fn, init):
                 def chunk(k, acc):
                     part = [jax.lax.dynamic_slice_in_dim(x, k * unit, unit, 0) for x in leaves]
                     return fn(part, ((starts[d] + k * unit, unit),), acc)
-                return jax.lax.fori_loop(0, even or counts[d], chunk, init)
+                return jax.lax.fori_loop(0, n, chunk, init)
 
-            given = parts_lib.prepass(pl, evaluator_for, loop, across, jax.tree.leaves(params), [])
+            def map_parts(g, kinds):              # as the program: every chunk slot at once (vmap)
+                slots = max(program.counts)
+
+                def one(k):
+                    part = [jax.lax.dynamic_slice_in_dim(x, k * unit, unit, 0) for x in leaves]
+                    return g(part, ((starts[d] + k * unit, unit),))
+                stacked = jax.vmap(one)(jnp.arange(slots))
+                real = jnp.arange(slots) < n
+                return [jnp.where(real.reshape((-1,) + (1,) * (x.ndim - 1)), x,
+                                  parts_lib.identity(k, jax.ShapeDtypeStruct(x.shape[1:], x.dtype))[None])
+                        for x, k in zip(stacked, kinds)]
+
+            given = parts_lib.prepass(pl, evaluator_for, loop, across, jax.tree.leaves(params), [],
+                                      map_parts=map_parts)
             return [v for vals in given.values() for v in vals]
 
         def null_body(params, batch):           # no collective: a replicated parameter's element
@@ -274,7 +288,7 @@ def prepass_alone(program):
                 return f(mb, tuple((j * (b // dp) + k * c, c) for j in range(dp)), acc), None
             return jax.lax.scan(step_, init, (jnp.arange(m), micro))[0]
 
-        def map_parts(g):                       # as the program: every micro-batch at once (vmap)
+        def map_parts(g, kinds):                # as the program: every micro-batch at once (vmap)
             def one(k, mb):
                 return g(mb, tuple((j * (b // dp) + k * c, c) for j in range(dp)))
             return jax.vmap(one)(jnp.arange(m), micro)

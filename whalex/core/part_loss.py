@@ -215,7 +215,7 @@ def value_and_grad(pl: PartLoss, evaluator_for: Callable, loop: Callable, across
       the global rows the part holds, as (offset, rows) segments, for random draws);
     across(values, kinds) -> values combined over devices ("sum"/"max"/"min" per value);
     random(where) -> overrides for the part's random draws (default: rows of the whole-batch draw);
-    map_parts(g) -> g evaluated on every part at once, stacked (for the pre-pass; optional).
+    map_parts(g, kinds) -> g evaluated on every part at once, stacked (for the pre-pass; optional).
     Returns (outputs, gradient): the program sums the gradients over devices (all-reduce or
     reduce-scatter); with `scale` (fp16 loss scaling) they are scaled.
     """
@@ -337,9 +337,10 @@ def _finish(pl, values, n_sums):
 def prepass(pl: PartLoss, evaluator_for, loop, across, params, extra, random=None, map_parts=None) -> dict:
     """Global values of the data-only reductions (normalisers), level by level: {index: outputs}.
 
-    `map_parts(g)`, when given, evaluates g(part, where) -> values on every part at once (vmap) and
-    returns them stacked: one reduction over the stack instead of a loop (one collective per
-    normaliser in a GSPMD program, not one per micro-batch)."""
+    `map_parts(g, kinds)`, when given, evaluates g(part, where) -> values on every part at once
+    (vmap) and returns them stacked, with the identity of each kind where a stacked slot is not a
+    real part: one reduction over the stack instead of a loop (in a GSPMD program one collective
+    per normaliser, not one per micro-batch)."""
     jp = pl.part.jaxpr.jaxpr
     given: dict = {}
     for level in range(pl.sem.levels):
@@ -360,7 +361,7 @@ def prepass(pl: PartLoss, evaluator_for, loop, across, params, extra, random=Non
                 ovr = pl.given_overrides(known)
                 ovr.update((random or pl.random)(where))
                 return evaluator_for(body, ovr)(*params, *part, *extra)
-            stacked = map_parts(g)
+            stacked = map_parts(g, kinds)
             red = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}
             combined = [red[k or "sum"](x, axis=0).astype(x.dtype) if k != "sum" or x.dtype != jnp.bool_
                         else jnp.sum(x, axis=0) for k, x in zip(kinds, stacked)]

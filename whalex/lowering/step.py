@@ -172,7 +172,7 @@ class Program(Emitter):
                     return fn(mb, where, acc), None
                 return jax.lax.scan(body, init, (jnp.arange(m), micro))[0]
 
-            def map_parts(g):          # the pre-pass: every micro-batch at once, one reduction
+            def map_parts(g, kinds):   # the pre-pass: every micro-batch at once, one reduction
                 def one(k, mb):
                     return g(mb, tuple((j * (b // dp) + k * c, c) for j in range(dp)))
                 return jax.vmap(one)(jnp.arange(m), micro)

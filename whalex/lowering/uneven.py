@@ -149,8 +149,20 @@ class UnevenProgram(Emitter):
                     return chunk(0, init)
                 return jax.lax.fori_loop(0, even_counts or n, chunk, init)
 
-            outs, grads = parts_lib.value_and_grad(pl, evaluator_for, loop, across,
-                                                   jax.tree.leaves(params), list(extra), random, scale)
+            def map_parts(g, kinds):  # the pre-pass: every chunk slot of the block at once (no loop)
+                slots = max(self.counts)
+
+                def one(k):
+                    part = [jax.lax.dynamic_slice_in_dim(x, k * unit, unit, 0) for x in leaves]
+                    return g(part, ((starts[d] + k * unit, unit),))
+                stacked = jax.vmap(one)(jnp.arange(slots))
+                real = jnp.arange(slots) < n          # padding slots take the identity of the reduction
+                return [jnp.where(real.reshape((-1,) + (1,) * (x.ndim - 1)), x,
+                                  parts_lib.identity(k, jax.ShapeDtypeStruct(x.shape[1:], x.dtype))[None])
+                        for x, k in zip(stacked, kinds)]
+
+            outs, grads = parts_lib.value_and_grad(pl, evaluator_for, loop, across, jax.tree.leaves(params),
+                                                   list(extra), random, scale, map_parts)
             grads = jax.tree.unflatten(ptree, grads)
             if level >= 2:            # ZeRO 2: reduce-scatter to each device's shard
                 grads = precision_lib.reduce_in(prec, lambda g: jax.tree.unflatten(
