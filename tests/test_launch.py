@@ -166,3 +166,173 @@ def test_touching_devices_before_joining_is_a_clear_error():
     assert r.returncode == 0, r.stderr
     assert "warned: this is process 1 of 2" in r.stdout
     assert "raised: this is process 1 of 2" in r.stdout and "maybe_initialize()" in r.stdout
+
+
+# ---- restarts and heartbeats (issue 11 item 5) ---------------------------------------------------
+
+import signal
+import time
+
+import restart_worker
+
+
+def start_launch(args, env, out_dir):
+    """The launcher in the background, its output in files (no pipe to fill)."""
+    so, se = open(out_dir / "launch.out", "w"), open(out_dir / "launch.err", "w")
+    p = subprocess.Popen([sys.executable, "-m", "whalex.launch", *args], env=env, cwd=HERE, stdout=so, stderr=se)
+    so.close()
+    se.close()
+    return p
+
+
+def finish(p, out_dir, timeout):
+    try:
+        p.wait(timeout)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return p.returncode, (out_dir / "launch.out").read_text(), (out_dir / "launch.err").read_text()
+
+
+def wait_progress(out_dir, i, step, timeout=60.0, restart=0):
+    """Wait until process i of start `restart` finished `step` steps; its pid."""
+    path, end = out_dir / f"progress_{i}", time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            r, s, pid = map(int, path.read_text().split())
+            if r == restart and s >= step:
+                return pid
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.02)
+    pytest.fail(f"process {i} did not reach step {step} in {timeout} s")
+
+
+def starts(out_dir, i):
+    """[(restart, nproc, first_step)] for every start of process i."""
+    return [tuple(map(int, line.split()[:3])) for line in (out_dir / f"starts_{i}.txt").read_text().splitlines()]
+
+
+STEPS = 40
+
+
+def check_mechanics_results(out_dir, nproc):
+    for i in range(nproc):
+        np.testing.assert_array_equal(np.load(out_dir / f"result_{i}.npy"), restart_worker.uninterrupted(i, STEPS))
+
+
+def test_restart_after_a_killed_worker_completes(tmp_path):
+    p = start_launch(["-n", "2", "--no-pin", "--restarts", "1", "--grace", "1", "--timeout", "50",
+                      "restart_worker.py", str(tmp_path), str(STEPS)], child_env(1), tmp_path)
+    pid = wait_progress(tmp_path, 1, 5)
+    os.kill(pid, signal.SIGKILL)
+    rc, out, err = finish(p, tmp_path, 50)
+    assert rc == 0, err
+    assert "[whalex.launch] process 1 exited with status 137" in err
+    assert "restart 1 of 1 with 2 process(es)" in err and "attempt 1: all 2 process(es) exited with status 0" in err
+    for i in range(2):
+        s = starts(tmp_path, i)
+        assert [(r, n) for r, n, _ in s] == [(0, 2), (1, 2)] and s[1][2] >= 5      # resumed, not from 0
+    check_mechanics_results(tmp_path, 2)
+
+
+def test_stopped_worker_is_detected_by_heartbeat_and_restarted(tmp_path):
+    p = start_launch(["-n", "2", "--no-pin", "--restarts", "1", "--heartbeat-timeout", "1.5",
+                      "--startup-grace", "30", "--grace", "1", "--timeout", "50",
+                      "restart_worker.py", str(tmp_path), str(STEPS)], child_env(1), tmp_path)
+    pid = wait_progress(tmp_path, 0, 5)
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    wait_progress(tmp_path, 0, 6, restart=1, timeout=30)                # the restarted process 0 moves on
+    assert time.monotonic() - stopped < 1.5 + 10
+    rc, out, err = finish(p, tmp_path, 50)
+    assert rc == 0, err
+    assert "process 0: heartbeat timeout" in err and "restart 1 of 1 with 2 process(es)" in err
+    assert "process 0: first heartbeat" in err
+    with pytest.raises(ProcessLookupError):                             # the stopped process is gone
+        os.kill(pid, 0)
+    assert [r for r, _, _ in starts(tmp_path, 0)] == [0, 1]
+    check_mechanics_results(tmp_path, 2)
+
+
+def test_min_processes_restarts_with_fewer_processes(tmp_path):
+    env = child_env(1)
+    env["FAIL_FIRST_START"] = "1"
+    r = run_launch(["-n", "2", "--no-pin", "--restarts", "2", "--min-processes", "1", "--grace", "1",
+                    "--timeout", "50", "restart_worker.py", str(tmp_path), "10"], env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "process 1 exited with status 5" in r.stderr and "restart 1 of 2 with 1 process(es)" in r.stderr
+    assert "attempt 1: starting 1 process(es)" in r.stderr
+    assert [(r_, n) for r_, n, _ in starts(tmp_path, 0)] == [(0, 2), (1, 1)]
+    assert [(r_, n) for r_, n, _ in starts(tmp_path, 1)] == [(0, 2)]      # slot 1 not started again
+    np.testing.assert_array_equal(np.load(tmp_path / "result_0.npy"), restart_worker.uninterrupted(0, 10))
+
+
+def test_no_restarts_keeps_failing_fast(tmp_path):
+    """--restarts 0 (the default): a killed worker ends the run with its status; a stopped one, with
+    --heartbeat-timeout, ends it with 124 instead of hanging the launcher."""
+    p = start_launch(["-n", "2", "--no-pin", "--grace", "1", "--timeout", "50",
+                      "restart_worker.py", str(tmp_path), str(STEPS)], child_env(1), tmp_path)
+    os.kill(wait_progress(tmp_path, 1, 3), signal.SIGKILL)
+    rc, out, err = finish(p, tmp_path, 30)
+    assert rc == 137, err
+    assert "process 1 exited with status 137; stopped the others; exiting with status 137." in err
+    assert "restart 1" not in err and [r for r, _, _ in starts(tmp_path, 0)] == [0]
+    (tmp_path / "hb").mkdir()
+    p = start_launch(["-n", "2", "--no-pin", "--heartbeat-timeout", "1.5", "--grace", "1", "--timeout", "50",
+                      "restart_worker.py", str(tmp_path / "hb"), str(STEPS)], child_env(1), tmp_path)
+    pid = wait_progress(tmp_path / "hb", 1, 3)
+    os.kill(pid, signal.SIGSTOP)
+    rc, out, err = finish(p, tmp_path, 30)
+    assert rc == 124, err
+    assert "process 1: heartbeat timeout" in err
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_startup_grace_bounds_a_worker_that_never_heartbeats(tmp_path):
+    script = tmp_path / "silent.py"
+    script.write_text("import time; time.sleep(60)\n")
+    t0 = time.monotonic()
+    r = run_launch(["-n", "1", "--no-pin", "--heartbeat-timeout", "1", "--startup-grace", "1.5", "--grace", "0.5",
+                    "--restarts", "1", str(script)], child_env(1), timeout=40)
+    assert r.returncode == 124, r.stderr
+    assert r.stderr.count("no heartbeat within the startup grace of 1.5 s") == 2 and time.monotonic() - t0 < 20
+
+
+def test_heartbeat_touches_the_file_at_most_once_a_second(tmp_path, monkeypatch):
+    from whalex import distributed
+    assert distributed.heartbeat() is False                          # not under whalex.launch: no-op
+    path = tmp_path / "hb"
+    monkeypatch.setenv(distributed.HEARTBEAT, str(path))
+    monkeypatch.setattr(distributed, "_last_beat", -float("inf"))
+    assert distributed.heartbeat() is True and path.exists()
+    assert distributed.heartbeat() is False                          # throttled
+    monkeypatch.setattr(distributed, "_last_beat", time.monotonic() - 2)
+    os.utime(path, (0, 0))
+    assert distributed.heartbeat() is True and path.stat().st_mtime > time.time() - 10
+
+
+def test_whalex_training_survives_a_stopped_process(tmp_path):
+    """Two real jax.distributed processes train with wh.parallelize; process 1 is SIGSTOPped mid-run
+    (process 0 then waits in a collective forever): Step's own heartbeat stops, the launcher kills
+    both and restarts; training resumes from process 0's checkpoint and matches uninterrupted
+    single-device SGD."""
+    import optax
+    steps = 12
+    p = start_launch(["-n", "2", "--no-pin", "--restarts", "1", "--heartbeat-timeout", "4", "--startup-grace",
+                      "60", "--grace", "1", "--timeout", "100", "restart_worker.py", str(tmp_path), str(steps),
+                      "--whalex"], child_env(1), tmp_path)
+    os.kill(wait_progress(tmp_path, 1, 3, timeout=90), signal.SIGSTOP)
+    rc, out, err = finish(p, tmp_path, 100)
+    assert rc == 0, f"{out}\n{err}"
+    assert "heartbeat timeout" in err and "restart 1 of 1 with 2 process(es)" in err
+    first = starts(tmp_path, 0)
+    assert [r for r, _, _ in first] == [0, 1] and first[1][2] >= 3      # resumed from the checkpoint
+    params, batch = worker.data()
+    ref_losses, ref_params = reference_train(worker.loss_fn, params, batch, optax.sgd(restart_worker.LR), steps)
+    res = np.load(tmp_path / "result.npz")
+    np.testing.assert_allclose(res["losses"], ref_losses, rtol=1e-5)
+    for key in params:
+        assert rel_err(res[f"param_{key}"], ref_params[key]) < 1e-5

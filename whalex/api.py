@@ -12,6 +12,7 @@ import numpy as np
 import optax
 
 from whalex import nnx as nnx_lib
+from whalex.distributed import heartbeat
 from whalex.errors import PlanError
 from whalex.mesh.cluster import Cluster
 from whalex.nnx import NnxModel
@@ -106,6 +107,7 @@ class Step:
         if not isinstance(state, TrainState):
             raise PlanError("step(state, batch) takes the wh.TrainState returned by step.init(params, batch).")
         _check_not_donated(state)
+        heartbeat()                                        # whalex.launch --heartbeat-timeout (<= 1 touch/s)
         key = self._key(state.params, batch)
         p = self._plans.get(key)
         if p is None:

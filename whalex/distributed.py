@@ -27,12 +27,19 @@ must call `whalex.distributed.maybe_initialize()` first (or import whalex first)
 `import whalex` warns and `Cluster(...)` raises a RuntimeError that says so, instead of N
 processes silently training alone.
 
+Heartbeat: `python -m whalex.launch --heartbeat-timeout S` sets `WHALEX_HEARTBEAT_FILE` per process
+and restarts the run when a process's file is older than S seconds (hung, stopped, deadlocked in a
+collective). `heartbeat()` touches that file (at most once a second; a no-op without the
+variable); every `Step.__call__` calls it, and a training loop that does long work outside the
+step (evaluation, checkpointing) may call it too.
+
 On one host with several GPUs, give each process its own GPU(s) before whalex is imported, e.g.
 `os.environ["JAX_LOCAL_DEVICE_IDS"] = os.environ["WHALEX_PROCESS_ID"]` (jax.distributed reads it).
 """
 from __future__ import annotations
 
 import os
+import time
 import warnings
 
 import numpy as np
@@ -42,6 +49,38 @@ NUM_PROCESSES = "WHALEX_NUM_PROCESSES"
 PROCESS_ID = "WHALEX_PROCESS_ID"
 ENV_VARS = (ADDRESS, NUM_PROCESSES, PROCESS_ID)
 AUTO = "WHALEX_DISTRIBUTED"        # "auto": jax.distributed.initialize() with JAX's cluster detection
+HEARTBEAT = "WHALEX_HEARTBEAT_FILE"   # set by `whalex.launch --heartbeat-timeout`: the file heartbeat() touches
+RESTART_COUNT = "WHALEX_RESTART_COUNT"  # set by whalex.launch: 0 on the first start, k after the k-th restart
+
+_last_beat = -float("inf")
+
+
+def heartbeat(min_interval: float = 1.0) -> bool:
+    """Tell `whalex.launch` this process is making progress: touch `$WHALEX_HEARTBEAT_FILE`.
+
+    Cheap enough for every step: without the variable it only reads the environment, and it
+    touches the file at most once per `min_interval` seconds (monotonic clock). Returns True when
+    it touched the file. Never raises on a file-system error (the launcher then sees a stale
+    heartbeat, which is what it should see).
+    """
+    global _last_beat
+    path = os.environ.get(HEARTBEAT)
+    if not path:
+        return False
+    now = time.monotonic()
+    if now - _last_beat < min_interval:
+        return False
+    _last_beat = now
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        try:
+            open(path, "a").close()
+        except OSError:
+            return False
+    except OSError:
+        return False
+    return True
 
 
 def launch_env() -> tuple[str, int, int] | None:

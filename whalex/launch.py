@@ -1,6 +1,8 @@
 """Start N local processes of a script as one multi-process JAX run.
 
-    python -m whalex.launch -n N [--cores-per-process K | --no-pin] [--timeout S] script.py [args...]
+    python -m whalex.launch -n N [--cores-per-process K | --no-pin] [--timeout S]
+        [--restarts K] [--heartbeat-timeout S] [--startup-grace S] [--min-processes P] [--grace S]
+        script.py [args...]
 
 Each process i runs `python script.py args...` with
 
@@ -8,11 +10,34 @@ Each process i runs `python script.py args...` with
     WHALEX_NUM_PROCESSES=N
     WHALEX_PROCESS_ID=i
     WHALEX_CPU_CORES=c0,c1,...                   (only when pinned: the cores it may run on)
+    WHALEX_RESTART_COUNT=k                       (0 on the first start, k after the k-th restart)
+    WHALEX_HEARTBEAT_FILE=path                   (only with --heartbeat-timeout)
 
 and whalex joins the process group from them (`whalex.distributed.maybe_initialize`, called on
 `import whalex` and by `Cluster(...)`). Output lines are forwarded prefixed with `[i] ` (stdout to
-stdout, stderr to stderr). If any process fails, the others are stopped (SIGTERM, then SIGKILL)
-and the launcher exits with that process's status; it exits 0 when all succeed.
+stdout, stderr to stderr). If any process fails, the others are stopped (SIGTERM and SIGCONT, then
+SIGKILL after --grace seconds) and the launcher exits with that process's status; it exits 0 when
+all succeed. The launcher's own lines go to stderr, prefixed `[whalex.launch] `: every start
+(process count, coordinator, pids), every exit status, first heartbeats, heartbeat timeouts,
+restarts.
+
+Failures and restarts:
+    --heartbeat-timeout S  a process whose heartbeat file (touched by
+                           `whalex.distributed.heartbeat()`, which every `Step.__call__` calls, at
+                           most once a second) is older than S seconds has failed: hung, stopped
+                           (SIGSTOP), deadlocked in a collective. Before its first heartbeat a process
+                           gets --startup-grace seconds (default 300: imports, compilation).
+                           Without this flag heartbeats are not watched.
+    --restarts K           after a failure (non-zero exit or heartbeat timeout) stop every process
+                           and start the group again, on a fresh coordinator port, up to K times; the
+                           script resumes from its own checkpoint (WHALEX_RESTART_COUNT tells it
+                           which start this is). Default 0: the first failure ends the run.
+    --min-processes P      restart k after k failures runs max(P, N - k) processes (processes
+                           0..m-1, WHALEX_NUM_PROCESSES=m), so the script re-plans on fewer
+                           processes. Default N: every start has N processes.
+    --timeout S            bounds the whole run, restarts included (exit 124).
+The exit status after the last allowed failure is the failing process's status (128 + signal
+when killed by a signal), 124 for a heartbeat timeout.
 
 CPU pinning (Linux `sched_setaffinity`), over the cores this launcher may use:
     default               N <= cores: process i on core i % cores; N > cores: not pinned
@@ -26,14 +51,16 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
-from whalex.distributed import ADDRESS, NUM_PROCESSES, PROCESS_ID
+from whalex.distributed import ADDRESS, HEARTBEAT, NUM_PROCESSES, PROCESS_ID, RESTART_COUNT
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -86,104 +113,201 @@ def _forward(stream, out, prefix: str, lock: threading.Lock):
     stream.close()
 
 
-def _stop(procs, grace: float = 5.0):
-    """SIGTERM every live child (by PID), then SIGKILL what is left after `grace` seconds."""
+def _stop(procs, grace: float = 5.0, log=None):
+    """Stop every live child (by PID): SIGTERM (and SIGCONT, so a stopped one can act on it), then
+    SIGKILL what is left after `grace` seconds. Every wait is bounded."""
     live = [p for p in procs if p.poll() is None]
     for p in live:
-        try:
-            p.send_signal(signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+        for sig in (signal.SIGTERM, signal.SIGCONT):
+            try:
+                p.send_signal(sig)
+            except ProcessLookupError:
+                pass
     deadline = time.monotonic() + grace
     for p in live:
         try:
             p.wait(max(deadline - time.monotonic(), 0.01))
         except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+            p.kill()                                     # SIGKILL also ends a stopped process
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:            # e.g. stuck in the kernel: give up on it
+                if log is not None:
+                    log(f"pid {p.pid} did not exit after SIGKILL; leaving it")
 
 
 def _status(rc: int) -> int:
     return rc if rc >= 0 else 128 - rc                 # killed by signal s: 128 + s, as a shell reports
 
 
-def launch(n: int, command: list[str], cores_per_process: int | None = None, pin: bool = True,
-           timeout: float | None = None, host: str = "127.0.0.1", env: dict | None = None,
-           stdout=None, stderr=None) -> int:
-    """Run `command` (argv) as processes 0..n-1 of one group; the launcher's exit status."""
-    if n < 1:
-        raise ValueError(f"-n must be >= 1, got {n}.")
-    stdout = stdout or sys.stdout
-    stderr = stderr or sys.stderr
+class _Stopped(Exception):
+    pass
+
+
+def _run_once(n, command, sets, base, host, attempt, hb_dir, heartbeat_timeout, startup_grace, deadline,
+              grace, stdout, stderr, lock, log, live):
+    """One start of processes 0..n-1: ("ok" | "failed" | "hung" | "timeout", process, status)."""
     address = f"{host}:{free_port(host)}"
-    sets = core_sets(n, cores_per_process, pin)
-    base = dict(os.environ if env is None else env)
-    base["PYTHONUNBUFFERED"] = "1"
-    procs: list[subprocess.Popen] = []
+    hb_files = [None if hb_dir is None else os.path.join(hb_dir, f"attempt{attempt}-process{i}") for i in range(n)]
+    log(f"attempt {attempt}: starting {n} process(es), coordinator {address}"
+        + ("" if hb_dir is None else f", heartbeat timeout {heartbeat_timeout:g} s after a startup grace of "
+                                     f"{startup_grace:g} s"))
+    procs = live
     try:
         for i in range(n):                               # all children first: no threads during fork
             e = dict(base)
-            e.update({ADDRESS: address, NUM_PROCESSES: str(n), PROCESS_ID: str(i)})
+            e.update({ADDRESS: address, NUM_PROCESSES: str(n), PROCESS_ID: str(i), RESTART_COUNT: str(attempt)})
+            if hb_files[i] is not None:
+                e[HEARTBEAT] = hb_files[i]
             if sets[i] is not None:
                 e["WHALEX_CPU_CORES"] = ",".join(map(str, sets[i]))
             procs.append(subprocess.Popen(command, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                           stdin=subprocess.DEVNULL, preexec_fn=_preexec(sets[i])))
     except BaseException:
-        _stop(procs)
+        _stop(procs, grace, log)
         raise
-    lock = threading.Lock()
+    log(f"attempt {attempt}: pids " + " ".join(f"{i}:{p.pid}" for i, p in enumerate(procs)))
     threads = []
     for i, p in enumerate(procs):
         for stream, out in ((p.stdout, stdout), (p.stderr, stderr)):
             t = threading.Thread(target=_forward, args=(stream, out, f"[{i}] ", lock), daemon=True)
             t.start()
             threads.append(t)
-
-    class Stopped(Exception):
-        pass
-
-    def on_signal(signum, frame):
-        raise Stopped(signum)
-
-    old = signal.signal(signal.SIGTERM, on_signal) if threading.current_thread() is threading.main_thread() else None
-    start = time.monotonic()
-    failed: tuple[int, int] | None = None
+    t0 = time.monotonic()
+    reported, beating = set(), set()
+    outcome = None
     try:
-        while True:
+        while outcome is None:
             codes = [p.poll() for p in procs]
+            for i, c in enumerate(codes):
+                if c is not None and i not in reported:
+                    reported.add(i)
+                    log(f"process {i} exited with status {_status(c)}")
             bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if bad:
-                failed = bad[0]
+                outcome = ("failed", bad[0][0], _status(bad[0][1]))
                 break
             if all(c == 0 for c in codes):
+                outcome = ("ok", -1, 0)
                 break
-            if timeout is not None and time.monotonic() - start > timeout:
-                failed = (-1, 124)
+            now = time.monotonic()
+            if deadline is not None and now > deadline:
+                outcome = ("timeout", -1, 124)
                 break
+            if hb_dir is not None:
+                wall = time.time()
+                for i, c in enumerate(codes):
+                    if c is not None:
+                        continue
+                    try:
+                        age = wall - os.stat(hb_files[i]).st_mtime
+                    except OSError:                      # no heartbeat yet: starting, compiling
+                        if now - t0 > startup_grace:
+                            log(f"process {i}: no heartbeat within the startup grace of {startup_grace:g} s")
+                            outcome = ("hung", i, 124)
+                            break
+                        continue
+                    if i not in beating:
+                        beating.add(i)
+                        log(f"process {i}: first heartbeat {now - t0:.1f} s after start")
+                    if age > heartbeat_timeout:
+                        log(f"process {i}: heartbeat timeout (last heartbeat {age:.1f} s ago > {heartbeat_timeout:g} s)")
+                        outcome = ("hung", i, 124)
+                        break
             time.sleep(0.05)
-    except KeyboardInterrupt:
-        failed = (-1, 130)
-    except Stopped as e:
-        failed = (-1, 128 + e.args[0])
     finally:
-        if failed is not None:
-            _stop(procs)
+        if outcome is None or outcome[0] != "ok":
+            _stop(procs, grace, log)
+            for i, p in enumerate(procs):
+                if i not in reported and p.returncode is not None:
+                    log(f"process {i} stopped (status {_status(p.returncode)})")
+        join_by = time.monotonic() + 5
         for t in threads:
-            t.join(timeout=5)
+            t.join(timeout=max(join_by - time.monotonic(), 0.01))
+        procs.clear()
+    return outcome
+
+
+def launch(n: int, command: list[str], cores_per_process: int | None = None, pin: bool = True,
+           timeout: float | None = None, host: str = "127.0.0.1", env: dict | None = None,
+           stdout=None, stderr=None, restarts: int = 0, heartbeat_timeout: float | None = None,
+           startup_grace: float = 300.0, min_processes: int | None = None, grace: float = 5.0) -> int:
+    """Run `command` (argv) as processes 0..n-1 of one group; the launcher's exit status.
+
+    A process that exits non-zero, or (with `heartbeat_timeout`) whose heartbeat file is older than
+    `heartbeat_timeout` seconds, or that has not touched it `startup_grace` seconds after its start,
+    stops every process; the group then starts again, up to `restarts` times, on a fresh
+    coordinator port. Restart k after k failures runs `max(min_processes, n - k)` processes
+    (`min_processes` defaults to n: the same size every time). `timeout` bounds the whole run.
+    """
+    if n < 1:
+        raise ValueError(f"-n must be >= 1, got {n}.")
+    if restarts < 0:
+        raise ValueError(f"--restarts must be >= 0, got {restarts}.")
+    min_processes = n if min_processes is None else min_processes
+    if not 1 <= min_processes <= n:
+        raise ValueError(f"--min-processes must be in [1, {n}], got {min_processes}.")
+    if heartbeat_timeout is not None and heartbeat_timeout <= 0:
+        raise ValueError(f"--heartbeat-timeout must be > 0, got {heartbeat_timeout}.")
+    if startup_grace <= 0 or grace < 0:
+        raise ValueError("--startup-grace must be > 0 and --grace >= 0.")
+    stdout = stdout or sys.stdout
+    stderr = stderr or sys.stderr
+    base = dict(os.environ if env is None else env)
+    base["PYTHONUNBUFFERED"] = "1"
+    lock = threading.Lock()
+
+    def log(msg):
+        with lock:
+            stderr.write(f"[whalex.launch] {msg}\n")
+            stderr.flush()
+
+    def on_signal(signum, frame):
+        raise _Stopped(signum)
+
+    old = signal.signal(signal.SIGTERM, on_signal) if threading.current_thread() is threading.main_thread() else None
+    hb_dir = tempfile.mkdtemp(prefix="whalex-heartbeat-") if heartbeat_timeout is not None else None
+    deadline = None if timeout is None else time.monotonic() + timeout
+    live: list[subprocess.Popen] = []
+    failures = 0
+    log(f"{' '.join(command)}: {n} process(es), up to {restarts} restart(s)"
+        + (f", down to {min_processes} process(es)" if min_processes < n else ""))
+    try:
+        for attempt in range(restarts + 1):
+            m = max(min_processes, n - failures)
+            sets = core_sets(m, cores_per_process, pin)
+            kind, i, code = _run_once(m, command, sets, base, host, attempt, hb_dir, heartbeat_timeout,
+                                      startup_grace, deadline, grace, stdout, stderr, lock, log, live)
+            if kind == "ok":
+                log(f"attempt {attempt}: all {m} process(es) exited with status 0")
+                return 0
+            if kind == "timeout":
+                log(f"timed out after {timeout:g} s; stopped all processes.")
+                return code
+            failures += 1
+            what = (f"process {i} exited with status {code}" if kind == "failed"
+                    else f"process {i} stopped making progress (heartbeat)")
+            if attempt == restarts:
+                log(f"{what}; stopped the others; "
+                    + (f"no restart left ({restarts} used); " if restarts else "")
+                    + f"exiting with status {code}.")
+                return code
+            log(f"{what}; stopped the others; restart {attempt + 1} of {restarts} with "
+                f"{max(min_processes, n - failures)} process(es)")
+        raise AssertionError("unreachable")
+    except KeyboardInterrupt:
+        _stop(live, grace, log)
+        log("interrupted; stopped all processes.")
+        return 130
+    except _Stopped as e:
+        _stop(live, grace, log)
+        log(f"received signal {e.args[0]}; stopped all processes.")
+        return 128 + e.args[0]
+    finally:
         if old is not None:
             signal.signal(signal.SIGTERM, old)
-    if failed is None:
-        return 0
-    i, code = failed
-    with lock:
-        if i >= 0:
-            stderr.write(f"whalex.launch: process {i} exited with status {_status(code)}; stopped the others.\n")
-        elif code == 124:
-            stderr.write(f"whalex.launch: timed out after {timeout:g} s; stopped all processes.\n")
-        else:
-            stderr.write("whalex.launch: interrupted; stopped all processes.\n")
-        stderr.flush()
-    return _status(code)
+        if hb_dir is not None:
+            shutil.rmtree(hb_dir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,11 +322,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=None, metavar="S",
                     help="stop every process and exit 124 after S seconds")
     ap.add_argument("--host", default="127.0.0.1", help="coordinator host (default: loopback)")
+    ap.add_argument("--restarts", type=int, default=0, metavar="K",
+                    help="after a failure (non-zero exit, heartbeat timeout), stop all and start again, "
+                         "up to K times (default 0: a failure ends the run)")
+    ap.add_argument("--heartbeat-timeout", type=float, default=None, metavar="S",
+                    help="a process whose heartbeat (whalex.distributed.heartbeat(), called by every step) "
+                         "is older than S seconds counts as failed (default: not watched)")
+    ap.add_argument("--startup-grace", type=float, default=300.0, metavar="S",
+                    help="with --heartbeat-timeout: seconds a process may take to its first heartbeat "
+                         "(import, compilation; default 300)")
+    ap.add_argument("--min-processes", type=int, default=None, metavar="P",
+                    help="restart k after k failures runs max(P, N - k) processes (default: N)")
+    ap.add_argument("--grace", type=float, default=5.0, metavar="S",
+                    help="seconds between SIGTERM and SIGKILL when stopping processes (default 5)")
     ap.add_argument("script", help="the Python script every process runs")
     ap.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     a = ap.parse_args(argv)
     return launch(a.nproc, [sys.executable, a.script, *a.args], a.cores_per_process, not a.no_pin, a.timeout,
-                  a.host)
+                  a.host, restarts=a.restarts, heartbeat_timeout=a.heartbeat_timeout,
+                  startup_grace=a.startup_grace, min_processes=a.min_processes, grace=a.grace)
 
 
 if __name__ == "__main__":
