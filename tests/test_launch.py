@@ -238,14 +238,14 @@ def test_restart_after_a_killed_worker_completes(tmp_path):
 
 
 def test_stopped_worker_is_detected_by_heartbeat_and_restarted(tmp_path):
-    p = start_launch(["-n", "2", "--no-pin", "--restarts", "1", "--heartbeat-timeout", "1.5",
+    p = start_launch(["-n", "2", "--no-pin", "--restarts", "1", "--heartbeat-timeout", "2.5",
                       "--startup-grace", "30", "--grace", "1", "--timeout", "50",
                       "restart_worker.py", str(tmp_path), str(STEPS)], child_env(1), tmp_path)
     pid = wait_progress(tmp_path, 0, 5)
     os.kill(pid, signal.SIGSTOP)
     stopped = time.monotonic()
     wait_progress(tmp_path, 0, 6, restart=1, timeout=30)                # the restarted process 0 moves on
-    assert time.monotonic() - stopped < 1.5 + 10
+    assert time.monotonic() - stopped < 2.5 + 10
     rc, out, err = finish(p, tmp_path, 50)
     assert rc == 0, err
     assert "process 0: heartbeat timeout" in err and "restart 1 of 1 with 2 process(es)" in err
@@ -280,7 +280,7 @@ def test_no_restarts_keeps_failing_fast(tmp_path):
     assert "process 1 exited with status 137; stopped the others; exiting with status 137." in err
     assert "restart 1" not in err and [r for r, _, _ in starts(tmp_path, 0)] == [0]
     (tmp_path / "hb").mkdir()
-    p = start_launch(["-n", "2", "--no-pin", "--heartbeat-timeout", "1.5", "--grace", "1", "--timeout", "50",
+    p = start_launch(["-n", "2", "--no-pin", "--heartbeat-timeout", "2.5", "--grace", "1", "--timeout", "50",
                       "restart_worker.py", str(tmp_path / "hb"), str(STEPS)], child_env(1), tmp_path)
     pid = wait_progress(tmp_path / "hb", 1, 3)
     os.kill(pid, signal.SIGSTOP)

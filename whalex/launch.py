@@ -195,7 +195,7 @@ def _run_once(n, command, sets, base, host, attempt, hb_dir, heartbeat_timeout, 
                 outcome = ("timeout", -1, 124)
                 break
             if hb_dir is not None:
-                wall = time.time()
+                wall, hung = time.time(), []
                 for i, c in enumerate(codes):
                     if c is not None:
                         continue
@@ -204,16 +204,17 @@ def _run_once(n, command, sets, base, host, attempt, hb_dir, heartbeat_timeout, 
                     except OSError:                      # no heartbeat yet: starting, compiling
                         if now - t0 > startup_grace:
                             log(f"process {i}: no heartbeat within the startup grace of {startup_grace:g} s")
-                            outcome = ("hung", i, 124)
-                            break
+                            hung.append(i)
                         continue
                     if i not in beating:
                         beating.add(i)
                         log(f"process {i}: first heartbeat {now - t0:.1f} s after start")
                     if age > heartbeat_timeout:
                         log(f"process {i}: heartbeat timeout (last heartbeat {age:.1f} s ago > {heartbeat_timeout:g} s)")
-                        outcome = ("hung", i, 124)
-                        break
+                        hung.append(i)
+                if hung:                                 # every stale one is logged; the first is blamed
+                    outcome = ("hung", hung[0], 124)
+                    break
             time.sleep(0.05)
     finally:
         if outcome is None or outcome[0] != "ok":
