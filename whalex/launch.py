@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="pin process i to cores [i*K, (i+1)*K) of the available cores")
     pin.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
     ap.add_argument("--timeout", type=float, default=None, metavar="S",
-                    help="stop every process and exit 124 after S seconds")
+                    help="stop every process and exit 124 after S seconds (the whole run, restarts included)")
     ap.add_argument("--host", default="127.0.0.1", help="coordinator host (default: loopback)")
     ap.add_argument("--restarts", type=int, default=0, metavar="K",
                     help="after a failure (non-zero exit, heartbeat timeout), stop all and start again, "
