@@ -9,6 +9,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import pytest  # noqa: E402
+import tempfile  # noqa: E402
+_d = tempfile.mkdtemp(prefix="whalex-xla-cache-")
+jax.config.update("jax_compilation_cache_dir", _d)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def rel_err(a, b) -> float:
