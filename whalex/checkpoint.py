@@ -42,7 +42,8 @@ class CheckpointManager:
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, save_interval_steps=save_interval_steps,
                                                create=True, enable_async_checkpointing=True)
         self.directory = os.path.abspath(os.fspath(directory))
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                               item_handlers=ocp.StandardCheckpointHandler())
 
     # -- saving --------------------------------------------------------------------------------
     def save(self, step: Step, state: TrainState, force: bool = False) -> bool:
