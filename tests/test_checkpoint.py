@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from flax import nnx
 
 import whalex as wh
 from conftest import adam, rel_err, reference_train
@@ -86,6 +87,7 @@ SAME = {
     "hetero": lambda: _hybrid(wh.Cluster(kinds=HETERO)),
     "zero3": lambda: _plain_dp(wh.Config(zero_level=3)),
     "offload_opt_state": lambda: _plain_dp(wh.Config(offload="opt_state")),
+    "amp_fp16_loss_scale": lambda: _plain_dp(wh.Config(amp="fp16")),
 }
 
 
@@ -97,6 +99,8 @@ def test_same_plan_round_trip_is_bit_exact(plan, tmp_path):
                  resumed.params, state.params)
     if plan == "offload_opt_state":
         assert {x.sharding.memory_kind for x in jax.tree.leaves(resumed.opt_state)} == {"pinned_host"}
+    if plan == "amp_fp16_loss_scale":
+        _assert_equal(resumed.loss_scale, state.loss_scale)
 
 
 def test_same_plan_round_trip_with_batchnorm_state_and_dropout_rng(tmp_path):
@@ -214,3 +218,39 @@ def test_restore_without_a_checkpoint_is_a_clear_error(tmp_path):
         assert manager.latest_step() is None
         with pytest.raises(wh.PlanError, match="no checkpoint"):
             manager.restore(step, plain_params(), data())
+
+
+def test_nnx_module_round_trip_is_bit_exact(tmp_path):
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(12, 16, rngs=rngs)
+            self.bn = nnx.BatchNorm(16, rngs=rngs)
+            self.drop = nnx.Dropout(0.2, rngs=rngs)
+            self.l2 = nnx.Linear(16, 5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(self.drop(nnx.relu(self.bn(self.l1(x)))))
+
+    def loss_fn(model, b):
+        return optax.softmax_cross_entropy_with_integer_labels(model(b["x"]), b["y"] % 5).mean()
+
+    def model():
+        m = Net(nnx.Rngs(0, dropout=1))
+        m.train()
+        return m
+
+    batch = data()
+    make_step = lambda: wh.parallelize(loss_fn, adam())  # noqa: E731
+    step = make_step()
+    state, _ = _train(step, step.init(model(), batch), batch, N)
+    with wh.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.save(step, state)
+        state, losses = _train(step, state, batch, M)
+        manager.wait_until_finished()
+        step2 = make_step()
+        resumed = manager.restore(step2, model(), batch)          # the module gives the structure
+    resumed, losses2 = _train(step2, resumed, batch, M)
+    np.testing.assert_array_equal(losses2, losses)
+    _assert_equal(step2.params(resumed), step.params(state))
+    _assert_equal(resumed.model_state, state.model_state)         # BatchStat and the RngKey/RngCount streams
+    assert isinstance(step2.model(resumed), Net)

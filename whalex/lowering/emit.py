@@ -6,6 +6,7 @@ shardings, `value_and_grad()` and `prepare_params()`; `Emitter` turns that into 
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -299,7 +300,8 @@ class Emitter:
             rng = state.rng
             out["rng"] = jax.random.key_data(rng) if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng
         if state.loss_scale is not None:
-            out["loss_scale"] = state.loss_scale
+            out["loss_scale"] = {f.name: getattr(state.loss_scale, f.name)        # by name: scale, good_steps
+                                 for f in dataclasses.fields(state.loss_scale)}
         return out
 
     def caller_targets(self, model_state=None, rng=None) -> dict:
@@ -360,7 +362,6 @@ class Emitter:
         if scale is not None:
             saved = tree.get("loss_scale")
             scale = jax.tree.map(lambda x: jax.device_put(x, shardings.step),
-                                 jax.tree.unflatten(jax.tree.structure(scale), jax.tree.leaves(saved))
-                                 if saved is not None else scale)
+                                 type(scale)(**saved) if saved is not None else scale)
         return TrainState(params=params, opt_state=opt_state, step=jax.device_put(tree["step"], shardings.step),
                           loss_scale=scale, model_state=model_state, rng=key)
