@@ -254,3 +254,11 @@ def test_nnx_module_round_trip_is_bit_exact(tmp_path):
     _assert_equal(step2.params(resumed), step.params(state))
     _assert_equal(resumed.model_state, state.model_state)         # BatchStat and the RngKey/RngCount streams
     assert isinstance(step2.model(resumed), Net)
+
+
+def test_a_packed_plan_refuses_an_optimizer_state_that_is_not_per_parameter(tmp_path):
+    step = wh.parallelize(_pipe2, optax.adafactor(1e-2), config=wh.Config(num_micro_batch=4))
+    state = step.init(plain_params(), data())           # adafactor factors the packed [stages, width] buffer
+    with wh.CheckpointManager(tmp_path / "ckpt") as manager:
+        with pytest.raises(wh.PlanError, match="not per-parameter"):
+            manager.save(step, state)

@@ -48,6 +48,16 @@ def _same_layout(a, b) -> bool:
         [np.shape(x) for x in jax.tree.leaves(a)] == [np.shape(x) for x in jax.tree.leaves(b)]
 
 
+def _relayout(opt_state, expected):
+    """`opt_state` (per-parameter subtrees converted) in the structure of `expected`, or a PlanError."""
+    if not _same_layout(opt_state, expected):
+        raise PlanError("this plan stores the parameters in its own layout (pipeline stage buffers or padded "
+                        "uneven shards) and the optimizer state has parts that are not per-parameter subtrees "
+                        "(e.g. adafactor's factored statistics), so it has no plan-independent form; checkpoint "
+                        "under a plan without packing, or use a per-parameter optimizer (adam, sgd, ...).")
+    return jax.tree.unflatten(jax.tree.structure(expected), jax.tree.leaves(opt_state))
+
+
 def step_inputs(state: TrainState) -> tuple[list, Any]:
     """The loss's inputs after the batch (model-state leaves, a fresh key) and the next rng."""
     extra = list(jax.tree.leaves(state.model_state)) if state.model_state is not None else []
@@ -275,13 +285,7 @@ class Emitter:
 
     def _caller_opt_state(self, opt_state):
         caller = map_param_trees(opt_state, self.param_shapes(), self.unpack_params)
-        expected = jax.eval_shape(self.optimizer.init, self.caller_param_shapes())
-        if not _same_layout(caller, expected):
-            raise PlanError("this plan stores the parameters in its own layout (pipeline stage buffers or padded "
-                            "uneven shards) and the optimizer state has parts that are not per-parameter subtrees "
-                            "(e.g. factored statistics), so it has no plan-independent form; checkpoint under a plan "
-                            "without packing, or use a per-parameter optimizer (adam, sgd, ...).")
-        return jax.tree.unflatten(jax.tree.structure(expected), jax.tree.leaves(caller))
+        return _relayout(caller, jax.eval_shape(self.optimizer.init, self.caller_param_shapes()))
 
     def caller_state(self, state: TrainState) -> dict:
         """The state in the caller's layout, what a checkpoint holds: {'params', 'opt_state', 'step'} and
@@ -343,11 +347,11 @@ class Emitter:
         params, opt_state = tree["params"], tree["opt_state"]
         if not _same_layout(params, self.param_shapes()):
             def convert(p, o):
-                o = map_param_trees(o, caller_params, self.prepare_params)
-                return self.prepare_params(p), jax.tree.unflatten(jax.tree.structure(storage_opt), jax.tree.leaves(o))
+                return self.prepare_params(p), _relayout(map_param_trees(o, caller_params, self.prepare_params),
+                                                         storage_opt)
             params, opt_state = jax.jit(convert, out_shardings=(compute.params, compute.opt_state))(params, opt_state)
         else:
-            opt_state = jax.tree.unflatten(jax.tree.structure(storage_opt), jax.tree.leaves(opt_state))
+            opt_state = _relayout(opt_state, storage_opt)
         params = jax.device_put(params, shardings.params)
         opt_state = jax.device_put(opt_state, shardings.opt_state)
         model_state = tree.get("model_state")
