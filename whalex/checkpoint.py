@@ -52,7 +52,8 @@ class CheckpointManager:
         if not isinstance(state, TrainState):
             raise PlanError("manager.save(step, state) takes the wh.TrainState the step returned.")
         tree = step.plan.program.caller_state(state)
-        return self._manager.save(int(jax.device_get(state.step)), args=ocp.args.StandardSave(tree), force=force)
+        at = int(jax.device_get(state.step.addressable_data(0)))     # replicated: every process reads its own copy
+        return self._manager.save(at, args=ocp.args.StandardSave(tree), force=force)
 
     # -- restoring ------------------------------------------------------------------------------
     def restore(self, step: Step, params, example_batch, at: int | None = None, model_state=None,
