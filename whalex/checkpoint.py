@@ -69,7 +69,8 @@ class CheckpointManager:
         plan, params, model_state = step._prepare(params, example_batch, model_state, rng)
         program = plan.program
         target = program.caller_targets(model_state, rng)
-        saved = set(self._manager.item_metadata(at).keys())
+        metadata = self._manager.item_metadata(at)
+        saved = set(metadata.keys())
         missing = {"model_state", "rng"} & (set(target) - saved)
         if missing:
             raise PlanError(f"the checkpoint at step {at} has no {sorted(missing)}; restore without "
@@ -79,9 +80,9 @@ class CheckpointManager:
             raise PlanError(f"the checkpoint at step {at} holds {sorted(extra)}; pass an example "
                             f"{' / '.join(sorted(extra))}= to restore (as to step.init).")
         if "loss_scale" in saved:            # amp="fp16" saved it; a plan without a loss scale drops it
-            scale = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target["step"].sharding),
-                                 dict(self._manager.item_metadata(at)["loss_scale"]))
-            target["loss_scale"] = scale
+            target["loss_scale"] = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target["step"].sharding),
+                dict(metadata["loss_scale"]))
         tree = self._manager.restore(at, args=ocp.args.StandardRestore(target))
         return step._adopt(program.place_caller_state(tree, rng), params, example_batch)
 
