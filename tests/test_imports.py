@@ -28,6 +28,7 @@ LAYERS = (
     ("whalex.plan",),                 # the Plan (data) and its views
     ("whalex.planner",),              # calls balance, hands its decisions to lowering, builds the Plan
     ("whalex.api",),                  # the public face
+    ("whalex.checkpoint",),           # plan-independent checkpoints (orbax): saves and restores Steps' states
     ("whalex", "whalex.launch"),      # the package itself; the multi-process launcher
 )
 

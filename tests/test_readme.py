@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-SECTIONS = ("## The loss contract", "## Model state and randomness", "## Flax NNX")
+SECTIONS = ("## The loss contract", "## Model state and randomness", "## Flax NNX", "## Checkpoints")
 
 
 def _blocks():

@@ -3,6 +3,7 @@ from whalex.distributed import maybe_initialize as _join
 
 _join(strict=False)     # under `python -m whalex.launch`: join the process group before devices are touched
 from whalex.api import Step, parallelize, plan
+from whalex.checkpoint import CheckpointManager
 from whalex.errors import ClusterError, ConfigError, PlanError, ScopeError, WhalexError
 from whalex.mesh.cluster import Cluster
 from whalex.mesh.specs import SPECS, DeviceSpec
@@ -15,7 +16,7 @@ from whalex.state import TrainState
 __version__ = "0.1.0"
 
 __all__ = [
-    "Cluster", "ClusterError", "Config", "ConfigError", "DeviceSpec", "Plan", "PlanError", "SPECS",
+    "CheckpointManager", "Cluster", "ClusterError", "Config", "ConfigError", "DeviceSpec", "Plan", "PlanError", "SPECS",
     "ScopeError", "Step", "Strategy", "TaskGraphInfo", "TrainState", "VirtualDevice", "WhalexError",
     "init", "parallelize", "plan", "replicate", "set_default_strategy", "split",
 ]

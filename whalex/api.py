@@ -91,16 +91,26 @@ class Step:
         `params` may be a Flax NNX module (`model.train()` first): loss_fn is then loss_fn(model, batch);
         its nnx.Params are trained, every other variable (BatchStat, RngState...) is model state, and
         `step.model(state)` gives the module back."""
+        p, params, model_state = self._prepare(params, example_batch, model_state, rng)
+        return self._adopt(p.program.init_state(params, model_state, rng), params, example_batch)
+
+    def _prepare(self, params, example_batch, model_state=None, rng=None):
+        """Plan for these shapes without placing anything: (plan, params, model_state), an NNX module
+        split into its params and model state. `params` may be jax.ShapeDtypeStructs."""
         if nnx_lib.is_module(params):
             if model_state is not None:
                 raise PlanError("step.init(model, batch) with an NNX module takes its model state from the module; "
                                 "do not pass model_state=.")
             self._nnx, params, model_state = nnx_lib.NnxModel.split(params)
-        p = self._plan_for(params, example_batch, model_state, rng)
-        state = p.program.init_state(params, model_state, rng)
+        return self._plan_for(params, example_batch, model_state, rng), params, model_state
+
+    def _adopt(self, state: TrainState, params, example_batch) -> TrainState:
+        """Register `state`, placed per the plan made for the caller's `params` (its stored params may be
+        packed, so the step finds the plan under their shapes too), and return it."""
+        caller = self._key(params, example_batch)
         key = self._key(state.params, example_batch)       # pipelines carry packed parameters
-        self._plans[key] = p
-        self._jitted[key] = self._jitted[self._key(params, example_batch)]
+        self._plans[key] = self._plans[caller]
+        self._jitted[key] = self._jitted[caller]
         return state
 
     def __call__(self, state: TrainState, batch):

@@ -6,15 +6,18 @@ shardings, `value_and_grad()` and `prepare_params()`; `Emitter` turns that into 
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from whalex.core.shardings import opt_state_specs
 from whalex.distributed import place_global
+from whalex.errors import PlanError
 from whalex.memory import MemoryOptions, offload, precision, zero
 from whalex.state import TrainState
 
@@ -22,6 +25,37 @@ from whalex.state import TrainState
 def with_shardings(shapes, shardings):
     """ShapeDtypeStructs carrying shardings, for `jit(...).trace` on abstract meshes."""
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+
+
+def map_param_trees(tree, param_shapes, fn: Callable):
+    """`fn` applied to every subtree of `tree` laid out like `param_shapes` (same structure and leaf
+    shapes: the per-parameter subtrees of an optax state, e.g. Adam's mu and nu); the rest unchanged.
+    The same test as `opt_state_specs` uses to shard those subtrees like the parameters."""
+    treedef = jax.tree.structure(param_shapes)
+    shapes = [np.shape(x) for x in jax.tree.leaves(param_shapes)]
+
+    def is_param_tree(x):
+        if x is None or jax.tree.structure(x) != treedef:
+            return False
+        return [np.shape(x) for x in jax.tree.leaves(x)] == shapes
+
+    return jax.tree.map(lambda x: fn(x) if is_param_tree(x) else x, tree, is_leaf=is_param_tree)
+
+
+def _same_layout(a, b) -> bool:
+    """Whether two pytrees have one structure and the same leaf shapes."""
+    return jax.tree.structure(a) == jax.tree.structure(b) and \
+        [np.shape(x) for x in jax.tree.leaves(a)] == [np.shape(x) for x in jax.tree.leaves(b)]
+
+
+def _relayout(opt_state, expected):
+    """`opt_state` (per-parameter subtrees converted) in the structure of `expected`, or a PlanError."""
+    if not _same_layout(opt_state, expected):
+        raise PlanError("this plan stores the parameters in its own layout (pipeline stage buffers or padded "
+                        "uneven shards) and the optimizer state has parts that are not per-parameter subtrees "
+                        "(e.g. adafactor's factored statistics), so it has no plan-independent form; checkpoint "
+                        "under a plan without packing, or use a per-parameter optimizer (adam, sgd, ...).")
+    return jax.tree.unflatten(jax.tree.structure(expected), jax.tree.leaves(opt_state))
 
 
 def step_inputs(state: TrainState) -> tuple[list, Any]:
@@ -243,3 +277,95 @@ class Emitter:
         return TrainState(params=params, opt_state=opt_state, step=step,
                           loss_scale=self._loss_scale(lambda x: jax.device_put(x, shardings.step)),
                           model_state=model_state, rng=rng)
+
+    # -- the caller's layout (checkpoints): no packing, padding or ZeRO shards --------------------------
+    def caller_param_shapes(self):
+        """ShapeDtypeStructs of the caller's parameter pytree."""
+        return jax.eval_shape(self.unpack_params, self.param_shapes())
+
+    def _caller_opt_state(self, opt_state):
+        caller = map_param_trees(opt_state, self.param_shapes(), self.unpack_params)
+        return _relayout(caller, jax.eval_shape(self.optimizer.init, self.caller_param_shapes()))
+
+    def caller_state(self, state: TrainState) -> dict:
+        """The state in the caller's layout, what a checkpoint holds: {'params', 'opt_state', 'step'} and
+        'model_state' / 'rng' (key data) / 'loss_scale' where present. Internal layouts (pipeline packing,
+        padded uneven heads) are undone; ZeRO shards and offloaded arrays are just placed arrays."""
+        params, opt_state = state.params, state.opt_state
+        if not _same_layout(params, self.caller_param_shapes()):
+            compute = self.compute_shardings()           # undo the layout in device memory (offload: fetch)
+            params, opt_state = jax.device_put((params, opt_state), (compute.params, compute.opt_state))
+            params, opt_state = jax.jit(lambda p, o: (self.unpack_params(p), self._caller_opt_state(o)))(
+                params, opt_state)
+        out = {"params": params, "opt_state": opt_state, "step": state.step}
+        if state.model_state is not None:
+            out["model_state"] = state.model_state
+        if state.rng is not None:
+            rng = state.rng
+            out["rng"] = jax.random.key_data(rng) if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng
+        if state.loss_scale is not None:
+            out["loss_scale"] = {f.name: getattr(state.loss_scale, f.name)        # by name: scale, good_steps
+                                 for f in dataclasses.fields(state.loss_scale)}
+        return out
+
+    def caller_targets(self, model_state=None, rng=None) -> dict:
+        """Abstract caller-layout state (ShapeDtypeStructs with shardings on THIS plan's mesh) to restore
+        a checkpoint into: leaves stored as the caller has them keep this plan's compute sharding, leaves
+        that this plan re-lays out (packed, padded) arrive replicated and are converted by `place_caller_state`."""
+        compute = self.compute_shardings()
+        rep = NamedSharding(self.mesh, P())
+
+        def target(caller, storage, shardings):
+            leaves = jax.tree.leaves(caller)
+            shards = [rep] * len(leaves)
+            if jax.tree.structure(caller) == jax.tree.structure(storage):   # keep the sharding of unchanged leaves
+                shards = [sh if np.shape(s) == np.shape(c) else rep
+                          for c, s, sh in zip(leaves, jax.tree.leaves(storage), jax.tree.leaves(shardings))]
+            return jax.tree.unflatten(jax.tree.structure(caller), [
+                jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=sh) for c, sh in zip(leaves, shards)])
+
+        params = self.caller_param_shapes()
+        storage_opt = jax.eval_shape(self.optimizer.init, self.param_shapes())
+        out = {"params": target(params, self.param_shapes(), compute.params),
+               "opt_state": target(jax.eval_shape(self.optimizer.init, params), storage_opt, compute.opt_state),
+               "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)}
+        sds = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=rep)  # noqa: E731
+        if model_state is not None:
+            out["model_state"] = jax.tree.map(sds, model_state)
+        if rng is not None:
+            out["rng"] = sds(jax.eval_shape(jax.random.key_data, rng)
+                             if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng)
+        return out
+
+    def place_caller_state(self, tree: dict, rng=None) -> TrainState:
+        """A TrainState of this plan from caller-layout values (a restored checkpoint): converted to this
+        plan's storage layout (packed, padded) and placed per its state shardings (ZeRO, offload).
+        `rng`: an example key, to re-wrap key data as a typed key of its implementation."""
+        shardings, compute = self.state_shardings(), self.compute_shardings()
+        caller_params = self.caller_param_shapes()
+        storage_opt = jax.eval_shape(self.optimizer.init, self.param_shapes())
+        params, opt_state = tree["params"], tree["opt_state"]
+        if not _same_layout(params, self.param_shapes()):
+            def convert(p, o):
+                return self.prepare_params(p), _relayout(map_param_trees(o, caller_params, self.prepare_params),
+                                                         storage_opt)
+            params, opt_state = jax.jit(convert, out_shardings=(compute.params, compute.opt_state))(params, opt_state)
+        else:
+            opt_state = _relayout(opt_state, storage_opt)
+        params = jax.device_put(params, shardings.params)
+        opt_state = jax.device_put(opt_state, shardings.opt_state)
+        model_state = tree.get("model_state")
+        if model_state is not None:
+            model_state = jax.device_put(model_state, shardings.model_state)
+        key = tree.get("rng")
+        if key is not None:
+            if rng is not None and jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+                key = jax.random.wrap_key_data(key, impl=jax.random.key_impl(rng))
+            key = jax.device_put(key, shardings.rng)
+        scale = self._loss_scale(lambda x: x)
+        if scale is not None:
+            saved = tree.get("loss_scale")
+            scale = jax.tree.map(lambda x: jax.device_put(x, shardings.step),
+                                 type(scale)(**saved) if saved is not None else scale)
+        return TrainState(params=params, opt_state=opt_state, step=jax.device_put(tree["step"], shardings.step),
+                          loss_scale=scale, model_state=model_state, rng=key)
