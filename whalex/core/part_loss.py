@@ -232,35 +232,14 @@ def value_and_grad(pl: PartLoss, evaluator_for: Callable, loop: Callable, across
         out.update((random or pl.random)(where))
         return out
 
-    def known_with(values):
-        known = dict(given)
-        it = iter(values[:n_sums])
-        for r in pl.sums:
-            known[r.index] = [next(it) for _ in jp.eqns[r.index].outvars]
-        return known
-
-    def run(fn, init):
-        return loop(fn, init)
-
     if pl.sem.affine:
         at = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in outvars]
     else:                                              # exact second pass: the part outputs first
         def forward(part, where, acc):
             vals = evaluator_for(body, overrides(where))(*params, *part, *extra)
             return [combine(k, a, v, where) for k, a, v in zip(kinds, acc, vals)]
-        at = _finish(pl, across(run(forward, pl.accumulator(outvars, kinds)), kinds), n_sums)
-    idx = [k for k, g in enumerate(grad) if g]
-
-    def head_loss(fvals):
-        vals = list(at)
-        for k, x in zip(idx, fvals):
-            vals[k] = x
-        return pl.head(inputs, known_with(vals), vals)[0]
-
-    cot = jax.grad(head_loss)([at[k] for k in idx]) if idx else []
-    cot = [c * weight[k] for c, k in zip(cot, idx)]
-    if scale is not None:
-        cot = [c * scale.astype(c.dtype) for c in cot]
+        at = _finish(pl, across(loop(forward, pl.accumulator(outvars, kinds)), kinds), n_sums)
+    idx, cot = _cotangent(pl, given, inputs, at, scale)
 
     def fn(part, where, acc):
         evaluate = evaluator_for(body, overrides(where))
@@ -276,9 +255,9 @@ def value_and_grad(pl: PartLoss, evaluator_for: Callable, loop: Callable, across
         return out_acc, [a + g for a, g in zip(g_acc, grads)]
 
     init = (pl.accumulator(outvars, kinds), [jnp.zeros_like(p) for p in params])
-    out_acc, grads = run(fn, init)
+    out_acc, grads = loop(fn, init)
     values = _finish(pl, across(list(out_acc), kinds), n_sums)
-    return pl.head(inputs, known_with(values), values), grads
+    return pl.head(inputs, known(pl, given, values, n_sums), values), grads
 
 
 def cotangents(pl: PartLoss, given: dict, extra: list, num_params: int, scale=None) -> tuple[list, list]:
@@ -289,17 +268,21 @@ def cotangents(pl: PartLoss, given: dict, extra: list, num_params: int, scale=No
                         "(an exact second pass is not built for it): write the loss as a sum or mean of terms.")
     jp = pl.part.jaxpr.jaxpr
     nb = len(jp.invars) - num_params - len(extra)
-    outvars, kinds, grad, weight = pl.part_outputs()
-    n_sums = pl.n_sums
-    inputs = [None] * (num_params + nb) + list(extra)
+    outvars = pl.part_outputs()[0]
     at = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in outvars]
+    return _cotangent(pl, given, [None] * (num_params + nb) + list(extra), at, scale)
+
+
+def _cotangent(pl: PartLoss, given: dict, inputs: list, at: list, scale=None) -> tuple[list, list]:
+    """dH/d(part outputs) at the part outputs' values `at` (any value when H is affine in them)."""
+    _, _, grad, weight = pl.part_outputs()
     idx = [k for k, g in enumerate(grad) if g]
 
     def head_loss(fvals):
         vals = list(at)
         for k, x in zip(idx, fvals):
             vals[k] = x
-        return pl.head(inputs, known(pl, given, vals, n_sums), vals)[0]
+        return pl.head(inputs, known(pl, given, vals, pl.n_sums), vals)[0]
 
     cot = jax.grad(head_loss)([at[k] for k in idx]) if idx else []
     cot = [c * weight[k] for c, k in zip(cot, idx)]
