@@ -336,3 +336,67 @@ def test_whalex_training_survives_a_stopped_process(tmp_path):
     np.testing.assert_allclose(res["losses"], ref_losses, rtol=1e-5)
     for key in params:
         assert rel_err(res[f"param_{key}"], ref_params[key]) < 1e-5
+
+
+# ---- restarts from real checkpoints: wh.CheckpointManager (issue 11 acceptance 3 and 4) ------------
+
+CKPT_STEPS, KILL_AT = 8, 3
+
+
+@pytest.fixture(scope="module")
+def ckpt_reference():
+    params, batch = worker.data()
+    return reference_train(worker.loss_fn, params, batch, worker.optimizer(), CKPT_STEPS)
+
+
+def run_checkpoint_worker(tmp_path, devices_per_process, *flags):
+    """checkpoint_worker.py under `whalex.launch -n 2 --restarts 1`: the last process SIGKILLs itself after
+    step KILL_AT's checkpoint on the first start; the launcher's stderr."""
+    r = run_launch(["-n", "2", "--no-pin", "--restarts", "1", "--heartbeat-timeout", "20", "--startup-grace", "90",
+                    "--grace", "1", "--timeout", "110", *flags, "checkpoint_worker.py", str(tmp_path),
+                    str(CKPT_STEPS), str(KILL_AT)], child_env(devices_per_process), timeout=130)
+    assert r.returncode == 0, f"launch failed ({r.returncode}):\n{r.stdout}\n{r.stderr}"
+    assert "[1] process 1: killing myself after step 3" in r.stdout and "status 137" in r.stderr
+    return r.stderr
+
+
+def starts_with_devices(out_dir, i):
+    """[(restart, nproc, first_step, devices)] for every start of checkpoint_worker process i."""
+    return [tuple(map(int, line.split()[:4])) for line in (out_dir / f"starts_{i}.txt").read_text().splitlines()]
+
+
+def check_checkpoint_result(out_dir, reference):
+    """Process 0's final params (and the losses of the resumed start) equal uninterrupted single-device
+    training; the checkpoint directory holds the last two steps (max_to_keep=2)."""
+    ref_losses, ref_params = reference
+    params0, _ = worker.data()
+    res = np.load(out_dir / "result.npz")
+    assert int(res["first"]) == KILL_AT
+    np.testing.assert_allclose(res["losses"], ref_losses[KILL_AT:], rtol=1e-5, atol=0)
+    for key in params0:
+        err = rel_err(res[f"param_{key}"], ref_params[key])
+        assert err < 1e-5, f"param {key} differs from uninterrupted single-device training: {err:.2e}"
+    assert max(rel_err(ref_params[key], params0[key]) for key in params0) > 1e-3          # training moved
+    saved = sorted(int(p.name) for p in (out_dir / "ckpt").iterdir() if p.name.isdigit())
+    assert saved == [CKPT_STEPS - 1, CKPT_STEPS]
+
+
+def test_checkpoint_manager_restart_after_a_killed_worker(tmp_path, ckpt_reference):
+    """Acceptance 3: two jax.distributed processes save a wh.CheckpointManager checkpoint every step; one is
+    SIGKILLed; the launcher restarts both, they restore the latest checkpoint and finish, equal to an
+    uninterrupted single-device run."""
+    err = run_checkpoint_worker(tmp_path, 1)
+    assert "restart 1 of 1 with 2 process(es)" in err and "attempt 1: all 2 process(es) exited with status 0" in err
+    for i in range(2):
+        assert starts_with_devices(tmp_path, i) == [(0, 2, 0, 2), (1, 2, KILL_AT, 2)]
+    check_checkpoint_result(tmp_path, ckpt_reference)
+
+
+def test_checkpoint_manager_restart_on_fewer_processes(tmp_path, ckpt_reference):
+    """Acceptance 4: with --min-processes 1 the run restarts with the one process left, re-plans onto its
+    2 devices (4 before), restores the checkpoint 2 processes saved, and equals the reference."""
+    err = run_checkpoint_worker(tmp_path, 2, "--min-processes", "1")
+    assert "restart 1 of 1 with 1 process(es)" in err and "attempt 1: all 1 process(es) exited with status 0" in err
+    assert starts_with_devices(tmp_path, 0) == [(0, 2, 0, 4), (1, 1, KILL_AT, 2)]
+    assert starts_with_devices(tmp_path, 1) == [(0, 2, 0, 4)]                     # slot 1 not started again
+    check_checkpoint_result(tmp_path, ckpt_reference)
