@@ -16,6 +16,7 @@ import whalex as wh
 from conftest import adam, rel_err, reference_train
 from models import _backbone, _ce, data, plain_model, plain_params
 from test_model_state import problem
+from test_moe import D_IN, Block
 from test_pipeline import _plain, _two_stage
 
 HETERO = ["V100-32GB"] * 4 + ["T4-16GB"] * 4
@@ -75,6 +76,25 @@ def _hybrid(cluster=None):
     return (lambda: wh.parallelize(loss_fn, adam(), cluster=cluster)), params, batch
 
 
+def _moe_ep():
+    """tests/test_moe.py's expert-parallel block (8 experts over 8 devices, top-2) with its loss and
+    has_aux=True; parameters drawn by numpy from the shapes (running flax's init compiles for seconds)."""
+    model = Block(experts=8, split=8)
+    rng = np.random.default_rng(0)
+    batch = {"x": jnp.asarray(rng.standard_normal((16, 6, D_IN), np.float32)),
+             "y": jnp.asarray(rng.standard_normal((16, 6, 3), np.float32))}
+    shapes = jax.eval_shape(model.init, jax.random.key(0), batch["x"])["params"]
+    params = jax.tree.map(lambda s: jnp.asarray(0.3 * rng.standard_normal(s.shape, np.float32)), shapes)
+
+    def loss_fn(p, b):
+        out, upd = model.apply({"params": p}, b["x"], mutable=["moe_losses"])
+        losses = wh.moe.moe_losses(upd)
+        loss = jnp.mean((out - b["y"]) ** 2) + 0.01 * losses["aux_loss"] + 0.001 * losses["z_loss"]
+        return loss, {"aux_loss": losses["aux_loss"], "z_loss": losses["z_loss"]}
+
+    return (lambda: wh.parallelize(loss_fn, adam(), has_aux=True)), params, batch
+
+
 def _pipeline():
     params, batch = _plain()
     return (lambda: wh.parallelize(_two_stage, adam(), config=wh.Config(num_micro_batch=4))), params, batch
@@ -85,7 +105,10 @@ SAME = {
     "hybrid": lambda: _hybrid(),
     "pipeline_1f1b": _pipeline,
     "hetero": lambda: _hybrid(wh.Cluster(kinds=HETERO)),
+    "zero1": lambda: _plain_dp(wh.Config(zero_level=1)),
+    "zero2": lambda: _plain_dp(wh.Config(zero_level=2)),
     "zero3": lambda: _plain_dp(wh.Config(zero_level=3)),
+    "moe_expert_parallel": _moe_ep,
     "offload_opt_state": lambda: _plain_dp(wh.Config(offload="opt_state")),
     "amp_fp16_loss_scale": lambda: _plain_dp(wh.Config(amp="fp16")),
 }
@@ -96,7 +119,11 @@ def test_same_plan_round_trip_is_bit_exact(plan, tmp_path):
     make_step, params, batch = SAME[plan]()
     step, state, resumed = _same_plan(tmp_path / "ckpt", make_step, params, batch)
     jax.tree.map(lambda a, b: a.sharding.is_equivalent_to(b.sharding, a.ndim) or pytest.fail(plan),
-                 resumed.params, state.params)
+                 (resumed.params, resumed.opt_state), (state.params, state.opt_state))   # ZeRO shards, experts
+    if plan in ("zero1", "zero2"):                # the optimizer state comes back as this device's shard
+        assert not all(x.sharding.is_fully_replicated for x in jax.tree.leaves(resumed.opt_state) if x.ndim)
+    if plan == "moe_expert_parallel":             # one expert per device, as the step stores it
+        assert {s.data.shape[0] for s in resumed.params["MoE_0"]["w_in"].addressable_shards} == {1}
     if plan == "offload_opt_state":
         assert {x.sharding.memory_kind for x in jax.tree.leaves(resumed.opt_state)} == {"pinned_host"}
     if plan == "amp_fp16_loss_scale":

@@ -1,0 +1,220 @@
+"""The step-time cost of asynchronous checkpoints: `wh.CheckpointManager(save_interval_steps=k)`.
+
+What it measures
+    One training process, one model (a Flax MLP, 2.6M parameters, Adam: a 30 MiB checkpoint of
+    params + mu + nu), one whalex step (pure data parallelism over 8 simulated CPU devices), trained
+    in interleaved blocks of ``--block`` steps under four conditions:
+
+        none      ``state, metrics = step(state, batch)``, no checkpointing (the baseline)
+        k = 1     the same, then ``manager.save(step, state)`` after every step, with a manager made
+        k = 5     as ``wh.CheckpointManager(dir, max_to_keep=3, save_interval_steps=k)``: orbax skips
+        k = 20    the saves at steps that are not multiples of k; the others start an async save
+
+    Every step is timed on its own, from the call of the step to ``jax.block_until_ready`` of the new
+    state and loss, with ``manager.save`` inside the timed region (its synchronous part: reading
+    the step counter, orbax copying the arrays to host memory, waiting for the previous save if it is
+    still being written, starting the background write). At the end of every block the manager's
+    ``wait_until_finished()`` is timed separately (the write still in flight), so a pending write
+    never spills into the next block's timings. Blocks rotate through the conditions (round r
+    starts at condition r mod 4), so machine noise hits all of them alike.
+
+Reported per condition
+    median ms/step and its ratio to the baseline's median (the median step of k = 5 and k = 20 is a
+    step that does not save); mean ms/step over all timed steps (the amortised cost, saving steps
+    included) and its ratio; the median of the saving steps alone; the median wall time of
+    ``wait_until_finished`` at the end of a block; the number of saves started.
+    Files go to a temporary directory on the local disk (removed afterwards).
+
+Run from the repo root: ``python bench/checkpoint.py`` (under 2 minutes on 2 CPU cores).
+Writes bench/results/checkpoint.json.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse
+import contextlib
+import json
+import pathlib
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+
+import whalex as wh
+
+N_DEV = 8
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+class MLP(nn.Module):
+    width: int
+    depth: int
+    classes: int
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(self.depth):
+            x = nn.relu(nn.Dense(self.width)(x))
+        return nn.Dense(self.classes)(x)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--features", type=int, default=256)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--depth", type=int, default=3)
+    ap.add_argument("--classes", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=64, help="global batch (a power of two, over 8 devices)")
+    ap.add_argument("--intervals", type=str, default="1,5,20", help="save_interval_steps values")
+    ap.add_argument("--block", type=int, default=20, help="steps per block (a multiple of every interval)")
+    ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds (one block per condition each)")
+    ap.add_argument("--num-batches", type=int, default=4, help="distinct batches, cycled through")
+    args = ap.parse_args()
+    assert len(jax.devices()) == N_DEV, jax.devices()
+    intervals = [int(k) for k in args.intervals.split(",")]
+    assert all(args.block % k == 0 for k in intervals), "block must be a multiple of every interval"
+    load_start = os.getloadavg()[0]
+    t_start = time.perf_counter()
+
+    model = MLP(args.width, args.depth, args.classes)
+    rng = np.random.default_rng(0)
+    teacher = rng.standard_normal((args.features, args.classes)).astype(np.float32)
+    host_batches = []
+    for _ in range(args.num_batches):
+        x = rng.standard_normal((args.batch, args.features), dtype=np.float32)
+        host_batches.append({"x": x, "y": np.argmax(x @ teacher, axis=1).astype(np.int32)})
+    params = model.init(jax.random.key(0), host_batches[0]["x"][:1])["params"]
+    n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
+
+    def loss_fn(p, batch):
+        logits = model.apply({"params": p}, batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    step = wh.parallelize(loss_fn, optax.adam(1e-3))
+    state = step.init(params, host_batches[0])
+    batches = [jax.device_put(b, step.plan.program.batch_shardings) for b in host_batches]
+    tree = step.plan.program.caller_state(state)
+    ckpt_bytes = sum(x.nbytes for x in jax.tree.leaves(tree))
+
+    conditions = ["none"] + [f"k={k}" for k in intervals]
+    root = pathlib.Path(tempfile.mkdtemp(prefix="whalex-bench-ckpt-"))
+    times = {c: [] for c in conditions}
+    saving = {c: [] for c in conditions}          # per step: did this step start a save
+    waits = {c: [] for c in conditions}
+    counter = [0]
+    last_saved = {}                                # condition -> the step of its last save
+
+    def block(state, cond, manager, record):
+        for _ in range(args.block):
+            b = batches[counter[0] % len(batches)]
+            counter[0] += 1
+            s = time.perf_counter()
+            state, metrics = step(state, b)
+            saved = manager.save(step, state) if manager is not None else False
+            jax.block_until_ready((state, metrics["loss"]))
+            elapsed = time.perf_counter() - s
+            if saved:
+                last_saved[cond] = int(state.step)
+            if record:
+                times[cond].append(elapsed)
+                saving[cond].append(bool(saved))
+        if manager is not None:
+            s = time.perf_counter()
+            manager.wait_until_finished()
+            if record:
+                waits[cond].append(time.perf_counter() - s)
+        return state, metrics
+
+    with contextlib.ExitStack() as stack:
+        managers = {"none": None}
+        for k in intervals:
+            managers[f"k={k}"] = stack.enter_context(
+                wh.CheckpointManager(root / f"k{k}", max_to_keep=3, save_interval_steps=k))
+        # warm-up: compile and a few steps, then one forced save per manager (orbax's first save sets up)
+        t0 = time.perf_counter()
+        state, metrics = block(state, "none", None, record=False)
+        for cond in conditions[1:]:
+            managers[cond].save(step, state, force=True)
+            managers[cond].wait_until_finished()
+        warm_time = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for r in range(args.rounds):
+            for i in range(len(conditions)):
+                cond = conditions[(r + i) % len(conditions)]
+                state, metrics = block(state, cond, managers[cond], record=True)
+        timed_time = time.perf_counter() - t0
+        kept = {c: managers[c].all_steps() for c in conditions if managers[c] is not None}
+        final_step, final_loss = int(state.step), float(metrics["loss"])
+        # sanity: the latest checkpoint of the first interval restores, at the step it was saved at
+        restored = managers[conditions[1]].restore(step, params, host_batches[0])
+        restored_step = int(restored.step)
+        restored_ok = restored_step == last_saved[conditions[1]] == managers[conditions[1]].latest_step()
+    shutil.rmtree(root, ignore_errors=True)
+    load_end = os.getloadavg()[0]
+
+    # ---- report --------------------------------------------------------------------------
+    base = statistics.median(times["none"])
+    base_mean = statistics.fmean(times["none"])
+    res = {}
+    for c in conditions:
+        t = times[c]
+        save_steps = [x for x, sv in zip(t, saving[c]) if sv]
+        res[c] = {"median_ms": statistics.median(t) * 1e3, "ratio_median": statistics.median(t) / base,
+                  "mean_ms": statistics.fmean(t) * 1e3, "ratio_mean": statistics.fmean(t) / base_mean,
+                  "saving_step_median_ms": statistics.median(save_steps) * 1e3 if save_steps else None,
+                  "wait_until_finished_median_ms": statistics.median(waits[c]) * 1e3 if waits[c] else None,
+                  "wait_until_finished_max_ms": max(waits[c]) * 1e3 if waits[c] else None,
+                  "saves_started": sum(saving[c]), "steps_timed": len(t)}
+
+    print(f"checkpoint cost benchmark: {N_DEV} simulated CPU devices ({platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} cores), jax {jax.__version__}, whalex from {os.path.dirname(wh.__file__)}")
+    print(f"model: Flax MLP {args.features} -> {args.depth} x Dense({args.width}) -> {args.classes}, "
+          f"{n_params:,} params, Adam; checkpoint {ckpt_bytes / 2**20:.1f} MiB (params + mu + nu); "
+          f"global batch {args.batch} ({args.batch // N_DEV}/device); plan {step.plan.task_graphs[0].strategy}")
+    print(f"timing: {args.rounds} interleaved rounds x {args.block} steps per condition, each step timed to "
+          f"block_until_ready with manager.save inside; wait_until_finished timed at the end of each block")
+    print()
+    print(f"  {'condition':<9} {'median ms':>9} {'ratio':>6} {'mean ms':>8} {'ratio':>6} {'save-step ms':>12} "
+          f"{'wait ms':>8} {'saves':>5}")
+    print(f"  {'-' * 9} {'-' * 9} {'-' * 6} {'-' * 8} {'-' * 6} {'-' * 12} {'-' * 8} {'-' * 5}")
+    fmt = lambda v: f"{v:.1f}" if v is not None else "-"  # noqa: E731
+    for c, r in res.items():
+        print(f"  {c:<9} {r['median_ms']:>9.2f} {r['ratio_median']:>6.3f} {r['mean_ms']:>8.2f} "
+              f"{r['ratio_mean']:>6.3f} {fmt(r['saving_step_median_ms']):>12} "
+              f"{fmt(r['wait_until_finished_median_ms']):>8} {r['saves_started']:>5}")
+    print()
+    print(f"kept steps: {kept}; restore of k={intervals[0]}'s latest at step {restored_step} "
+          f"(its last save: {last_saved[conditions[1]]}): {'ok' if restored_ok else 'MISMATCH'}")
+    print(f"load average (1 min) {load_start:.2f} -> {load_end:.2f}; warm-up {warm_time:.1f}s, timed {timed_time:.1f}s, "
+          f"total {time.perf_counter() - t_start:.1f}s")
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = {
+        "benchmark": "checkpoint", "devices": N_DEV, "device_kind": "simulated CPU", "cpu_cores": os.cpu_count(),
+        "load_average_1min": {"start": load_start, "end": load_end}, "jax": jax.__version__,
+        "model": {"kind": "flax.linen MLP", "features": args.features, "width": args.width, "depth": args.depth,
+                  "classes": args.classes, "params": n_params, "optimizer": "adam(1e-3)"},
+        "checkpoint_bytes": ckpt_bytes, "global_batch": args.batch, "plan": str(step.plan.task_graphs[0].strategy),
+        "manager": "wh.CheckpointManager(dir, max_to_keep=3, save_interval_steps=k), async (orbax)",
+        "method": "interleaved blocks (rotating order), per-step wall time to block_until_ready with "
+                  "manager.save inside; wait_until_finished timed separately at the end of each block; medians",
+        "block": args.block, "rounds": args.rounds, "conditions": res,
+        "restored_step_matches": restored_ok, "final_step": final_step, "final_loss": final_loss,
+        "seconds": {"warm_up": warm_time, "timed": timed_time, "total": time.perf_counter() - t_start},
+    }
+    (RESULTS / "checkpoint.json").write_text(json.dumps(out, indent=2))
+    print(f"wrote {RESULTS / 'checkpoint.json'}")
+
+
+if __name__ == "__main__":
+    main()
