@@ -221,8 +221,7 @@ def prepass_alone(program):
             return program_evaluator(c, {}, mesh, overrides, program.remat)[0]
 
         def across(values, kinds):
-            ops = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}
-            return [ops[k or "sum"](v, "data") for v, k in zip(values, kinds)]
+            return parts_lib.across_devices(values, kinds, "data")
 
         def body(params, batch):
             leaves = jax.tree.leaves(batch)

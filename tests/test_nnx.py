@@ -109,6 +109,19 @@ def nnx_reference(name, opt, steps=3):
     return [float(step(model, opt, batch)) for _ in range(steps)], model
 
 
+def whalex_train(cls, loss_fn, batch, tx, config, split_head=False, steps=3):
+    """The same model trained by a whalex step: (step, trained module, losses)."""
+    model = cls(nnx.Rngs(0, dropout=1), split_head=split_head)
+    model.train()
+    step = wh.parallelize(loss_fn, tx, config=config)
+    state = step.init(model, batch)
+    losses = []
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return step, step.model(state), losses
+
+
 def _tx(opt):
     return optax.sgd(0.2) if opt == "sgd" else adam(1e-2)
 
@@ -132,16 +145,8 @@ def test_nnx_equals_plain_nnx(name, plan, opt):
     tx = _tx(opt)
     ref_losses, ref_model = nnx_reference(name, opt)
 
-    model = cls(nnx.Rngs(0, dropout=1), split_head=split_head)
-    model.train()
-    step = wh.parallelize(loss_fn, tx, config=wh.Config(**cfg))
-    state = step.init(model, batch)
-    losses = []
-    for _ in range(3):
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
+    step, trained, losses = whalex_train(cls, loss_fn, batch, tx, wh.Config(**cfg), split_head)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    trained = step.model(state)
     assert isinstance(trained, cls)
     for kind in (nnx.Param, nnx.BatchStat, nnx.RngState):
         got = nnx.to_pure_dict(nnx.state(trained, kind))
@@ -181,16 +186,8 @@ def test_step_model_needs_an_nnx_step():
 def test_nnx_batchnorm_exact_under_zero(level):
     cls, loss_fn, batch = cnn_problem()
     ref_losses, ref_model = nnx_reference("cnn", "sgd")
-    model = cls(nnx.Rngs(0, dropout=1))
-    model.train()
-    step = wh.parallelize(loss_fn, _tx("sgd"), config=wh.Config(zero_level=level))
-    state = step.init(model, batch)
-    losses = []
-    for _ in range(3):
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
+    _, trained, losses = whalex_train(cls, loss_fn, batch, _tx("sgd"), wh.Config(zero_level=level))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    trained = step.model(state)
     for kind in (nnx.Param, nnx.BatchStat):
         errs = jax.tree.map(_err, nnx.to_pure_dict(nnx.state(trained, kind)),
                             nnx.to_pure_dict(nnx.state(ref_model, kind)))

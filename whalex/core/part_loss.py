@@ -205,8 +205,22 @@ def identity(kind: str | None, like):
 
 
 # ----------------------------------------------------------------------------------- the driver
+def part_overrides(pl: PartLoss, known: dict, where) -> dict:
+    """Overrides for evaluating one part: reductions with known global values, and the part's rows
+    of every whole-batch random draw."""
+    out = pl.given_overrides(known)
+    out.update(pl.random(where))
+    return out
+
+
+def across_devices(values, kinds, axis):
+    """Part outputs combined over the devices of `axis` (inside shard_map), by their kinds."""
+    ops = {"sum": jax.lax.psum, "rows": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}
+    return [ops[k or "sum"](v, axis) for v, k in zip(values, kinds)]
+
+
 def value_and_grad(pl: PartLoss, evaluator_for: Callable, loop: Callable, across: Callable, params: list,
-                   extra: list, random: Callable | None = None, scale=None, map_parts: Callable | None = None):
+                   extra: list, scale=None, map_parts: Callable | None = None):
     """Outputs of the loss on the whole batch and this device's gradient sum, from a loop over parts.
 
     evaluator_for(captured, overrides) -> evaluate(*inputs) -> outputs: how the program evaluates a
@@ -214,23 +228,20 @@ def value_and_grad(pl: PartLoss, evaluator_for: Callable, loop: Callable, across
     loop(fn, init) -> acc: runs acc = fn(part_leaves, where, acc) over this device's parts (`where`:
       the global rows the part holds, as (offset, rows) segments, for random draws);
     across(values, kinds) -> values combined over devices ("sum"/"max"/"min" per value);
-    random(where) -> overrides for the part's random draws (default: rows of the whole-batch draw);
     map_parts(g, kinds) -> g evaluated on every part at once, stacked (for the pre-pass; optional).
     Returns (outputs, gradient): the program sums the gradients over devices (all-reduce or
     reduce-scatter); with `scale` (fp16 loss scaling) they are scaled.
     """
     jp = pl.part.jaxpr.jaxpr
     nb = len(jp.invars) - len(params) - len(extra)
-    given = prepass(pl, evaluator_for, loop, across, params, extra, random, map_parts)
+    given = prepass(pl, evaluator_for, loop, across, params, extra, map_parts)
     outvars, kinds, grad, weight = pl.part_outputs()
     n_sums = pl.n_sums
     inputs = [None] * (len(params) + nb) + list(extra)
     body = pl.body(outvars)
 
     def overrides(where):
-        out = pl.given_overrides(given)
-        out.update((random or pl.random)(where))
-        return out
+        return part_overrides(pl, given, where)
 
     if pl.sem.affine:
         at = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in outvars]
@@ -317,7 +328,7 @@ def _finish(pl, values, n_sums):
     return list(values[:n_sums]) + avg + list(values[n_sums + n_avg:])
 
 
-def prepass(pl: PartLoss, evaluator_for, loop, across, params, extra, random=None, map_parts=None) -> dict:
+def prepass(pl: PartLoss, evaluator_for, loop, across, params, extra, map_parts=None) -> dict:
     """Global values of the data-only reductions (normalisers), level by level: {index: outputs}.
 
     `map_parts(g, kinds)`, when given, evaluates g(part, where) -> values on every part at once
@@ -333,17 +344,13 @@ def prepass(pl: PartLoss, evaluator_for, loop, across, params, extra, random=Non
         body = pl.body(outs)
         known = dict(given)
 
-        def fn(part, where, acc, body=body, known=known, kinds=kinds):
-            ovr = pl.given_overrides(known)
-            ovr.update((random or pl.random)(where))
-            vals = evaluator_for(body, ovr)(*params, *part, *extra)
-            return [combine(k, a, v) for k, a, v in zip(kinds, acc, vals)]
+        def g(part, where, body=body, known=known):
+            return evaluator_for(body, part_overrides(pl, known, where))(*params, *part, *extra)
+
+        def fn(part, where, acc, g=g, kinds=kinds):
+            return [combine(k, a, v) for k, a, v in zip(kinds, acc, g(part, where))]
 
         if map_parts is not None:
-            def g(part, where, body=body, known=known):
-                ovr = pl.given_overrides(known)
-                ovr.update((random or pl.random)(where))
-                return evaluator_for(body, ovr)(*params, *part, *extra)
             stacked = map_parts(g, kinds)
             red = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}
             combined = [red[k or "sum"](x, axis=0).astype(x.dtype) if k != "sum" or x.dtype != jnp.bool_

@@ -374,8 +374,7 @@ class PipelineProgram(Emitter):
                 return jax.lax.fori_loop(0, M, step, init)
 
             def across(values, kinds):
-                ops = {"sum": jax.lax.psum, "rows": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}
-                return [ops[k or "sum"](v, DATA) for v, k in zip(values, kinds)]
+                return parts_lib.across_devices(values, kinds, DATA)
 
             zeros = [jnp.zeros(a.shape, a.dtype) for a in param_avals]     # the pre-pass reads no parameter
             given = parts_lib.prepass(pl, lambda c, ovr: make_evaluator(c.jaxpr, {}, None, ovr), loop, across,
@@ -387,9 +386,7 @@ class PipelineProgram(Emitter):
             cot = _pack_values(full, O)
 
             def overrides(m):
-                out = pl.given_overrides(given)
-                out.update(pl.random(where_of(m)))
-                return out
+                return parts_lib.part_overrides(pl, given, where_of(m))
 
             branches = self._branches(overrides, cot)
 

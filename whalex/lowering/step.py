@@ -118,12 +118,12 @@ class Program(Emitter):
     def value_and_grad(self) -> Callable:
         """(params, batch, extra[, loss scale]) -> ((loss, aux, new model state), grads); with
         micro-batches, a loop over them that keeps the whole-batch meaning of the loss."""
-        loss = self.loss()
         grad_shardings = self._param_named(self.zero_specs()) if self.memory_options.zero_level >= 2 \
             else self.param_shardings
         m = self.num_micro_batch
-        vg = scaled_value_and_grad(loss)
         if m == 1:
+            vg = scaled_value_and_grad(self.loss())
+
             def plain(params, batch, extra=(), scale=None):
                 (value, (aux, new_state)), grads = vg(params, (batch, list(extra)), scale)
                 return (value, aux, new_state), jax.lax.with_sharding_constraint(grads, grad_shardings)
@@ -145,7 +145,7 @@ class Program(Emitter):
             y = x.reshape((dp, m, b // (dp * m)) + x.shape[1:]).swapaxes(0, 1).reshape((m, b // m) + x.shape[1:])
             return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, *spec)))
 
-        pl, random = self.parts, self.random
+        pl = self.parts
         ptree = self.captured.params_tree
 
         def evaluator_for(c, overrides):
@@ -165,20 +165,20 @@ class Program(Emitter):
             b = leaves[0].shape[0]
             c = b // (dp * m)
 
+            def rows_of(k):            # the global rows micro-batch k holds: c rows of each of dp blocks
+                return tuple((j * (b // dp) + k * c, c) for j in range(dp))
+
             def loop(fn, init):
                 def body(acc, xs):
                     k, mb = xs
-                    where = tuple((j * (b // dp) + k * c, c) for j in range(dp))
-                    return fn(mb, where, acc), None
+                    return fn(mb, rows_of(k), acc), None
                 return jax.lax.scan(body, init, (jnp.arange(m), micro))[0]
 
             def map_parts(g, kinds):   # the pre-pass: every micro-batch at once, one reduction
-                def one(k, mb):
-                    return g(mb, tuple((j * (b // dp) + k * c, c) for j in range(dp)))
-                return jax.vmap(one)(jnp.arange(m), micro)
+                return jax.vmap(lambda k, mb: g(mb, rows_of(k)))(jnp.arange(m), micro)
 
             outs, grads = parts_lib.value_and_grad(pl, evaluator_for, loop, across, jax.tree.leaves(params),
-                                                   list(extra), random, scale, map_parts)
+                                                   list(extra), scale, map_parts)
             grads = jax.tree.unflatten(ptree, grads)
             if scale is not None:
                 grads = precision_lib.unscale(grads, scale)
@@ -187,7 +187,3 @@ class Program(Emitter):
             return (value, aux, new_state), grads
 
         return accumulate
-
-    @property
-    def random(self):
-        return None

@@ -124,14 +124,12 @@ class UnevenProgram(Emitter):
         counts = jnp.asarray(self.counts, jnp.int32)
         starts = jnp.asarray([a for a, _ in self.row_ranges()], jnp.int32)
         mesh, remat = self.mesh, self.remat
-        random = self.random
 
         def evaluator_for(c, overrides):
             return program_evaluator(c, {}, mesh, overrides, remat)[0]
 
         def across(values, kinds):
-            ops = {"sum": jax.lax.psum, "rows": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}
-            return [ops[k or "sum"](v, DATA) for v, k in zip(values, kinds)]
+            return parts_lib.across_devices(values, kinds, DATA)
 
         def body(params, batch, extra, *scale):
             scale = scale[0] if scale else None
@@ -141,10 +139,13 @@ class UnevenProgram(Emitter):
             d = jax.lax.axis_index(DATA)
             n = counts[d]
 
+            def chunk_of(k):          # chunk k of this device's block, and the global rows it holds
+                return ([jax.lax.dynamic_slice_in_dim(x, k * unit, unit, 0) for x in leaves],
+                        ((starts[d] + k * unit, unit),))
+
             def loop(fn, init):       # the device's own chunks; no collective inside (trip counts differ)
                 def chunk(k, acc):
-                    part = [jax.lax.dynamic_slice_in_dim(x, k * unit, unit, 0) for x in leaves]
-                    return fn(part, ((starts[d] + k * unit, unit),), acc)
+                    return fn(*chunk_of(k), acc)
                 if even_counts == 1:  # one chunk on every device: no loop, no accumulator
                     return chunk(0, init)
                 return jax.lax.fori_loop(0, even_counts or n, chunk, init)
@@ -152,17 +153,14 @@ class UnevenProgram(Emitter):
             def map_parts(g, kinds):  # the pre-pass: every chunk slot of the block at once (no loop)
                 slots = max(self.counts)
 
-                def one(k):
-                    part = [jax.lax.dynamic_slice_in_dim(x, k * unit, unit, 0) for x in leaves]
-                    return g(part, ((starts[d] + k * unit, unit),))
-                stacked = jax.vmap(one)(jnp.arange(slots))
+                stacked = jax.vmap(lambda k: g(*chunk_of(k)))(jnp.arange(slots))
                 real = jnp.arange(slots) < n          # padding slots take the identity of the reduction
                 return [jnp.where(real.reshape((-1,) + (1,) * (x.ndim - 1)), x,
                                   parts_lib.identity(k, jax.ShapeDtypeStruct(x.shape[1:], x.dtype))[None])
                         for x, k in zip(stacked, kinds)]
 
             outs, grads = parts_lib.value_and_grad(pl, evaluator_for, loop, across, jax.tree.leaves(params),
-                                                   list(extra), random, scale, map_parts)
+                                                   list(extra), scale, map_parts)
             grads = jax.tree.unflatten(ptree, grads)
             if level >= 2:            # ZeRO 2: reduce-scatter to each device's shard
                 grads = precision_lib.reduce_in(prec, lambda g: jax.tree.unflatten(
@@ -185,9 +183,6 @@ class UnevenProgram(Emitter):
 
         return run
 
-    @property
-    def random(self):
-        return None
 
     def value_and_grad(self):
         return self.loss_and_grads()
