@@ -2,23 +2,33 @@
 memory's accounting and lowering's emission)."""
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import jax
 import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
 
+def param_tree_test(params) -> Callable[[Any], bool]:
+    """A predicate: whether a subtree is laid out like `params` (one structure, the same leaf shapes),
+    as the per-parameter parts of an optax state are (Adam's mu and nu)."""
+    treedef = jax.tree.structure(params)
+    shapes = [np.shape(p) for p in jax.tree.leaves(params)]
+
+    def test(x) -> bool:
+        if x is None or jax.tree.structure(x) != treedef:
+            return False
+        return [np.shape(leaf) for leaf in jax.tree.leaves(x)] == shapes
+
+    return test
+
+
 def opt_state_specs(optimizer: optax.GradientTransformation, params, param_specs):
     """PartitionSpecs for the optimizer state: subtrees shaped like the params follow their specs."""
     shapes = jax.eval_shape(optimizer.init, params)
-    treedef = jax.tree.structure(params)
-    spec_tree = jax.tree.unflatten(treedef, list(param_specs))
-    param_shapes = [np.shape(p) for p in jax.tree.leaves(params)]
-
-    def is_param_tree(x):
-        if x is None or jax.tree.structure(x) != treedef:
-            return False
-        return [np.shape(l) for l in jax.tree.leaves(x)] == param_shapes
+    spec_tree = jax.tree.unflatten(jax.tree.structure(params), list(param_specs))
+    is_param_tree = param_tree_test(params)
 
     def assign(sub):
         if is_param_tree(sub):

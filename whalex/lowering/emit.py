@@ -15,7 +15,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from whalex.core.shardings import opt_state_specs
+from whalex.core.shardings import opt_state_specs, param_tree_test
 from whalex.distributed import place_global
 from whalex.errors import PlanError
 from whalex.memory import MemoryOptions, offload, precision, zero
@@ -31,26 +31,13 @@ def map_param_trees(tree, param_shapes, fn: Callable):
     """`fn` applied to every subtree of `tree` laid out like `param_shapes` (same structure and leaf
     shapes: the per-parameter subtrees of an optax state, e.g. Adam's mu and nu); the rest unchanged.
     The same test as `opt_state_specs` uses to shard those subtrees like the parameters."""
-    treedef = jax.tree.structure(param_shapes)
-    shapes = [np.shape(x) for x in jax.tree.leaves(param_shapes)]
-
-    def is_param_tree(x):
-        if x is None or jax.tree.structure(x) != treedef:
-            return False
-        return [np.shape(x) for x in jax.tree.leaves(x)] == shapes
-
+    is_param_tree = param_tree_test(param_shapes)
     return jax.tree.map(lambda x: fn(x) if is_param_tree(x) else x, tree, is_leaf=is_param_tree)
-
-
-def _same_layout(a, b) -> bool:
-    """Whether two pytrees have one structure and the same leaf shapes."""
-    return jax.tree.structure(a) == jax.tree.structure(b) and \
-        [np.shape(x) for x in jax.tree.leaves(a)] == [np.shape(x) for x in jax.tree.leaves(b)]
 
 
 def _relayout(opt_state, expected):
     """`opt_state` (per-parameter subtrees converted) in the structure of `expected`, or a PlanError."""
-    if not _same_layout(opt_state, expected):
+    if not param_tree_test(expected)(opt_state):
         raise PlanError("this plan stores the parameters in its own layout (pipeline stage buffers or padded "
                         "uneven shards) and the optimizer state has parts that are not per-parameter subtrees "
                         "(e.g. adafactor's factored statistics), so it has no plan-independent form; checkpoint "
@@ -292,7 +279,7 @@ class Emitter:
         'model_state' / 'rng' (key data) / 'loss_scale' where present. Internal layouts (pipeline packing,
         padded uneven heads) are undone; ZeRO shards and offloaded arrays are just placed arrays."""
         params, opt_state = state.params, state.opt_state
-        if not _same_layout(params, self.caller_param_shapes()):
+        if not param_tree_test(self.caller_param_shapes())(params):
             compute = self.compute_shardings()           # undo the layout in device memory (offload: fetch)
             params, opt_state = jax.device_put((params, opt_state), (compute.params, compute.opt_state))
             params, opt_state = jax.jit(lambda p, o: (self.unpack_params(p), self._caller_opt_state(o)))(
@@ -345,7 +332,7 @@ class Emitter:
         caller_params = self.caller_param_shapes()
         storage_opt = jax.eval_shape(self.optimizer.init, self.param_shapes())
         params, opt_state = tree["params"], tree["opt_state"]
-        if not _same_layout(params, self.param_shapes()):
+        if not param_tree_test(self.param_shapes())(params):
             def convert(p, o):
                 return self.prepare_params(p), _relayout(map_param_trees(o, caller_params, self.prepare_params),
                                                          storage_opt)
