@@ -392,7 +392,7 @@ def main():
             np.testing.assert_allclose(wl, ref_loss[lname], rtol=1e-5, err_msg=f"{name}: whalex loss != single device")
             upd_err = rel_update_error(params0_host, jax.device_get(step.params(state)), ref_params1[lname])
             assert upd_err < 1e-3, f"{name}: one SGD step differs from single device (relative error {upd_err:.2e})"
-            prog = step._jitted[step._key(state.params, host_batch)]   # the compiled program Step.__call__ runs
+            prog = step._jitted[step._key(state.stored_params, host_batch)]   # the compiled program Step.__call__ runs
             placed = plan.place_batch(host_batch)
             compiled = prog.lower(state, placed).compile()            # cached: the executable just run
             checks[name] = {"loss": wl, "single_device_loss": ref_loss[lname],
@@ -403,7 +403,7 @@ def main():
             variants[name] = {"step": step, "state": state, "prog": prog, "placed": placed}
             if has_prepass:                                           # the same pre-pass as its own program
                 pre, null = prepass_alone(plan.program)
-                pargs = (state.params, placed)
+                pargs = (state.stored_params, placed)
                 got = float(pre(*pargs)[0])
                 assert got == real_tokens, (name, got, real_tokens)   # the normaliser: sum(w) over the global batch
                 c = pre.lower(*pargs).compile()

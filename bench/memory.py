@@ -141,7 +141,7 @@ def row(name: str, config: wh.Config, loss_fn, params, batch, optimizer) -> dict
     compiled = prog.jitted(donate=True).trace(*prog.abstract_args()).lower(lowering_platforms=(prog.platform,)).compile()
     donated = {k: int(getattr(compiled.memory_analysis(), k)) for k in KEYS}
     state, placed_batch = plan.program.abstract_args()
-    split = {"params": shard_bytes(state.params), "opt_state": shard_bytes(state.opt_state),
+    split = {"params": shard_bytes(state.stored_params), "opt_state": shard_bytes(state.opt_state),
              "batch": shard_bytes(placed_batch), "step": shard_bytes(state.step),
              "host": shard_bytes(state, "pinned_host")}
     other = shard_bytes([x for x in jax.tree.leaves(state) if x is not None]) - split["params"] - \

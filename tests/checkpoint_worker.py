@@ -1,5 +1,5 @@
 """Helper for tests/test_launch.py's checkpoint-restart tests (issue 11, acceptance 3 and 4): one process of
-`python -m whalex.launch -n N --restarts K [--min-processes P] ... checkpoint_worker.py OUT_DIR STEPS KILL_AT`.
+`python -m whalex.launch -n N --restarts K [--min-processes P] ... checkpoint_worker.py OUT_DIR STEPS KILL_AT [SIG]`.
 
 Trains launch_worker's MLP (Adam) with wh.parallelize over every process's devices and saves a
 real checkpoint with `wh.CheckpointManager` after every step (every process calls `save`; the
@@ -7,9 +7,9 @@ checkpoint directory OUT_DIR/ckpt is shared, same machine). On start it restores
 checkpoint (`manager.restore(step, param_shapes, batch)`, planned for the devices of THIS start,
 whatever plan or process count saved it) or starts fresh (`step.init`).
 
-On the first start (WHALEX_RESTART_COUNT=0) the last process SIGKILLs itself right after step
-KILL_AT's checkpoint is committed (every process waits for it: `wait_until_finished`), so the
-restart resumes from step KILL_AT. Every start is appended to OUT_DIR/starts_{i}.txt
+On the first start (WHALEX_RESTART_COUNT=0) the last process sends itself SIG (KILL, or STOP: a hung
+worker, which only the launcher's heartbeat timeout detects) right after step KILL_AT's checkpoint is
+committed (every process waits for it: `wait_until_finished`), so the restart resumes from step KILL_AT. Every start is appended to OUT_DIR/starts_{i}.txt
 ("restart nproc first_step devices pid"); at the end process 0 writes OUT_DIR/result.npz
 (losses of this start, param_*, steps).
 """
@@ -20,7 +20,7 @@ import sys
 import numpy as np
 
 
-def main(out: str, steps: int, kill_at: int):
+def main(out: str, steps: int, kill_at: int, sig: str = "KILL"):
     import whalex as wh                                    # joins the process group (whalex.launch env)
     import jax
 
@@ -48,8 +48,8 @@ def main(out: str, steps: int, kill_at: int):
             if restart == 0 and at == kill_at:
                 manager.wait_until_finished()              # step KILL_AT is committed on every process
                 if i == nproc - 1:
-                    print(f"process {i}: killing myself after step {at}", flush=True)
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    print(f"process {i}: sending myself SIG{sig} after step {at}", flush=True)
+                    os.kill(os.getpid(), getattr(signal, f"SIG{sig}"))
         manager.wait_until_finished()
         assert manager.latest_step() == steps
     final = step.params(state)                             # every process (it may run a computation)
@@ -60,4 +60,4 @@ def main(out: str, steps: int, kill_at: int):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:])

@@ -98,7 +98,7 @@ def test_amp_uneven_split_head_sees_the_parameter_behind_the_cast():
     loss_fn, params, batch = _head_model()
     step, state = check_half(loss_fn, params, batch, "bf16", cluster=wh.Cluster(kinds=HETERO))
     assert step.plan.balance is not None and step.plan.balance.kind.startswith("classes")
-    assert state.params["kernel"].shape == (24, 800)                 # stored padded, uneven class shards
+    assert state.stored_params["kernel"].shape == (24, 800)                 # stored padded, uneven class shards
 
 
 # ------------------------------------------------------------------------------------------ loss scaling
@@ -149,10 +149,10 @@ def test_fp16_pipeline_skips_an_overflowing_step():
     params, batch = _plain()
     step = wh.parallelize(_two_stage, SGD, config=wh.Config(amp="fp16", num_micro_batch=4))
     state = step.init(params, batch)
-    before = np.asarray(state.params["stages"])
+    before = np.asarray(state.stored_params["stages"])
     state, m = step(state, _overflow_batch(batch))
     assert not bool(m["grads_finite"]) and float(state.loss_scale.scale) == INITIAL_SCALE / 2
-    np.testing.assert_array_equal(np.asarray(state.params["stages"]), before)
+    np.testing.assert_array_equal(np.asarray(state.stored_params["stages"]), before)
 
 
 # ------------------------------------------------------------------------------------------ comm dtype

@@ -120,7 +120,7 @@ def test_uneven_split_head_matches_single_device():
     assert r.kind.startswith("classes") and r.applied
     counts = [d.rows for d in r.devices]
     assert sum(counts) == 640 and counts[:4] == [100] * 4 and counts[4:] == [60] * 4     # 15.7 : 8.1
-    kernel = state.params["kernel"]                     # stored padded: one even buffer per device
+    kernel = state.stored_params["kernel"]              # stored padded: one even buffer per device
     assert kernel.shape == (24, 800) and {s.data.shape for s in kernel.addressable_shards} == {(24, 100)}
     assert step.params(state)["kernel"].shape == (24, 640)
     # the gradient of the split head is never all-reduced, logits never gathered

@@ -349,14 +349,15 @@ def ckpt_reference():
     return reference_train(worker.loss_fn, params, batch, worker.optimizer(), CKPT_STEPS)
 
 
-def run_checkpoint_worker(tmp_path, devices_per_process, *flags):
-    """checkpoint_worker.py under `whalex.launch -n 2 --restarts 1`: the last process SIGKILLs itself after
-    step KILL_AT's checkpoint on the first start; the launcher's stderr."""
-    r = run_launch(["-n", "2", "--no-pin", "--restarts", "1", "--heartbeat-timeout", "20", "--startup-grace", "90",
-                    "--grace", "1", "--timeout", "110", *flags, "checkpoint_worker.py", str(tmp_path),
-                    str(CKPT_STEPS), str(KILL_AT)], child_env(devices_per_process), timeout=130)
+def run_checkpoint_worker(tmp_path, devices_per_process, *flags, sig="KILL", heartbeat=20, grace=1):
+    """checkpoint_worker.py under `whalex.launch -n 2 --restarts 1`: the last process sends itself SIG`sig`
+    after step KILL_AT's checkpoint on the first start; the launcher's stderr."""
+    r = run_launch(["-n", "2", "--no-pin", "--restarts", "1", "--heartbeat-timeout", str(heartbeat),
+                    "--startup-grace", "90", "--grace", str(grace), "--timeout", "110", *flags, "checkpoint_worker.py",
+                    str(tmp_path), str(CKPT_STEPS), str(KILL_AT), sig], child_env(devices_per_process), timeout=130)
     assert r.returncode == 0, f"launch failed ({r.returncode}):\n{r.stdout}\n{r.stderr}"
-    assert "[1] process 1: killing myself after step 3" in r.stdout and "status 137" in r.stderr
+    assert f"[1] process 1: sending myself SIG{sig} after step 3" in r.stdout
+    assert ("status 137" if sig == "KILL" else "heartbeat timeout") in r.stderr
     return r.stderr
 
 
@@ -365,14 +366,14 @@ def starts_with_devices(out_dir, i):
     return [tuple(map(int, line.split()[:4])) for line in (out_dir / f"starts_{i}.txt").read_text().splitlines()]
 
 
-def check_checkpoint_result(out_dir, reference):
-    """Process 0's final params (and the losses of the resumed start) equal uninterrupted single-device
-    training; the checkpoint directory holds the last two steps (max_to_keep=2)."""
+def check_checkpoint_result(out_dir, reference, first=KILL_AT):
+    """Process 0's final params (and the losses of the resumed start, from step `first`) equal uninterrupted
+    single-device training; the checkpoint directory holds the last two steps (max_to_keep=2)."""
     ref_losses, ref_params = reference
     params0, _ = worker.data()
     res = np.load(out_dir / "result.npz")
-    assert int(res["first"]) == KILL_AT
-    np.testing.assert_allclose(res["losses"], ref_losses[KILL_AT:], rtol=1e-5, atol=0)
+    assert int(res["first"]) == first
+    np.testing.assert_allclose(res["losses"], ref_losses[first:], rtol=1e-5, atol=0)
     for key in params0:
         err = rel_err(res[f"param_{key}"], ref_params[key])
         assert err < 1e-5, f"param {key} differs from uninterrupted single-device training: {err:.2e}"
@@ -390,6 +391,20 @@ def test_checkpoint_manager_restart_after_a_killed_worker(tmp_path, ckpt_referen
     for i in range(2):
         assert starts_with_devices(tmp_path, i) == [(0, 2, 0, 2), (1, 2, KILL_AT, 2)]
     check_checkpoint_result(tmp_path, ckpt_reference)
+
+
+def test_checkpoint_manager_restart_after_a_stopped_worker(tmp_path, ckpt_reference):
+    """Acceptance 3, a hung worker: SIGSTOP instead of SIGKILL. Nothing exits, so only the heartbeat shows it:
+    the launcher stops both within the timeout, restarts, and the run resumes from the latest checkpoint.
+    (The stop sends SIGTERM and SIGCONT before SIGKILL; jax.distributed handles SIGTERM, so the woken
+    processes may train and checkpoint a few more steps first: the restart resumes from whichever is latest.)"""
+    err = run_checkpoint_worker(tmp_path, 1, sig="STOP", heartbeat=6, grace=0)
+    assert "restart 1 of 1 with 2 process(es)" in err and "attempt 1: all 2 process(es) exited with status 0" in err
+    first = starts_with_devices(tmp_path, 0)[1][2]
+    assert KILL_AT <= first < CKPT_STEPS
+    for i in range(2):
+        assert starts_with_devices(tmp_path, i) == [(0, 2, 0, 2), (1, 2, first, 2)]
+    check_checkpoint_result(tmp_path, ckpt_reference, first)
 
 
 def test_checkpoint_manager_restart_on_fewer_processes(tmp_path, ckpt_reference):

@@ -55,7 +55,7 @@ def test_two_stage_pipeline_with_nested_dp(schedule):
     assert plan.schedule.name == schedule and plan.layout.axis_sizes == (4, 2)      # 4 pipeline replicas
     assert [vd.groups for vd in plan.virtual_devices] == [((0,), (2,), (4,), (6,)), ((1,), (3,), (5,), (7,))]
     # each device holds only its stage's parameters
-    packed = state.params["stages"]
+    packed = state.stored_params["stages"]
     assert packed.shape[0] == 2 and {s.data.shape[0] for s in packed.addressable_shards} == {1}
     assert "bubble" in plan.summary()
 

@@ -70,7 +70,7 @@ def test_pipeline_plan_matches_single_device(level):
     width = step.plan.program.param_width
     assert width % 4 == 0 and mu.sharding.spec == P("stage", "data")
     assert {s.data.shape for s in mu.addressable_shards} == {(1, width // 4)}
-    stored = state.params["stages"]
+    stored = state.stored_params["stages"]
     assert {s.data.shape for s in stored.addressable_shards} == {(1, width // 4 if level == 3 else width)}
 
 

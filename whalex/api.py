@@ -108,7 +108,7 @@ class Step:
         """Register `state`, placed per the plan made for the caller's `params` (its stored params may be
         packed, so the step finds the plan under their shapes too), and return it."""
         caller = self._key(params, example_batch)
-        key = self._key(state.params, example_batch)       # pipelines carry packed parameters
+        key = self._key(state.stored_params, example_batch)       # pipelines carry packed parameters
         self._plans[key] = self._plans[caller]
         self._jitted[key] = self._jitted[caller]
         return state
@@ -118,19 +118,36 @@ class Step:
             raise PlanError("step(state, batch) takes the wh.TrainState returned by step.init(params, batch).")
         _check_not_donated(state)
         heartbeat()                                        # whalex.launch --heartbeat-timeout (<= 1 touch/s)
-        key = self._key(state.params, batch)
+        key = self._key(state.stored_params, batch)
         p = self._plans.get(key)
-        if p is None:
+        if p is not None:
+            state = self._relayout(state, p)               # a no-op unless the state came from another step
+        else:
             if self._last is not None and self._last.schedule is not None:
                 raise PlanError("the batch shapes differ from the ones this pipeline was planned for; call "
                                 "step.init(params, batch) with the new shapes.")
-            p = self._plan_for(state.params, batch, state.model_state, state.rng)
+            caller = state.params if state.view is None else jax.eval_shape(state.view.unpack, state.stored_params)
+            p = self._plan_for(caller, batch, state.model_state, state.rng)
+            state = self._relayout(state, p)
+            key = self._key(state.stored_params, batch)
+            self._plans[key], self._jitted[key] = p, self._jitted[self._key(caller, batch)]
         self._last = p
         return self._jitted[key](state, p.place_batch(batch))
 
+    def _relayout(self, state: TrainState, p: Plan) -> TrainState:
+        """`state` in the storage layout of plan `p` (a new batch shape can re-plan a padded head)."""
+        if state.view is p.program.param_view:
+            return state
+        old = next((q for q in self._plans.values() if q.program.param_view is state.view), None)
+        if old is None:
+            raise PlanError("this state was made by another step (its parameters are stored in that plan's layout: "
+                            f"{state.view.layout}); use the step that made it, or save it with wh.CheckpointManager "
+                            "and restore it under this step.")
+        return p.program.place_caller_state(old.program.caller_state(state), rng=state.rng)
+
     def params(self, state: TrainState):
         """The parameters of `state` as the caller's pytree (unpacks pipeline stage buffers)."""
-        return self.plan.program.unpack_params(state.params)
+        return state.params
 
     def model(self, state: TrainState):
         """The NNX module of `state` (after step.init(model, batch)): trained params and model state."""

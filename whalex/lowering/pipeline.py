@@ -207,6 +207,9 @@ class PipelineProgram(Emitter):
             rows.append(jnp.pad(row, (0, self.param_width - row.shape[0])))
         return {"stages": jnp.stack(rows)}
 
+    def param_layout(self):
+        return "pipeline stage buffers"
+
     def unpack_params(self, packed):
         """The user's parameter pytree from the packed stage buffer."""
         buf = packed["stages"]

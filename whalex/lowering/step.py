@@ -93,6 +93,9 @@ class Program(Emitter):
         """The caller's parameter pytree (uneven split leaves without their padding)."""
         return self._map_padded(params, "unpad")
 
+    def param_layout(self):
+        return "padded uneven shards" if self.padded else None
+
     # -- the functions -----------------------------------------------------------------------
     def loss(self) -> Callable:
         """loss(params, batch) -> (loss, aux) evaluated with the plan's constraints."""
