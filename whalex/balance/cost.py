@@ -79,6 +79,30 @@ def report(specs, speeds: Sequence[float], rows: Sequence[int], even_rows: Seque
                          act_per_sample)
 
 
+ROUNDING = 0.005       # a load grain of at most this fraction of the smallest ideal share: <= 0.5% lost
+LEVELS = 6             # remainder chunk sizes below a full chunk (compiled bodies of the loss)
+
+
+def balance_grain(global_batch: int, smallest_share: float) -> int:
+    """Rows per load unit for a speed-proportional split: the largest power of two dividing the batch
+    that is at most ROUNDING of the smallest ideal per-device share (1 when none is larger). Rounding
+    each device's rows to the grain then moves its step time by at most that fraction."""
+    g = 1
+    while global_batch % (2 * g) == 0 and 2 * g <= ROUNDING * smallest_share:
+        g *= 2
+    return g
+
+
+def chunk_rows(rows, grain: int) -> int:
+    """Rows of a full chunk of the per-device loop: grain * 2**j, at most LEVELS doublings, and no more
+    than the smallest non-zero load (each device's remainder then takes at most LEVELS smaller chunks)."""
+    smallest = min(r for r in rows if r > 0)
+    c = grain
+    while 2 * c <= smallest and c < grain * 2 ** LEVELS:
+        c *= 2
+    return c
+
+
 def balance_unit(global_batch: int, num_devices: int, per_device: int = 4) -> int:
     """Rows per load unit: the largest divisor of the batch leaving >= per_device units a device."""
     for u in range(global_batch, 0, -1):

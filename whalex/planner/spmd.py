@@ -118,7 +118,7 @@ def zero_data_parallel(req: Request, full, m, mesh, mem):
     if sem.accepted:
         return None              # the loss couples samples: the GSPMD program sees the whole batch (exact)
     parts = PartLoss(sem, cap, full)
-    return UnevenProgram(cap, mesh, req.optimizer, req.cluster.platform, (m,) * n, unit, b, mem, parts=parts)
+    return UnevenProgram(cap, mesh, req.optimizer, req.cluster.platform, (m * unit,) * n, unit, b, mem, parts=parts)
 
 
 def expert_overrides(calls, mesh) -> dict:
