@@ -68,8 +68,8 @@ def speed_lines(cluster: Cluster) -> list[str]:
     groups: dict[float, list[int]] = {}
     for i, s in enumerate(cluster.measured):
         groups.setdefault(s, []).append(i)
-    lines = ["calibrated speeds (median over timing rounds ± relative spread; speeds equal within the noise "
-             "are merged):"]
+    lines = ["calibrated speeds " + ("(median over timing rounds ± relative spread; speeds equal within the noise "
+                                     "are merged):" if cluster.spread is not None else "(given without a spread):")]
     for speed, ids in sorted(groups.items(), key=lambda g: -g[0]):
         text = f"  {_fmt_speed(speed)} on device{'s' if len(ids) > 1 else ''} {_devices(tuple(ids))}"
         if cluster.spread is not None:

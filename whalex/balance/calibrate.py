@@ -88,12 +88,12 @@ def group_speeds(speeds: Sequence[float], spreads: Sequence[float], tolerance: f
     """Speeds that differ by less than the noise, made equal.
 
     Sorted speeds a <= b next to each other are the same when (b - a) / a <= max(tolerance,
-    noise_a + noise_b): their +-noise bands overlap, or they are within the floor `tolerance`. A
-    device's noise is its spread, but at least the median spread of all devices (the machine's
-    noise level): a spread from a few rounds is itself noisy, and a device that happened to
-    measure quietly should not split from its peers. Such runs form a group, and every member
-    takes the group's median. Identical devices so get exactly equal speeds (the even plan); a
-    device 2x slower than the others stays apart unless the noise is as large as the gap.
+    noise_a + noise_b): their +-noise bands overlap, or they are within the floor `tolerance`.
+    Runs of such neighbours form a group, and every member takes the group's median. Identical
+    devices so get exactly equal speeds (the even plan); a device 2x slower than the others stays
+    apart unless the noise is as large as the gap. A device's noise is its spread, but at least
+    the median spread of all devices (the machine's noise level): a spread from a few rounds is
+    itself noisy, and a device that happened to measure quietly should not split from its peers.
     """
     s = np.asarray(speeds, np.float64)
     e = np.asarray(spreads, np.float64)
@@ -143,7 +143,8 @@ def measure(cluster: Cluster, loss_fn: Callable | None = None, params=None, batc
         fn, work = _matmul_work(size, chain)
         args = (jnp.asarray(np.random.default_rng(0).standard_normal((size, size)), jnp.float32) / size ** 0.5,)
     mine = [i for i, d in enumerate(cluster.devices) if d.process_index == jax.process_index()]
-    local = summarize(work / time_rounds([cluster.devices[i] for i in mine], fn, args, repeats))
+    local = summarize(work / time_rounds([cluster.devices[i] for i in mine], fn, args, repeats)) if mine \
+        else Measurement((), ())                        # this process owns none of the cluster's devices
     both = np.zeros((2, cluster.size))                  # speeds, spreads; zero where another process times
     both[:, mine] = [local.speeds, local.spreads]
     if jax.process_count() > 1:
