@@ -23,6 +23,7 @@ class DeviceLoad:
     capacity: float
     time: float             # predicted seconds of compute per step at `rows`
     even_time: float
+    spread: float | None = None     # relative noise of a calibrated speed (0.05: +-5%)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,12 +70,14 @@ def activation_model(make_fn, rows: tuple[int, int] = (16, 64)) -> tuple[float, 
 
 def report(specs, speeds: Sequence[float], rows: Sequence[int], even_rows: Sequence[int], *, source: str,
            unit: int, applied: bool, shifted: int, flops_per_sample: float, state_bytes: float,
-           act_base: float, act_per_sample: float) -> BalanceReport:
+           act_base: float, act_per_sample: float, spreads: Sequence[float] | None = None) -> BalanceReport:
     devices = []
-    for i, (spec, speed, r, e) in enumerate(zip(specs, speeds, rows, even_rows)):
+    spreads = spreads if spreads is not None else [None] * len(speeds)
+    for i, (spec, speed, r, e, sp) in enumerate(zip(specs, speeds, rows, even_rows, spreads)):
         devices.append(DeviceLoad(i, spec.name, float(speed), int(r), int(e),
                                   state_bytes + act_base + r * act_per_sample, float(spec.memory_bytes),
-                                  r * flops_per_sample / speed, e * flops_per_sample / speed))
+                                  r * flops_per_sample / speed, e * flops_per_sample / speed,
+                                  None if sp is None else float(sp)))
     return BalanceReport(source, unit, tuple(devices), applied, shifted, flops_per_sample, state_bytes,
                          act_per_sample)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Sequence
 
 import jax
@@ -22,6 +23,7 @@ class Cluster:
     specs: tuple[DeviceSpec, ...]
     devices: tuple[Any, ...] | None
     measured: tuple[float, ...] | None = None     # calibrated FLOP/s per device, when measured
+    spread: tuple[float, ...] | None = None       # relative spread of each measured speed (0.05: +-5%)
 
     def __init__(self, kinds: Sequence[str] | None = None, devices: Sequence[Any] | None = None):
         maybe_initialize()      # join a whalex.launch process group before touching devices
@@ -39,6 +41,7 @@ class Cluster:
         object.__setattr__(self, "specs", tuple(lookup(k) for k in kinds))
         object.__setattr__(self, "devices", tuple(available[: len(kinds)]))
         object.__setattr__(self, "measured", None)
+        object.__setattr__(self, "spread", None)
 
     @classmethod
     def detect(cls) -> "Cluster":
@@ -56,17 +59,28 @@ class Cluster:
         object.__setattr__(obj, "specs", tuple(lookup(k) for k in kinds))
         object.__setattr__(obj, "devices", None)
         object.__setattr__(obj, "measured", None)
+        object.__setattr__(obj, "spread", None)
         return obj
 
-    def with_speeds(self, speeds) -> "Cluster":
-        """A copy whose device speeds (FLOP/s) are measured ones instead of the spec table's."""
+    def with_speeds(self, speeds, spread=None) -> "Cluster":
+        """A copy whose device speeds (FLOP/s) are measured ones instead of the spec table's.
+
+        `spread`: optional relative noise of each speed (0.05 reads +-5%), shown beside the speed in
+        `plan.summary()`; `calibrate()` fills it in.
+        """
         speeds = tuple(float(s) for s in speeds)
-        if len(speeds) != self.size or min(speeds) <= 0:
+        if len(speeds) != self.size or not all(math.isfinite(s) and s > 0 for s in speeds):
             raise ClusterError(f"with_speeds needs {self.size} positive speeds, got {speeds}.")
+        if spread is not None:
+            spread = tuple(float(s) for s in spread)
+            if len(spread) != self.size or not all(math.isfinite(s) and s >= 0 for s in spread):
+                raise ClusterError(f"with_speeds needs {self.size} non-negative relative spreads (0.05 for +-5%), "
+                                   f"got {spread}.")
         obj = object.__new__(type(self))
         object.__setattr__(obj, "specs", self.specs)
         object.__setattr__(obj, "devices", self.devices)
         object.__setattr__(obj, "measured", speeds)
+        object.__setattr__(obj, "spread", spread)
         return obj
 
     @property

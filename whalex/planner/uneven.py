@@ -89,7 +89,7 @@ def balance_data_parallel(req: Request, full):
     report = cost.report(cluster.specs, cluster.speeds, rows, even(b, k),
                          source=cluster.speed_source, unit=unit, applied=applied, shifted=bal.shifted,
                          flops_per_sample=flops_per_sample, state_bytes=state, act_base=act_base,
-                         act_per_sample=act_per)
+                         act_per_sample=act_per, spreads=cluster.spread)
     if not applied:
         return report, None
     cap = program.captured
