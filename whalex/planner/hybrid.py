@@ -208,13 +208,13 @@ def hybrid_plan(req: Request, full, plan: Plan) -> Plan:
     flops = taskgraph_flops(full.jaxpr, full.assign, len(full.taskgraphs))
     backbone_tgs = {full.assign[(i,)] for i in range(cut)}
     flops_per_sample = sum(f for t, f in enumerate(flops) if t in backbone_tgs) / b
-    head_note = f"; {plan.balance.kind}" if plan.balance is not None else ""
+    head_note = f"; uneven {plan.balance.kind}" if plan.balance is not None else ""
     report = cost.report(cluster.specs, cluster.speeds, rows, even(b, k), source=cluster.speed_source, unit=unit,
                          applied=True, shifted=bal.shifted, flops_per_sample=flops_per_sample,
                          state_bytes=max(state), act_base=0.0, act_per_sample=per_row)
     kind = f"batch (applied to the replicate TaskGraphs; split head keeps its layout{head_note})"
     return dataclasses.replace(plan, program=program, batch_sizes=tuple(rows),
-                               balance=dataclasses.replace(report, kind=kind))
+                               balance=dataclasses.replace(report, kind=kind), head_balance=plan.balance)
 
 
 def _boundary_problem(part: Backbone, whole: Backbone, rows: int, b: int) -> str | None:
