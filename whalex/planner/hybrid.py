@@ -32,6 +32,8 @@ from whalex.planner.common import Request
 WAY_OUT = "use wh.Config(hardware_aware=False) (an even batch: the statistic over the whole batch, exact)"
 # higher-order equations whose inner equations map one-to-one onto the equation's inputs
 _CALLS = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "checkpoint", "remat")
+_ALONG = {"cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": "axis", "cumlogsumexp": "axis",
+          "sort": "dimension"}
 
 
 def backbone_cut(cap) -> int | None:
@@ -69,38 +71,41 @@ def _unsupported(req: Request, cap, plan, cut: int) -> str | None:
 
 
 def _couplings(jp, jg, b: int, B: int, gvar: dict, out: list) -> None:
-    """Append (equation, why) for each equation of `jp` (at b rows; `jg` at B) that mixes samples:
-    a batch reduction, a reshape across the batch, an op along the batch; calls are looked into."""
+    """Append (equation, why, refused) for each equation of `jp` (at b rows; `jg` at B) that may mix
+    samples: refused for a batch reduction, a reshape across the batch or an op along it; not
+    refused (the even plan is kept) for a higher-order op whalex does not look into. Calls are
+    looked into."""
     gvar = dict(gvar)
     for ep, eg in zip(jp.eqns, jg.eqns):
         gvar.update(zip(ep.outvars, eg.outvars))
 
     def is_b(v):
-        return not isinstance(v, C.Literal) and shape_of(v) != shape_of(gvar[v])
+        return not isinstance(v, C.Literal) and shape_of(v) != shape_of(gvar.get(v, v))
 
     for ep, eg in zip(jp.eqns, jg.eqns):
         b_in = [v for v in ep.invars if is_b(v)]
         if not b_in:
             continue
         b_out = [o for o in ep.outvars if is_b(o)]
-        sub = _sub_jaxprs(ep), _sub_jaxprs(eg)
-        if sub[0] is not None:
-            inner = dict(zip(sub[0].invars, sub[1].invars))
-            _couplings(sub[0], sub[1], b, B, {**inner, **{v: gvar.get(v, v) for v in sub[0].constvars}}, out)
+        sub = _sub_jaxpr(ep), _sub_jaxpr(eg)
+        if sub[0] is not None and sub[1] is not None:
+            _couplings(sub[0], sub[1], b, B, dict(zip(sub[0].invars, sub[1].invars)), out)
             continue
+        name = ep.primitive.name
         if any(_has_jaxpr(ep)):
-            out.append((ep, f"{ep.primitive.name} (whalex does not look inside it)"))
+            out.append((ep, f"{name} (whalex does not look inside it)", False))
         elif len(b_out) < len(ep.outvars):
-            out.append((ep, f"{ep.primitive.name} reduces over the batch"))
-        elif any(shape_of(o)[0] != b or shape_of(gvar[o])[0] != B or shape_of(o)[1:] != shape_of(gvar[o])[1:]
-                 for o in b_out) or any(shape_of(v)[0] != b for v in b_in):
-            out.append((ep, f"{ep.primitive.name} mixes samples of the batch"))
-        elif ep.primitive.name in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "sort") and \
-                0 in np.atleast_1d(ep.params.get("axis", ep.params.get("dimension", -1))):
-            out.append((ep, f"{ep.primitive.name} runs along the batch"))
+            out.append((ep, f"{name} reduces over the batch", True))
+        elif any(not np.isclose(np.prod(shape_of(gvar[o])) / max(np.prod(shape_of(o)), 1), B / b) for o in b_out):
+            out.append((ep, f"{name} mixes samples of the batch", True))
+        elif name in _ALONG:
+            axes = set(np.atleast_1d(ep.params[_ALONG[name]]).tolist())
+            bdims = {k for k, (x, y) in enumerate(zip(shape_of(b_in[0]), shape_of(gvar[b_in[0]]))) if x != y}
+            if axes & bdims:
+                out.append((ep, f"{name} runs along the batch", True))
 
 
-def _sub_jaxprs(eqn):
+def _sub_jaxpr(eqn):
     if C.is_call(eqn):
         return C.call_jaxpr(eqn)[0]
     if eqn.primitive.name in _CALLS:
@@ -117,9 +122,10 @@ def _has_jaxpr(eqn):
             isinstance(v, (tuple, list)) and any(hasattr(x, "jaxpr") or hasattr(x, "eqns") for x in v))
 
 
-def check_per_sample(part, whole, cut: int) -> None:
+def check_per_sample(part, whole, cut: int) -> str | None:
     """PlanError naming the operation when the backbone (equations [0, cut)) couples samples: uneven
-    per-device rows would change what it computes."""
+    per-device rows would change what it computes. Returns why the even plan is kept where whalex
+    cannot tell (a higher-order op it does not look into), else None."""
     jp, jg = part.jaxpr.jaxpr, whole.jaxpr.jaxpr
     if len(jp.eqns) != len(jg.eqns) or any(e.primitive != f.primitive for e, f in zip(jp.eqns, jg.eqns)):
         raise PlanError(f"the loss traces differently at {part.global_batch} and {whole.global_batch} samples (its "
@@ -128,12 +134,17 @@ def check_per_sample(part, whole, cut: int) -> None:
     gvar = dict(zip(list(jp.invars) + list(jp.constvars), list(jg.invars) + list(jg.constvars)))
     found: list = []
     _couplings(_Prefix(jp, cut), _Prefix(jg, cut), part.global_batch, whole.global_batch, gvar, found)
-    if found:
-        lines = "\n  - ".join(f"{why} at {source(e)}" for e, why in found)
+    refused = [(e, why) for e, why, refuse in found if refuse]
+    if refused:
+        lines = "\n  - ".join(f"{why} at {source(e)}" for e, why in refused)
         raise PlanError(
             "the replicate backbone of this hybrid couples the samples of the batch (e.g. BatchNorm statistics), "
             "so it cannot run on uneven per-device rows:\n  - " + lines +
             f"\nMove the operation under wh.split (the head sees the whole batch), or {WAY_OUT}.")
+    if found:
+        e, why, _ = found[0]
+        return f"{why} at {source(e)}"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,13 +201,15 @@ def hybrid_plan(req: Request, full, plan: Plan) -> Plan:
     head = plan.program
     rows_program = UnevenProgram(req.capture(chunk), head.mesh, req.optimizer, cluster.platform, tuple(rows), chunk,
                                  b, grain=unit)
-    check_per_sample(rows_program.captured, full, cut)
+    reason = check_per_sample(rows_program.captured, full, cut)
+    if reason is not None:
+        return _note(plan, reason)
     sizes = [chunk] + [s for j, s in enumerate(rows_program.sizes) if any(bits[j] for bits in rows_program.remainder_bits)]
     backbones = []
     for s in sizes:
         part = rows_program.captured if s == chunk else req.capture(s)
-        if s != chunk:
-            check_per_sample(part, full, cut)
+        if s != chunk and check_per_sample(part, full, cut) is not None:
+            return _note(plan, "the backbone traces differently at another part size")
         bb = Backbone(part, cut)
         reason = _boundary_problem(bb, Backbone(full, cut), s, b)
         if reason is not None:
