@@ -98,6 +98,7 @@ class Plan:
     schedule: Any = None                      # the pipeline Schedule, when the plan is a pipeline
     stage_layers: tuple = ()                  # per stage, the names of the layers it holds
     balance: Any = None                       # the hardware-aware BalanceReport, on heterogeneous clusters
+    head_balance: Any = None                  # the split head's class shards when `balance` is the batch's (hybrid)
     batch_couplings: Any = dataclasses.field(default=(), repr=False, compare=False)   # lines, or a function of none
     _cache: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -220,8 +221,9 @@ class Plan:
                 if layers:
                     lines.append(f"  stage {k}: {len(layers)} layer{'s' if len(layers) > 1 else ''} "
                                  f"({', '.join(layers)})")
-        if self.balance is not None:
-            r = self.balance
+        for r in (self.balance, self.head_balance):
+            if r is None:
+                continue
             lines.append(f"hardware-aware balance of the {r.kind} ({'applied' if r.applied else 'not applied: even plan'}; "
                          f"speeds from the {r.source}; unit {r.unit}; Algorithm 1 moved {r.shifted} units "
                          "for memory):")

@@ -149,8 +149,9 @@ class UnevenProgram(Emitter):
         return place_global(self.pad_batch(batch), self.batch_shardings)   # multi-process: each reads its own rows
 
     # -- the step -------------------------------------------------------------------------------
-    def parts_driver(self, leaves):
-        """Inside shard_map, for this device's block `leaves`: (loop, map_parts) as
+    def parts_driver(self, leaves, axis=DATA):
+        """Inside shard_map over `axis` (a mesh axis or a tuple of them: the device order of `rows`),
+        for this device's block `leaves`: (loop, map_parts) as
         `whalex.core.part_loss.value_and_grad` takes them. loop(fn, init) runs acc = fn(part, where, acc)
         over the device's parts (full chunks in a fori_loop, then the remainder chunks under lax.cond);
         map_parts(g, kinds) evaluates g on every part slot at once, identity where a slot is not real."""
@@ -158,7 +159,7 @@ class UnevenProgram(Emitter):
         used = [any(b[j] for b in self.remainder_bits) for j in range(len(sizes))]   # sizes some device runs
         full = self.full_chunks
         uniform = len(set(full)) == 1 and not any(used)
-        d = jax.lax.axis_index(DATA)
+        d = jax.lax.axis_index(axis)
         n = jnp.asarray(full, jnp.int32)[d]
         bits = jnp.asarray(self.remainder_bits, jnp.bool_).reshape(len(self.rows), len(sizes))[d]
         start = jnp.asarray([a for a, _ in self.row_ranges()], jnp.int32)[d]
