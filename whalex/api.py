@@ -5,7 +5,9 @@ one jitted step. The plan is built by `whalex.planner`; this module is the thin 
 """
 from __future__ import annotations
 
-from typing import Callable
+import operator
+import weakref
+from typing import Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -33,13 +35,42 @@ def plan(loss_fn: Callable, params, batch, optimizer=None, config=None, cluster=
     return build_plan(loss_fn, params, batch, optimizer, config, cluster, has_aux, model_state, rng)
 
 
-def _check_not_donated(state) -> None:
-    """Refuse a state whose buffers an earlier step consumed: the jitted step donates its state, and
-    running it again on donated buffers crashes the process instead of raising."""
-    if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
+_DELETED = operator.methodcaller("is_deleted")
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+
+
+def _signature(leaves) -> tuple:
+    """The shapes and dtypes of `leaves` (attribute reads for arrays; numpy's view of scalars and lists)."""
+    try:
+        return tuple(map(_SHAPE, leaves)), tuple(map(_DTYPE, leaves))
+    except AttributeError:
+        return tuple(map(np.shape, leaves)), tuple(np.asarray(x).dtype for x in leaves)
+
+
+def _check_not_donated(leaves) -> None:
+    """Refuse a state (its leaves) whose buffers an earlier step consumed: the jitted step donates its
+    state, and running it again on donated buffers crashes the process instead of raising."""
+    try:
+        deleted = any(map(_DELETED, leaves))          # every leaf a jax.Array: one C-level pass
+    except AttributeError:
+        deleted = any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves)
+    if deleted:
         raise PlanError("this state was consumed by an earlier step (the step donates its state argument, so its "
                         "arrays are deleted); use the state returned by that step: state, metrics = step(state, "
                         "batch). If you re-ran a notebook cell, re-run step.init(params, batch) first.")
+
+
+class _LastCall(NamedTuple):
+    """The last call of a `Step`: the state it returned (weakly held), the batch's tree and signature,
+    and the plan and jitted step it ran. A call with that very state and a batch that looks the same
+    runs the same step without re-deriving it from the state's leaves."""
+
+    state: weakref.ref
+    batch_tree: object
+    batch_signature: tuple
+    plan: Plan
+    jitted: Callable
 
 
 class Step:
@@ -55,6 +86,7 @@ class Step:
         self._jitted: dict = {}
         self._last: Plan | None = None
         self._nnx: NnxModel | None = None        # step.init(nnx_module, batch): the module's static structure
+        self._last_call: _LastCall | None = None  # the fast path of __call__
 
     @property
     def plan(self) -> Plan:
@@ -63,9 +95,8 @@ class Step:
         return self._last
 
     def _key(self, params, batch):
-        return jax.tree.structure((params, batch)), tuple(
-            (np.shape(x), str(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype))
-            for x in jax.tree.leaves((params, batch)))
+        leaves, tree = jax.tree.flatten((params, batch))
+        return tree, _signature(leaves)
 
     def _plan_for(self, params, batch, model_state=None, rng=None) -> Plan:
         key = self._key(params, batch)
@@ -78,6 +109,7 @@ class Step:
                                 "or Cluster.detect() / Cluster(kinds=...) to train.")
             self._plans[key] = p
             self._jitted[key] = p.program.jitted()
+            self._last_call = None
         self._last = self._plans[key]
         return self._plans[key]
 
@@ -111,28 +143,46 @@ class Step:
         key = self._key(state.stored_params, example_batch)       # pipelines carry packed parameters
         self._plans[key] = self._plans[caller]
         self._jitted[key] = self._jitted[caller]
+        self._last_call = None
         return state
 
     def __call__(self, state: TrainState, batch):
         if not isinstance(state, TrainState):
             raise PlanError("step(state, batch) takes the wh.TrainState returned by step.init(params, batch).")
-        _check_not_donated(state)
         heartbeat()                                        # whalex.launch --heartbeat-timeout (<= 1 touch/s)
+        batch_leaves, batch_tree = jax.tree.flatten(batch)
+        batch_signature = _signature(batch_leaves)
+        last = self._last_call
+        if (last is not None and last.state() is state and last.batch_tree == batch_tree
+                and last.batch_signature == batch_signature):
+            # the state this step just returned, with a batch like the last one: same plan and layout;
+            # a state donated since (by another step) has lost all its buffers, its counter too
+            _check_not_donated((state.step,))
+            p, jitted = last.plan, last.jitted
+        else:
+            _check_not_donated(jax.tree.leaves(state))
+            state, p, jitted = self._resolve(state, batch)
+        self._last = p
+        state, metrics = jitted(state, p.place_batch(batch))
+        self._last_call = _LastCall(weakref.ref(state), batch_tree, batch_signature, p, jitted)
+        return state, metrics
+
+    def _resolve(self, state: TrainState, batch):
+        """(state in the plan's storage layout, plan, jitted step) for a call: the plan made for these
+        shapes, or a new one (a new batch shape; refused for pipelines)."""
         key = self._key(state.stored_params, batch)
         p = self._plans.get(key)
         if p is not None:
-            state = self._relayout(state, p)               # a no-op unless the state came from another step
-        else:
-            if self._last is not None and self._last.schedule is not None:
-                raise PlanError("the batch shapes differ from the ones this pipeline was planned for; call "
-                                "step.init(params, batch) with the new shapes.")
-            caller = state.params if state.view is None else jax.eval_shape(state.view.unpack, state.stored_params)
-            p = self._plan_for(caller, batch, state.model_state, state.rng)
-            state = self._relayout(state, p)
-            key = self._key(state.stored_params, batch)
-            self._plans[key], self._jitted[key] = p, self._jitted[self._key(caller, batch)]
-        self._last = p
-        return self._jitted[key](state, p.place_batch(batch))
+            return self._relayout(state, p), p, self._jitted[key]     # a no-op unless the state came from another step
+        if self._last is not None and self._last.schedule is not None:
+            raise PlanError("the batch shapes differ from the ones this pipeline was planned for; call "
+                            "step.init(params, batch) with the new shapes.")
+        caller = state.params if state.view is None else jax.eval_shape(state.view.unpack, state.stored_params)
+        p = self._plan_for(caller, batch, state.model_state, state.rng)
+        state = self._relayout(state, p)
+        key = self._key(state.stored_params, batch)
+        self._plans[key], self._jitted[key] = p, self._jitted[self._key(caller, batch)]
+        return state, p, self._jitted[key]
 
     def _relayout(self, state: TrainState, p: Plan) -> TrainState:
         """`state` in the storage layout of plan `p` (a new batch shape can re-plan a padded head)."""

@@ -58,19 +58,19 @@ _last_beat = -float("inf")
 def heartbeat(min_interval: float = 1.0) -> bool:
     """Tell `whalex.launch` this process is making progress: touch `$WHALEX_HEARTBEAT_FILE`.
 
-    Cheap enough for every step: without the variable it only reads the environment, and it
-    touches the file at most once per `min_interval` seconds (monotonic clock). Returns True when
-    it touched the file. Never raises on a file-system error (the launcher then sees a stale
-    heartbeat, which is what it should see).
+    Cheap enough for every step: a clock read, then at most once per `min_interval` seconds
+    (monotonic clock) it reads the environment and touches the file (a no-op without the variable).
+    Returns True when it touched the file. Never raises on a file-system error (the launcher then
+    sees a stale heartbeat, which is what it should see).
     """
     global _last_beat
-    path = os.environ.get(HEARTBEAT)
-    if not path:
-        return False
     now = time.monotonic()
     if now - _last_beat < min_interval:
         return False
     _last_beat = now
+    path = os.environ.get(HEARTBEAT)
+    if not path:
+        return False
     try:
         os.utime(path)
     except FileNotFoundError:
@@ -159,12 +159,15 @@ def place_global(tree, shardings):
     it to assert every process passed the same value (jax 0.10.2, `multihost_utils.assert_equal`):
     a collective over the whole batch every step, and an error when each process filled only the
     rows it owns (`plan.local_rows`). Here each process reads only the slices its own devices
-    hold (`jax.make_array_from_callback`). Fully addressable shardings (one process) and arrays
-    already placed go through `jax.device_put` unchanged.
+    hold (`jax.make_array_from_callback`). An array already placed with its sharding is returned
+    as it is (what `jax.device_put` returns too, at a fraction of its cost); fully addressable
+    shardings (one process) and other placed arrays go through `jax.device_put`.
     """
     import jax
 
     def put(x, s):
+        if isinstance(x, jax.Array) and x.sharding == s:
+            return x
         if s.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
             return jax.device_put(x, s)
         x = np.asarray(x)
