@@ -24,8 +24,8 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from whalex.balance.profile import sharded_bytes, spec_shards
-from whalex.core.interpret import subgraph_function
+from whalex.balance.profile import sharded_bytes, spec_shards, taskgraph_eqns
+from whalex.core.interpret import subgraph_functions, subgraph_key
 from whalex.core.shardings import opt_state_specs
 
 
@@ -93,30 +93,40 @@ def taskgraph_residuals(cap, divisors: Sequence[int]) -> tuple[list[float], list
     consts = set(jaxpr.constvars)
     b = cap.global_batch
     param_shapes = {(tuple(v.aval.shape), v.aval.dtype) for v in jaxpr.invars[: cap.num_params]}
-    residuals, inputs_ = [], []
-    for tg in cap.taskgraphs:
-        idx = [i for i in range(len(jaxpr.eqns)) if cap.assign[(i,)] == tg.index]
+
+    def major(s):     # batch-major values that are not parameters
+        return len(s.shape) > 0 and s.shape[0] % b == 0 and (tuple(s.shape), s.dtype) not in param_shapes
+
+    residuals, inputs_, traced, memo = [], [], {}, {}
+    groups = taskgraph_eqns(jaxpr, cap.assign, len(cap.taskgraphs))
+    for tg, idx, (inputs, outputs, fn) in zip(cap.taskgraphs, groups, subgraph_functions(jaxpr, groups)):
         if not idx:
             residuals.append(0.0)
             inputs_.append(0.0)
             continue
-        inputs, _, fn = subgraph_function(jaxpr, idx)
-        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in inputs if v not in consts]
-        floating = [jax.numpy.issubdtype(a.dtype, jax.numpy.floating) for a in avals]
-
-        def f(*fa, avals=avals, floating=floating, fn=fn):
-            it = iter(fa)
-            args = [next(it) if fl else jax.numpy.zeros(a.shape, a.dtype) for a, fl in zip(avals, floating)]
-            return [o for o in fn(*args) if jax.numpy.issubdtype(o.dtype, jax.numpy.floating)]
-
-        float_avals = [a for a, fl in zip(avals, floating) if fl]
-        closure = jax.eval_shape(lambda *a: jax.vjp(f, *a)[1], *float_avals)
-        def major(s, params=param_shapes):     # batch-major values that are not parameters
-            return len(s.shape) > 0 and s.shape[0] % b == 0 and (tuple(s.shape), s.dtype) not in params
+        key = subgraph_key(jaxpr, idx, inputs, outputs, consts, memo)
+        if key not in traced:             # a repeated block keeps what its twin keeps
+            traced[key] = _closure(inputs, fn, consts)
+        closure, float_avals = traced[key]
         div = divisors[tg.index]
-        residuals.append(sum(_bytes(s.shape, s.dtype) for s in jax.tree.leaves(closure) if major(s)) / div)
+        residuals.append(sum(_bytes(s.shape, s.dtype) for s in closure if major(s)) / div)
         inputs_.append(sum(_bytes(a.shape, a.dtype) for a in float_avals if major(a)) / div)
     return residuals, inputs_
+
+
+def _closure(inputs, fn, consts) -> tuple[list, list]:
+    """The leaves of fn's vjp closure w.r.t. its floating inputs, and those inputs (abstract)."""
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in inputs if v not in consts]
+    floating = [jax.numpy.issubdtype(a.dtype, jax.numpy.floating) for a in avals]
+
+    def f(*fa):
+        it = iter(fa)
+        args = [next(it) if fl else jax.numpy.zeros(a.shape, a.dtype) for a, fl in zip(avals, floating)]
+        return [o for o in fn(*args) if jax.numpy.issubdtype(o.dtype, jax.numpy.floating)]
+
+    float_avals = [a for a, fl in zip(avals, floating) if fl]
+    closure = jax.eval_shape(lambda *a: jax.vjp(f, *a)[1], *float_avals)
+    return jax.tree.leaves(closure), float_avals
 
 
 def memory_fit(plan) -> MemoryFit:
