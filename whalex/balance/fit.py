@@ -12,6 +12,10 @@ compilation), so it answers for clusters that are not there (`wh.Cluster.abstrac
   optimizer state, the parameters, then the gradients (streamed out as they are produced, as
   ZeRO-Offload does) to host memory. The first prefix that fits is the need (options that save
   less than 1% of the device's memory are left out of it).
+- host memory bounds offload: what a step keeps on the host must fit the device's share of its
+  node's RAM (`Cluster.host_bytes`: declared, detected, or the kind's typical node). A ladder that
+  fits the devices only by offloading more than the hosts hold does not fit, and `limit` says
+  host memory is what is short.
 
 It is a model, not a measurement: XLA may fuse away or add temporaries. On the 8-device example the
 activation estimate is compared against XLA's compiled temp memory in `bench/moe_plan.py`.
@@ -51,17 +55,20 @@ class FitStep:
     option: str
     footprint: Footprint
     fits: bool
+    limit: str | None = None        # what it does not fit: "device memory", "host memory" (or both)
 
 
 @dataclasses.dataclass(frozen=True)
 class MemoryFit:
-    """The plain footprint, the capacity, and the ladder of options tried."""
+    """The plain footprint, the capacities (device memory, host memory per device), and the ladder
+    of options tried."""
 
     capacity: float
     plain: Footprint
     ladder: tuple[FitStep, ...]
     replicated_fraction: float      # share of per-device parameter bytes that ZeRO could shard
     replicas: int                   # data-parallel replicas of the replicated leaves
+    host_capacity: float = float("inf")     # host RAM per device (its share of its node's)
 
     @property
     def fits(self) -> bool:
@@ -81,6 +88,29 @@ class MemoryFit:
             if step.fits:
                 return tuple(chosen)
         return None
+
+    @property
+    def limit(self) -> str | None:
+        """What is short when nothing here fits: "host memory" when some options fit the devices only
+        by offloading more than the hosts hold, else "device memory"; None when it fits."""
+        if self.needs is not None:
+            return None
+        return "host memory" if any(s.limit == "host memory" for s in self.ladder) else "device memory"
+
+    def verdict(self) -> str:
+        """One line: fits, fits with which options, or what is short and by how much."""
+        gib = 2.0 ** 30
+        if self.fits:
+            return "fits"
+        if self.needs is not None:
+            return "fits with " + " + ".join(self.needs)
+        if self.limit == "host memory":
+            step = next(s for s in self.ladder if s.limit == "host memory")
+            return (f"does not fit: host memory is the limit ({step.option}: {step.footprint.host / gib:.1f} GiB "
+                    f"per device on the host, which holds {self.host_capacity / gib:.1f} GiB per device)")
+        last = self.ladder[-1].footprint if self.ladder else self.plain
+        return (f"does not fit: device memory is the limit (every option applied: {last.device_total / gib:.1f} "
+                f"GiB per device, capacity {self.capacity / gib:.1f} GiB)")
 
 
 def _bytes(shape, dtype) -> float:
@@ -156,6 +186,7 @@ def memory_fit(plan) -> MemoryFit:
     residuals, boundary = taskgraph_residuals(cap, divisors)
     plain = Footprint(params, params, opt_state, sum(residuals))
     cap_bytes = float(min(s.memory_bytes for s in plan.cluster.specs[:n]))
+    host_bytes = float(min(plan.cluster.host_bytes[:n]))
 
     steps, cur = [], plain
     saved_p = rep_params - sharded_params
@@ -163,7 +194,9 @@ def memory_fit(plan) -> MemoryFit:
     def add(option, **changes):
         nonlocal cur
         cur = dataclasses.replace(cur, **changes)
-        steps.append(FitStep(option, cur, cur.device_total <= cap_bytes))
+        short = [what for what, need, have in (("device memory", cur.device_total, cap_bytes),
+                                               ("host memory", cur.host, host_bytes)) if need > have]
+        steps.append(FitStep(option, cur, not short, " and ".join(short) or None))
 
     if saved_p > 0:
         add("zero 1", opt_state=cur.opt_state - opt_ratio * saved_p)
@@ -175,4 +208,4 @@ def memory_fit(plan) -> MemoryFit:
     add("offload params", params=0.0, host=cur.host + cur.params)
     add("offload grads", grads=0.0, host=cur.host + cur.grads)
     rep = max(replicas) if replicas else 1
-    return MemoryFit(cap_bytes, plain, tuple(steps), rep_params / params if params else 0.0, rep)
+    return MemoryFit(cap_bytes, plain, tuple(steps), rep_params / params if params else 0.0, rep, host_bytes)
