@@ -128,6 +128,9 @@ def _param_key(value: Any, memo: dict) -> Any:
         return ("ndarray", value.shape, str(value.dtype), value.tobytes())
     if isinstance(value, (tuple, list)):
         return tuple(_param_key(x, memo) for x in value)
+    if callable(value):                                 # e.g. a custom_jvp rule: the same object, or different
+        memo.setdefault(id(value), (value, None))
+        return ("callable", id(value))
     return repr(value)
 
 
