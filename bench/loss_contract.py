@@ -206,17 +206,12 @@ def prepass_alone(program):
     """A jitted program running only the plan's pre-pass: `whalex.core.parts.prepass` with the
     plan's PartLoss, over the same parts (the chunk loop of the uneven program, the micro-batch scan
     of gradient accumulation, evaluated at once with vmap) and the same combine over devices, returning the normalisers. It
-    mirrors the loops of whalex/lowering/uneven.py and step.py (internals: update it with them).
+    uses the uneven program's own loops (`UnevenProgram.parts_driver`) and mirrors the micro-batch scan of step.py.
     Also returns a null program (same inputs and shardings, returns one parameter element, no
     collective) for the cost of a call."""
     pl = program.parts
     mesh = program.mesh
-    if hasattr(program, "counts"):                    # UnevenProgram: per-device chunk loop, psum after it
-        unit = program.unit
-        counts = jnp.asarray(program.counts, jnp.int32)
-        starts = jnp.asarray([a for a, _ in program.row_ranges()], jnp.int32)
-        even = program.counts[0] if len(set(program.counts)) == 1 else None
-
+    if hasattr(program, "parts_driver"):              # UnevenProgram: per-device chunk loop, psum after it
         def evaluator_for(c, overrides):
             return program_evaluator(c, {}, mesh, overrides, program.remat)[0]
 
@@ -224,28 +219,7 @@ def prepass_alone(program):
             return parts_lib.across_devices(values, kinds, "data")
 
         def body(params, batch):
-            leaves = jax.tree.leaves(batch)
-            d = jax.lax.axis_index("data")
-            n = even or counts[d]
-
-            def loop(fn, init):
-                def chunk(k, acc):
-                    part = [jax.lax.dynamic_slice_in_dim(x, k * unit, unit, 0) for x in leaves]
-                    return fn(part, ((starts[d] + k * unit, unit),), acc)
-                return jax.lax.fori_loop(0, n, chunk, init)
-
-            def map_parts(g, kinds):              # as the program: every chunk slot at once (vmap)
-                slots = max(program.counts)
-
-                def one(k):
-                    part = [jax.lax.dynamic_slice_in_dim(x, k * unit, unit, 0) for x in leaves]
-                    return g(part, ((starts[d] + k * unit, unit),))
-                stacked = jax.vmap(one)(jnp.arange(slots))
-                real = jnp.arange(slots) < n
-                return [jnp.where(real.reshape((-1,) + (1,) * (x.ndim - 1)), x,
-                                  parts_lib.identity(k, jax.ShapeDtypeStruct(x.shape[1:], x.dtype))[None])
-                        for x, k in zip(stacked, kinds)]
-
+            loop, map_parts = program.parts_driver(jax.tree.leaves(batch))   # the program's own loops
             given = parts_lib.prepass(pl, evaluator_for, loop, across, jax.tree.leaves(params), [],
                                       map_parts=map_parts)
             return [v for vals in given.values() for v in vals]

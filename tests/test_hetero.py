@@ -116,7 +116,7 @@ def test_uneven_split_head_matches_single_device():
     np.testing.assert_allclose(loss_fn(params, batch), ref, rtol=1e-6)
 
     step, state = assert_matches(loss_fn, params, batch, steps=5, cluster=wh.Cluster(kinds=HETERO))
-    r = step.plan.balance
+    r = step.plan.head_balance           # a hybrid: plan.balance is the batch's (tests/test_hybrid_uneven.py)
     assert r.kind.startswith("classes") and r.applied
     counts = [d.rows for d in r.devices]
     assert sum(counts) == 640 and counts[:4] == [100] * 4 and counts[4:] == [60] * 4     # 15.7 : 8.1
@@ -158,3 +158,66 @@ def test_memory_model_predicts_xla_memory_analysis():
     for rows in (40, 128):
         predicted = base + rows * per
         assert abs(predicted - temp_bytes(*make(rows))) / temp_bytes(*make(rows)) < 0.10
+
+
+# ---- issue 12, Build 1: loads at a fine grain (full chunks plus binary remainder chunks) ----------------
+
+@pytest.mark.parametrize("ratio", [2.0, 3.0, 15.7 / 8.1, 1.3])
+@pytest.mark.parametrize("devices", [2, 8])
+def test_rounding_to_the_grain_costs_under_one_percent_at_any_batch(ratio, devices):
+    """With >= 64 rows per device, the step time of the rounded split is within 1% of the ideal
+    proportional one (max over devices of rows_i / speed_i against B / sum(speeds))."""
+    from whalex.balance import cost
+    from whalex.balance.algorithm import proportional
+    speeds = np.array([ratio] * (devices // 2) + [1.0] * (devices - devices // 2))
+    for b in [64 * devices, 100 * devices + 3, 2048, 4096, 4116, 6000, 8192, 12345]:
+        if b < 64 * devices:
+            continue
+        grain = cost.balance_grain(b, b * speeds.min() / speeds.sum())
+        rows = np.array(proportional(b // grain, speeds)) * grain
+        assert rows.sum() == b
+        assert (rows / speeds).max() / (b / speeds.sum()) < 1.01, (b, grain, rows)
+
+
+def _mlp_problem(b, seed=0):
+    """A stock Flax MLP (nn.Dense with biases) and a masked mean on a batch with padded rows."""
+    import flax.linen as nn
+    import optax
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(5)(nn.relu(nn.Dense(16)(x)))
+
+    rng = np.random.default_rng(seed)
+    batch = {"x": jnp.asarray(rng.standard_normal((b, 12), np.float32)),
+             "y": jnp.asarray(rng.integers(0, 5, b).astype(np.int32)),
+             "mask": jnp.asarray((rng.random(b) > 0.2).astype(np.float32))}
+    params = MLP().init(jax.random.key(seed), batch["x"][:1])["params"]
+
+    def loss_fn(p, bt):
+        ce = optax.softmax_cross_entropy_with_integer_labels(MLP().apply({"params": p}, bt["x"]), bt["y"])
+        return (ce * bt["mask"]).sum() / bt["mask"].sum()
+
+    return loss_fn, params, batch
+
+
+@pytest.mark.parametrize("b", [4096, 4116])
+def test_power_of_two_batch_follows_a_two_to_one_split(b):
+    """A 2:1 cluster at a power-of-two batch: rows follow the speeds to the grain (the old divisor
+    unit gave 5:3 at 4096), the parts cover every row once, the gradient is one all-reduce operand,
+    and training equals one device (SGD)."""
+    import optax
+    from hlo import shapes_of
+    loss_fn, params, batch = _mlp_problem(b)
+    cluster = wh.Cluster(devices=jax.devices()[:2]).with_speeds([2e12, 1e12])
+    step, _ = assert_matches(loss_fn, params, batch, steps=2, optimizer=optax.sgd(0.5), tol=1e-4, cluster=cluster)
+    program, rows = step.plan.program, step.plan.batch_sizes
+    assert abs(rows[0] / rows[1] - 2.0) < 0.01 and sum(rows) == b
+    assert any(any(bits) for bits in program.remainder_bits)           # remainder chunks run
+    ranges = program.part_ranges()
+    assert [a for a, _ in ranges] == list(np.cumsum([0] + [n for _, n in ranges])[:-1])  # contiguous, once each
+    assert sum(n for _, n in ranges) == b and program.parts.num_parts == len(ranges)
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    text = step.plan.lowered().compile().as_text()
+    assert (n_params,) in shapes_of(text, "all-reduce")                 # one fused gradient buffer

@@ -119,6 +119,7 @@ def test_losses_sgd(kind, plan):
     step = _run(kind, plan, "sgd")
     if plan == "hetero":
         assert len(set(step.plan.batch_sizes)) > 1
+        assert all(any(bits) for bits in step.plan.program.remainder_bits)   # full and remainder chunks run
 
 
 @pytest.mark.parametrize("plan", list(PLANS))

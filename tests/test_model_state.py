@@ -179,7 +179,7 @@ def test_batchnorm_per_part_opt_in_equals_per_part_reference(plan):
     if plan == "micro4":
         parts = _strided(8, 4)
     elif plan == "hetero":
-        parts = _contiguous(step.plan.balance.unit)
+        parts = [np.arange(a, a + n) for a, n in step.plan.program.part_ranges()]   # full and remainder chunks
         assert len(set(step.plan.batch_sizes)) > 1
     else:
         parts = _contiguous(B // (4 * 2))                                 # 4 replicas x 2 micro-batches

@@ -52,6 +52,33 @@ def _fmt_flops(n: float) -> str:
     return f"{n:.0f} FLOP"
 
 
+def _fmt_speed(speed: float, spread: float | None = None) -> str:
+    return f"{_fmt_flops(speed)}/s" + ("" if spread is None else f" ± {_fmt_pct(spread)}")
+
+
+def _fmt_pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def speed_lines(cluster: Cluster) -> list[str]:
+    """Calibrated speeds, one line per group of devices that the noise made equal: the common
+    speed, and the spread (or range of spreads) of the members' measurements."""
+    if cluster.measured is None:
+        return []
+    groups: dict[float, list[int]] = {}
+    for i, s in enumerate(cluster.measured):
+        groups.setdefault(s, []).append(i)
+    lines = ["calibrated speeds " + ("(median over timing rounds ± relative spread; speeds equal within the noise "
+                                     "are merged):" if cluster.spread is not None else "(given without a spread):")]
+    for speed, ids in sorted(groups.items(), key=lambda g: -g[0]):
+        text = f"  {_fmt_speed(speed)} on device{'s' if len(ids) > 1 else ''} {_devices(tuple(ids))}"
+        if cluster.spread is not None:
+            lo, hi = min(cluster.spread[i] for i in ids), max(cluster.spread[i] for i in ids)
+            text += f", spread ± {_fmt_pct(lo)}" + (f" to {_fmt_pct(hi)}" if hi > lo else "")
+        lines.append(text)
+    return lines
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """The parallel plan: TaskGraphs, VirtualDevices, per-device batch sizes, shardings, memory."""
@@ -71,6 +98,7 @@ class Plan:
     schedule: Any = None                      # the pipeline Schedule, when the plan is a pipeline
     stage_layers: tuple = ()                  # per stage, the names of the layers it holds
     balance: Any = None                       # the hardware-aware BalanceReport, on heterogeneous clusters
+    head_balance: Any = None                  # the split head's class shards when `balance` is the batch's (hybrid)
     batch_couplings: Any = dataclasses.field(default=(), repr=False, compare=False)   # lines, or a function of none
     _cache: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -204,6 +232,7 @@ class Plan:
                  f"{self.config.num_micro_batch} micro-batch(es)"]
         lines += _table(["TaskGraph", "strategy", "devices/replica", "devices", "nested DP", "params",
                          "FLOPs (fwd+bwd)", "comm/device"], tg_rows)
+        lines += speed_lines(self.cluster)
         if self.schedule is not None:
             s = self.schedule
             reps = self.layout.axis_sizes[0]
@@ -214,12 +243,13 @@ class Plan:
                 if layers:
                     lines.append(f"  stage {k}: {len(layers)} layer{'s' if len(layers) > 1 else ''} "
                                  f"({', '.join(layers)})")
-        if self.balance is not None:
-            r = self.balance
+        for r in (self.balance, self.head_balance):
+            if r is None:
+                continue
             lines.append(f"hardware-aware balance of the {r.kind} ({'applied' if r.applied else 'not applied: even plan'}; "
                          f"speeds from the {r.source}; unit {r.unit}; Algorithm 1 moved {r.shifted} units "
                          "for memory):")
-            rows = [[str(d.device), d.kind, f"{d.speed / 1e12:.2f} TFLOP/s", str(d.even_rows), str(d.rows),
+            rows = [[str(d.device), d.kind, _fmt_speed(d.speed, d.spread), str(d.even_rows), str(d.rows),
                      _fmt_time(d.time), _fmt_bytes(d.memory), _fmt_bytes(d.capacity)] for d in r.devices]
             lines += _table(["device", "kind", "capacity", "even", "balanced", "predicted time",
                              "predicted memory", "memory"], rows)

@@ -32,14 +32,16 @@ class Balance:
 
 
 def proportional(total: int, weights: Sequence[float]) -> list[int]:
-    """Integers summing to `total`, proportional to `weights` (largest remainder)."""
+    """Integers summing to `total`, proportional to `weights`: the floors of the exact shares, then each
+    unit left to the device whose load/weight stays smallest with it, so the largest load/weight (the
+    step time when weights are speeds) is as small as integers allow; ties go to the lower index."""
     w = np.asarray(weights, dtype=np.float64)
     if total < 0 or np.any(w < 0) or w.sum() <= 0:
         raise ValueError("proportional() needs a non-negative total and positive weights")
-    exact = total * w / w.sum()
-    out = np.floor(exact).astype(int)
-    for i in np.argsort(-(exact - out), kind="stable")[: total - out.sum()]:
-        out[i] += 1
+    out = np.floor(total * w / w.sum()).astype(int)
+    with np.errstate(divide="ignore"):
+        for _ in range(total - int(out.sum())):
+            out[int(np.argmin(np.where(w > 0, (out + 1) / w, np.inf)))] += 1
     return out.tolist()
 
 

@@ -23,6 +23,7 @@ class DeviceLoad:
     capacity: float
     time: float             # predicted seconds of compute per step at `rows`
     even_time: float
+    spread: float | None = None     # relative noise of a calibrated speed (0.05: +-5%)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,14 +70,40 @@ def activation_model(make_fn, rows: tuple[int, int] = (16, 64)) -> tuple[float, 
 
 def report(specs, speeds: Sequence[float], rows: Sequence[int], even_rows: Sequence[int], *, source: str,
            unit: int, applied: bool, shifted: int, flops_per_sample: float, state_bytes: float,
-           act_base: float, act_per_sample: float) -> BalanceReport:
+           act_base: float, act_per_sample: float, spreads: Sequence[float] | None = None) -> BalanceReport:
     devices = []
-    for i, (spec, speed, r, e) in enumerate(zip(specs, speeds, rows, even_rows)):
+    spreads = spreads if spreads is not None else [None] * len(speeds)
+    for i, (spec, speed, r, e, sp) in enumerate(zip(specs, speeds, rows, even_rows, spreads)):
         devices.append(DeviceLoad(i, spec.name, float(speed), int(r), int(e),
                                   state_bytes + act_base + r * act_per_sample, float(spec.memory_bytes),
-                                  r * flops_per_sample / speed, e * flops_per_sample / speed))
+                                  r * flops_per_sample / speed, e * flops_per_sample / speed,
+                                  None if sp is None else float(sp)))
     return BalanceReport(source, unit, tuple(devices), applied, shifted, flops_per_sample, state_bytes,
                          act_per_sample)
+
+
+ROUNDING = 0.005       # a load grain of at most this fraction of the smallest ideal share: <= 0.5% lost
+LEVELS = 6             # remainder chunk sizes below a full chunk (compiled bodies of the loss)
+
+
+def balance_grain(global_batch: int, smallest_share: float) -> int:
+    """Rows per load unit for a speed-proportional split: the largest power of two dividing the batch
+    that is at most ROUNDING of the smallest ideal per-device share (1 when none is larger). Rounding
+    each device's rows to the grain then moves its step time by at most that fraction."""
+    g = 1
+    while global_batch % (2 * g) == 0 and 2 * g <= ROUNDING * smallest_share:
+        g *= 2
+    return g
+
+
+def chunk_rows(rows, grain: int) -> int:
+    """Rows of a full chunk of the per-device loop: grain * 2**j, at most LEVELS doublings, and no more
+    than the smallest non-zero load (each device's remainder then takes at most LEVELS smaller chunks)."""
+    smallest = min(r for r in rows if r > 0)
+    c = grain
+    while 2 * c <= smallest and c < grain * 2 ** LEVELS:
+        c *= 2
+    return c
 
 
 def balance_unit(global_batch: int, num_devices: int, per_device: int = 4) -> int:

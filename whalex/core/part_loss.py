@@ -54,6 +54,30 @@ class PartLoss:
     sem: Semantics
     part: Captured
     whole: Captured
+    variants: tuple = ()         # the same loss at other part sizes (a program with parts of several sizes)
+    total_parts: int | None = None   # parts per step when they are not global_rows / part_rows
+
+    def with_variants(self, variants, total_parts: int) -> "PartLoss":
+        """This loss evaluated in `total_parts` parts of several sizes: `variants` are `loss_parts` at the
+        other sizes. Their analyses must agree with this one (same reductions, terms and outputs), so a
+        part of any size returns the same part outputs; else PlanError (the loss depends on the size)."""
+        key = _structure(self.sem)
+        for v in variants:
+            if _structure(v.sem) != key:
+                raise PlanError(f"the loss's batch reductions differ between parts of {self.sem.part_rows} and "
+                                f"{v.sem.part_rows} samples; whalex cannot evaluate it in parts of several sizes.")
+        return dataclasses.replace(self, total_parts=total_parts, variants=tuple(
+            dataclasses.replace(v, total_parts=total_parts) for v in variants))
+
+    def at(self, rows: int) -> "PartLoss":
+        """The loss for a part of `rows` samples (this one, or the variant of that size)."""
+        if rows == self.sem.part_rows:
+            return self
+        for v in self.variants:
+            if v.sem.part_rows == rows:
+                return v
+        raise ValueError(f"no part loss for parts of {rows} samples (sizes: "
+                         f"{[self.sem.part_rows] + [v.sem.part_rows for v in self.variants]})")
 
     @functools.cached_property
     def draws(self):
@@ -64,7 +88,7 @@ class PartLoss:
 
     @property
     def num_parts(self) -> int:
-        return self.sem.global_rows // self.sem.part_rows
+        return self.total_parts or self.sem.global_rows // self.sem.part_rows
 
     def _reds(self, pred) -> list[Reduction]:
         return [r for r in self.sem.reductions if pred(r)]
@@ -171,6 +195,17 @@ class PartLoss:
         return [C.read(env, v) for v in jg.outvars]
 
 
+def _structure(sem: Semantics) -> tuple:
+    """What must agree between analyses of one loss at two part sizes."""
+    return (tuple((r.index, r.op, r.combine, r.params, r.feedback, r.level, r.local) for r in sem.reductions),
+            sem.affine, sem.local_outputs, sem.row_outputs, len(sem.terms))
+
+
+def _rows(part) -> int:
+    """Samples in a part (its batch leaves' leading dimension)."""
+    return int(np.shape(part[0])[0])
+
+
 def _same(a, b) -> bool:
     try:
         return bool(np.array_equal(np.asarray(a), np.asarray(b)))
@@ -238,22 +273,22 @@ def value_and_grad(pl: PartLoss, evaluator_for: Callable, loop: Callable, across
     outvars, kinds, grad, weight = pl.part_outputs()
     n_sums = pl.n_sums
     inputs = [None] * (len(params) + nb) + list(extra)
-    body = pl.body(outvars)
 
-    def overrides(where):
-        return part_overrides(pl, given, where)
+    def evaluate_part(part, where):                    # the body of this part's size, its overrides
+        q = pl.at(_rows(part))
+        return evaluator_for(q.body(q.part_outputs()[0]), part_overrides(q, given, where))
 
     if pl.sem.affine:
         at = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in outvars]
     else:                                              # exact second pass: the part outputs first
         def forward(part, where, acc):
-            vals = evaluator_for(body, overrides(where))(*params, *part, *extra)
+            vals = evaluate_part(part, where)(*params, *part, *extra)
             return [combine(k, a, v, where) for k, a, v in zip(kinds, acc, vals)]
         at = _finish(pl, across(loop(forward, pl.accumulator(outvars, kinds)), kinds), n_sums)
     idx, cot = _cotangent(pl, given, inputs, at, scale)
 
     def fn(part, where, acc):
-        evaluate = evaluator_for(body, overrides(where))
+        evaluate = evaluate_part(part, where)
 
         def f(ps):
             vals = evaluate(*ps, *part, *extra)
@@ -341,11 +376,12 @@ def prepass(pl: PartLoss, evaluator_for, loop, across, params, extra, map_parts=
         reds = pl.data_reductions(level)
         outs = [o for r in reds for o in jp.eqns[r.index].outvars]
         kinds = [r.combine for r in reds for _ in jp.eqns[r.index].outvars]
-        body = pl.body(outs)
         known = dict(given)
 
-        def g(part, where, body=body, known=known):
-            return evaluator_for(body, part_overrides(pl, known, where))(*params, *part, *extra)
+        def g(part, where, level=level, known=known):
+            q = pl.at(_rows(part))                     # the body of this part's size
+            body = q.body([o for r in q.data_reductions(level) for o in q.part.jaxpr.jaxpr.eqns[r.index].outvars])
+            return evaluator_for(body, part_overrides(q, known, where))(*params, *part, *extra)
 
         def fn(part, where, acc, g=g, kinds=kinds):
             return [combine(k, a, v) for k, a, v in zip(kinds, acc, g(part, where))]

@@ -1,12 +1,14 @@
 """Uneven data parallelism in one SPMD program (Whale section 3.3.1, intra-TaskGraph balance).
 
-Device i trains on its own number of samples, `counts[i] * unit`, chosen by Algorithm 1 (in
-`whalex.planner.uneven`). The global batch is laid out padded: device i's block of
-`max(counts) * unit` rows holds its real rows first and padding after. Inside `shard_map`, each
-device runs a `fori_loop` over its own number of `unit`-row chunks (the trip count differs
-between devices, so no collective runs inside the loop), accumulating sample-weighted loss and
-gradients; one `psum` after the loop gives exactly the global-batch mean. Padding rows are never
-read.
+Device i trains on its own number of samples, `rows[i]`, chosen by Algorithm 1 (in
+`whalex.planner.uneven`) at a fine grain, so the split follows the device speeds closely at any
+batch size. The global batch is laid out padded: device i's block of `max(rows)` rows holds its
+real rows first and padding after. Inside `shard_map`, each device runs a `fori_loop` over its own
+number of full `chunk`-row chunks, then at most one chunk of each smaller size `chunk/2, chunk/4,
+..., grain` (the binary digits of its remainder, each under a `lax.cond`): the work stays
+proportional to the rows and padding is never read. The trip counts and conditions differ between
+devices, so no collective runs inside them; sample-weighted loss and gradients are accumulated and
+one `psum` after them gives exactly the global-batch values (`whalex.core.part_loss`).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from whalex.core import part_loss as parts_lib
 from whalex.core.capture import Captured
+from whalex.core.collectives import fused_psum
 from whalex.distributed import place_global
 from whalex.errors import PlanError
 from whalex.lowering.emit import Emitter
@@ -33,25 +36,61 @@ DATA = "data"
 
 @dataclasses.dataclass(frozen=True)
 class UnevenProgram(Emitter):
-    captured: Captured           # traced at `unit` rows
+    captured: Captured           # traced at `chunk` rows
     mesh: Any                    # 1-D mesh over every device, axis "data"
     optimizer: optax.GradientTransformation | None
     platform: str
-    counts: tuple[int, ...]      # chunks of `unit` rows per device
-    unit: int
+    rows: tuple[int, ...]        # samples per device
+    chunk: int                   # rows of a full chunk
     global_batch: int
     memory: Any = None           # whalex.memory.MemoryOptions (ZeRO level, offload)
     precision: Any = None        # whalex.memory.precision.Precision (amp, comm_dtype)
     remat: Any = None            # whalex.memory.remat.RematPlan (per-TaskGraph remat, activation offload)
-    parts: Any = None            # whalex.core.parts.PartLoss: the loss contract over chunks
+    parts: Any = None            # whalex.core.part_loss.PartLoss: the loss contract over the chunks
+    grain: int | None = None     # the smallest remainder chunk (chunk / 2**j); None: full chunks only
+
+    def __post_init__(self):
+        g = self.grain or self.chunk
+        if self.chunk % g or (self.chunk // g) & (self.chunk // g - 1) or any(r % g for r in self.rows) \
+                or sum(self.rows) != self.global_batch:
+            raise ValueError(f"uneven rows {self.rows} (global batch {self.global_batch}) do not split into chunks "
+                             f"of {self.chunk} and a binary remainder down to {g} rows")
 
     @property
-    def rows(self) -> tuple[int, ...]:
-        return tuple(c * self.unit for c in self.counts)
+    def sizes(self) -> tuple[int, ...]:
+        """The remainder chunk sizes, largest first: chunk/2, chunk/4, ..., grain."""
+        g, out, s = self.grain or self.chunk, [], self.chunk // 2
+        while s >= g:
+            out.append(s)
+            s //= 2
+        return tuple(out)
+
+    @property
+    def full_chunks(self) -> tuple[int, ...]:
+        return tuple(r // self.chunk for r in self.rows)
+
+    @property
+    def remainder_bits(self) -> tuple[tuple[bool, ...], ...]:
+        """Per device: which remainder sizes it runs (the binary digits of rows % chunk)."""
+        return tuple(tuple(bool((r % self.chunk) // s % 2) for s in self.sizes) for r in self.rows)
+
+    def part_sizes(self, device: int) -> tuple[int, ...]:
+        """The samples of each part device `device` evaluates, in order."""
+        bits = self.remainder_bits[device]
+        return (self.chunk,) * self.full_chunks[device] + tuple(s for s, b in zip(self.sizes, bits) if b)
+
+    def part_ranges(self) -> tuple[tuple[int, int], ...]:
+        """Every part of a step as (first global row, samples), device by device."""
+        out = []
+        for d, (start, _) in enumerate(self.row_ranges()):
+            for n in self.part_sizes(d):
+                out.append((start, n))
+                start += n
+        return tuple(out)
 
     @property
     def block(self) -> int:
-        return max(self.counts) * self.unit
+        return max(self.rows)
 
     def row_ranges(self) -> tuple[tuple[int, int], ...]:
         """The global batch rows [start, stop) each device trains on."""
@@ -75,7 +114,7 @@ class UnevenProgram(Emitter):
     def batch_shapes(self):
         """Shapes of the padded batch the step takes."""
         invars = self.captured.batch_vars
-        k = len(self.counts)
+        k = len(self.rows)
         return jax.tree.unflatten(self.captured.batch_tree, [
             jax.ShapeDtypeStruct((k * self.block,) + tuple(v.aval.shape[1:]), v.aval.dtype) for v in invars])
 
@@ -89,8 +128,8 @@ class UnevenProgram(Emitter):
     # -- the batch ------------------------------------------------------------------------------
     def pad_batch(self, batch):
         """Host-side: the global batch laid out in per-device padded blocks (numpy)."""
-        k, block = len(self.counts), self.block
-        even = len(set(self.counts)) == 1     # the batch already is the per-device layout
+        k, block = len(self.rows), self.block
+        even = len(set(self.rows)) == 1       # the batch already is the per-device layout
 
         def pad(x):
             if np.shape(x)[0] != self.global_batch:
@@ -110,19 +149,68 @@ class UnevenProgram(Emitter):
         return place_global(self.pad_batch(batch), self.batch_shardings)   # multi-process: each reads its own rows
 
     # -- the step -------------------------------------------------------------------------------
+    def parts_driver(self, leaves, axis=DATA):
+        """Inside shard_map over `axis` (a mesh axis or a tuple of them: the device order of `rows`),
+        for this device's block `leaves`: (loop, map_parts) as
+        `whalex.core.part_loss.value_and_grad` takes them. loop(fn, init) runs acc = fn(part, where, acc)
+        over the device's parts (full chunks in a fori_loop, then the remainder chunks under lax.cond);
+        map_parts(g, kinds) evaluates g on every part slot at once, identity where a slot is not real."""
+        chunk, sizes = self.chunk, self.sizes
+        used = [any(b[j] for b in self.remainder_bits) for j in range(len(sizes))]   # sizes some device runs
+        full = self.full_chunks
+        uniform = len(set(full)) == 1 and not any(used)
+        d = jax.lax.axis_index(axis)
+        n = jnp.asarray(full, jnp.int32)[d]
+        bits = jnp.asarray(self.remainder_bits, jnp.bool_).reshape(len(self.rows), len(sizes))[d]
+        start = jnp.asarray([a for a, _ in self.row_ranges()], jnp.int32)[d]
+
+        def part_at(off, size):       # `size` rows of the block from `off`, and the global rows they hold
+            return [jax.lax.dynamic_slice_in_dim(x, off, size, 0) for x in leaves], ((start + off, size),)
+
+        def remainders():             # (size index, offset, taken) of each remainder chunk some device runs
+            off = n * chunk
+            for j, s in enumerate(sizes):
+                if used[j]:
+                    yield j, off, bits[j]
+                off = off + jnp.where(bits[j], s, 0)
+
+        def loop(fn, init):
+            def step(k, acc):
+                return fn(*part_at(k * chunk, chunk), acc)
+            if uniform and full[0] == 1:          # one chunk on every device: no loop, no accumulator
+                return step(0, init)
+            acc = jax.lax.fori_loop(0, full[0] if uniform else n, step, init)
+            for j, off, taken in remainders():
+                acc = jax.lax.cond(taken, lambda a, off=off, s=sizes[j]: fn(*part_at(off, s), a), lambda a: a, acc)
+            return acc
+
+        def map_parts(g, kinds):
+            def identity(x):
+                return parts_lib.identity(kinds[x[0]], jax.ShapeDtypeStruct(x[1].shape, x[1].dtype))
+
+            slots = max(full)
+            stacked = jax.vmap(lambda k: g(*part_at(k * chunk, chunk)))(jnp.arange(slots))
+            real = jnp.arange(slots) < n          # padding slots take the identity of the reduction
+            out = [[jnp.where(real.reshape((-1,) + (1,) * (x.ndim - 1)), x, identity((i, x[0]))[None])]
+                   for i, x in enumerate(stacked)]
+            for j, off, taken in remainders():
+                vals = jax.lax.cond(taken, lambda off=off, s=sizes[j]: list(g(*part_at(off, s))),
+                                    lambda: [identity((i, x[0])) for i, x in enumerate(stacked)])
+                for o, v in zip(out, vals):
+                    o.append(v[None])
+            return [jnp.concatenate(o, axis=0) for o in out]
+
+        return loop, map_parts
+
     def loss_and_grads(self):
         cap = self.captured
         pl = self.parts
-        unit = self.unit
         has_aux = cap.has_aux
         prec = self.precision
         scaled = prec is not None and prec.scaled
         level = self.memory_options.zero_level
-        even_counts = self.counts[0] if len(set(self.counts)) == 1 else None
         specs, zspecs = self.param_spec_list(), self.zero_specs()
         ptree = self.captured.params_tree
-        counts = jnp.asarray(self.counts, jnp.int32)
-        starts = jnp.asarray([a for a, _ in self.row_ranges()], jnp.int32)
         mesh, remat = self.mesh, self.remat
 
         def evaluator_for(c, overrides):
@@ -135,30 +223,7 @@ class UnevenProgram(Emitter):
             scale = scale[0] if scale else None
             if level >= 3:            # ZeRO 3: all-gather the shards once per step, before the loop
                 params = jax.tree.unflatten(ptree, zero_lib.gather(jax.tree.leaves(params), specs, zspecs, DATA))
-            leaves = jax.tree.leaves(batch)
-            d = jax.lax.axis_index(DATA)
-            n = counts[d]
-
-            def chunk_of(k):          # chunk k of this device's block, and the global rows it holds
-                return ([jax.lax.dynamic_slice_in_dim(x, k * unit, unit, 0) for x in leaves],
-                        ((starts[d] + k * unit, unit),))
-
-            def loop(fn, init):       # the device's own chunks; no collective inside (trip counts differ)
-                def chunk(k, acc):
-                    return fn(*chunk_of(k), acc)
-                if even_counts == 1:  # one chunk on every device: no loop, no accumulator
-                    return chunk(0, init)
-                return jax.lax.fori_loop(0, even_counts or n, chunk, init)
-
-            def map_parts(g, kinds):  # the pre-pass: every chunk slot of the block at once (no loop)
-                slots = max(self.counts)
-
-                stacked = jax.vmap(lambda k: g(*chunk_of(k)))(jnp.arange(slots))
-                real = jnp.arange(slots) < n          # padding slots take the identity of the reduction
-                return [jnp.where(real.reshape((-1,) + (1,) * (x.ndim - 1)), x,
-                                  parts_lib.identity(k, jax.ShapeDtypeStruct(x.shape[1:], x.dtype))[None])
-                        for x, k in zip(stacked, kinds)]
-
+            loop, map_parts = self.parts_driver(jax.tree.leaves(batch))
             outs, grads = parts_lib.value_and_grad(pl, evaluator_for, loop, across, jax.tree.leaves(params),
                                                    list(extra), scale, map_parts)
             grads = jax.tree.unflatten(ptree, grads)
@@ -166,7 +231,7 @@ class UnevenProgram(Emitter):
                 grads = precision_lib.reduce_in(prec, lambda g: jax.tree.unflatten(
                     ptree, zero_lib.scatter_sum(jax.tree.leaves(g), specs, zspecs, DATA)), grads)
             else:
-                grads = precision_lib.reduce_in(prec, lambda g: jax.lax.psum(g, DATA), grads)
+                grads = precision_lib.reduce_in(prec, lambda g: fused_psum(g, DATA), grads)
             return outs[0], grads, list(outs[1:])
 
         tree = lambda ss: jax.tree.unflatten(ptree, list(ss))  # noqa: E731

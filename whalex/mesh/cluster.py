@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any, Sequence
 
@@ -28,6 +29,7 @@ class Cluster:
     specs: tuple[DeviceSpec, ...]
     devices: tuple[Any, ...] | None
     measured: tuple[float, ...] | None = None     # calibrated FLOP/s per device, when measured
+    spread: tuple[float, ...] | None = None       # relative spread of each measured speed (0.05: +-5%)
     nodes: tuple[tuple[int, ...], ...] = ()       # the devices of each node (host)
     host_memory: tuple[float, ...] = ()           # host RAM of each node, bytes (inf: unknown)
     host_source: str = ""                         # "declared", "detected" or "spec table"
@@ -60,7 +62,7 @@ class Cluster:
             ram, source = [detected] * len(nodes), "detected"
         else:
             ram, source = [_node_ram(specs[n[0]]) for n in nodes], "spec table"
-        _set(self, specs, devs, None, nodes, tuple(ram), source)
+        _set(self, specs, devs, None, None, nodes, tuple(ram), source)
 
     @classmethod
     def detect(cls, host_memory: float | str | None = None, devices_per_node: int | None = None) -> "Cluster":
@@ -86,16 +88,25 @@ class Cluster:
             ram, source = [parse_bytes(host_memory)] * len(nodes), "declared"
         else:
             ram, source = [_node_ram(specs[n[0]]) for n in nodes], "spec table"
-        _set(obj, specs, None, None, nodes, tuple(ram), source)
+        _set(obj, specs, None, None, None, nodes, tuple(ram), source)
         return obj
 
-    def with_speeds(self, speeds) -> "Cluster":
-        """A copy whose device speeds (FLOP/s) are measured ones instead of the spec table's."""
+    def with_speeds(self, speeds, spread=None) -> "Cluster":
+        """A copy whose device speeds (FLOP/s) are measured ones instead of the spec table's.
+
+        `spread`: optional relative noise of each speed (0.05 reads +-5%), shown beside the speed in
+        `plan.summary()`; `calibrate()` fills it in.
+        """
         speeds = tuple(float(s) for s in speeds)
-        if len(speeds) != self.size or min(speeds) <= 0:
+        if len(speeds) != self.size or not all(math.isfinite(s) and s > 0 for s in speeds):
             raise ClusterError(f"with_speeds needs {self.size} positive speeds, got {speeds}.")
+        if spread is not None:
+            spread = tuple(float(s) for s in spread)
+            if len(spread) != self.size or not all(math.isfinite(s) and s >= 0 for s in spread):
+                raise ClusterError(f"with_speeds needs {self.size} non-negative relative spreads (0.05 for +-5%), "
+                                   f"got {spread}.")
         obj = object.__new__(type(self))
-        _set(obj, self.specs, self.devices, speeds, self.nodes, self.host_memory, self.host_source)
+        _set(obj, self.specs, self.devices, speeds, spread, self.nodes, self.host_memory, self.host_source)
         return obj
 
     @property
@@ -148,9 +159,9 @@ class Cluster:
         return f"Cluster({desc}{extra})"
 
 
-def _set(obj: Cluster, specs, devices, measured, nodes, host_memory, host_source) -> None:
-    for name, value in (("specs", specs), ("devices", devices), ("measured", measured), ("nodes", nodes),
-                        ("host_memory", host_memory), ("host_source", host_source)):
+def _set(obj: Cluster, specs, devices, measured, spread, nodes, host_memory, host_source) -> None:
+    for name, value in (("specs", specs), ("devices", devices), ("measured", measured), ("spread", spread),
+                        ("nodes", nodes), ("host_memory", host_memory), ("host_source", host_source)):
         object.__setattr__(obj, name, value)
 
 

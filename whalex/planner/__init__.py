@@ -6,6 +6,7 @@ by its own module and handed to lowering with every decision already made:
 
 - `planner.spmd`: collocated TaskGraphs in one GSPMD program (micro-batches accumulate gradients);
 - `planner.uneven`: uneven data parallelism (Algorithm 1 over the batch);
+- `planner.hybrid`: a hybrid's replicate backbone on uneven rows, its split head as planned by spmd;
 - `planner.pipeline`: stages on disjoint devices under a schedule.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from whalex.lowering.schedules import make_schedule
 from whalex.memory.precision import amp_loss
 from whalex.plan import Plan
 from whalex.planner.common import Request, check_optimizer, refuse_unbuilt, resolve
+from whalex.planner.hybrid import hybrid_plan
 from whalex.planner.pipeline import pipeline_plan
 from whalex.planner.spmd import spmd_plan
 from whalex.planner.uneven import balance_data_parallel
@@ -121,4 +123,4 @@ def build_plan(loss_fn: Callable, params, batch, optimizer=None, config=None, cl
             tg_stage = {tg: s for s, g in enumerate(groups) for tg in g}
             stage_of_eqn = [tg_stage[cap.assign[(i,)]] for i in range(len(cap.jaxpr.jaxpr.eqns))]
         return pipeline_plan(req, cap, stage_of_eqn, per_stage)
-    return spmd_plan(req, cap)
+    return hybrid_plan(req, cap, spmd_plan(req, cap))

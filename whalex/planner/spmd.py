@@ -118,7 +118,7 @@ def zero_data_parallel(req: Request, full, m, mesh, mem):
     if sem.accepted:
         return None              # the loss couples samples: the GSPMD program sees the whole batch (exact)
     parts = PartLoss(sem, cap, full)
-    return UnevenProgram(cap, mesh, req.optimizer, req.cluster.platform, (m,) * n, unit, b, mem, parts=parts)
+    return UnevenProgram(cap, mesh, req.optimizer, req.cluster.platform, (m * unit,) * n, unit, b, mem, parts=parts)
 
 
 def expert_overrides(calls, mesh) -> dict:
@@ -162,7 +162,9 @@ def uneven_heads(cap, vds, layout, sharding, cluster, optimizer, mesh):
         grid = np.asarray(range(layout.size)).reshape(layout.axis_sizes)
         model_dim = layout.axis_names.index(axis)
         per_model = np.moveaxis(grid, model_dim, -1).reshape(-1, layout.axis_sizes[model_dim])
-        speeds = [min(cluster.speeds[d] for d in per_model[:, j]) for j in range(per_model.shape[1])]
+        slowest = [min(per_model[:, j], key=lambda d: cluster.speeds[d]) for j in range(per_model.shape[1])]
+        speeds = [cluster.speeds[d] for d in slowest]
+        spreads = None if cluster.spread is None else [cluster.spread[d] for d in slowest]
         caps = [min(cluster.specs[d].memory_bytes for d in per_model[:, j]) for j in range(per_model.shape[1])]
         if len(set(speeds)) == 1:
             continue
@@ -188,7 +190,8 @@ def uneven_heads(cap, vds, layout, sharding, cluster, optimizer, mesh):
         reports.append(cost.report([cluster.specs[per_model[0, j]] for j in range(len(speeds))], speeds,
                                    cols.counts, even, source=cluster.speed_source, unit=cols.chunk, applied=True,
                                    shifted=bal.shifted, flops_per_sample=tg_flops / classes,
-                                   state_bytes=cols.width * per_column, act_base=0.0, act_per_sample=0.0))
+                                   state_bytes=cols.width * per_column, act_base=0.0, act_per_sample=0.0,
+                                   spreads=spreads))
         reports[-1] = dataclasses.replace(reports[-1], kind=f"classes of {cap.param_paths[pk]} (padded to {cols.width})")
     if not overrides:
         return None

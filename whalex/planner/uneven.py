@@ -4,6 +4,8 @@ the counts to `UnevenProgram`, or keeps the even GSPMD plan (with the report) wh
 or `hardware_aware=False`."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
@@ -12,6 +14,7 @@ from whalex.balance import cost
 from whalex.balance.algorithm import balance, even
 from whalex.balance.profile import taskgraph_flops
 from whalex.core.interpret import make_evaluator
+from whalex.errors import PlanError
 from whalex.lowering.uneven import DATA, UnevenProgram
 from whalex.memory import MemoryOptions, account, plan_memory, residual_bytes
 from whalex.memory.remat import configure as configure_memory
@@ -21,13 +24,17 @@ from whalex.planner.common import Request, loss_parts, taskgraph_infos
 
 
 def balance_data_parallel(req: Request, full):
-    """Algorithm 1 over a data-parallel model: (report, uneven Plan or None for the even plan)."""
+    """Algorithm 1 over a data-parallel model: (report, uneven Plan or None for the even plan).
+
+    Loads are counted in a fine grain of rows (`cost.balance_grain`), so the split follows the speeds
+    at any batch size; the program runs full chunks plus binary remainder chunks (`UnevenProgram`).
+    A loss whose batch reductions differ between part sizes falls back to one chunk size, a divisor
+    of the batch (`cost.balance_unit`)."""
     config, cluster, optimizer = req.config, req.cluster, req.optimizer
     k, b = cluster.size, full.global_batch
     hetero = len(set(cluster.speeds)) > 1 or len({s.memory_bytes for s in cluster.specs}) > 1
     if not hetero:
         return None, None
-    unit = cost.balance_unit(b, k)
     captures = {}
 
     def cap_at(rows):
@@ -44,44 +51,71 @@ def balance_data_parallel(req: Request, full):
             return jax.value_and_grad(lambda ps: ev(*ps, *leaves[n:])[0])(list(leaves[:n]))
         return (f, *[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in c.jaxpr.jaxpr.invars])
 
-    cap_u = cap_at(unit)
-    unit_flops = taskgraph_flops(cap_u.jaxpr, cap_u.assign, len(cap_u.taskgraphs))
-    flops_per_sample = sum(unit_flops) / unit
+    probe = cap_at(min(b, 64))
+    probe_flops = taskgraph_flops(probe.jaxpr, probe.assign, len(probe.taskgraphs))
+    flops_per_sample = sum(probe_flops) / probe.global_batch
     act_base, act_per = cost.activation_model(make)
-    invars = cap_u.jaxpr.jaxpr.invars[: cap_u.num_params]
+    invars = probe.jaxpr.jaxpr.invars[: probe.num_params]
     shapes = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in invars]
     p_bytes = sum(float(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in shapes)
     o_bytes = 0.0
     if optimizer is not None:
         o_bytes = sum(float(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
                       for x in jax.tree.leaves(jax.eval_shape(optimizer.init, shapes)))
-    mem = MemoryOptions.from_config(config, ((DATA,),) * cap_u.num_params)
+    mem = MemoryOptions.from_config(config, ((DATA,),) * probe.num_params)
     state = sum(account(p_bytes, o_bytes, p_bytes / k, o_bytes / k, mem)[:3])   # ZeRO: ~1/k of a sharded part
-    units = b // unit
     names = [f"device {i} ({s.name})" for i, s in enumerate(cluster.specs)]
-    bal = balance(units, cluster.speeds, [float(s.memory_bytes) for s in cluster.specs],
-                  [state + act_base] * k, [act_per * unit] * k, names)
-    rows = [u * unit for u in bal.loads]
-    even_rows = [u * unit for u in even(units, k)] if b % k else [b // k] * k
+
+    def split(unit):
+        bal = balance(b // unit, cluster.speeds, [float(s.memory_bytes) for s in cluster.specs],
+                      [state + act_base] * k, [act_per * unit] * k, names)
+        return bal, [u * unit for u in bal.loads]
+
+    speeds = np.asarray(cluster.speeds, np.float64)
+    unit = cost.balance_grain(b, float(b * speeds.min() / speeds.sum()))
+    bal, rows = split(unit)
     applied = config.hardware_aware and len(set(rows)) > 1
-    report = cost.report(cluster.specs, cluster.speeds, rows, even_rows,
+    program = None
+    if applied:
+        mesh = MeshLayout((DATA,), (k,)).build(cluster.devices)
+        try:
+            program = _program(req, full, cap_at, mesh, rows, unit, mem)
+        except PlanError:
+            unit = cost.balance_unit(b, k)
+            bal, rows = split(unit)
+            applied = len(set(rows)) > 1
+            if applied:
+                program = _program(req, full, cap_at, mesh, rows, unit, mem, one_size=True)
+    report = cost.report(cluster.specs, cluster.speeds, rows, even(b, k),
                          source=cluster.speed_source, unit=unit, applied=applied, shifted=bal.shifted,
                          flops_per_sample=flops_per_sample, state_bytes=state, act_base=act_base,
-                         act_per_sample=act_per)
+                         act_per_sample=act_per, spreads=cluster.spread)
     if not applied:
         return report, None
-    layout = MeshLayout((DATA,), (k,))
-    mesh = layout.build(cluster.devices)
-    parts = loss_parts(cap_u, full, config, "uneven per-device chunks")
-    program = UnevenProgram(cap_u, mesh, optimizer, cluster.platform, tuple(bal.loads), unit, b, mem, parts=parts)
-    program = configure_memory(program, config, cluster, [(DATA,)] * len(cap_u.taskgraphs))
-    scale = b / unit
-    flops = [f * scale for f in unit_flops]
-    vds = tuple(VirtualDevice(t.index, t.strategy, k, (tuple(range(k)),), (), (DATA,)) for t in cap_u.taskgraphs)
-    infos = taskgraph_infos(cap_u, vds, flops, [0.0] * len(vds))
-    memory = plan_memory(program, cluster.specs, residual_bytes(cap_u.jaxpr, cap_u.num_params))  # one chunk live
-    plan = Plan(cluster=cluster, config=config, layout=layout, task_graphs=tuple(infos), virtual_devices=vds,
-                batch_sizes=tuple(rows), global_batch=b, param_specs={p: P() for p in cap_u.param_paths},
-                patterns=(), comms=(), memory=memory, program=program, balance=report,
-                batch_couplings=tuple(parts.sem.lines()))
+    cap = program.captured
+    flops = [f * b / probe.global_batch for f in probe_flops]
+    vds = tuple(VirtualDevice(t.index, t.strategy, k, (tuple(range(k)),), (), (DATA,)) for t in cap.taskgraphs)
+    infos = taskgraph_infos(cap, vds, flops, [0.0] * len(vds))
+    memory = plan_memory(program, cluster.specs, residual_bytes(cap.jaxpr, cap.num_params))  # one chunk live
+    plan = Plan(cluster=cluster, config=config, layout=MeshLayout((DATA,), (k,)), task_graphs=tuple(infos),
+                virtual_devices=vds, batch_sizes=tuple(rows), global_batch=b,
+                param_specs={p: P() for p in cap.param_paths}, patterns=(), comms=(), memory=memory,
+                program=program, balance=report, batch_couplings=tuple(program.parts.sem.lines()))
     return report, plan
+
+
+def _program(req: Request, full, cap_at, mesh, rows, unit, mem, one_size=False) -> UnevenProgram:
+    """The uneven program for `rows` per device: full chunks and remainder chunks down to `unit`
+    rows (`one_size`: chunks of `unit` rows only), with the loss contract at every part size it runs
+    (PlanError where they disagree)."""
+    config, cluster = req.config, req.cluster
+    chunk = unit if one_size else cost.chunk_rows(rows, unit)
+    cap = cap_at(chunk)
+    program = UnevenProgram(cap, mesh, req.optimizer, cluster.platform, tuple(rows), chunk, full.global_batch, mem,
+                            grain=unit)
+    context = "uneven per-device chunks"
+    used = [s for j, s in enumerate(program.sizes) if any(bits[j] for bits in program.remainder_bits)]
+    parts = loss_parts(cap, full, config, context).with_variants(
+        [loss_parts(cap_at(s), full, config, context) for s in used], len(program.part_ranges()))
+    program = dataclasses.replace(program, parts=parts)
+    return configure_memory(program, config, cluster, [(DATA,)] * len(cap.taskgraphs))

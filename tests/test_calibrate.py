@@ -1,0 +1,109 @@
+"""Issue 12: calibration a user can trust. Interleaved timing rounds give each device a median speed
+and a relative spread; speeds that differ by less than the noise are merged, so identical devices get
+the even plan every time, while a truly slower device keeps its speed; plans print speed ± spread."""
+import time
+
+import numpy as np
+import pytest
+
+import whalex as wh
+from models import plain_model
+from test_launch import child_env, run_launch
+from whalex.balance.calibrate import Measurement, calibrate, group_speeds, measure, summarize
+
+# medians and spreads measured on the 8 simulated CPU devices of this machine (size 128, 5 rounds):
+# identical devices, 28 to 53 GFLOP/s apart, each with a large spread
+NOISY_SPEEDS = [39.5, 42.3, 45.2, 28.2, 40.1, 37.6, 45.3, 39.1]
+NOISY_SPREADS = [0.229, 0.246, 0.216, 0.504, 0.273, 0.378, 0.034, 0.278]
+
+
+def test_group_speeds_merges_speeds_within_the_noise():
+    grouped = group_speeds(NOISY_SPEEDS, NOISY_SPREADS)
+    assert len(set(grouped)) == 1 and grouped[0] == pytest.approx(np.median(NOISY_SPEEDS))
+    # the floor: 5% apart with no measured spread is still the same speed; 12% apart is not
+    assert len(set(group_speeds([1.0, 1.05], [0.0, 0.0]))) == 1
+    assert group_speeds([1.0, 1.12], [0.0, 0.0]) == (1.0, 1.12)
+    # ... unless the spreads say the 12% is noise (the ± bands overlap)
+    assert group_speeds([1.0, 1.12], [0.07, 0.07]) == (1.06, 1.06)
+    # a device that measured quietly takes the machine's noise level (the median spread)
+    assert len(set(group_speeds([1.0, 1.0, 1.0, 1.18], [0.1, 0.1, 0.1, 0.0]))) == 1
+    assert group_speeds([1.0, 1.12], [0.0, 0.0], tolerance=0.15) == (1.06, 1.06)
+
+
+def test_group_speeds_keeps_a_declared_2x_difference():
+    speeds = [2.0, 2.06, 1.95, 2.01, 1.0, 1.03, 0.98, 1.01]       # 4 devices 2x faster, with noise
+    spreads = [0.05] * 8
+    grouped = group_speeds(speeds, spreads)
+    assert grouped[:4] == (2.005,) * 4 and grouped[4:] == (1.005,) * 4
+    assert grouped[0] / grouped[4] == pytest.approx(2.0, rel=0.01)
+    # and the plan follows: 2:1 rows, each speed printed with its spread
+    loss_fn, params, batch = plain_model("dp", "ctx")
+    cluster = wh.Cluster.detect().with_speeds([g * 1e9 for g in grouped], spread=spreads)
+    plan = wh.plan(loss_fn, params, batch, cluster=cluster)
+    assert plan.balance.applied and plan.balance.source == "calibrated"
+    assert plan.batch_sizes == (5,) * 4 + (3,) * 4              # 32 rows at 2:1, in whole rows
+    assert [d.spread for d in plan.balance.devices] == spreads
+    text = plan.summary()
+    assert "2.00 GFLOP/s ± 5.0%" in text and "1.00 GFLOP/s ± 5.0%" in text
+    assert "2.00 GFLOP/s on devices 0-3, spread ± 5.0%" in text
+
+
+def test_summarize_gives_median_and_relative_spread():
+    samples = np.array([[10.0, 2.0], [11.0, 2.0], [9.0, 2.0], [10.0, 2.0], [30.0, 2.0]])   # one outlier round
+    m = summarize(samples)
+    assert m.speeds == (10.0, 2.0)
+    assert m.spreads == pytest.approx(((11.0 - 10.0) / 1.349 / 10.0, 0.0))      # interquartile range
+
+
+def test_calibrate_on_identical_devices_gives_the_even_plan_10_of_10():
+    loss_fn, params, batch = plain_model("dp", "ctx")
+    t0 = time.perf_counter()
+    spreads = []
+    for _ in range(10):
+        cluster = calibrate(wh.Cluster.detect())
+        assert cluster.speed_source == "calibrated" and len(cluster.spread) == 8
+        plan = wh.plan(loss_fn, params, batch, cluster=cluster)
+        assert plan.balance is None or not plan.balance.applied, plan.summary()
+        assert len(set(plan.batch_sizes)) == 1, cluster.measured
+        spreads += cluster.spread
+        assert "calibrated speeds" in plan.summary() and " on devices 0-7, spread ± " in plan.summary()
+    print(f"10/10 even in {time.perf_counter() - t0:.1f} s; spreads {min(spreads):.3f} to {max(spreads):.3f}, "
+          f"median {np.median(spreads):.3f}")
+
+
+def test_measure_keeps_the_raw_medians():
+    m = measure(wh.Cluster.detect(), size=64, chain=1, repeats=3)
+    assert isinstance(m, Measurement) and len(m.speeds) == len(m.spreads) == 8
+    assert all(s > 0 for s in m.speeds) and all(e >= 0 for e in m.spreads)
+
+
+def test_bad_arguments_are_clear_errors():
+    c = wh.Cluster.detect()
+    with pytest.raises(ValueError, match="repeats >= 3"):
+        calibrate(c, repeats=2)
+    with pytest.raises(ValueError, match="size >= 1 and chain >= 1"):
+        calibrate(c, size=0)
+    with pytest.raises(ValueError, match="cannot be negative"):
+        calibrate(c, tolerance=-0.1)
+    with pytest.raises(ValueError, match="pass params and batch"):
+        calibrate(c, lambda p, b: 0.0)
+    with pytest.raises(ValueError, match="abstract cluster"):
+        calibrate(wh.Cluster.abstract(["V100-32GB"] * 2))
+    with pytest.raises(ValueError, match="one spread per speed"):
+        group_speeds([1.0, 2.0], [0.1])
+    with pytest.raises(ValueError, match="positive speeds"):
+        group_speeds([1.0, -2.0], [0.1, 0.1])
+    with pytest.raises(wh.ClusterError, match="non-negative relative spreads"):
+        c.with_speeds([1.0] * 8, spread=[0.1] * 7)
+    assert c.with_speeds([1.0] * 8).spread is None
+
+
+def test_two_processes_all_gather_speeds_and_spreads(tmp_path):
+    r = run_launch(["-n", "2", "--timeout", "100", "calibrate_worker.py", str(tmp_path)], child_env(2))
+    assert r.returncode == 0, f"launch failed ({r.returncode}):\n{r.stdout}\n{r.stderr}"
+    res = [np.load(tmp_path / f"calib_{i}.npz") for i in range(2)]
+    for key in ("speeds", "spread", "owners"):
+        np.testing.assert_array_equal(res[0][key], res[1][key])          # every process plans alike
+    assert list(res[0]["owners"]) == [0, 0, 1, 1]
+    assert np.all(res[0]["speeds"] > 0) and np.all(res[0]["spread"] >= 0)
+    assert np.all(res[0]["spread"] > 0)        # each process's timings arrived (an untimed entry stays 0)

@@ -1,0 +1,151 @@
+"""Issue 12, Build 2 / Acceptance 2: uneven batches in hybrid plans. On a declared V100x4+T4x4
+cluster, the replicate backbone of Whale's Example 2 runs speed-proportional rows, the split head
+keeps its layout (even or uneven class shards), and training equals one device."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import whalex as wh
+from conftest import adam, assert_matches
+from models import plain_model
+
+HETERO = ["V100-32GB"] * 4 + ["T4-16GB"] * 4
+APPLIED = "batch (applied to the replicate TaskGraphs; split head keeps its layout"
+
+
+def _check_rows(plan, b):
+    rows = np.asarray(plan.batch_sizes)
+    assert len(set(plan.batch_sizes)) > 1 and rows.sum() == b
+    speeds = np.asarray(plan.cluster.speeds)
+    assert np.all(np.abs(rows - b * speeds / speeds.sum()) <= plan.balance.unit)   # proportional within the grain
+    assert type(plan.program).__name__ == "HybridProgram"
+    assert APPLIED in plan.summary()
+
+
+def _head_model(C=640, B=32):
+    k = jax.random.split(jax.random.key(0), 5)
+    params = {"w1": jax.random.normal(k[0], (12, 24)) / 3, "kernel": jax.random.normal(k[1], (24, C)) / 5,
+              "bias": jax.random.normal(k[2], (C,))}
+    batch = {"x": jax.random.normal(k[3], (B, 12)), "y": jax.random.randint(k[4], (B,), 0, C)}
+
+    def loss_fn(p, b):
+        with wh.replicate(8):
+            h = jnp.tanh(b["x"] @ p["w1"])
+        with wh.split(8):
+            return wh.ops.softmax_cross_entropy_head(h, p["kernel"], p["bias"], b["y"])
+    return loss_fn, params, batch
+
+
+def _token_model(B=40, T=3, C=64, seed=1):
+    """A per-token backbone and a token-weighted cross-entropy on padded rows (some all padding)."""
+    rng = np.random.default_rng(seed)
+    params = {"w1": jnp.asarray(rng.standard_normal((8, 16), np.float32) / 3),
+              "b1": jnp.zeros((16,), jnp.float32),
+              "wh": jnp.asarray(rng.standard_normal((16, C), np.float32) / 4),
+              "bh": jnp.zeros((C,), jnp.float32)}
+    mask = (rng.random((B, T)) > 0.3).astype(np.float32)
+    mask[[0, 7, 21, 39]] = 0.0                                     # rows that are all padding
+    batch = {"x": jnp.asarray(rng.standard_normal((B, T, 8), np.float32)),
+             "y": jnp.asarray(rng.integers(0, C, (B, T)).astype(np.int32)), "mask": jnp.asarray(mask)}
+
+    def loss_fn(p, b):
+        with wh.replicate(8):
+            h = jax.nn.relu(b["x"] @ p["w1"] + p["b1"])
+        with wh.split(8):
+            ce = optax.softmax_cross_entropy_with_integer_labels(h @ p["wh"] + p["bh"], b["y"])
+            return (ce * b["mask"]).sum() / b["mask"].sum()
+    return loss_fn, params, batch
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_uneven_rows_with_uneven_column_head(optimizer):
+    """Example 2 with wh.ops' head: rows 5:3 on V100:T4, classes 100:60, exact."""
+    from hlo import shapes_of
+    loss_fn, params, batch = _head_model()
+    opt = optax.sgd(0.1) if optimizer == "sgd" else adam()
+    step, state = assert_matches(loss_fn, params, batch, steps=4, optimizer=opt, cluster=wh.Cluster(kinds=HETERO))
+    plan = step.plan
+    _check_rows(plan, 32)
+    assert plan.batch_sizes == (5,) * 4 + (3,) * 4
+    assert "classes of ['kernel'] (padded to 100)" in plan.balance.kind
+    assert [d.rows for d in plan.head_balance.devices] == [100] * 4 + [60] * 4          # the head keeps its shards
+    assert "hardware-aware balance of the classes" in plan.summary()
+    assert state.stored_params["kernel"].shape == (24, 800) and step.params(state)["kernel"].shape == (24, 640)
+    if optimizer == "sgd":
+        text = plan.lowered().compile().as_text()
+        reduced = shapes_of(text, "all-reduce")
+        assert (24, 100) not in reduced and (100, 24) not in reduced and (100,) not in reduced   # head stays sharded
+        assert (12, 24) in reduced                                                       # the backbone's gradient
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_uneven_rows_with_even_split_head(optimizer):
+    """models.plain_model('hybrid'): optax's cross-entropy under split(8), an even GSPMD head."""
+    loss_fn, params, batch = plain_model("hybrid", "ctx")
+    opt = optax.sgd(0.1) if optimizer == "sgd" else adam()
+    step, _ = assert_matches(loss_fn, params, batch, steps=4, optimizer=opt, cluster=wh.Cluster(kinds=HETERO))
+    _check_rows(step.plan, batch["x"].shape[0])
+    assert step.plan.balance.kind == APPLIED + ")"
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_uneven_rows_token_weighted_mean_on_padded_rows(optimizer):
+    loss_fn, params, batch = _token_model()
+    opt = optax.sgd(0.2) if optimizer == "sgd" else adam()
+    step, _ = assert_matches(loss_fn, params, batch, steps=4, optimizer=opt, cluster=wh.Cluster(kinds=HETERO))
+    _check_rows(step.plan, 40)
+    # every device's rows in order, once: the bridge's gather is a permutation of the global batch
+    idx = step.plan.program.gather_index()
+    assert len(idx) == 40 and len(set(idx.tolist())) == 40
+
+
+def test_batch_statistics_in_the_backbone_are_refused():
+    """A BatchNorm-style statistic in the replicate backbone changes with uneven rows: a PlanError
+    naming it and the way out; hardware_aware=False trains (even batch) and matches one device."""
+    loss_fn0, params, batch = _head_model()
+
+    def loss_fn(p, b):
+        with wh.replicate(8):
+            h = b["x"] @ p["w1"]
+            h = jnp.tanh((h - h.mean(axis=0)) / (h.std(axis=0) + 1e-3))
+        with wh.split(8):
+            return wh.ops.softmax_cross_entropy_head(h, p["kernel"], p["bias"], b["y"])
+
+    with pytest.raises(wh.PlanError, match=r"(?s)replicate backbone.*reduce_sum.*hardware_aware=False"):
+        wh.plan(loss_fn, params, batch, adam(), cluster=wh.Cluster(kinds=HETERO))
+    step, _ = assert_matches(loss_fn, params, batch, steps=2, optimizer=optax.sgd(0.1),
+                             config=wh.Config(hardware_aware=False), cluster=wh.Cluster(kinds=HETERO))
+    assert len(set(step.plan.batch_sizes)) == 1
+
+
+def test_options_not_lowered_keep_the_even_batch_and_say_so():
+    loss_fn, params, batch = _head_model()
+    plan = wh.plan(loss_fn, params, batch, adam(), config=wh.Config(zero_level=1), cluster=wh.Cluster(kinds=HETERO))
+    assert len(set(plan.batch_sizes)) == 1 and type(plan.program).__name__ == "Program"
+    assert "the batch stays even over the replicate TaskGraphs: zero_level=1" in plan.summary()
+    plan = wh.plan(loss_fn, params, batch, adam(), config=wh.Config(hardware_aware=False),
+                   cluster=wh.Cluster(kinds=HETERO))
+    assert "the batch stays even over the replicate TaskGraphs: hardware_aware=False" in plan.summary()
+    plan = wh.plan(loss_fn, params, batch, adam())                          # homogeneous: no report
+    assert plan.balance is None and len(set(plan.batch_sizes)) == 1
+
+
+def test_lower_uneven_hybrid_on_an_abstract_cluster():
+    """The hybrid program lowers without devices (64 abstract GPUs, half of them T4s)."""
+    loss_fn, params, batch = _head_model(C=64 * 10, B=256)
+
+    def loss64(p, b):
+        with wh.replicate(64):
+            h = jnp.tanh(b["x"] @ p["w1"])
+        with wh.split(64):
+            return wh.ops.softmax_cross_entropy_head(h, p["kernel"], p["bias"], b["y"])
+
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+    cluster = wh.Cluster.abstract(kinds=["V100-32GB"] * 32 + ["T4-16GB"] * 32)
+    plan = wh.plan(loss64, params, batch, optimizer=optax.adam(1e-3), cluster=cluster)
+    _check_rows(plan, 256)
+    text = plan.lower()
+    assert "mhlo.num_partitions = 64" in text

@@ -1,0 +1,256 @@
+"""Uneven rows in a hybrid (Whale Example 2, section 3.3.1): a `replicate` backbone on
+speed-proportional rows, a `split` head keeping its layout, and a bridge between the two.
+
+The loss's top-level equations `[0, cut)` are the backbone, per-sample (checked by the planner);
+the rest is the head. In one jitted step:
+
+1. backbone: a `shard_map` over every mesh axis; device i runs its own `rows[i]` of the padded
+   batch in chunks (`UnevenProgram.parts_driver`: full chunks in a loop, binary remainder chunks
+   under `cond`), writing the boundary activations into its padded block; no collective inside;
+2. bridge forward: the real rows gathered into global order (a static index into the padded
+   blocks; XLA's SPMD partitioner emits the all-gather), the head's input layout;
+3. head: the captured loss evaluated by the head's GSPMD `Program` (its constraints, even or
+   uneven column shards) on the whole batch, the backbone equations replaced by the bridge
+   values: the loss keeps its whole-batch meaning with no parts machinery;
+4. bridge backward and backbone backward: the transpose of the gather hands each device the
+   cotangent of its own rows; a `custom_vjp` recomputes each chunk's forward in a second chunk
+   loop and applies its vjp (a loop whose trip count differs between devices cannot stack
+   residuals for `jax.grad`), then one fused `psum` of the backbone gradients. The head's
+   gradients stay sharded, as in the even plan.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from whalex.core.capture import Captured
+from whalex.core.collectives import fused_psum
+from whalex.core.interpret import make_evaluator, subgraph_function
+from whalex.distributed import place_global
+from whalex.lowering.emit import Emitter
+from whalex.lowering.step import Program
+from whalex.lowering.uneven import UnevenProgram
+
+
+@dataclasses.dataclass(frozen=True)
+class Backbone:
+    """The equations `[0, cut)` of a capture at `rows` samples as a function of the parameter and
+    batch leaves they read: f(params, batch) -> the boundary values (those the head reads)."""
+
+    captured: Captured
+    cut: int
+
+    @functools.cached_property
+    def _sub(self):
+        return subgraph_function(self.captured.jaxpr.jaxpr, range(self.cut))
+
+    @property
+    def _inputs(self) -> dict:
+        jaxpr = self.captured.jaxpr.jaxpr
+        return {v: i for i, v in enumerate(jaxpr.invars)}
+
+    @property
+    def param_leaves(self) -> tuple[int, ...]:
+        """The parameter leaves the backbone reads (flat indices)."""
+        n = self.captured.num_params
+        return tuple(sorted({self._inputs[v] for v in self._sub[0] if self._inputs.get(v, n) < n}))
+
+    @property
+    def batch_leaves(self) -> tuple[int, ...]:
+        """The batch leaves the backbone reads (indices into the batch leaves)."""
+        n = self.captured.num_params
+        return tuple(sorted({self._inputs[v] - n for v in self._sub[0] if self._inputs.get(v, -1) >= n}))
+
+    @property
+    def outputs(self) -> list:
+        return self._sub[1]
+
+    def __call__(self, params, batch) -> list:
+        inputs, _, fn = self._sub
+        pos, n = self._inputs, self.captured.num_params
+        closed = self.captured.jaxpr
+        consts = dict(zip(closed.jaxpr.constvars, closed.consts))
+        p_at = {i: k for k, i in enumerate(self.param_leaves)}
+        b_at = {i: k for k, i in enumerate(self.batch_leaves)}
+        args = [consts[v] if v not in pos else params[p_at[pos[v]]] if pos[v] < n else batch[b_at[pos[v] - n]]
+                for v in inputs]
+        return fn(*args)
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridProgram(Emitter):
+    head: Program                # the even GSPMD program of the whole loss at the global batch
+    rows: UnevenProgram          # the backbone's rows: padded per-device layout and the chunk loop
+    backbones: tuple             # (part rows, Backbone) for every part size the chunk loop runs
+    cut: int                     # top-level equations [0, cut) are the backbone
+    head_batch: Any = P()        # the split head's batch layout (its VirtualDevice's batch axes)
+
+    # -- what the Emitter needs: the head program's parameters, the uneven batch -----------------
+    @property
+    def captured(self) -> Captured:
+        return self.head.captured
+
+    @property
+    def mesh(self):
+        return self.head.mesh
+
+    @property
+    def optimizer(self):
+        return self.head.optimizer
+
+    @property
+    def platform(self) -> str:
+        return self.head.platform
+
+    @property
+    def has_aux(self) -> bool:
+        return self.head.has_aux
+
+    @property
+    def param_shardings(self):
+        return self.head.param_shardings
+
+    def param_shapes(self):
+        return self.head.param_shapes()
+
+    def param_spec_list(self):
+        return self.head.param_spec_list()
+
+    def prepare_params(self, params):
+        return self.head.prepare_params(params)
+
+    def unpack_params(self, params):
+        return self.head.unpack_params(params)
+
+    def param_layout(self):
+        return self.head.param_layout()
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Every mesh axis, in order: the device order of `rows` (the mesh's flat device order)."""
+        return tuple(self.mesh.axis_names)
+
+    @functools.cached_property
+    def batch_shardings(self):
+        return jax.tree.map(lambda _: NamedSharding(self.mesh, P(self.axes)), self.batch_shapes())
+
+    def batch_shapes(self):
+        return self.rows.batch_shapes()
+
+    def row_ranges(self):
+        return self.rows.row_ranges()
+
+    def pad_batch(self, batch):
+        return self.rows.pad_batch(batch)
+
+    def place_batch(self, batch):
+        return place_global(self.pad_batch(batch), self.batch_shardings)
+
+    def gather_index(self) -> np.ndarray:
+        """For each global row, its row in the padded per-device layout (the bridge's static gather)."""
+        block = self.rows.block
+        return np.concatenate([d * block + np.arange(b - a) for d, (a, b) in enumerate(self.row_ranges())])
+
+    # -- the step -------------------------------------------------------------------------------
+    def backbone(self):
+        """f(backbone params, batch blocks) -> boundary values in the padded per-device layout, with a
+        custom_vjp whose backward recomputes each chunk and psums the parameter gradients."""
+        fns = dict(self.backbones)
+        any_bb = self.backbones[0][1]
+        outs = any_bb.outputs
+        rows, axes, mesh = self.rows, self.axes, self.mesh
+        block = rows.block
+        starts = jnp.asarray([a for a, _ in rows.row_ranges()], jnp.int32)
+
+        def local_offset(where):
+            (first, size), = where
+            return first - starts[jax.lax.axis_index(axes)], size
+
+        def fwd_local(params, blocks):
+            loop, _ = rows.parts_driver(blocks, axis=axes)
+            init = [jnp.zeros((block,) + tuple(v.aval.shape[1:]), v.aval.dtype) for v in outs]
+
+            def fn(part, where, acc):
+                off, size = local_offset(where)
+                vals = fns[size](params, part)
+                return [jax.lax.dynamic_update_slice_in_dim(a, v, off, 0) for a, v in zip(acc, vals)]
+            return loop(fn, init)
+
+        def bwd_local(params, blocks, cts):
+            loop, _ = rows.parts_driver(blocks, axis=axes)
+
+            def fn(part, where, acc):
+                off, size = local_offset(where)
+                ct = [jax.lax.dynamic_slice_in_dim(c, off, size, 0) for c in cts]
+                _, vjp = jax.vjp(lambda p: fns[size](p, part), params)
+                return jax.tree.map(jnp.add, acc, vjp(ct)[0])
+            grads = loop(fn, jax.tree.map(jnp.zeros_like, params))
+            return fused_psum(grads, axes)                # after the loop: one all-reduce per dtype
+
+        spec = P(axes)
+        fwd_map = jax.shard_map(fwd_local, mesh=mesh, in_specs=(P(), spec), out_specs=spec, check_vma=False)
+        bwd_map = jax.shard_map(bwd_local, mesh=mesh, in_specs=(P(), spec, spec), out_specs=P(), check_vma=False)
+
+        @jax.custom_vjp
+        def backbone(params, blocks):
+            return fwd_map(params, blocks)
+
+        def fwd(params, blocks):
+            return fwd_map(params, blocks), (params, blocks)
+
+        def bwd(res, cts):
+            params, blocks = res
+            return bwd_map(params, blocks, cts), jax.tree.map(_zero_cotangent, blocks)
+
+        backbone.defvjp(fwd, bwd)
+        return backbone
+
+    def value_and_grad(self):
+        cap, head, cut = self.captured, self.head, self.cut
+        any_bb = self.backbones[0][1]
+        p_idx, b_idx = any_bb.param_leaves, any_bb.batch_leaves
+        # boundary values of the global-batch capture, in the order the backbone returns them
+        boundary = Backbone(cap, cut).outputs
+        index = np.asarray(self.gather_index(), np.int32)
+        backbone = self.backbone()
+        jaxpr = cap.jaxpr.jaxpr
+        mesh = self.mesh
+        head_rows = NamedSharding(mesh, self.head_batch)
+        grad_shardings = head.param_shardings
+
+        def bridge(x):                       # padded per-device blocks -> the global batch in the head's layout
+            return jax.lax.with_sharding_constraint(jnp.take(x, index, axis=0), head_rows)
+
+        def loss(params, blocks):
+            leaves = jax.tree.leaves(params)
+            acts = backbone([leaves[i] for i in p_idx], [blocks[i] for i in b_idx])
+            value_of = dict(zip(boundary, [bridge(a) for a in acts]))
+            overrides = dict(head.overrides or {})
+            for i in range(cut):             # the backbone's equations: replaced by the bridge values
+                outvars = jaxpr.eqns[i].outvars
+                overrides[(i,)] = lambda *_, o=outvars: [value_of[v] if v in value_of else
+                                                         jnp.zeros(v.aval.shape, v.aval.dtype) for v in o]
+            evaluate = make_evaluator(cap.jaxpr, head.sharding.constraints, mesh, overrides)
+            outs = evaluate(*leaves, *[bridge(x) for x in blocks])
+            value, aux, _ = cap.split_outputs(outs)
+            return value, aux
+
+        vg = jax.value_and_grad(loss, has_aux=True)
+
+        def run(params, batch, extra=(), scale=None):
+            (value, aux), grads = vg(params, jax.tree.leaves(batch))
+            return (value, aux, []), jax.lax.with_sharding_constraint(grads, grad_shardings)
+
+        return run
+
+
+def _zero_cotangent(x):
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, jax.dtypes.float0)

@@ -1,0 +1,241 @@
+"""Uneven rows for a hybrid (Whale Example 2 on a heterogeneous cluster, section 3.3.1): the
+replicate backbone of a hybrid gets speed-proportional rows (Algorithm 1 over the batch) while
+the split head keeps its layout (the whole batch, classes sharded evenly or unevenly), with a
+bridge between the two (`whalex.lowering.uneven_hybrid`).
+
+Scope: the loss's top-level equations are a per-sample backbone (replicate TaskGraphs and
+un-annotated equations) followed by the split TaskGraph(s) and whatever follows them. A backbone
+that couples samples (BatchNorm-style statistics) is refused with a PlanError; anything else the
+program does not carry out (micro-batches, ZeRO, amp, remat, offload, model state, rng, ops whalex
+does not look into) keeps the even plan, and the plan's balance report says why.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from whalex import _compat as C
+from whalex.balance import cost
+from whalex.balance.algorithm import balance, even
+from whalex.balance.profile import taskgraph_flops
+from whalex.core.parts import shape_of, source
+from whalex.errors import PlanError
+from whalex.lowering.step import Program
+from whalex.lowering.uneven import UnevenProgram
+from whalex.lowering.uneven_hybrid import Backbone, HybridProgram
+from whalex.memory import residual_bytes
+from whalex.plan import Plan
+from whalex.planner.common import Request
+
+WAY_OUT = "use wh.Config(hardware_aware=False) (an even batch: the statistic over the whole batch, exact)"
+# higher-order equations whose inner equations map one-to-one onto the equation's inputs
+_CALLS = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "checkpoint", "remat")
+_ALONG = {"cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": "axis", "cumlogsumexp": "axis",
+          "sort": "dimension"}
+
+
+def backbone_cut(cap) -> int | None:
+    """The number of top-level equations of the replicate backbone when the loss is a backbone
+    (replicate or un-annotated equations, at least one replicate scope) followed by split
+    TaskGraph(s) with no replicate scope after them; None for any other shape."""
+    eqns = cap.jaxpr.jaxpr.eqns
+    tgs = [cap.taskgraphs[cap.assign[(i,)]] for i in range(len(eqns))]
+    first = next((i for i, t in enumerate(tgs) if t.strategy.kind == "split"), None)
+    if not first:
+        return None
+    if not any(t.annotated and t.strategy.kind == "replicate" for t in tgs[:first]):
+        return None
+    if any(t.annotated and t.strategy.kind == "replicate" for t in tgs[first:]):
+        return None
+    return first
+
+
+def _unsupported(req: Request, cap, plan, cut: int) -> str | None:
+    """Why the backbone keeps the even batch (None: the uneven hybrid program can run it)."""
+    config = req.config
+    for name, default in (("num_micro_batch", 1), ("zero_level", 0), ("amp", None), ("remat", None),
+                          ("offload", None), ("comm_dtype", None)):
+        value = getattr(config, name)
+        if value != default and value not in (None, ()):
+            return f"{name}={value!r} is not lowered for uneven hybrid rows yet"
+    if req.inputs:
+        return f"{' and '.join(sorted(req.inputs))} inputs are not lowered for uneven hybrid rows yet"
+    if not isinstance(plan.program, Program) or plan.program.sharding.experts:
+        return "the head's program is not a plain GSPMD program (experts or ZeRO)"
+    defined = {v for e in cap.jaxpr.jaxpr.eqns[:cut] for v in e.outvars}
+    if any(v in defined for v in cap.jaxpr.jaxpr.outvars):
+        return "a loss output is computed in the backbone"
+    return None
+
+
+def _couplings(jp, jg, b: int, B: int, gvar: dict, out: list) -> None:
+    """Append (equation, why, refused) for each equation of `jp` (at b rows; `jg` at B) that may mix
+    samples: refused for a batch reduction, a reshape across the batch or an op along it; not
+    refused (the even plan is kept) for a higher-order op whalex does not look into. Calls are
+    looked into."""
+    gvar = dict(gvar)
+    for ep, eg in zip(jp.eqns, jg.eqns):
+        gvar.update(zip(ep.outvars, eg.outvars))
+
+    def is_b(v):
+        return not isinstance(v, C.Literal) and shape_of(v) != shape_of(gvar.get(v, v))
+
+    for ep, eg in zip(jp.eqns, jg.eqns):
+        b_in = [v for v in ep.invars if is_b(v)]
+        if not b_in:
+            continue
+        b_out = [o for o in ep.outvars if is_b(o)]
+        sub = _sub_jaxpr(ep), _sub_jaxpr(eg)
+        if sub[0] is not None and sub[1] is not None:
+            _couplings(sub[0], sub[1], b, B, dict(zip(sub[0].invars, sub[1].invars)), out)
+            continue
+        name = ep.primitive.name
+        if any(_has_jaxpr(ep)):
+            out.append((ep, f"{name} (whalex does not look inside it)", False))
+        elif len(b_out) < len(ep.outvars):
+            out.append((ep, f"{name} reduces over the batch", True))
+        elif any(not np.isclose(np.prod(shape_of(gvar[o])) / max(np.prod(shape_of(o)), 1), B / b) for o in b_out):
+            out.append((ep, f"{name} mixes samples of the batch", True))
+        elif name in _ALONG:
+            axes = set(np.atleast_1d(ep.params[_ALONG[name]]).tolist())
+            bdims = {k for k, (x, y) in enumerate(zip(shape_of(b_in[0]), shape_of(gvar[b_in[0]]))) if x != y}
+            if axes & bdims:
+                out.append((ep, f"{name} runs along the batch", True))
+
+
+def _sub_jaxpr(eqn):
+    if C.is_call(eqn):
+        return C.call_jaxpr(eqn)[0]
+    if eqn.primitive.name in _CALLS:
+        sub = eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr", eqn.params.get("jaxpr")))
+        sub = getattr(sub, "jaxpr", sub)
+        if sub is not None and len(sub.invars) == len(eqn.invars):
+            return sub
+    return None
+
+
+def _has_jaxpr(eqn):
+    for v in eqn.params.values():
+        yield hasattr(v, "eqns") or hasattr(v, "jaxpr") or (
+            isinstance(v, (tuple, list)) and any(hasattr(x, "jaxpr") or hasattr(x, "eqns") for x in v))
+
+
+def check_per_sample(part, whole, cut: int) -> str | None:
+    """PlanError naming the operation when the backbone (equations [0, cut)) couples samples: uneven
+    per-device rows would change what it computes. Returns why the even plan is kept where whalex
+    cannot tell (a higher-order op it does not look into), else None."""
+    jp, jg = part.jaxpr.jaxpr, whole.jaxpr.jaxpr
+    if len(jp.eqns) != len(jg.eqns) or any(e.primitive != f.primitive for e, f in zip(jp.eqns, jg.eqns)):
+        raise PlanError(f"the loss traces differently at {part.global_batch} and {whole.global_batch} samples (its "
+                        "operations depend on the batch size); uneven hybrid rows run the backbone on per-device "
+                        f"chunks: write it without Python branches on the batch size, or {WAY_OUT}.")
+    gvar = dict(zip(list(jp.invars) + list(jp.constvars), list(jg.invars) + list(jg.constvars)))
+    found: list = []
+    _couplings(_Prefix(jp, cut), _Prefix(jg, cut), part.global_batch, whole.global_batch, gvar, found)
+    refused = [(e, why) for e, why, refuse in found if refuse]
+    if refused:
+        lines = "\n  - ".join(f"{why} at {source(e)}" for e, why in refused)
+        raise PlanError(
+            "the replicate backbone of this hybrid couples the samples of the batch (e.g. BatchNorm statistics), "
+            "so it cannot run on uneven per-device rows:\n  - " + lines +
+            f"\nMove the operation under wh.split (the head sees the whole batch), or {WAY_OUT}.")
+    if found:
+        e, why, _ = found[0]
+        return f"{why} at {source(e)}"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prefix:
+    """The first `cut` equations of a jaxpr (what `_couplings` reads)."""
+
+    jaxpr: object
+    cut: int
+
+    @property
+    def eqns(self):
+        return self.jaxpr.eqns[: self.cut]
+
+
+def _note(plan: Plan, reason: str) -> Plan:
+    """The even plan, its balance report saying why the batch stays even."""
+    r = plan.balance
+    cluster = plan.cluster
+    what = f"the batch stays even over the replicate TaskGraphs: {reason}"
+    if r is None:
+        b, k = plan.global_batch, plan.layout.size
+        r = cost.report(cluster.specs, cluster.speeds, even(b, k), even(b, k), source=cluster.speed_source, unit=1,
+                        applied=False, shifted=0, flops_per_sample=0.0, state_bytes=0.0, act_base=0.0,
+                        act_per_sample=0.0)
+        return dataclasses.replace(plan, balance=dataclasses.replace(r, kind=f"batch ({what})"))
+    return dataclasses.replace(plan, balance=dataclasses.replace(r, kind=f"{r.kind}; {what}"))
+
+
+def hybrid_plan(req: Request, full, plan: Plan) -> Plan:
+    """`plan` (the even GSPMD plan of `full`) with the replicate backbone of a hybrid on
+    speed-proportional rows, or `plan` itself when the loss is no hybrid, the cluster is
+    homogeneous, or the backbone keeps the even batch (its report says why)."""
+    cluster, config = req.cluster, req.config
+    cut = backbone_cut(full)
+    if cut is None or len(set(cluster.speeds)) == 1 or plan.layout.size != cluster.size:
+        return plan
+    if not config.hardware_aware:
+        return _note(plan, "hardware_aware=False")
+    reason = _unsupported(req, full, plan, cut)
+    if reason is not None:
+        return _note(plan, reason)
+    b, k = full.global_batch, cluster.size
+    speeds = np.asarray(cluster.speeds, np.float64)
+    unit = cost.balance_grain(b, float(b * speeds.min() / speeds.sum()))
+    per_row = residual_bytes(full.jaxpr, full.num_params) / b        # activations kept per row (upper bound)
+    state = [m.state for m in plan.memory]
+    names = [f"device {i} ({s.name})" for i, s in enumerate(cluster.specs)]
+    bal = balance(b // unit, cluster.speeds, [float(s.memory_bytes) for s in cluster.specs], state,
+                  [per_row * unit] * k, names)
+    rows = [u * unit for u in bal.loads]
+    if len(set(rows)) == 1:
+        return _note(plan, f"Algorithm 1 gives every device {rows[0]} rows")
+    chunk = cost.chunk_rows(rows, unit)
+    head = plan.program
+    rows_program = UnevenProgram(req.capture(chunk), head.mesh, req.optimizer, cluster.platform, tuple(rows), chunk,
+                                 b, grain=unit)
+    reason = check_per_sample(rows_program.captured, full, cut)
+    if reason is not None:
+        return _note(plan, reason)
+    sizes = [chunk] + [s for j, s in enumerate(rows_program.sizes) if any(bits[j] for bits in rows_program.remainder_bits)]
+    backbones = []
+    for s in sizes:
+        part = rows_program.captured if s == chunk else req.capture(s)
+        if s != chunk and check_per_sample(part, full, cut) is not None:
+            return _note(plan, "the backbone traces differently at another part size")
+        bb = Backbone(part, cut)
+        reason = _boundary_problem(bb, Backbone(full, cut), s, b)
+        if reason is not None:
+            return _note(plan, reason)
+        backbones.append((s, bb))
+    split_vd = next(vd for t, vd in zip(full.taskgraphs, plan.virtual_devices) if t.strategy.kind == "split")
+    batch_axes = tuple(a for a in split_vd.batch_axes if plan.layout.axis_size((a,)) > 1)
+    program = HybridProgram(head, rows_program, tuple(backbones), cut, P(batch_axes) if batch_axes else P())
+    flops = taskgraph_flops(full.jaxpr, full.assign, len(full.taskgraphs))
+    backbone_tgs = {full.assign[(i,)] for i in range(cut)}
+    flops_per_sample = sum(f for t, f in enumerate(flops) if t in backbone_tgs) / b
+    head_note = f"; uneven {plan.balance.kind}" if plan.balance is not None else ""
+    report = cost.report(cluster.specs, cluster.speeds, rows, even(b, k), source=cluster.speed_source, unit=unit,
+                         applied=True, shifted=bal.shifted, flops_per_sample=flops_per_sample,
+                         state_bytes=max(state), act_base=0.0, act_per_sample=per_row)
+    kind = f"batch (applied to the replicate TaskGraphs; split head keeps its layout{head_note})"
+    return dataclasses.replace(plan, program=program, batch_sizes=tuple(rows),
+                               balance=dataclasses.replace(report, kind=kind), head_balance=plan.balance)
+
+
+def _boundary_problem(part: Backbone, whole: Backbone, rows: int, b: int) -> str | None:
+    """Why the backbone's outputs cannot cross the bridge row by row (None: they can)."""
+    if len(part.outputs) != len(whole.outputs) or part.param_leaves != whole.param_leaves:
+        return "the backbone traces differently at another batch size"
+    for v, g in zip(part.outputs, whole.outputs):
+        if shape_of(v)[:1] != (rows,) or shape_of(g)[:1] != (b,) or shape_of(v)[1:] != shape_of(g)[1:]:
+            return (f"a value the head reads from the backbone ({list(shape_of(g))}) does not have the batch as "
+                    "its leading dimension")
+    return None
