@@ -196,10 +196,32 @@ class Plan:
             width = max(len(x.component) for x in shares)
             lines += [f"  {x.component:<{width}}  {_fmt_bytes(x.before)} -> {_fmt_bytes(x.after)} ({x.by})"
                       for x in shares]
+        lines += self._host_lines()
         level = self.config.zero_level
         if level and not any(x.by.startswith("zero") for x in shares):
             lines.append(f"zero {level}: nothing to shard (no parameter has a data-parallel axis of more than one "
                          "device and a dimension it divides)")
+        return lines
+
+    def _host_lines(self) -> list[str]:
+        """Host RAM per node and device (what offload may use), and whether the offloaded state fits it."""
+        c = self.cluster
+        if not c.nodes:
+            return []
+        used = len(self.memory)
+        share = c.host_bytes[:used]
+        if min(share) == float("inf"):
+            return ["host memory: unknown (a device kind without a typical node; nothing bounds offload)"]
+        nodes = {(len(n), ram) for n, ram in zip(c.nodes, c.host_memory) if n[0] < used}
+        desc = ", ".join(f"{_fmt_bytes(ram)} per node of {k} device{'s' if k > 1 else ''}" for k, ram in sorted(nodes))
+        lines = [f"host memory ({c.host_source}): {desc}; {_fmt_bytes(min(share))} per device"]
+        worst = max(range(used), key=lambda d: self.memory[d].host - share[d])
+        host = self.memory[worst].host
+        if host > share[worst]:
+            lines.append(f"  does not fit: host memory is the limit (offload keeps {_fmt_bytes(host)} per device on the "
+                         f"host, which holds {_fmt_bytes(share[worst])} per device)")
+        elif host > 0:
+            lines.append(f"  offload keeps {_fmt_bytes(host)} per device on the host: fits")
         return lines
 
     def summary(self, compiled_memory: bool = False) -> str:

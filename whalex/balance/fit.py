@@ -12,6 +12,10 @@ compilation), so it answers for clusters that are not there (`wh.Cluster.abstrac
   optimizer state, the parameters, then the gradients (streamed out as they are produced, as
   ZeRO-Offload does) to host memory. The first prefix that fits is the need (options that save
   less than 1% of the device's memory are left out of it).
+- host memory bounds offload: what a step keeps on the host must fit the device's share of its
+  node's RAM (`Cluster.host_bytes`: declared, detected, or the kind's typical node). A ladder that
+  fits the devices only by offloading more than the hosts hold does not fit, and `limit` says
+  host memory is what is short.
 
 It is a model, not a measurement: XLA may fuse away or add temporaries. On the 8-device example the
 activation estimate is compared against XLA's compiled temp memory in `bench/moe_plan.py`.
@@ -24,8 +28,8 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from whalex.balance.profile import sharded_bytes, spec_shards
-from whalex.core.interpret import subgraph_function
+from whalex.balance.profile import sharded_bytes, spec_shards, taskgraph_eqns
+from whalex.core.interpret import subgraph_functions, subgraph_key
 from whalex.core.shardings import opt_state_specs
 
 
@@ -51,17 +55,20 @@ class FitStep:
     option: str
     footprint: Footprint
     fits: bool
+    limit: str | None = None        # what it does not fit: "device memory", "host memory" (or both)
 
 
 @dataclasses.dataclass(frozen=True)
 class MemoryFit:
-    """The plain footprint, the capacity, and the ladder of options tried."""
+    """The plain footprint, the capacities (device memory, host memory per device), and the ladder
+    of options tried."""
 
     capacity: float
     plain: Footprint
     ladder: tuple[FitStep, ...]
     replicated_fraction: float      # share of per-device parameter bytes that ZeRO could shard
     replicas: int                   # data-parallel replicas of the replicated leaves
+    host_capacity: float = float("inf")     # host RAM per device (its share of its node's)
 
     @property
     def fits(self) -> bool:
@@ -82,6 +89,29 @@ class MemoryFit:
                 return tuple(chosen)
         return None
 
+    @property
+    def limit(self) -> str | None:
+        """What is short when nothing here fits: "host memory" when some options fit the devices only
+        by offloading more than the hosts hold, else "device memory"; None when it fits."""
+        if self.needs is not None:
+            return None
+        return "host memory" if any(s.limit == "host memory" for s in self.ladder) else "device memory"
+
+    def verdict(self) -> str:
+        """One line: fits, fits with which options, or what is short and by how much."""
+        gib = 2.0 ** 30
+        if self.fits:
+            return "fits"
+        if self.needs is not None:
+            return "fits with " + " + ".join(self.needs)
+        if self.limit == "host memory":
+            step = next(s for s in self.ladder if s.limit == "host memory")
+            return (f"does not fit: host memory is the limit ({step.option}: {step.footprint.host / gib:.1f} GiB "
+                    f"per device on the host, which holds {self.host_capacity / gib:.1f} GiB per device)")
+        last = self.ladder[-1].footprint if self.ladder else self.plain
+        return (f"does not fit: device memory is the limit (every option applied: {last.device_total / gib:.1f} "
+                f"GiB per device, capacity {self.capacity / gib:.1f} GiB)")
+
 
 def _bytes(shape, dtype) -> float:
     return float(np.prod(shape, dtype=np.float64)) * np.dtype(dtype).itemsize
@@ -93,30 +123,40 @@ def taskgraph_residuals(cap, divisors: Sequence[int]) -> tuple[list[float], list
     consts = set(jaxpr.constvars)
     b = cap.global_batch
     param_shapes = {(tuple(v.aval.shape), v.aval.dtype) for v in jaxpr.invars[: cap.num_params]}
-    residuals, inputs_ = [], []
-    for tg in cap.taskgraphs:
-        idx = [i for i in range(len(jaxpr.eqns)) if cap.assign[(i,)] == tg.index]
+
+    def major(s):     # batch-major values that are not parameters
+        return len(s.shape) > 0 and s.shape[0] % b == 0 and (tuple(s.shape), s.dtype) not in param_shapes
+
+    residuals, inputs_, traced, memo = [], [], {}, {}
+    groups = taskgraph_eqns(jaxpr, cap.assign, len(cap.taskgraphs))
+    for tg, idx, (inputs, outputs, fn) in zip(cap.taskgraphs, groups, subgraph_functions(jaxpr, groups)):
         if not idx:
             residuals.append(0.0)
             inputs_.append(0.0)
             continue
-        inputs, _, fn = subgraph_function(jaxpr, idx)
-        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in inputs if v not in consts]
-        floating = [jax.numpy.issubdtype(a.dtype, jax.numpy.floating) for a in avals]
-
-        def f(*fa, avals=avals, floating=floating, fn=fn):
-            it = iter(fa)
-            args = [next(it) if fl else jax.numpy.zeros(a.shape, a.dtype) for a, fl in zip(avals, floating)]
-            return [o for o in fn(*args) if jax.numpy.issubdtype(o.dtype, jax.numpy.floating)]
-
-        float_avals = [a for a, fl in zip(avals, floating) if fl]
-        closure = jax.eval_shape(lambda *a: jax.vjp(f, *a)[1], *float_avals)
-        def major(s, params=param_shapes):     # batch-major values that are not parameters
-            return len(s.shape) > 0 and s.shape[0] % b == 0 and (tuple(s.shape), s.dtype) not in params
+        key = subgraph_key(jaxpr, idx, inputs, outputs, consts, memo)
+        if key not in traced:             # a repeated block keeps what its twin keeps
+            traced[key] = _closure(inputs, fn, consts)
+        closure, float_avals = traced[key]
         div = divisors[tg.index]
-        residuals.append(sum(_bytes(s.shape, s.dtype) for s in jax.tree.leaves(closure) if major(s)) / div)
+        residuals.append(sum(_bytes(s.shape, s.dtype) for s in closure if major(s)) / div)
         inputs_.append(sum(_bytes(a.shape, a.dtype) for a in float_avals if major(a)) / div)
     return residuals, inputs_
+
+
+def _closure(inputs, fn, consts) -> tuple[list, list]:
+    """The leaves of fn's vjp closure w.r.t. its floating inputs, and those inputs (abstract)."""
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in inputs if v not in consts]
+    floating = [jax.numpy.issubdtype(a.dtype, jax.numpy.floating) for a in avals]
+
+    def f(*fa):
+        it = iter(fa)
+        args = [next(it) if fl else jax.numpy.zeros(a.shape, a.dtype) for a, fl in zip(avals, floating)]
+        return [o for o in fn(*args) if jax.numpy.issubdtype(o.dtype, jax.numpy.floating)]
+
+    float_avals = [a for a, fl in zip(avals, floating) if fl]
+    closure = jax.eval_shape(lambda *a: jax.vjp(f, *a)[1], *float_avals)
+    return jax.tree.leaves(closure), float_avals
 
 
 def memory_fit(plan) -> MemoryFit:
@@ -146,6 +186,7 @@ def memory_fit(plan) -> MemoryFit:
     residuals, boundary = taskgraph_residuals(cap, divisors)
     plain = Footprint(params, params, opt_state, sum(residuals))
     cap_bytes = float(min(s.memory_bytes for s in plan.cluster.specs[:n]))
+    host_bytes = float(min(plan.cluster.host_bytes[:n]))
 
     steps, cur = [], plain
     saved_p = rep_params - sharded_params
@@ -153,7 +194,9 @@ def memory_fit(plan) -> MemoryFit:
     def add(option, **changes):
         nonlocal cur
         cur = dataclasses.replace(cur, **changes)
-        steps.append(FitStep(option, cur, cur.device_total <= cap_bytes))
+        short = [what for what, need, have in (("device memory", cur.device_total, cap_bytes),
+                                               ("host memory", cur.host, host_bytes)) if need > have]
+        steps.append(FitStep(option, cur, not short, " and ".join(short) or None))
 
     if saved_p > 0:
         add("zero 1", opt_state=cur.opt_state - opt_ratio * saved_p)
@@ -165,4 +208,4 @@ def memory_fit(plan) -> MemoryFit:
     add("offload params", params=0.0, host=cur.host + cur.params)
     add("offload grads", grads=0.0, host=cur.host + cur.grads)
     rep = max(replicas) if replicas else 1
-    return MemoryFit(cap_bytes, plain, tuple(steps), rep_params / params if params else 0.0, rep)
+    return MemoryFit(cap_bytes, plain, tuple(steps), rep_params / params if params else 0.0, rep, host_bytes)

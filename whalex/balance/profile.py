@@ -6,12 +6,14 @@ with their backward pass (`jax.vjp`) and `Lowered.cost_analysis()` reports the g
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
+
 import jax
 import jax.extend
 import numpy as np
 
 from whalex import _compat as C
-from whalex.core.interpret import subgraph_function
+from whalex.core.interpret import subgraph_functions, subgraph_key
 
 
 def _flops(lowered) -> float:
@@ -58,13 +60,16 @@ def taskgraph_flops(closed: C.ClosedJaxpr, assign: dict, num_taskgraphs: int) ->
     `scan` bodies counted once per iteration)."""
     jaxpr = closed.jaxpr
     consts = dict(zip(jaxpr.constvars, closed.consts))
-    result = []
-    for tg in range(num_taskgraphs):
-        indices = [i for i in range(len(jaxpr.eqns)) if assign[(i,)] == tg]
+    groups = taskgraph_eqns(jaxpr, assign, num_taskgraphs)
+    result, measured, memo = [], {}, {}
+    for indices, (inputs, outputs, fn) in zip(groups, subgraph_functions(jaxpr, groups)):
         if not indices:
             result.append(0.0)
             continue
-        inputs, outputs, fn = subgraph_function(jaxpr, indices)
+        key = subgraph_key(jaxpr, indices, inputs, outputs, consts, memo)
+        if key in measured:                 # a repeated block: same function, same FLOPs
+            result.append(measured[key])
+            continue
         fl_in = [k for k, v in enumerate(inputs) if _floating(v) and v not in consts]
         fl_out = [k for k, v in enumerate(outputs) if _floating(v)]
         other = {k: consts[v] for k, v in enumerate(inputs) if v in consts}
@@ -91,8 +96,19 @@ def taskgraph_flops(closed: C.ClosedJaxpr, assign: dict, num_taskgraphs: int) ->
         other_args = [sds(v) for k, v in enumerate(inputs) if k not in fl_in and v not in consts]
         cts = [sds(outputs[k]) for k in fl_out]
         lowered = jax.jit(fwd_bwd).lower(float_args, other_args, cts)
-        result.append(_flops(lowered) + sum(loop_correction(jaxpr.eqns[i]) for i in indices))
+        measured[key] = _flops(lowered) + sum(loop_correction(jaxpr.eqns[i]) for i in indices)
+        result.append(measured[key])
     return tuple(result)
+
+
+def taskgraph_eqns(jaxpr, assign: dict, num_taskgraphs: int) -> list[list[int]]:
+    """The top-level equation indices of each TaskGraph `0 .. num_taskgraphs - 1`, in order."""
+    groups: list[list[int]] = [[] for _ in range(num_taskgraphs)]
+    for i in range(len(jaxpr.eqns)):
+        tg = assign[(i,)]
+        if tg < num_taskgraphs:
+            groups[tg].append(i)
+    return groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,9 +132,16 @@ class DeviceMemory:
     grads: float
     opt_state: float
     capacity: float
-    activations: float = 0.0     # forward values kept for the backward (model estimate)
+    # forward values kept for the backward (model estimate): bytes, or a function of none that finds
+    # them (a trace of the whole model's backward, run when `activations` is first read)
+    activation_estimate: Any = dataclasses.field(default=0.0, repr=False, compare=False)
     host: float = 0.0            # bytes kept in pinned host memory between steps
     shares: tuple[Share, ...] = ()
+
+    @property
+    def activations(self) -> float:
+        a = self.activation_estimate
+        return float(a() if callable(a) else a)
 
     @property
     def state(self) -> float:

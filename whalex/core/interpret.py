@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 
 from whalex import _compat as C
@@ -59,25 +60,78 @@ def make_evaluator(closed: C.ClosedJaxpr, constraints: dict, mesh, overrides: di
 
 def subgraph_function(jaxpr, indices: Sequence[int]):
     """The top-level equations `indices` as a function: (inputs, outputs, fn(*inputs) -> outputs)."""
-    eqns = [jaxpr.eqns[i] for i in indices]
-    defined, inputs, seen = set(), [], set()
-    for eqn in eqns:
-        for v in eqn.invars:
-            if not isinstance(v, C.Literal) and v not in defined and v not in seen:
-                seen.add(v)
-                inputs.append(v)
-        defined.update(eqn.outvars)
-    used_outside = {v for e in jaxpr.eqns if e not in eqns for v in e.invars if not isinstance(v, C.Literal)}
-    used_outside.update(v for v in jaxpr.outvars if not isinstance(v, C.Literal))
-    outputs = [v for e in eqns for v in e.outvars if v in used_outside]
+    return subgraph_functions(jaxpr, [indices])[0]
 
+
+def subgraph_functions(jaxpr, groups: Sequence[Sequence[int]]) -> list:
+    """`subgraph_function` of each group of top-level equations (the uses of every value found once)."""
+    group_of = {}
+    for g, indices in enumerate(groups):
+        group_of.update((i, g) for i in indices)
+    users: dict = {}                    # value -> the groups (-1: none) of the equations that read it
+    for k, e in enumerate(jaxpr.eqns):
+        for v in e.invars:
+            if not isinstance(v, C.Literal):
+                users.setdefault(v, set()).add(group_of.get(k, -1))
+    final = {v for v in jaxpr.outvars if not isinstance(v, C.Literal)}
+    out = []
+    for g, indices in enumerate(groups):
+        eqns = [jaxpr.eqns[i] for i in indices]
+        defined, inputs, seen = set(), [], set()
+        for eqn in eqns:
+            for v in eqn.invars:
+                if not isinstance(v, C.Literal) and v not in defined and v not in seen:
+                    seen.add(v)
+                    inputs.append(v)
+            defined.update(eqn.outvars)
+        outputs = [v for e in eqns for v in e.outvars if v in final or users.get(v, set()) - {g}]
+        out.append((inputs, outputs, _run_eqns(eqns, inputs, outputs)))
+    return out
+
+
+def _run_eqns(eqns, inputs, outputs) -> Callable[..., list]:
     def fn(*args):
         env = dict(zip(inputs, args))
         for eqn in eqns:
             env.update(zip(eqn.outvars, C.bind(eqn, [C.read(env, v) for v in eqn.invars])))
         return [env[v] for v in outputs]
 
-    return inputs, outputs, fn
+    return fn
+
+
+def subgraph_key(jaxpr, indices: Sequence[int], inputs: Sequence[Any], outputs: Sequence[Any],
+                 consts=(), memo: dict | None = None) -> tuple:
+    """A hashable description of the equations `indices` as a function of `inputs` (from
+    `subgraph_function`), variables numbered in order: equal keys compute the same function of the same input types
+    (e.g. the repeated blocks of a model), so a measure of one (FLOPs, residuals) serves them all.
+    `consts` are the inputs that stand for constants; `memo` shares the texts of called jaxprs."""
+    memo = {} if memo is None else memo
+    names = {v: k for k, v in enumerate(inputs)}
+    key: list = [tuple((v.aval, v in consts) for v in inputs)]
+    for i in indices:
+        eqn = jaxpr.eqns[i]
+        ins = tuple(("literal", repr(v.val), v.aval) if isinstance(v, C.Literal) else names[v] for v in eqn.invars)
+        for v in eqn.outvars:
+            names[v] = len(names)
+        params = tuple((k, _param_key(p, memo)) for k, p in sorted(eqn.params.items()))
+        key.append((eqn.primitive.name, ins, tuple(v.aval for v in eqn.outvars), params))
+    key.append(tuple(names[v] for v in outputs))
+    return tuple(key)
+
+
+def _param_key(value: Any, memo: dict) -> Any:
+    if isinstance(value, (C.ClosedJaxpr, C.Jaxpr)):
+        if id(value) not in memo:
+            memo[id(value)] = (value, str(value))      # the value kept alive: its id stays its own
+        return memo[id(value)][1]
+    if isinstance(value, np.ndarray):
+        return ("ndarray", value.shape, str(value.dtype), value.tobytes())
+    if isinstance(value, (tuple, list)):
+        return tuple(_param_key(x, memo) for x in value)
+    if callable(value):                                 # e.g. a custom_jvp rule: the same object, or different
+        memo.setdefault(id(value), (value, None))
+        return ("callable", id(value))
+    return repr(value)
 
 
 def apply_eqn(eqn, path: tuple, invals: Sequence[Any], overrides: dict, prefixes: set | None = None) -> list:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import jax
@@ -90,7 +91,8 @@ def residual_bytes(closed, num_params: int) -> float:
 
 def plan_memory(program, device_specs, activations=0.0):
     """`DeviceMemory` for every device of a program's plan: state bytes from its shardings without
-    and with its memory options; `activations` is one number or one per device."""
+    and with its memory options; `activations` is one number, one per device, or a function of
+    none giving one number (called once, when a device's activations are first read)."""
     sizes = dict(program.mesh.shape)
     shapes = program.param_shapes()
     specs, zspecs = program.param_spec_list(), program.zero_specs()
@@ -103,8 +105,11 @@ def plan_memory(program, device_specs, activations=0.0):
         ospecs, _ = opt_state_specs(program.optimizer, shapes, zspecs)
         oz = sharded_bytes(oshapes, ospecs, sizes)
     params, grads, opt, host, shares = account(p, o, pz, oz, program.memory_options)
+    if callable(activations):
+        activations = functools.cache(activations)          # one trace shared by every device
     acts = activations if isinstance(activations, (list, tuple)) else [activations] * len(device_specs)
-    return tuple(DeviceMemory(i, s.name, params, grads, opt, float(s.memory_bytes), float(a), host, shares)
+    return tuple(DeviceMemory(i, s.name, params, grads, opt, float(s.memory_bytes), a if callable(a) else float(a),
+                              host, shares)
                  for i, (s, a) in enumerate(zip(device_specs, acts)))
 
 

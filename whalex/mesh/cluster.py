@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any, Sequence
 
 import jax
 
 from whalex.distributed import maybe_initialize
 from whalex.errors import ClusterError
-from whalex.mesh.specs import DeviceSpec, lookup
+from whalex.mesh.specs import DeviceSpec, lookup, parse_bytes
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -18,14 +19,23 @@ class Cluster:
 
     `Cluster(kinds=[...])` declares kinds for the first len(kinds) local devices (e.g. simulated
     CPU devices planned as if they were heterogeneous GPUs; execution stays exact).
+
+    Devices sit in nodes (hosts) that share host RAM, what offload may use: `host_memory` (bytes or
+    "768GB", per node) and `devices_per_node` declare them; otherwise a real cluster's node is one
+    process's devices with this machine's RAM (detected), and an abstract one takes each kind's
+    typical node from the spec table (a V100 DGX-1: 512 GB for 8 GPUs).
     """
 
     specs: tuple[DeviceSpec, ...]
     devices: tuple[Any, ...] | None
     measured: tuple[float, ...] | None = None     # calibrated FLOP/s per device, when measured
     spread: tuple[float, ...] | None = None       # relative spread of each measured speed (0.05: +-5%)
+    nodes: tuple[tuple[int, ...], ...] = ()       # the devices of each node (host)
+    host_memory: tuple[float, ...] = ()           # host RAM of each node, bytes (inf: unknown)
+    host_source: str = ""                         # "declared", "detected" or "spec table"
 
-    def __init__(self, kinds: Sequence[str] | None = None, devices: Sequence[Any] | None = None):
+    def __init__(self, kinds: Sequence[str] | None = None, devices: Sequence[Any] | None = None,
+                 host_memory: float | str | None = None, devices_per_node: int | None = None):
         maybe_initialize()      # join a whalex.launch process group before touching devices
         available = list(devices) if devices is not None else list(jax.devices())
         if kinds is None:
@@ -38,28 +48,47 @@ class Cluster:
                 f"Cluster declares {len(kinds)} device kinds but only {len(available)} devices are visible; "
                 "declare at most that many, use Cluster.abstract(kinds=...) to plan without devices, or "
                 f"simulate more CPU devices with XLA_FLAGS=--xla_force_host_platform_device_count={len(kinds)}.")
-        object.__setattr__(self, "specs", tuple(lookup(k) for k in kinds))
-        object.__setattr__(self, "devices", tuple(available[: len(kinds)]))
-        object.__setattr__(self, "measured", None)
-        object.__setattr__(self, "spread", None)
+        specs = tuple(lookup(k) for k in kinds)
+        devs = tuple(available[: len(kinds)])
+        if devices_per_node is not None:
+            nodes = _chunks(len(specs), [_positive_int(devices_per_node)] * len(specs))
+        else:                    # one node per process
+            owners = [getattr(d, "process_index", 0) for d in devs]
+            nodes = tuple(tuple(i for i, o in enumerate(owners) if o == p) for p in dict.fromkeys(owners))
+        detected = detect_host_memory() if host_memory is None else None
+        if host_memory is not None:
+            ram, source = [parse_bytes(host_memory)] * len(nodes), "declared"
+        elif detected:
+            ram, source = [detected] * len(nodes), "detected"
+        else:
+            ram, source = [_node_ram(specs[n[0]]) for n in nodes], "spec table"
+        _set(self, specs, devs, None, None, nodes, tuple(ram), source)
 
     @classmethod
-    def detect(cls) -> "Cluster":
+    def detect(cls, host_memory: float | str | None = None, devices_per_node: int | None = None) -> "Cluster":
         """Every device `jax.devices()` reports (all processes), kinds read from the devices."""
         maybe_initialize()
-        return cls(devices=jax.devices())
+        return cls(devices=jax.devices(), host_memory=host_memory, devices_per_node=devices_per_node)
 
     @classmethod
-    def abstract(cls, kinds: Sequence[str]) -> "Cluster":
-        """Kinds only, no devices: enough to plan and lower, not to run."""
+    def abstract(cls, kinds: Sequence[str], host_memory: float | str | None = None,
+                 devices_per_node: int | None = None) -> "Cluster":
+        """Kinds only, no devices: enough to plan and lower, not to run. Nodes (host RAM, devices
+        per node) are declared, or each kind's typical node from the spec table."""
         obj = object.__new__(cls)
         kinds = list(kinds)
         if not kinds:
             raise ClusterError("Cluster.abstract needs at least one device kind.")
-        object.__setattr__(obj, "specs", tuple(lookup(k) for k in kinds))
-        object.__setattr__(obj, "devices", None)
-        object.__setattr__(obj, "measured", None)
-        object.__setattr__(obj, "spread", None)
+        specs = tuple(lookup(k) for k in kinds)
+        if devices_per_node is not None:
+            nodes = _chunks(len(specs), [_positive_int(devices_per_node)] * len(specs))
+        else:                    # each kind's typical node; a new kind starts a new node
+            nodes = _chunks(len(specs), [s.node_devices for s in specs], kinds=[s.name for s in specs])
+        if host_memory is not None:
+            ram, source = [parse_bytes(host_memory)] * len(nodes), "declared"
+        else:
+            ram, source = [_node_ram(specs[n[0]]) for n in nodes], "spec table"
+        _set(obj, specs, None, None, None, nodes, tuple(ram), source)
         return obj
 
     def with_speeds(self, speeds, spread=None) -> "Cluster":
@@ -77,11 +106,17 @@ class Cluster:
                 raise ClusterError(f"with_speeds needs {self.size} non-negative relative spreads (0.05 for +-5%), "
                                    f"got {spread}.")
         obj = object.__new__(type(self))
-        object.__setattr__(obj, "specs", self.specs)
-        object.__setattr__(obj, "devices", self.devices)
-        object.__setattr__(obj, "measured", speeds)
-        object.__setattr__(obj, "spread", spread)
+        _set(obj, self.specs, self.devices, speeds, spread, self.nodes, self.host_memory, self.host_source)
         return obj
+
+    @property
+    def host_bytes(self) -> tuple[float, ...]:
+        """Host RAM per device: its node's RAM shared evenly by the node's devices."""
+        share = [0.0] * self.size
+        for node, ram in zip(self.nodes, self.host_memory):
+            for d in node:
+                share[d] = ram / len(node)
+        return tuple(share)
 
     @property
     def speeds(self) -> tuple[float, ...]:
@@ -122,3 +157,38 @@ class Cluster:
         desc = " + ".join(f"{n}x {k}" for k, n in counts.items())
         extra = (", abstract" if self.is_abstract else "") + (", calibrated" if self.measured else "")
         return f"Cluster({desc}{extra})"
+
+
+def _set(obj: Cluster, specs, devices, measured, spread, nodes, host_memory, host_source) -> None:
+    for name, value in (("specs", specs), ("devices", devices), ("measured", measured), ("spread", spread),
+                        ("nodes", nodes), ("host_memory", host_memory), ("host_source", host_source)):
+        object.__setattr__(obj, name, value)
+
+
+def _node_ram(spec: DeviceSpec) -> float:
+    """A kind's typical node RAM; unknown (a DeviceSpec without one) bounds nothing."""
+    return float(spec.node_host_bytes) if spec.node_host_bytes > 0 else float("inf")
+
+
+def _positive_int(n) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ClusterError(f"devices_per_node must be a positive integer, got {n!r}.")
+    return n
+
+
+def _chunks(size: int, per: Sequence[int], kinds: Sequence[str] | None = None) -> tuple[tuple[int, ...], ...]:
+    """Consecutive devices in nodes of `per[first device]` devices; a new kind starts a new node."""
+    nodes: list[list[int]] = []
+    for d in range(size):
+        if not nodes or len(nodes[-1]) >= per[nodes[-1][0]] or (kinds is not None and kinds[d] != kinds[nodes[-1][0]]):
+            nodes.append([])
+        nodes[-1].append(d)
+    return tuple(tuple(n) for n in nodes)
+
+
+def detect_host_memory() -> float | None:
+    """This machine's physical RAM in bytes (None where the OS does not say)."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None

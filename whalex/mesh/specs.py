@@ -2,6 +2,14 @@
 
 Figures are vendor datasheet peaks (SXM parts where both exist). Whale balances on FP32 FLOP/s
 (paper section 3.3); the memory figure is the capacity Algorithm 1 bounds load by.
+
+Each kind also names a typical node: its host RAM and GPUs, what bounds host offload on an abstract
+cluster (`Cluster.abstract(kinds, host_memory=..., devices_per_node=...)` overrides it). Sources,
+the vendors' system datasheets: DGX-1 (P100, V100) 512 GB for 8 GPUs (a DGX-2 has 1.5 TB for 16
+V100-32GB: the same 96 GB per GPU is not the common case, declare it when it is yours); DGX A100
+1 TB (40GB) / 2 TB (80GB), DGX H100 and DGX H200 2 TB, all for 8 GPUs; no DGX has T4, A10 or L4 GPUs:
+the largest AWS instances of those (g4dn.metal 384 GB / 8 T4, g5.48xlarge 768 GB / 8 A10G,
+g6.48xlarge 768 GB / 8 L4). A GB of RAM here is 2**30 bytes, as in the kind names.
 """
 from __future__ import annotations
 
@@ -22,21 +30,42 @@ class DeviceSpec:
     memory_bytes: int
     bandwidth: float        # bytes/s of device memory
     platform: str = "gpu"
+    node_host_bytes: int = 0    # host RAM of a typical node of this kind (0: unknown)
+    node_devices: int = 1       # devices in that node
 
 
 SPECS: dict[str, DeviceSpec] = {s.name: s for s in [
-    DeviceSpec("P100-16GB", 10.6 * T, 21.2 * T, 16 * GiB, 732e9),
-    DeviceSpec("V100-16GB", 15.7 * T, 125 * T, 16 * GiB, 900e9),
-    DeviceSpec("V100-32GB", 15.7 * T, 125 * T, 32 * GiB, 900e9),
-    DeviceSpec("T4-16GB", 8.1 * T, 65 * T, 16 * GiB, 320e9),
-    DeviceSpec("A10-24GB", 31.2 * T, 125 * T, 24 * GiB, 600e9),
-    DeviceSpec("L4-24GB", 30.3 * T, 121 * T, 24 * GiB, 300e9),
-    DeviceSpec("A100-40GB", 19.5 * T, 312 * T, 40 * GiB, 1555e9),
-    DeviceSpec("A100-80GB", 19.5 * T, 312 * T, 80 * GiB, 2039e9),
-    DeviceSpec("H100-80GB", 67 * T, 989 * T, 80 * GiB, 3350e9),
-    DeviceSpec("H200-141GB", 67 * T, 989 * T, 141 * GiB, 4800e9),
-    DeviceSpec("CPU", 0.1 * T, 0.1 * T, 16 * GiB, 20e9, platform="cpu"),
+    DeviceSpec("P100-16GB", 10.6 * T, 21.2 * T, 16 * GiB, 732e9, node_host_bytes=512 * GiB, node_devices=8),
+    DeviceSpec("V100-16GB", 15.7 * T, 125 * T, 16 * GiB, 900e9, node_host_bytes=512 * GiB, node_devices=8),
+    DeviceSpec("V100-32GB", 15.7 * T, 125 * T, 32 * GiB, 900e9, node_host_bytes=512 * GiB, node_devices=8),
+    DeviceSpec("T4-16GB", 8.1 * T, 65 * T, 16 * GiB, 320e9, node_host_bytes=384 * GiB, node_devices=8),
+    DeviceSpec("A10-24GB", 31.2 * T, 125 * T, 24 * GiB, 600e9, node_host_bytes=768 * GiB, node_devices=8),
+    DeviceSpec("L4-24GB", 30.3 * T, 121 * T, 24 * GiB, 300e9, node_host_bytes=768 * GiB, node_devices=8),
+    DeviceSpec("A100-40GB", 19.5 * T, 312 * T, 40 * GiB, 1555e9, node_host_bytes=1024 * GiB, node_devices=8),
+    DeviceSpec("A100-80GB", 19.5 * T, 312 * T, 80 * GiB, 2039e9, node_host_bytes=2048 * GiB, node_devices=8),
+    DeviceSpec("H100-80GB", 67 * T, 989 * T, 80 * GiB, 3350e9, node_host_bytes=2048 * GiB, node_devices=8),
+    DeviceSpec("H200-141GB", 67 * T, 989 * T, 141 * GiB, 4800e9, node_host_bytes=2048 * GiB, node_devices=8),
+    DeviceSpec("CPU", 0.1 * T, 0.1 * T, 16 * GiB, 20e9, platform="cpu", node_host_bytes=64 * GiB, node_devices=8),
 ]}
+
+_UNITS = {"": 1, "B": 1, "KB": 2**10, "KIB": 2**10, "MB": 2**20, "MIB": 2**20, "GB": GiB, "GIB": GiB,
+          "TB": 2**40, "TIB": 2**40}
+
+
+def parse_bytes(value) -> float:
+    """Bytes from a number or a string such as "768GB", "1.5 TB" or "512GiB" (GB = 2**30 bytes)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        n = float(value)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+        unit = m.group(2).upper() if m else None
+        if unit not in _UNITS:
+            raise ClusterError(f"cannot read {value!r} as an amount of memory; write it as bytes or as a string "
+                               "such as '768GB', '1.5TB' or '512GiB'.")
+        n = float(m.group(1)) * _UNITS[unit]
+    if n <= 0:
+        raise ClusterError(f"an amount of memory must be positive, got {value!r}.")
+    return n
 
 # Short names and the spellings `jax.Device.device_kind` reports.
 _ALIASES = {

@@ -78,8 +78,8 @@ def spmd_plan(req: Request, cap, report=None) -> Plan:
         comms = zero.comms(comms, mem.zero_level, zero_sharded(program, cap.param_paths), owner)
     infos = taskgraph_infos(cap, vds, flops, [sum(c.bytes for c in comms if c.taskgraph == t.index) * m
                                               for t in cap.taskgraphs])
-    memory = plan_memory(program, cluster.specs[: layout.size],
-                         residual_bytes(cap.jaxpr, cap.num_params) / layout.size)
+    memory = plan_memory(program, cluster.specs[: layout.size],       # activations: one more trace, when asked
+                         lambda: residual_bytes(cap.jaxpr, cap.num_params) / layout.size)
     first = vds[cap.assign[(0,)]] if cap.assign else vds[0]
     per_device = full.global_batch // layout.axis_size(first.batch_axes)
     parts = getattr(program, "parts", None)
