@@ -12,7 +12,7 @@ from conftest import adam, assert_matches
 from models import plain_model
 
 HETERO = ["V100-32GB"] * 4 + ["T4-16GB"] * 4
-APPLIED = "batch (applied to the replicate TaskGraphs; split head keeps its layout"
+APPLIED = "batch of the replicate TaskGraphs (the split head keeps its layout"
 
 
 def _check_rows(plan, b):

@@ -225,7 +225,7 @@ def hybrid_plan(req: Request, full, plan: Plan) -> Plan:
     report = cost.report(cluster.specs, cluster.speeds, rows, even(b, k), source=cluster.speed_source, unit=unit,
                          applied=True, shifted=bal.shifted, flops_per_sample=flops_per_sample,
                          state_bytes=max(state), act_base=0.0, act_per_sample=per_row)
-    kind = f"batch (applied to the replicate TaskGraphs; split head keeps its layout{head_note})"
+    kind = f"batch of the replicate TaskGraphs (the split head keeps its layout{head_note})"
     return dataclasses.replace(plan, program=program, batch_sizes=tuple(rows),
                                balance=dataclasses.replace(report, kind=kind), head_balance=plan.balance)
 
