@@ -179,10 +179,8 @@ class Step:
                             "step.init(params, batch) with the new shapes.")
         caller = state.params if state.view is None else jax.eval_shape(state.view.unpack, state.stored_params)
         p = self._plan_for(caller, batch, state.model_state, state.rng)
-        state = self._relayout(state, p)
-        key = self._key(state.stored_params, batch)
-        self._plans[key], self._jitted[key] = p, self._jitted[self._key(caller, batch)]
-        return state, p, self._jitted[key]
+        state = self._adopt(self._relayout(state, p), caller, batch)
+        return state, p, self._jitted[self._key(state.stored_params, batch)]
 
     def _relayout(self, state: TrainState, p: Plan) -> TrainState:
         """`state` in the storage layout of plan `p` (a new batch shape can re-plan a padded head)."""

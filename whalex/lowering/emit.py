@@ -337,7 +337,7 @@ class Emitter:
         'model_state' / 'rng' (key data) / 'loss_scale' where present. Internal layouts (pipeline packing,
         padded uneven heads) are undone; ZeRO shards and offloaded arrays are just placed arrays."""
         params, opt_state = state.stored_params, state.opt_state
-        if not param_tree_test(self.caller_param_shapes())(params):
+        if self.param_layout() is not None:
             compute = self.compute_shardings()           # undo the layout in device memory (offload: fetch)
             params, opt_state = jax.device_put((params, opt_state), (compute.stored_params, compute.opt_state))
             params, opt_state = self._to_caller(params, opt_state)
@@ -387,7 +387,7 @@ class Emitter:
         `rng`: an example key, to re-wrap key data as a typed key of its implementation."""
         shardings = self.state_shardings()
         params, opt_state = tree["params"], tree["opt_state"]
-        if not param_tree_test(self.param_shapes())(params):
+        if self.param_layout() is not None:
             params, opt_state = self._from_caller(params, opt_state)
         else:
             opt_state = _relayout(opt_state, jax.eval_shape(self.optimizer.init, self.param_shapes()))

@@ -185,17 +185,13 @@ class UnevenProgram(Emitter):
             return acc
 
         def map_parts(g, kinds):
-            def identity(x):
-                return parts_lib.identity(kinds[x[0]], jax.ShapeDtypeStruct(x[1].shape, x[1].dtype))
-
             slots = max(full)
             stacked = jax.vmap(lambda k: g(*part_at(k * chunk, chunk)))(jnp.arange(slots))
+            ids = [parts_lib.identity(k, jax.ShapeDtypeStruct(x.shape[1:], x.dtype)) for k, x in zip(kinds, stacked)]
             real = jnp.arange(slots) < n          # padding slots take the identity of the reduction
-            out = [[jnp.where(real.reshape((-1,) + (1,) * (x.ndim - 1)), x, identity((i, x[0]))[None])]
-                   for i, x in enumerate(stacked)]
+            out = [[jnp.where(real.reshape((-1,) + (1,) * (x.ndim - 1)), x, e[None])] for x, e in zip(stacked, ids)]
             for j, off, taken in remainders():
-                vals = jax.lax.cond(taken, lambda off=off, s=sizes[j]: list(g(*part_at(off, s))),
-                                    lambda: [identity((i, x[0])) for i, x in enumerate(stacked)])
+                vals = jax.lax.cond(taken, lambda off=off, s=sizes[j]: list(g(*part_at(off, s))), lambda: ids)
                 for o, v in zip(out, vals):
                     o.append(v[None])
             return [jnp.concatenate(o, axis=0) for o in out]
