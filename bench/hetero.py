@@ -87,19 +87,12 @@ OUT = 8
 
 
 def make_model(args):
-    """A stock Flax MLP: `depth` x (nn.Dense(width) + ReLU) and an nn.Dense(OUT) head, biases included."""
-    import flax.linen as nn
+    """A stock Flax MLP (bench/models.py): `depth` x (nn.Dense(width) + ReLU) and an nn.Dense(OUT) head."""
     import jax
     import numpy as np
+    from models import MLP
 
-    class MLP(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            for _ in range(args.depth):
-                x = nn.relu(nn.Dense(args.width)(x))
-            return nn.Dense(OUT)(x)
-
-    model = MLP()
+    model = MLP(args.width, args.depth, OUT)
     rng = np.random.default_rng(0)
     batch = {"x": rng.standard_normal((args.batch, args.width)).astype(np.float32),
              "y": (0.5 * rng.standard_normal((args.batch, OUT))).astype(np.float32)}

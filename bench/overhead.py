@@ -54,27 +54,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import flax.linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import whalex as wh
+from models import MLP          # bench/models.py: a stock Flax MLP
 
 N_DEV = 8
 TARGET = 1.02
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
-class MLP(nn.Module):
-    """A stock Flax MLP: no whalex annotation."""
-    width: int
-    depth: int
-    classes: int
-
-    @nn.compact
-    def __call__(self, x):
-        for _ in range(self.depth):
-            x = nn.relu(nn.Dense(self.width)(x))
-        return nn.Dense(self.classes)(x)
 
 
 class Pair:

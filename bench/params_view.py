@@ -40,20 +40,11 @@ import numpy as np
 import optax
 
 import whalex as wh
+from models import MLP          # bench/models.py: a stock Flax MLP
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
-class MLP(nn.Module):
-    width: int
-    depth: int
-    classes: int
-
-    @nn.compact
-    def __call__(self, x):
-        for _ in range(self.depth):
-            x = nn.relu(nn.Dense(self.width)(x))
-        return nn.Dense(self.classes)(x)
 
 
 def main():

@@ -16,6 +16,9 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+HETERO = ["V100-32GB"] * 4 + ["T4-16GB"] * 4   # a declared heterogeneous cluster over the 8 devices
+
+
 def rel_err(a, b) -> float:
     """max |a-b| / max |b| (DESIGN.md section 4): robust to Adam's noise on near-zero gradients."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)

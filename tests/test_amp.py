@@ -23,7 +23,7 @@ import optax
 import pytest
 
 import whalex as wh
-from conftest import reference_train, rel_err, whalex_train
+from conftest import HETERO, reference_train, rel_err, whalex_train
 from hlo import collectives
 from models import flax_model, plain_model
 from test_pipeline import _plain, _two_stage
@@ -31,7 +31,6 @@ from whalex.memory.precision import INITIAL_SCALE, AmpLoss, LossScale
 
 TOL = {"bf16": 8 * 2.0 ** -8, "fp16": 8 * 2.0 ** -11}
 SGD = optax.sgd(0.1)
-HETERO = ["V100-32GB"] * 4 + ["T4-16GB"] * 4
 
 
 def moved_err(got, ref, start) -> float:

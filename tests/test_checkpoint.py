@@ -15,13 +15,12 @@ import pytest
 from flax import nnx
 
 import whalex as wh
-from conftest import adam, rel_err, reference_train
+from conftest import HETERO, adam, reference_train, rel_err
 from models import _backbone, _ce, data, plain_model, plain_params
 from test_model_state import problem
 from test_moe import D_IN, Block
 from test_pipeline import _plain, _two_stage
 
-HETERO = ["V100-32GB"] * 4 + ["T4-16GB"] * 4
 N, M = 2, 2            # steps before the checkpoint, steps after it
 
 

@@ -5,10 +5,9 @@ import numpy as np
 import pytest
 
 import whalex as wh
-from conftest import adam, assert_matches
+from conftest import HETERO, adam, assert_matches
 from models import flax_model, plain_model
 
-HETERO = ["V100-32GB"] * 4 + ["T4-16GB"] * 4
 
 
 @pytest.mark.parametrize("builder", [plain_model, flax_model])
@@ -92,8 +91,8 @@ def test_memory_bound_moves_batch_off_a_small_device():
                 cluster=wh.Cluster(kinds=[wh.DeviceSpec("t", 1e12, 1e12, 1000, 1e9)] + ["V100-32GB"] * 7))
 
 
-def _head_model(C=640):
-    B, D = 32, 24
+def _head_model(C=640, B=32):
+    D = 24
     k = jax.random.split(jax.random.key(0), 5)
     params = {"w1": jax.random.normal(k[0], (12, D)) / 3, "kernel": jax.random.normal(k[1], (D, C)) / 5,
               "bias": jax.random.normal(k[2], (C,))}

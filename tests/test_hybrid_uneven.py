@@ -8,10 +8,10 @@ import optax
 import pytest
 
 import whalex as wh
-from conftest import adam, assert_matches
+from conftest import HETERO, adam, assert_matches
 from models import plain_model
+from test_hetero import _head_model
 
-HETERO = ["V100-32GB"] * 4 + ["T4-16GB"] * 4
 APPLIED = "batch of the replicate TaskGraphs (the split head keeps its layout"
 
 
@@ -22,20 +22,6 @@ def _check_rows(plan, b):
     assert np.all(np.abs(rows - b * speeds / speeds.sum()) <= plan.balance.unit)   # proportional within the grain
     assert type(plan.program).__name__ == "HybridProgram"
     assert APPLIED in plan.summary()
-
-
-def _head_model(C=640, B=32):
-    k = jax.random.split(jax.random.key(0), 5)
-    params = {"w1": jax.random.normal(k[0], (12, 24)) / 3, "kernel": jax.random.normal(k[1], (24, C)) / 5,
-              "bias": jax.random.normal(k[2], (C,))}
-    batch = {"x": jax.random.normal(k[3], (B, 12)), "y": jax.random.randint(k[4], (B,), 0, C)}
-
-    def loss_fn(p, b):
-        with wh.replicate(8):
-            h = jnp.tanh(b["x"] @ p["w1"])
-        with wh.split(8):
-            return wh.ops.softmax_cross_entropy_head(h, p["kernel"], p["bias"], b["y"])
-    return loss_fn, params, batch
 
 
 def _token_model(B=40, T=3, C=64, seed=1):

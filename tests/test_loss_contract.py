@@ -16,10 +16,9 @@ import optax
 import pytest
 
 import whalex as wh
-from conftest import adam, assert_matches, reference_train, rel_err, whalex_train
+from conftest import HETERO, adam, assert_matches, reference_train, rel_err, whalex_train
 
 B, T, V, D = 32, 6, 16, 12
-HETERO = ["V100-32GB"] * 4 + ["T4-16GB"] * 4
 
 
 def lm_batch(seed=0):

@@ -15,10 +15,9 @@ import optax
 import pytest
 
 import whalex as wh
-from conftest import adam, rel_err
+from conftest import HETERO, adam, rel_err
 
 B, D, H, C = 32, 6, 16, 5
-HETERO = ["V100-32GB"] * 4 + ["T4-16GB"] * 4
 
 
 class Body(nn.Module):

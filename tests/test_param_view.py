@@ -7,8 +7,8 @@ import optax
 import pytest
 
 import whalex as wh
-from conftest import rel_err, reference_train
-from test_hetero import HETERO, _head_model
+from conftest import HETERO, rel_err, reference_train
+from test_hetero import _head_model
 from test_pipeline import _plain, _two_stage
 
 SGD = optax.sgd(0.05)

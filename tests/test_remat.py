@@ -9,14 +9,13 @@ import optax
 import pytest
 
 import whalex as wh
-from conftest import adam, assert_matches, reference_train, rel_err, whalex_train
+from conftest import HETERO, adam, assert_matches, reference_train, rel_err, whalex_train
 from hlo import collectives
 from models import flax_model, plain_model
 from test_amp import SGD, TOL, moved_err
 from test_pipeline import _compare, _plain, _two_stage
 from whalex.memory.precision import AmpLoss
 
-HETERO = ["V100-32GB"] * 4 + ["T4-16GB"] * 4
 B, D, H, C = 2048, 32, 128, 256
 
 

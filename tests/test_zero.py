@@ -5,13 +5,12 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import whalex as wh
-from conftest import adam, assert_matches
+from conftest import HETERO, adam, assert_matches
 from hlo import collectives
 from models import plain_model
 from test_pipeline import _compare, _plain, _two_stage
 from whalex.memory import zero
 
-HETERO = ["V100-32GB"] * 4 + ["T4-16GB"] * 4
 SIZES = {"data": 8, "model": 2, "one": 1}
 
 
