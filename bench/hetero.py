@@ -16,8 +16,10 @@ What it measures
                 replicated, batch ``P('data')``): the plain-JAX reference, an even split.
     * even:     whalex with ``Config(hardware_aware=False)``: the even plan.
     * balanced: whalex on the calibrated cluster: ``calibrate(cluster, loss_fn, params,
-                small_batch)`` times the user's loss and gradient on each process's device
-                (all-gathered), and Algorithm 1 splits the batch in proportion to those speeds.
+                small_batch, optimizer=optimizer)`` times the user's step (loss, gradient, Adam
+                update) on each process's device at the small batch's rows and at half of them
+                (all-gathered): the time per row gives each speed, the rest each device's fixed
+                time per step, and Algorithm 1 equalises fixed time + rows x time per row.
     * same-even: the balanced program at a near-even split (the cluster declared 1 : 1.01 with
                 ``Cluster.with_speeds``): the baseline that isolates the balance (see Collectives).
 
@@ -127,9 +129,10 @@ def worker(args):
 
     t0 = time.perf_counter()
     small = {k: v[: args.calib_rows] for k, v in batch.items()}
-    cluster = calibrate(wh.Cluster.detect(), loss_fn, params, small, repeats=9)
+    cluster = calibrate(wh.Cluster.detect(), loss_fn, params, small, optimizer=optimizer, repeats=9)
     speeds = [float(s) for s in cluster.speeds]
-    log(f"calibrated speeds (GFLOP/s): {[round(s / 1e9, 2) for s in speeds]} in {time.perf_counter() - t0:.1f} s")
+    log(f"calibrated speeds (GFLOP/s): {[round(s / 1e9, 2) for s in speeds]}, fixed ms per step "
+        f"{[round(1e3 * o, 2) for o in cluster.overhead]}, in {time.perf_counter() - t0:.1f} s")
 
     even = wh.parallelize(loss_fn, optimizer, config=wh.Config(hardware_aware=False), cluster=cluster)
     bal = wh.parallelize(loss_fn, optimizer, cluster=cluster)
@@ -184,10 +187,12 @@ def worker(args):
             f"{n} {1e3 * statistics.median(times[n][-args.block:]):.1f} ms" for n in names))
 
     # speeds again at the end: did the slowdown stay put while we measured?
-    after = [float(s) for s in calibrate(wh.Cluster.detect(), loss_fn, params, small, repeats=9).speeds]
+    again = calibrate(wh.Cluster.detect(), loss_fn, params, small, optimizer=optimizer, repeats=9)
+    after = [float(s) for s in again.speeds]
     rep_bal = bal.plan.balance
     out = {
         "speeds": speeds, "speeds_after": after,
+        "overheads": list(cluster.overhead), "overheads_after": list(again.overhead),
         "rows_even": list(even.plan.batch_sizes), "rows_balanced": list(bal.plan.batch_sizes),
         "rows_same_even": list(same.plan.batch_sizes),
         "local_rows_balanced": [bal.plan.local_rows(i) for i in range(2)],
@@ -276,7 +281,7 @@ def summarise(res: dict) -> dict:
     s = [(a + b) / 2 for a, b in zip(res["speeds"], res["speeds_after"])]
     med = {n: statistics.median(v) for n, v in res["times"].items()}
     actual = med["even"] / med["balanced"]
-    out = {k: res[k] for k in ("hogs", "batch", "speeds", "speeds_after", "rows_even", "rows_balanced",
+    out = {k: res[k] for k in ("hogs", "batch", "speeds", "speeds_after", "overheads", "overheads_after", "rows_even", "rows_balanced",
                                "local_rows_balanced", "balance_applied", "balance_unit", "predicted_speedup",
                                "final_loss", "times")}
     same = med["same-even"] / med["balanced"]

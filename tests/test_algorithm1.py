@@ -55,3 +55,45 @@ def test_impossible_case_names_the_device_and_shortfall():
         balance(100, [1.0, 1.0], [40.0, 55.0], [0.0, 0.0], [1.0, 1.0], names=["device 0", "device 1"])
     with pytest.raises(wh.PlanError, match="model state alone does not fit"):
         balance(10, [1.0, 1.0], [60.0, 5.0], [1.0, 10.0], [1.0, 1.0])
+
+
+def _brute_force_best(total, w, off):
+    """The smallest max_i(off_i + load_i / w_i) over every split of `total` (small cases only)."""
+    import itertools
+    best = float("inf")
+    for loads in itertools.product(range(total + 1), repeat=len(w)):
+        if sum(loads) == total:
+            best = min(best, max(o + x / s for x, s, o in zip(loads, w, off)))
+    return best
+
+
+def test_proportional_with_fixed_times_is_the_integer_optimum():
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        n, total = int(rng.integers(2, 4)), int(rng.integers(0, 13))
+        w = rng.uniform(0.5, 3.0, n)
+        off = rng.uniform(0.0, 4.0, n) * (rng.uniform(size=n) < 0.7)
+        loads = proportional(total, w, off)
+        assert sum(loads) == total and min(loads) >= 0
+        got = max(o + x / s for x, s, o in zip(loads, w, off))
+        assert got == pytest.approx(_brute_force_best(total, w, off)), (total, w, off, loads)
+    # no offsets: the proportional split as before; a large offset takes the device out
+    assert proportional(4096, [2, 1], [0.0, 0.0]) == proportional(4096, [2, 1]) == [2731, 1365]
+    assert proportional(5, [1, 1], [0.0, 100.0]) == [5, 0]
+    with pytest.raises(ValueError, match="non-negative offset"):
+        proportional(5, [1, 1], [0.0, -1.0])
+
+
+def test_fixed_times_per_step_shift_rows_to_the_fast_device():
+    # 3:1 speeds; the slow device also spends 3x the fast one's fixed time per step (its optimizer
+    # update runs 3x slower too): proportional rows would leave it last by the difference
+    work, speeds, over = 1e6, [3e9, 1e9], [0.002, 0.006]
+    plain = balance(2048, speeds, [1e12] * 2, [0.0] * 2, [1.0] * 2)
+    fixed = balance(2048, speeds, [1e12] * 2, [0.0] * 2, [1.0] * 2, overheads=over, work_per_unit=work)
+    assert plain.loads == (1536, 512)
+    t = [o + x * work / s for x, s, o in zip(fixed.loads, speeds, over)]
+    assert fixed.loads[0] > 1536 and abs(t[0] - t[1]) <= work / min(speeds)          # equal to within one unit
+    t_plain = [o + x * work / s for x, s, o in zip(plain.loads, speeds, over)]
+    assert max(t) < max(t_plain)
+    with pytest.raises(ValueError, match="work of one unit"):
+        balance(8, speeds, [1e12] * 2, [0.0] * 2, [1.0] * 2, overheads=over, work_per_unit=0.0)

@@ -9,7 +9,9 @@ import pytest
 import whalex as wh
 from models import plain_model
 from test_launch import child_env, run_launch
-from whalex.balance.calibrate import Measurement, calibrate, group_speeds, measure, summarize
+import optax
+
+from whalex.balance.calibrate import Measurement, affine, calibrate, group_speeds, measure, summarize
 
 # medians and spreads measured on the 8 simulated CPU devices of this machine (size 128, 5 rounds):
 # identical devices, 28 to 53 GFLOP/s apart, each with a large spread
@@ -75,6 +77,42 @@ def test_measure_keeps_the_raw_medians():
     m = measure(wh.Cluster.detect(), size=64, chain=1, repeats=3)
     assert isinstance(m, Measurement) and len(m.speeds) == len(m.spreads) == 8
     assert all(s > 0 for s in m.speeds) and all(e >= 0 for e in m.spreads)
+
+
+def test_affine_splits_time_into_fixed_seconds_and_speed():
+    # two devices: 2 ms fixed + 10 us/row, and 6 ms fixed + 30 us/row (3x slower at everything)
+    rows = (256, 512)
+    truth = np.array([[0.002 + 1e-5 * r for r in rows], [0.006 + 3e-5 * r for r in rows]])
+    times = np.stack([truth * (1 + 0.01 * k) for k in (-1, 0, 1, 0, 0)])        # (round, device, size)
+    m, fixed = affine(rows, times, work_per_row=1e6)
+    assert m.speeds == pytest.approx((1e11, 1e6 / 3e-5))
+    assert m.overheads == pytest.approx((0.002, 0.006))
+    assert fixed.shape == (5, 2) and np.all(fixed >= 0)
+    # a slope that noise made non-positive: the whole time counts as work, nothing fixed
+    m, _ = affine(rows, np.array([[[0.01, 0.009]]] * 3), work_per_row=1.0)
+    assert m.overheads == (0.0,) and m.speeds[0] == pytest.approx(512 / 0.009)
+
+
+def test_calibrating_the_users_step_measures_fixed_time_and_the_plan_uses_it():
+    loss_fn, params, batch = plain_model("dp", "ctx")
+    cluster = calibrate(wh.Cluster.detect(), loss_fn, params, batch, optimizer=optax.adam(1e-3), repeats=5)
+    assert cluster.overhead is not None and len(cluster.overhead) == 8 and min(cluster.overhead) >= 0
+    assert len(set(cluster.speeds)) == 1 and len(set(cluster.overhead)) == 1       # identical: one group, one value
+    plan = wh.plan(loss_fn, params, batch, cluster=cluster)
+    assert len(set(plan.batch_sizes)) == 1 and "fixed " in plan.summary()
+    # declared: 2:1 speeds, and the slow half also spends the time of 2.5 of its rows fixed per step
+    per_row = sum(t.flops for t in plan.task_graphs) / 32
+    fixed = 2.5 * per_row / 1e9
+    declared = wh.Cluster.detect().with_speeds([2e9] * 4 + [1e9] * 4, overhead=[0.0] * 4 + [fixed] * 4)
+    plan = wh.plan(loss_fn, params, batch, cluster=declared)
+    assert plan.batch_sizes == (7,) * 4 + (1,) * 4, plan.batch_sizes       # 5:3 without the fixed time
+    d = plan.balance.devices                                                # 7/2 = 2.5 + 1 rows of time
+    assert d[4].overhead == pytest.approx(fixed) and d[4].time == pytest.approx(d[0].time)
+    assert "fixed " in plan.summary()
+    with pytest.raises(wh.ClusterError, match="non-negative overheads"):
+        declared.with_speeds([1.0] * 8, overhead=[-1.0] * 8)
+    with pytest.raises(ValueError, match="pass loss_fn"):
+        calibrate(declared, optimizer=optax.sgd(0.1))
 
 
 def test_bad_arguments_are_clear_errors():

@@ -75,6 +75,8 @@ def speed_lines(cluster: Cluster) -> list[str]:
         if cluster.spread is not None:
             lo, hi = min(cluster.spread[i] for i in ids), max(cluster.spread[i] for i in ids)
             text += f", spread ± {_fmt_pct(lo)}" + (f" to {_fmt_pct(hi)}" if hi > lo else "")
+        if cluster.overhead is not None:
+            text += f", fixed {_fmt_time(cluster.overhead[ids[0]])} per step"
         lines.append(text)
     return lines
 

@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.experimental import multihost_utils
 
 from whalex.mesh.cluster import Cluster
@@ -36,10 +37,12 @@ MIN_REPEATS = 3              # fewer rounds give no spread to speak of
 
 @dataclasses.dataclass(frozen=True)
 class Measurement:
-    """Per device: the median measured speed (FLOP/s, or work/s for a user loss) and its spread."""
+    """Per device: the median measured speed (FLOP/s, or work/s for a user loss), its spread, and, for a
+    user loss timed at two batch sizes, the fixed seconds per step that do not grow with the rows."""
 
     speeds: tuple[float, ...]
     spreads: tuple[float, ...]          # relative: 0.05 reads +-5%
+    overheads: tuple[float, ...] | None = None
 
 
 @functools.lru_cache(maxsize=8)
@@ -52,26 +55,62 @@ def _matmul_work(n: int, chain: int):
     return jax.jit(f), 2.0 * n ** 3 * chain
 
 
-def _loss_work(loss_fn, params, batch):
-    fn = jax.jit(jax.value_and_grad(loss_fn))
-    cost = fn.lower(params, batch).cost_analysis()
+def _flops(fn, *args) -> float:
+    cost = fn.lower(*args).cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return fn, float((cost or {}).get("flops", 1.0)) or 1.0
+    return float((cost or {}).get("flops", 0.0))
+
+
+def _loss_work(loss_fn, params, optimizer):
+    """The local step to time, its leading arguments, and the FLOPs of the loss and gradient at a
+    batch: value_and_grad, then (with an optimizer) the update applied, as every device of a
+    data-parallel step runs it."""
+    grad = jax.jit(jax.value_and_grad(loss_fn))
+    flops = functools.partial(_flops, grad, params)
+    if optimizer is None:
+        return grad, (params,), flops
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        loss, g = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = optimizer.update(g, opt_state, params)
+        return loss, optax.apply_updates(params, updates), opt_state
+    return step, (params, jax.jit(optimizer.init)(params)), flops
 
 
 def time_rounds(devices: Sequence, fn, args, repeats: int) -> np.ndarray:
     """Seconds of `fn(*args)` per (round, device): every device warmed up, then `repeats` rounds
-    that each time every device once, in turn, so that outside load hits all devices alike."""
-    placed = [jax.device_put(args, d) for d in devices]
-    for a in placed:
-        jax.block_until_ready(fn(*a))                   # compile and warm up
-    times = np.zeros((repeats, len(devices)))
+    that each time every device once, in turn, so that outside load hits all devices alike.
+    `args` may be a list of argument tuples: then each round times each of them on each device, and
+    the result is shaped (round, device, argument set)."""
+    many = isinstance(args, list)
+    sets = args if many else [args]
+    placed = [[jax.device_put(a, d) for a in sets] for d in devices]
+    for per_device in placed:
+        for a in per_device:
+            jax.block_until_ready(fn(*a))               # compile and warm up
+    times = np.zeros((repeats, len(devices), len(sets)))
     for r in range(repeats):
-        for i, a in enumerate(placed):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*a))
-            times[r, i] = time.perf_counter() - t0
-    return times
+        for i, per_device in enumerate(placed):
+            for j, a in enumerate(per_device):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(*a))
+                times[r, i, j] = time.perf_counter() - t0
+    return times if many else times[:, :, 0]
+
+
+def affine(rows: Sequence[int], times: np.ndarray, work_per_row: float) -> tuple[Measurement, np.ndarray]:
+    """Speeds and fixed times from (round, device, size) timings at two row counts: per round and
+    device, the line through (rows, seconds) gives seconds per row (the slope) and fixed seconds
+    (the intercept, at least 0). Speed = work per row / slope; medians and spreads over the rounds.
+    A slope that noise made non-positive counts the whole time as work (no fixed part)."""
+    (r1, r2), t = rows, np.asarray(times, np.float64)
+    slope = (t[..., 1] - t[..., 0]) / (r2 - r1)
+    ok = slope > 0
+    slope = np.where(ok, slope, t[..., 1] / r2)
+    fixed = np.where(ok, np.clip(t[..., 1] - slope * r2, 0.0, None), 0.0)
+    m = summarize(work_per_row / slope)
+    return Measurement(m.speeds, m.spreads, tuple(map(float, np.median(fixed, axis=0)))), fixed
 
 
 def summarize(samples) -> Measurement:
@@ -85,11 +124,20 @@ def summarize(samples) -> Measurement:
 
 
 def group_speeds(speeds: Sequence[float], spreads: Sequence[float], tolerance: float = 0.1) -> tuple[float, ...]:
-    """Speeds that differ by less than the noise, made equal.
+    """Speeds that differ by less than the noise, made equal: each member of a `speed_groups` group
+    takes the group's median."""
+    out = np.asarray(speeds, np.float64).copy()
+    for g in speed_groups(speeds, spreads, tolerance):
+        out[g] = np.median(out[g])
+    return tuple(map(float, out))
+
+
+def speed_groups(speeds: Sequence[float], spreads: Sequence[float], tolerance: float = 0.1) -> list[list[int]]:
+    """The devices whose speeds differ by less than the noise, in groups (indices).
 
     Sorted speeds a <= b next to each other are the same when (b - a) / a <= max(tolerance,
     noise_a + noise_b): their +-noise bands overlap, or they are within the floor `tolerance`.
-    Runs of such neighbours form a group, and every member takes the group's median. Identical
+    Runs of such neighbours form a group, and `group_speeds` gives every member the group's median. Identical
     devices so get exactly equal speeds (the even plan); a device 2x slower than the others stays
     apart unless the noise is as large as the gap. A device's noise is its spread, but at least
     the median spread of all devices (the machine's noise level): a spread from a few rounds is
@@ -111,13 +159,10 @@ def group_speeds(speeds: Sequence[float], spreads: Sequence[float], tolerance: f
             groups[-1].append(b)
         else:
             groups.append([b])
-    out = s.copy()
-    for g in groups:
-        out[g] = np.median(s[g])
-    return tuple(map(float, out))
+    return [sorted(int(i) for i in g) for g in groups]
 
 
-def _check(size: int, chain: int, repeats: int, tolerance: float, loss_fn, params, batch) -> None:
+def _check(size: int, chain: int, repeats: int, tolerance: float, loss_fn, params, batch, optimizer) -> None:
     if repeats < MIN_REPEATS:
         raise ValueError(f"calibrate needs repeats >= {MIN_REPEATS} timing rounds to measure a spread, got {repeats}.")
     if loss_fn is None and (size < 1 or chain < 1):
@@ -127,39 +172,78 @@ def _check(size: int, chain: int, repeats: int, tolerance: float, loss_fn, param
     if loss_fn is not None and (params is None or batch is None):
         raise ValueError("calibrate(cluster, loss_fn, params, batch) times the loss on a small batch: pass params "
                          "and batch with loss_fn (or no loss_fn for the matmul work).")
+    if optimizer is not None and loss_fn is None:
+        raise ValueError("calibrate(..., optimizer=) times the user's step (loss, gradient and update): pass loss_fn, "
+                         "params and a small batch with it.")
+    if optimizer is not None and not isinstance(optimizer, optax.GradientTransformation):
+        raise ValueError(f"calibrate's optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}.")
 
 
-def measure(cluster: Cluster, loss_fn: Callable | None = None, params=None, batch=None, *,
+def _halves(batch):
+    """(rows, the batch's first half, the batch) when every leaf has the same leading dimension >= 2."""
+    leaves = jax.tree.leaves(batch)
+    rows = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
+    if len(rows) != 1 or None in rows or next(iter(rows)) < 2:
+        return None
+    n = next(iter(rows))
+    return (n // 2, n), jax.tree.map(lambda x: x[: n // 2], batch), batch
+
+
+def measure(cluster: Cluster, loss_fn: Callable | None = None, params=None, batch=None, *, optimizer=None,
             size: int = 384, chain: int = 4, repeats: int = 7) -> Measurement:
     """Median speed and relative spread of every device of `cluster`, over `repeats` interleaved
-    rounds (all processes' devices, all-gathered). No grouping: see `calibrate`."""
+    rounds (all processes' devices, all-gathered). No grouping: see `calibrate`.
+
+    With a loss, each round times the user's step (value_and_grad; with `optimizer`, also its update)
+    at the batch's rows and at half of them: the slope is the speed, the intercept the device's fixed
+    seconds per step (`Measurement.overheads`)."""
     if cluster.is_abstract:
         raise ValueError("calibrate() needs real devices; an abstract cluster has none to time.")
-    _check(size, chain, repeats, 0.0, loss_fn, params, batch)
+    _check(size, chain, repeats, 0.0, loss_fn, params, batch, optimizer)
+    mine = [i for i, d in enumerate(cluster.devices) if d.process_index == jax.process_index()]
+    devices = [cluster.devices[i] for i in mine]
+    two = _halves(batch) if loss_fn is not None else None
     if loss_fn is not None:
-        fn, work = _loss_work(loss_fn, params, batch)
-        args = (params, batch)
+        fn, lead, flops = _loss_work(loss_fn, params, optimizer)
+        if two is not None:
+            (r1, r2), small, whole = two
+            per_row = max(flops(whole) - flops(small), 0.0) / (r2 - r1) or 1.0
+            local = affine((r1, r2), time_rounds(devices, fn, [(*lead, small), (*lead, whole)], repeats),
+                           per_row)[0] if mine else None
+        else:
+            work = flops(batch) or 1.0
+            local = summarize(work / time_rounds(devices, fn, (*lead, batch), repeats)) if mine else None
     else:
         fn, work = _matmul_work(size, chain)
         args = (jnp.asarray(np.random.default_rng(0).standard_normal((size, size)), jnp.float32) / size ** 0.5,)
-    mine = [i for i, d in enumerate(cluster.devices) if d.process_index == jax.process_index()]
-    local = summarize(work / time_rounds([cluster.devices[i] for i in mine], fn, args, repeats)) if mine \
-        else Measurement((), ())                        # this process owns none of the cluster's devices
-    both = np.zeros((2, cluster.size))                  # speeds, spreads; zero where another process times
-    both[:, mine] = [local.speeds, local.spreads]
+        local = summarize(work / time_rounds(devices, fn, args, repeats)) if mine else None
+    rows = 3 if two is not None else 2
+    table = np.zeros((rows, cluster.size))              # speeds, spreads[, overheads]; zero where another process times
+    if local is not None:
+        table[:, mine] = [local.speeds, local.spreads] + ([local.overheads] if two is not None else [])
     if jax.process_count() > 1:
-        both = np.asarray(multihost_utils.process_allgather(both)).reshape(jax.process_count(), 2, -1).sum(0)
-    return Measurement(tuple(map(float, both[0])), tuple(map(float, both[1])))
+        table = np.asarray(multihost_utils.process_allgather(table)).reshape(jax.process_count(), rows, -1).sum(0)
+    return Measurement(tuple(map(float, table[0])), tuple(map(float, table[1])),
+                       tuple(map(float, table[2])) if two is not None else None)
 
 
-def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, batch=None, *,
+def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, batch=None, *, optimizer=None,
               size: int = 384, chain: int = 4, repeats: int = 7, tolerance: float = 0.1) -> Cluster:
     """The cluster with measured speeds (FLOP/s, or relative work/s for a user loss) and their spreads.
 
-    With `loss_fn`, `params` and a small `batch`, times `value_and_grad(loss_fn)` on each device;
-    else a chain of `size`x`size` matmuls. Speeds equal within the noise (or within `tolerance`,
-    relative) are merged by `group_speeds`, so identical devices give the even plan.
+    With `loss_fn`, `params` and a small `batch`, times the user's step on each device (value_and_grad,
+    and the update of `optimizer` when given) at the batch's rows and at half of them: speeds from the
+    time per row, and each device's fixed time per step (`Cluster.overhead`), which a balanced plan
+    adds to every device's predicted time. Without a loss, a chain of `size`x`size` matmuls. Speeds
+    equal within the noise (or within `tolerance`, relative) are merged by `group_speeds`, and so are
+    the fixed times of the merged devices, so identical devices give the even plan.
     """
-    _check(size, chain, repeats, tolerance, loss_fn, params, batch)
-    m = measure(cluster, loss_fn, params, batch, size=size, chain=chain, repeats=repeats)
-    return cluster.with_speeds(group_speeds(m.speeds, m.spreads, tolerance), spread=m.spreads)
+    _check(size, chain, repeats, tolerance, loss_fn, params, batch, optimizer)
+    m = measure(cluster, loss_fn, params, batch, optimizer=optimizer, size=size, chain=chain, repeats=repeats)
+    groups = speed_groups(m.speeds, m.spreads, tolerance)
+    speeds, overheads = np.asarray(m.speeds), None if m.overheads is None else np.asarray(m.overheads)
+    for g in groups:
+        speeds[g] = np.median(speeds[g])
+        if overheads is not None:
+            overheads[g] = np.median(overheads[g])
+    return cluster.with_speeds(speeds, spread=m.spreads, overhead=overheads)

@@ -1,6 +1,7 @@
 """The cost model behind hardware-aware plans: per-device time and memory as functions of load.
 
-time_i = rows_i * FLOPs per sample / speed_i, memory_i = state bytes + rows_i * activation bytes
+time_i = overhead_i + rows_i * FLOPs per sample / speed_i (the overhead: a calibrated fixed time per
+step, zero for spec-table speeds), memory_i = state bytes + rows_i * activation bytes
 per sample. Activation bytes per sample are measured from XLA's `memory_analysis` of the
 compiled forward+backward at two batch sizes (the slope), not estimated.
 """
@@ -24,6 +25,7 @@ class DeviceLoad:
     time: float             # predicted seconds of compute per step at `rows`
     even_time: float
     spread: float | None = None     # relative noise of a calibrated speed (0.05: +-5%)
+    overhead: float = 0.0           # calibrated fixed seconds per step, whatever the load
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,14 +72,16 @@ def activation_model(make_fn, rows: tuple[int, int] = (16, 64)) -> tuple[float, 
 
 def report(specs, speeds: Sequence[float], rows: Sequence[int], even_rows: Sequence[int], *, source: str,
            unit: int, applied: bool, shifted: int, flops_per_sample: float, state_bytes: float,
-           act_base: float, act_per_sample: float, spreads: Sequence[float] | None = None) -> BalanceReport:
+           act_base: float, act_per_sample: float, spreads: Sequence[float] | None = None,
+           overheads: Sequence[float] | None = None) -> BalanceReport:
     devices = []
     spreads = spreads if spreads is not None else [None] * len(speeds)
-    for i, (spec, speed, r, e, sp) in enumerate(zip(specs, speeds, rows, even_rows, spreads)):
+    overheads = overheads if overheads is not None else [0.0] * len(speeds)
+    for i, (spec, speed, r, e, sp, o) in enumerate(zip(specs, speeds, rows, even_rows, spreads, overheads)):
         devices.append(DeviceLoad(i, spec.name, float(speed), int(r), int(e),
                                   state_bytes + act_base + r * act_per_sample, float(spec.memory_bytes),
-                                  r * flops_per_sample / speed, e * flops_per_sample / speed,
-                                  None if sp is None else float(sp)))
+                                  o + r * flops_per_sample / speed, o + e * flops_per_sample / speed,
+                                  None if sp is None else float(sp), float(o)))
     return BalanceReport(source, unit, tuple(devices), applied, shifted, flops_per_sample, state_bytes,
                          act_per_sample)
 

@@ -30,6 +30,7 @@ class Cluster:
     devices: tuple[Any, ...] | None
     measured: tuple[float, ...] | None = None     # calibrated FLOP/s per device, when measured
     spread: tuple[float, ...] | None = None       # relative spread of each measured speed (0.05: +-5%)
+    overhead: tuple[float, ...] | None = None     # measured fixed seconds per step of each device
     nodes: tuple[tuple[int, ...], ...] = ()       # the devices of each node (host)
     host_memory: tuple[float, ...] = ()           # host RAM of each node, bytes (inf: unknown)
     host_source: str = ""                         # "declared", "detected" or "spec table"
@@ -91,11 +92,13 @@ class Cluster:
         _set(obj, specs, None, None, None, nodes, tuple(ram), source)
         return obj
 
-    def with_speeds(self, speeds, spread=None) -> "Cluster":
+    def with_speeds(self, speeds, spread=None, overhead=None) -> "Cluster":
         """A copy whose device speeds (FLOP/s) are measured ones instead of the spec table's.
 
         `spread`: optional relative noise of each speed (0.05 reads +-5%), shown beside the speed in
-        `plan.summary()`; `calibrate()` fills it in.
+        `plan.summary()`. `overhead`: optional seconds each device spends per step whatever its load
+        (the optimizer update, kernel launches); a balanced plan then equalises overhead + rows x
+        time per row instead of splitting in proportion to speed. `calibrate()` fills both in.
         """
         speeds = tuple(float(s) for s in speeds)
         if len(speeds) != self.size or not all(math.isfinite(s) and s > 0 for s in speeds):
@@ -105,8 +108,14 @@ class Cluster:
             if len(spread) != self.size or not all(math.isfinite(s) and s >= 0 for s in spread):
                 raise ClusterError(f"with_speeds needs {self.size} non-negative relative spreads (0.05 for +-5%), "
                                    f"got {spread}.")
+        if overhead is not None:
+            overhead = tuple(float(s) for s in overhead)
+            if len(overhead) != self.size or not all(math.isfinite(s) and s >= 0 for s in overhead):
+                raise ClusterError(f"with_speeds needs {self.size} non-negative overheads (seconds per step), "
+                                   f"got {overhead}.")
         obj = object.__new__(type(self))
         _set(obj, self.specs, self.devices, speeds, spread, self.nodes, self.host_memory, self.host_source)
+        object.__setattr__(obj, "overhead", overhead)
         return obj
 
     @property
@@ -161,7 +170,8 @@ class Cluster:
 
 def _set(obj: Cluster, specs, devices, measured, spread, nodes, host_memory, host_source) -> None:
     for name, value in (("specs", specs), ("devices", devices), ("measured", measured), ("spread", spread),
-                        ("nodes", nodes), ("host_memory", host_memory), ("host_source", host_source)):
+                        ("nodes", nodes), ("host_memory", host_memory), ("host_source", host_source),
+                        ("overhead", None)):
         object.__setattr__(obj, name, value)
 
 

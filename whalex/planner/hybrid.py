@@ -192,8 +192,11 @@ def hybrid_plan(req: Request, full, plan: Plan) -> Plan:
     per_row = residual_bytes(full.jaxpr, full.num_params) / b        # activations kept per row (upper bound)
     state = [m.state for m in plan.memory]
     names = [f"device {i} ({s.name})" for i, s in enumerate(cluster.specs)]
+    flops = taskgraph_flops(full.jaxpr, full.assign, len(full.taskgraphs))
+    backbone_tgs = {full.assign[(i,)] for i in range(cut)}
+    flops_per_sample = sum(f for t, f in enumerate(flops) if t in backbone_tgs) / b
     bal = balance(b // unit, cluster.speeds, [float(s.memory_bytes) for s in cluster.specs], state,
-                  [per_row * unit] * k, names)
+                  [per_row * unit] * k, names, overheads=cluster.overhead, work_per_unit=unit * flops_per_sample)
     rows = [u * unit for u in bal.loads]
     if len(set(rows)) == 1:
         return _note(plan, f"Algorithm 1 gives every device {rows[0]} rows")
@@ -218,13 +221,11 @@ def hybrid_plan(req: Request, full, plan: Plan) -> Plan:
     split_vd = next(vd for t, vd in zip(full.taskgraphs, plan.virtual_devices) if t.strategy.kind == "split")
     batch_axes = tuple(a for a in split_vd.batch_axes if plan.layout.axis_size((a,)) > 1)
     program = HybridProgram(head, rows_program, tuple(backbones), cut, P(batch_axes) if batch_axes else P())
-    flops = taskgraph_flops(full.jaxpr, full.assign, len(full.taskgraphs))
-    backbone_tgs = {full.assign[(i,)] for i in range(cut)}
-    flops_per_sample = sum(f for t, f in enumerate(flops) if t in backbone_tgs) / b
     head_note = f"; uneven {plan.balance.kind}" if plan.balance is not None else ""
     report = cost.report(cluster.specs, cluster.speeds, rows, even(b, k), source=cluster.speed_source, unit=unit,
                          applied=True, shifted=bal.shifted, flops_per_sample=flops_per_sample,
-                         state_bytes=max(state), act_base=0.0, act_per_sample=per_row)
+                         state_bytes=max(state), act_base=0.0, act_per_sample=per_row,
+                         spreads=cluster.spread, overheads=cluster.overhead)
     kind = f"batch of the replicate TaskGraphs (the split head keeps its layout{head_note})"
     return dataclasses.replace(plan, program=program, batch_sizes=tuple(rows),
                                balance=dataclasses.replace(report, kind=kind), head_balance=plan.balance)

@@ -68,7 +68,8 @@ def balance_data_parallel(req: Request, full):
 
     def split(unit):
         bal = balance(b // unit, cluster.speeds, [float(s.memory_bytes) for s in cluster.specs],
-                      [state + act_base] * k, [act_per * unit] * k, names)
+                      [state + act_base] * k, [act_per * unit] * k, names,
+                      overheads=cluster.overhead, work_per_unit=unit * flops_per_sample)
         return bal, [u * unit for u in bal.loads]
 
     speeds = np.asarray(cluster.speeds, np.float64)
@@ -89,7 +90,8 @@ def balance_data_parallel(req: Request, full):
     report = cost.report(cluster.specs, cluster.speeds, rows, even(b, k),
                          source=cluster.speed_source, unit=unit, applied=applied, shifted=bal.shifted,
                          flops_per_sample=flops_per_sample, state_bytes=state, act_base=act_base,
-                         act_per_sample=act_per, spreads=cluster.spread)
+                         act_per_sample=act_per, spreads=cluster.spread,
+                         overheads=cluster.overhead)
     if not applied:
         return report, None
     cap = program.captured
