@@ -30,10 +30,10 @@ from jax.sharding import AxisType, NamedSharding
 
 from whalex import _compat as C
 from whalex.core.interpret import make_evaluator
+from whalex.core.segments import Segment, run_segments, segment_function, segments
 from whalex.errors import PlanError
 from whalex.memory import precision as pr
 from whalex.memory.precision import Precision, describe, local_captures
-from whalex.memory.segments import Segment, run_segments, segment_function, segments
 
 COMM = "whalex_comm"            # values at collective points: always saved
 BOUNDARY = "whalex_boundary"    # segment outputs: offloaded under offload="activations"
