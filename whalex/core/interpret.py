@@ -103,8 +103,10 @@ def subgraph_key(jaxpr, indices: Sequence[int], inputs: Sequence[Any], outputs: 
                  consts=(), memo: dict | None = None) -> tuple:
     """A hashable description of the equations `indices` as a function of `inputs` (from
     `subgraph_function`), variables numbered in order: equal keys compute the same function of the same input types
-    (e.g. the repeated blocks of a model), so a measure of one (FLOPs, residuals) serves them all.
-    `consts` are the inputs that stand for constants; `memo` shares the texts of called jaxprs."""
+    (e.g. the repeated blocks of a model), so a measure of one (FLOPs, residuals) serves them all
+    and one traced function evaluates them all (`whalex.core.blocks`).
+    `consts` are the inputs that stand for constants; `memo` shares the texts of called jaxprs (a
+    called jaxpr's constants count by identity: the text does not show their values)."""
     memo = {} if memo is None else memo
     names = {v: k for k, v in enumerate(inputs)}
     key: list = [tuple((v.aval, v in consts) for v in inputs)]
@@ -114,15 +116,16 @@ def subgraph_key(jaxpr, indices: Sequence[int], inputs: Sequence[Any], outputs: 
         for v in eqn.outvars:
             names[v] = len(names)
         params = tuple((k, _param_key(p, memo)) for k, p in sorted(eqn.params.items()))
-        key.append((eqn.primitive.name, ins, tuple(v.aval for v in eqn.outvars), params))
+        key.append((eqn.primitive.name, ins, tuple(v.aval for v in eqn.outvars), params, getattr(eqn, "ctx", None)))
     key.append(tuple(names[v] for v in outputs))
     return tuple(key)
 
 
 def _param_key(value: Any, memo: dict) -> Any:
     if isinstance(value, (C.ClosedJaxpr, C.Jaxpr)):
-        if id(value) not in memo:
-            memo[id(value)] = (value, str(value))      # the value kept alive: its id stays its own
+        if id(value) not in memo:                      # the value kept alive: its id (and its consts') stay its own
+            consts = tuple(map(id, value.consts)) if isinstance(value, C.ClosedJaxpr) else ()
+            memo[id(value)] = (value, (str(value), consts))
         return memo[id(value)][1]
     if isinstance(value, np.ndarray):
         return ("ndarray", value.shape, str(value.dtype), value.tobytes())
