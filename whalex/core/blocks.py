@@ -6,15 +6,16 @@ JAX traces a jitted function once per input types and caches what it derives fro
 jaxpr (linearization, transpose, StableHLO lowering), so a model of 24 identical blocks is traced,
 differentiated and lowered as one block called 24 times instead of 24 copies. The StableHLO holds
 the block as a function and 24 calls; XLA inlines them, so the compiled program is the same.
-Segments that occur once are evaluated inline, as `make_evaluator` does.
+Segments that occur once are evaluated inline, and a loss without repeats by `make_evaluator` itself.
 """
 from __future__ import annotations
 
+import collections
 from typing import Callable, Sequence
 
 import jax
 
-from whalex.core.interpret import subgraph_key
+from whalex.core.interpret import make_evaluator, subgraph_key
 from whalex.core.segments import Segment, local_constraints, local_overrides, run_segments, segment_function, segments
 
 
@@ -50,10 +51,12 @@ def block_evaluator(cap, constraints: dict, mesh, overrides: dict | None = None)
     overrides = overrides or {}
     segs = segments(cap)
     shared = shared_blocks(cap, segs, constraints, overrides)
-    repeated = {k for k in shared if shared.count(k) > 1}
+    repeated = {k for k, n in collections.Counter(shared).items() if n > 1}
+    if not repeated:
+        return make_evaluator(cap.jaxpr, constraints, mesh, overrides)
     fns: dict = {}
     parts = []
-    for k, (seg, first) in enumerate(zip(segs, shared)):
+    for seg, first in zip(segs, shared):
         if first not in fns:
             fn = segment_function(cap, segs[first], constraints, mesh, overrides)
             fns[first] = jax.jit(_named(fn, f"whalex_block_{first}")) if first in repeated else fn
