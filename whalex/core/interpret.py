@@ -103,26 +103,42 @@ def subgraph_key(jaxpr, indices: Sequence[int], inputs: Sequence[Any], outputs: 
                  consts=(), memo: dict | None = None) -> tuple:
     """A hashable description of the equations `indices` as a function of `inputs` (from
     `subgraph_function`), variables numbered in order: equal keys compute the same function of the same input types
-    (e.g. the repeated blocks of a model), so a measure of one (FLOPs, residuals) serves them all.
-    `consts` are the inputs that stand for constants; `memo` shares the texts of called jaxprs."""
+    (e.g. the repeated blocks of a model), so a measure of one (FLOPs, residuals) serves them all
+    and one traced function evaluates them all (`whalex.core.blocks`).
+    `consts` are the inputs that stand for constants; `memo` shares the keys of called jaxprs (their
+    equations, keyed the same way; a closed jaxpr's constants count by identity)."""
     memo = {} if memo is None else memo
     names = {v: k for k, v in enumerate(inputs)}
     key: list = [tuple((v.aval, v in consts) for v in inputs)]
     for i in indices:
         eqn = jaxpr.eqns[i]
-        ins = tuple(("literal", repr(v.val), v.aval) if isinstance(v, C.Literal) else names[v] for v in eqn.invars)
+        ins = tuple(_literal_key(v) if isinstance(v, C.Literal) else names[v] for v in eqn.invars)
         for v in eqn.outvars:
             names[v] = len(names)
         params = tuple((k, _param_key(p, memo)) for k, p in sorted(eqn.params.items()))
-        key.append((eqn.primitive.name, ins, tuple(v.aval for v in eqn.outvars), params))
-    key.append(tuple(names[v] for v in outputs))
+        key.append((eqn.primitive.name, ins, tuple(v.aval for v in eqn.outvars), params, getattr(eqn, "ctx", None)))
+    key.append(tuple(_literal_key(v) if isinstance(v, C.Literal) else names[v] for v in outputs))
     return tuple(key)
+
+
+def _literal_key(v) -> tuple:
+    """A literal by its bits (exact: -0.0 is not 0.0; 200x cheaper than the repr of jax's literal arrays)."""
+    val = np.asarray(v.val)
+    return "literal", val.dtype.str, val.shape, val.tobytes(), v.aval
+
+
+def _jaxpr_key(value, memo: dict) -> tuple:
+    """A called jaxpr as `subgraph_key` of all its equations (structural: cheaper than its text)."""
+    if isinstance(value, C.ClosedJaxpr):
+        return _jaxpr_key(value.jaxpr, memo), tuple(map(id, value.consts))
+    return subgraph_key(value, range(len(value.eqns)), [*value.constvars, *value.invars], value.outvars,
+                        set(value.constvars), memo)
 
 
 def _param_key(value: Any, memo: dict) -> Any:
     if isinstance(value, (C.ClosedJaxpr, C.Jaxpr)):
-        if id(value) not in memo:
-            memo[id(value)] = (value, str(value))      # the value kept alive: its id stays its own
+        if id(value) not in memo:                      # the value kept alive: its id (and its consts') stay its own
+            memo[id(value)] = (value, _jaxpr_key(value, memo))
         return memo[id(value)][1]
     if isinstance(value, np.ndarray):
         return ("ndarray", value.shape, str(value.dtype), value.tobytes())

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from whalex import _compat as C
 from whalex.core import capture as capture_mod
-from whalex.memory.segments import segments
+from whalex.core.segments import segments
 
 HALF = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 MAX_SCALE = 2.0 ** 15

@@ -29,11 +29,11 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, NamedSharding
 
 from whalex import _compat as C
-from whalex.core.interpret import make_evaluator
+from whalex.core.blocks import block_evaluator
+from whalex.core.segments import Segment, run_segments, segment_function, segments
 from whalex.errors import PlanError
 from whalex.memory import precision as pr
 from whalex.memory.precision import Precision, describe, local_captures
-from whalex.memory.segments import Segment, run_segments, segment_function, segments
 
 COMM = "whalex_comm"            # values at collective points: always saved
 BOUNDARY = "whalex_boundary"    # segment outputs: offloaded under offload="activations"
@@ -234,7 +234,7 @@ def program_evaluator(cap, constraints: dict, mesh, overrides: dict | None, plan
     remat_on = plan is not None and plan.active
     comm_on = prec is not None and prec.comm is not None
     if not remat_on and not comm_on:
-        return make_evaluator(cap.jaxpr, constraints, mesh, overrides), None
+        return block_evaluator(cap, constraints, mesh, overrides), None
     plan = plan if remat_on else RematPlan((None,) * len(cap.taskgraphs))
     split = {t.index for t in cap.taskgraphs if t.strategy.kind == "split"}
     segs = segments(cap)

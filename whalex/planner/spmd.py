@@ -122,11 +122,16 @@ def zero_data_parallel(req: Request, full, m, mesh, mem):
 
 
 def expert_overrides(calls, mesh) -> dict:
-    """MoE experts calls under split -> their expert-parallel shard_map (all-to-all dispatch)."""
+    """MoE experts calls under split -> their expert-parallel shard_map (all-to-all dispatch); calls
+    with the same axes and activation share one function (so their blocks can be evaluated once)."""
+    fns: dict = {}
 
     def override(call):
-        fn = expert_parallel(mesh, call.token_axes, call.expert_axes, call.activation)
-        return lambda *args: [fn(*args)]
+        key = (call.token_axes, call.expert_axes, call.activation)
+        if key not in fns:
+            fn = expert_parallel(mesh, *key)
+            fns[key] = lambda *args: [fn(*args)]
+        return fns[key]
 
     return {call.path: override(call) for call in calls}
 

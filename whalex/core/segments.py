@@ -69,10 +69,19 @@ def segment_function(cap, seg: Segment, constraints: dict, mesh, overrides: dict
     jaxpr = cap.jaxpr.jaxpr
     sub = jaxpr.replace(constvars=[], invars=list(seg.inputs), outvars=list(seg.outputs),
                         eqns=jaxpr.eqns[seg.start:seg.stop], debug_info=_debug_info(jaxpr, seg))
-    cons = {((k[0][0] - seg.start,) + tuple(k[0][1:]),) + tuple(k[1:]): s
+    return make_evaluator(C.ClosedJaxpr(sub, []), local_constraints(seg, constraints), mesh,
+                          local_overrides(seg, overrides))
+
+
+def local_constraints(seg: Segment, constraints: dict) -> dict:
+    """The constraints whose (absolute) paths fall inside `seg`, keyed by paths relative to it."""
+    return {((k[0][0] - seg.start,) + tuple(k[0][1:]),) + tuple(k[1:]): s
             for k, s in constraints.items() if seg.start <= k[0][0] < seg.stop}
-    ovr = {(p[0] - seg.start,) + tuple(p[1:]): f for p, f in (overrides or {}).items() if seg.start <= p[0] < seg.stop}
-    return make_evaluator(C.ClosedJaxpr(sub, []), cons, mesh, ovr)
+
+
+def local_overrides(seg: Segment, overrides: dict | None) -> dict:
+    """The overrides whose (absolute) paths fall inside `seg`, keyed by paths relative to it."""
+    return {(p[0] - seg.start,) + tuple(p[1:]): f for p, f in (overrides or {}).items() if seg.start <= p[0] < seg.stop}
 
 
 def run_segments(cap, parts: Sequence[tuple[Segment, Callable]]) -> Callable[..., list]:
