@@ -43,8 +43,21 @@ Definitions (s0, s1: calibrated speeds of the two processes, W: work of one glob
     gradient buffer after its chunk loop (`whalex.core.collectives.fused_psum`). The table prints
     even/plain and balanced/plain so that this difference is visible next to the speedup.
 
+Whale's Example 2 (``--model hybrid``)
+    The same MLP (its last nn.Dense(width) giving the features) under ``wh.replicate()``, then a
+    classification head over ``--classes`` under ``wh.split()``: ``wh.ops.softmax_cross_entropy_head``
+    with the nn.Dense head's kernel and bias (``--head ops``: the classes split in proportion to
+    speed) or nn.Dense + optax's cross-entropy (``--head optax``: an even GSPMD head). Balanced, the
+    backbone runs speed-proportional rows and a gather bridges them to the head
+    (``whalex.lowering.uneven_hybrid``). plain is the hand-written GSPMD hybrid: backbone
+    replicated, head kernel and bias sharded over the classes, batch ``P('data')``. The table adds
+    the planner's predictions (plan.balance for the rows, plan.head_balance for the classes), and
+    the split-limited ideal weighs each split by its share of the step's FLOPs.
+
 Run from the repo root: ``python bench/hetero.py`` (about 10 minutes on 2 CPU cores for the six
-configurations; needs >= 2 cores and an otherwise idle machine). Writes bench/results/hetero.json.
+configurations; needs >= 2 cores and an otherwise idle machine). Writes bench/results/hetero.json;
+``python bench/hetero.py --model hybrid`` (batch 4096, one busy loop) writes
+bench/results/hetero_hybrid.json.
 Prints PASS/FAIL per configuration against the 0.95 efficiency target but never fails the process
 on FAIL. ``--slowdowns 0`` runs without a busy loop (a control: the planner should keep the even plan).
 """
@@ -69,18 +82,30 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batches", default="4096,2048,4116", help="global batches (rows), comma-separated")
-    ap.add_argument("--slowdowns", default="1,2", help="busy loops on process 1's core per configuration "
-                                                       "(1: near 2:1, 2: near 3:1, 0: control)")
+    ap.add_argument("--batches", default=None, help="global batches (rows), comma-separated "
+                                                     "(default: mlp 4096,2048,4116; hybrid 4096)")
+    ap.add_argument("--slowdowns", default=None, help="busy loops on process 1's core per configuration "
+                                                      "(1: near 2:1, 2: near 3:1, 0: control; default: mlp 1,2; hybrid 1)")
+    ap.add_argument("--model", choices=("mlp", "hybrid"), default="mlp",
+                    help="mlp: a replicate MLP (MSE); hybrid: Whale's Example 2, the MLP as a replicate backbone "
+                         "and a split classification head")
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--depth", type=int, default=3, help="hidden Dense layers")
+    ap.add_argument("--classes", type=int, default=2048, help="hybrid: classes of the split head")
+    ap.add_argument("--head", choices=("ops", "optax"), default="ops",
+                    help="hybrid: wh.ops.softmax_cross_entropy_head (uneven class shards) or nn.Dense + optax's "
+                         "cross-entropy (an even GSPMD head)")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (one block of each variant)")
     ap.add_argument("--block", type=int, default=5, help="timed steps per block")
     ap.add_argument("--calib-rows", type=int, default=512, help="rows of the calibration batch")
     ap.add_argument("--timeout", type=float, default=400, help="seconds before one run is stopped")
     ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)      # worker: this run's batch
     ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    hybrid = args.model == "hybrid"
+    args.batches = args.batches or ("4096" if hybrid else "4096,2048,4116")
+    args.slowdowns = args.slowdowns or ("1" if hybrid else "1,2")
+    return args
 
 
 # ----------------------------------------------------------------------------------- the model
@@ -89,6 +114,11 @@ OUT = 8
 
 
 def make_model(args):
+    """The model of `args.model`: (loss_fn, params, batch)."""
+    return make_hybrid(args) if args.model == "hybrid" else make_mlp(args)
+
+
+def make_mlp(args):
     """A stock Flax MLP (bench/models.py): `depth` x (nn.Dense(width) + ReLU) and an nn.Dense(OUT) head."""
     import jax
     import numpy as np
@@ -107,6 +137,70 @@ def make_model(args):
             return jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
 
     return loss_fn, params, batch
+
+
+def make_hybrid(args):
+    """Whale's Example 2 as users write it: the stock Flax MLP (its last nn.Dense(width) gives the
+    features) under `wh.replicate()`, a classification head over `classes` under `wh.split()`."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from models import MLP
+
+    backbone, head = MLP(args.width, args.depth, args.width), nn.Dense(args.classes)
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.standard_normal((args.batch, args.width)).astype(np.float32),
+             "y": rng.integers(0, args.classes, args.batch).astype(np.int32)}
+    params = jax.device_get({"backbone": backbone.init(jax.random.key(0), batch["x"][:1])["params"],
+                             "head": head.init(jax.random.key(1), jnp.zeros((1, args.width)))["params"]})
+
+    def loss_fn(p, b):
+        import whalex as wh
+        with wh.replicate():                   # data parallel over every device of every process
+            h = backbone.apply({"params": p["backbone"]}, b["x"])
+        with wh.split():                       # the classes sharded over every device
+            if args.head == "ops":
+                return wh.ops.softmax_cross_entropy_head(h, p["head"]["kernel"], p["head"]["bias"], b["y"])
+            return optax.softmax_cross_entropy_with_integer_labels(head.apply({"params": p["head"]}, h), b["y"]).mean()
+
+    return loss_fn, params, batch
+
+
+def plain_param_specs(args, params):
+    """Parameter layouts of the hand-written jax.jit step: replicated, and for the hybrid the head's
+    classes sharded over 'data' (GSPMD's Example 2)."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    specs = jax.tree.map(lambda _: P(), params)
+    if args.model == "hybrid":
+        specs["head"] = {"kernel": P(None, "data"), "bias": P("data")}
+    return specs
+
+
+def flops_per_step(args) -> float:
+    """Forward + backward FLOPs of one global step (6 per multiply-add), the dense layers only."""
+    if args.model == "hybrid":
+        return 6.0 * args.batch * ((args.depth + 1) * args.width ** 2 + args.width * args.classes)
+    return 6.0 * args.batch * (args.depth * args.width ** 2 + args.width * OUT)
+
+
+def head_classes(plan):
+    """The classes of each process's head shard when the plan splits them unevenly, else None."""
+    r = plan.head_balance
+    return [d.rows for d in r.devices] if r is not None and r.applied else None
+
+
+def phases(args, rows, classes) -> list:
+    """(fraction of the step's FLOPs, per-process loads) of each part the plan splits on its own: the
+    rows of the batch, and for the hybrid's head the class shards (`classes` None: an even head)."""
+    if args.model != "hybrid":
+        return [(1.0, rows)]
+    total = flops_per_step(args)
+    head = 6.0 * args.batch * args.width * args.classes / total
+    return [(1.0 - head, rows), (head, classes or [args.classes // 2] * 2)]
 
 
 # ------------------------------------------------------------------------------------- worker
@@ -140,6 +234,7 @@ def worker(args):
     # plain JAX: the hand-written data-parallel step on the same 2-process mesh
     mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices())
     rep, dat = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    p_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), plain_param_specs(args, params))
 
     def plain_step(state, b):
         p, o = state
@@ -147,9 +242,11 @@ def worker(args):
         u, o = optimizer.update(g, o, p)
         return (optax.apply_updates(p, u), o), loss
 
-    plain_jit = jax.jit(plain_step, out_shardings=((rep, rep), rep), donate_argnums=(0,))
-    pp = jax.device_put(params, rep)
-    plain_state = (pp, jax.jit(optimizer.init, out_shardings=rep)(pp))
+    o_sh = optax.tree_map_params(optimizer, lambda _, sh: sh, jax.eval_shape(optimizer.init, params), p_sh,
+                                 transform_non_params=lambda _: rep)      # Adam's moments as their params
+    plain_jit = jax.jit(plain_step, out_shardings=((p_sh, o_sh), rep), donate_argnums=(0,))
+    pp = jax.device_put(params, p_sh)
+    plain_state = (pp, jax.jit(optimizer.init, out_shardings=o_sh)(pp))
     batch_sh = jax.tree.map(lambda _: dat, batch)
 
     # the balanced program itself at a near-even split (declared speeds 1 : 1.01): the same chunk loop and
@@ -189,7 +286,7 @@ def worker(args):
     # speeds again at the end: did the slowdown stay put while we measured?
     again = calibrate(wh.Cluster.detect(), loss_fn, params, small, optimizer=optimizer, repeats=9)
     after = [float(s) for s in again.speeds]
-    rep_bal = bal.plan.balance
+    rep_bal, head_bal = bal.plan.balance, bal.plan.head_balance
     out = {
         "speeds": speeds, "speeds_after": after,
         "overheads": list(cluster.overhead), "overheads_after": list(again.overhead),
@@ -199,8 +296,11 @@ def worker(args):
         "balance_applied": bool(rep_bal is not None and rep_bal.applied),
         "balance_unit": rep_bal.unit if rep_bal is not None else None,
         "predicted_speedup": rep_bal.predicted_speedup if rep_bal is not None else 1.0,
-        "times": times, "final_loss": losses,
-        "flops_per_step": 6.0 * args.batch * (args.depth * args.width ** 2 + args.width * OUT),
+        "predicted_speedup_head": head_bal.predicted_speedup if head_bal is not None and head_bal.applied else None,
+        "phases_balanced": phases(args, list(bal.plan.batch_sizes), head_classes(bal.plan)),
+        "phases_same_even": phases(args, list(same.plan.batch_sizes), head_classes(same.plan)),
+        "balance_kind": rep_bal.kind if rep_bal is not None else None,
+        "times": times, "final_loss": losses, "flops_per_step": flops_per_step(args),
     }
     if pid == 0:
         pathlib.Path(args.worker_out).write_text(json.dumps(out))
@@ -261,17 +361,24 @@ def driver(args, argv):
     report(args, runs, time.perf_counter() - t0, load_before)
 
 
-def ideal(speeds, rows=None):
+def ideal(speeds, parts=None):
     """Ideal speedup of the balanced split over the even one from per-process speeds (W = 1):
-    even (1/2) / min(s) over balanced 1 / sum(s); with `rows`, the balanced time of that split."""
+    even (1/2) / min(s) over balanced 1 / sum(s); with `parts` (the worker's `phases`), the balanced
+    time of those splits."""
     even = 0.5 / min(speeds)
-    bal = 1.0 / sum(speeds) if rows is None else max((r / sum(rows)) / si for r, si in zip(rows, speeds))
+    bal = 1.0 / sum(speeds) if parts is None else parts_time(speeds, parts)
     return even / bal
 
 
-def split_time(speeds, rows):
-    """The ideal speedup of the proportional split over the split `rows`: max_i (rows_i / B) / s_i over 1 / sum(s)."""
-    return max((r / sum(rows)) / si for r, si in zip(rows, speeds)) * sum(speeds)
+def parts_time(speeds, parts):
+    """Ideal time (W = 1) of a step whose parts run one after the other, part k a fraction f_k of the
+    work split as loads_k: sum_k f_k max_i (loads_k,i / sum loads_k) / s_i."""
+    return sum(f * max((r / sum(loads)) / si for r, si in zip(loads, speeds)) for f, loads in parts)
+
+
+def split_time(speeds, parts):
+    """The ideal speedup of the proportional split over the splits `parts`."""
+    return parts_time(speeds, parts) * sum(speeds)
 
 
 def summarise(res: dict) -> dict:
@@ -283,13 +390,13 @@ def summarise(res: dict) -> dict:
     actual = med["even"] / med["balanced"]
     out = {k: res[k] for k in ("hogs", "batch", "speeds", "speeds_after", "overheads", "overheads_after", "rows_even", "rows_balanced",
                                "local_rows_balanced", "balance_applied", "balance_unit", "predicted_speedup",
-                               "final_loss", "times")}
+                               "predicted_speedup_head", "balance_kind", "phases_balanced", "final_loss", "times")}
     same = med["same-even"] / med["balanced"]
     out.update(speeds_mean=s, speed_ratio=s[0] / s[1], median_step_s=med, speedup_actual=actual,
-               speedup_ideal=ideal(s), speedup_split_limited=ideal(s, res["rows_balanced"]),
+               speedup_ideal=ideal(s), speedup_split_limited=ideal(s, res["phases_balanced"]),
                efficiency=actual / ideal(s), even_vs_plain=med["even"] / med["plain"],
                balanced_vs_plain=med["balanced"] / med["plain"], rows_same_even=res["rows_same_even"],
-               speedup_same_program=same, efficiency_same_program=same / split_time(s, res["rows_same_even"]))
+               speedup_same_program=same, efficiency_same_program=same / split_time(s, res["phases_same_even"]))
     out["verdict"] = "PASS" if out["efficiency"] >= TARGET else "FAIL"
     return out
 
@@ -297,13 +404,12 @@ def summarise(res: dict) -> dict:
 def report(args, runs, wall, load_before):
     rows = [summarise(r) for r in runs]
     print()
-    print(f"2 processes x 1 CPU device; process 1 slowed by busy loops on its core; stock Flax MLP "
-          f"{args.depth} x Dense({args.width}) + Dense({OUT}) with biases, Adam, MSE; "
+    print(f"2 processes x 1 CPU device; process 1 slowed by busy loops on its core; {describe(args)}; "
           f"{args.rounds} rounds x {args.block} steps per variant, medians")
     print()
     head = (f"{'loops':>5} {'batch':>6} {'s0/s1':>6} {'rows balanced':>14} {'grain':>5} {'even ms':>8} "
-            f"{'bal ms':>8} {'speedup':>8} {'ideal':>6} {'split-lim':>9} {'eff':>6} {'same ms':>8} {'eff same':>8} "
-            f"{'even/plain':>10} {'bal/plain':>9}")
+            f"{'bal ms':>8} {'speedup':>8} {'pred':>6} {'ideal':>6} {'split-lim':>9} {'eff':>6} {'same ms':>8} "
+            f"{'eff same':>8} {'even/plain':>10} {'bal/plain':>9}")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -314,10 +420,19 @@ def report(args, runs, wall, load_before):
         rb = "/".join(str(x) for x in r["rows_balanced"])
         print(f"{r['hogs']:>5} {r['batch']:>6} {r['speed_ratio']:>6.2f} {rb:>14} {str(r['balance_unit']):>5} "
               f"{1e3 * med['even']:>8.1f} {1e3 * med['balanced']:>8.1f} {r['speedup_actual']:>8.3f} "
-              f"{r['speedup_ideal']:>6.3f} {r['speedup_split_limited']:>9.3f} {r['efficiency']:>6.3f} "
+              f"{r['predicted_speedup']:>6.3f} {r['speedup_ideal']:>6.3f} {r['speedup_split_limited']:>9.3f} "
+              f"{r['efficiency']:>6.3f} "
               f"{1e3 * med['same-even']:>8.1f} {r['efficiency_same_program']:>8.3f} "
               f"{r['even_vs_plain']:>10.3f} {r['balanced_vs_plain']:>9.3f}  {r['verdict']}")
+        if args.model == "hybrid":
+            pred = r["predicted_speedup_head"]
+            print(f"{'':>12} head classes {'/'.join(str(c) for c in r['phases_balanced'][1][1])}, the planner's "
+                  f"predicted speedup of the head {'(even head)' if pred is None else f'{pred:.3f}'}")
     print()
+    print("pred = the planner's predicted speedup (plan.balance: the batch rows"
+          + (" of the replicate backbone; the head's prediction is plan.head_balance" if args.model == "hybrid"
+             else "") + "); split-lim = the ideal speedup with the splits the planner chose"
+          + (" (rows for the backbone's FLOPs, classes for the head's)" if args.model == "hybrid" else ""))
     print(f"eff = (median even step / median balanced step) / ((s0 + s1) / (2 min(s0, s1))); target >= {TARGET}")
     print("eff same = the same with the balanced program itself at a near-even split ('same', declared speeds "
           "1:1.01) as the baseline, its ideal from its own rows: the balance alone, without the collectives' "
@@ -331,8 +446,17 @@ def report(args, runs, wall, load_before):
         "target": TARGET, "runs": rows, "wall_s": wall,
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "hetero.json").write_text(json.dumps(out, indent=2))
-    print(f"wrote {RESULTS / 'hetero.json'}")
+    path = RESULTS / ("hetero.json" if args.model == "mlp" else f"hetero_{args.model}.json")
+    path.write_text(json.dumps(out, indent=2))
+    print(f"wrote {path}")
+
+
+def describe(args) -> str:
+    if args.model == "hybrid":
+        head = "wh.ops.softmax_cross_entropy_head" if args.head == "ops" else "nn.Dense + optax cross-entropy"
+        return (f"Whale Example 2: stock Flax MLP {args.depth} x Dense({args.width}) + Dense({args.width}) with biases "
+                f"under wh.replicate(), {head} over {args.classes} classes under wh.split(), Adam")
+    return f"stock Flax MLP {args.depth} x Dense({args.width}) + Dense({OUT}) with biases, Adam, MSE"
 
 
 if __name__ == "__main__":

@@ -13,10 +13,11 @@ the rest is the head. In one jitted step:
    uneven column shards) on the whole batch, the backbone equations replaced by the bridge
    values: the loss keeps its whole-batch meaning with no parts machinery;
 4. bridge backward and backbone backward: the transpose of the gather hands each device the
-   cotangent of its own rows; a `custom_vjp` recomputes each chunk's forward in a second chunk
-   loop and applies its vjp (a loop whose trip count differs between devices cannot stack
-   residuals for `jax.grad`), then one fused `psum` of the backbone gradients. The head's
-   gradients stay sharded, as in the even plan.
+   cotangent of its own rows; a `custom_vjp` carries the backbone (a loop whose trip count
+   differs between devices cannot stack residuals for `jax.grad`): its forward loop stores each
+   chunk's vjp residuals in buffers with a slot per chunk (`whalex.lowering.stored_vjp`), its
+   backward loop applies each chunk's pullback to them, then one fused `psum` of the backbone
+   gradients. The head's gradients stay sharded, as in the even plan.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from whalex.core.interpret import make_evaluator, subgraph_function
 from whalex.distributed import place_global
 from whalex.lowering.emit import Emitter
 from whalex.lowering.step import Program
+from whalex.lowering.stored_vjp import part_vjp
 from whalex.lowering.uneven import UnevenProgram
 
 
@@ -70,6 +72,12 @@ class Backbone:
     @property
     def outputs(self) -> list:
         return self._sub[1]
+
+    def input_shapes(self) -> tuple[list, list]:
+        """ShapeDtypeStructs of the parameter and batch leaves `__call__` takes."""
+        invars, n = self.captured.jaxpr.jaxpr.invars, self.captured.num_params
+        shape = lambda v: jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)  # noqa: E731
+        return [shape(invars[i]) for i in self.param_leaves], [shape(invars[n + i]) for i in self.batch_leaves]
 
     def __call__(self, params, batch) -> list:
         inputs, _, fn = self._sub
@@ -158,55 +166,76 @@ class HybridProgram(Emitter):
         return np.concatenate([d * block + np.arange(b - a) for d, (a, b) in enumerate(self.row_ranges())])
 
     # -- the step -------------------------------------------------------------------------------
+    @functools.cached_property
+    def part_vjps(self) -> dict:
+        """Part rows -> the backbone's vjp at that size, its residuals sorted for storage."""
+        return {s: part_vjp(bb, *bb.input_shapes()) for s, bb in self.backbones}
+
+    def slots(self, size: int) -> int:
+        """Residual slots of one part size per device: one per full chunk of the busiest device;
+        a remainder size runs at most once."""
+        return max(self.rows.full_chunks) if size == self.rows.chunk else 1
+
     def backbone(self):
         """f(backbone params, batch blocks) -> boundary values in the padded per-device layout, with a
-        custom_vjp whose backward recomputes each chunk and psums the parameter gradients."""
-        fns = dict(self.backbones)
-        any_bb = self.backbones[0][1]
-        outs = any_bb.outputs
+        custom_vjp: the forward chunk loop stores each part's residuals in per-size buffers (a slot
+        per part), the backward loop applies each part's pullback to them, then one psum of the
+        parameter gradients."""
+        vjps = self.part_vjps
+        outs = self.backbones[0][1].outputs
         rows, axes, mesh = self.rows, self.axes, self.mesh
-        block = rows.block
+        block, chunk = rows.block, rows.chunk
         starts = jnp.asarray([a for a, _ in rows.row_ranges()], jnp.int32)
 
-        def local_offset(where):
+        def local_part(where):
+            """(offset in this device's block, rows, residual slot) of a part."""
             (first, size), = where
-            return first - starts[jax.lax.axis_index(axes)], size
+            off = first - starts[jax.lax.axis_index(axes)]
+            return off, size, off // chunk if size == chunk else 0
 
         def fwd_local(params, blocks):
             loop, _ = rows.parts_driver(blocks, axis=axes)
-            init = [jnp.zeros((block,) + tuple(v.aval.shape[1:]), v.aval.dtype) for v in outs]
+            acts = [jnp.zeros((block,) + tuple(v.aval.shape[1:]), v.aval.dtype) for v in outs]
+            bufs = {s: [jnp.zeros((self.slots(s),) + r.shape, r.dtype) for r in v.stored] for s, v in vjps.items()}
 
             def fn(part, where, acc):
-                off, size = local_offset(where)
-                vals = fns[size](params, part)
-                return [jax.lax.dynamic_update_slice_in_dim(a, v, off, 0) for a, v in zip(acc, vals)]
-            return loop(fn, init)
+                acts, bufs = acc
+                off, size, slot = local_part(where)
+                vals, res = vjps[size].forward(params, part)
+                acts = [jax.lax.dynamic_update_slice_in_dim(a, v, off, 0) for a, v in zip(acts, vals)]
+                bufs = {**bufs, size: [jax.lax.dynamic_update_index_in_dim(b, r, slot, 0)
+                                       for b, r in zip(bufs[size], res)]}
+                return acts, bufs
+            return loop(fn, (acts, bufs))
 
-        def bwd_local(params, blocks, cts):
+        def bwd_local(params, blocks, bufs, cts):
             loop, _ = rows.parts_driver(blocks, axis=axes)
+            consts = {s: v.constants() for s, v in vjps.items()}
 
             def fn(part, where, acc):
-                off, size = local_offset(where)
+                off, size, slot = local_part(where)
                 ct = [jax.lax.dynamic_slice_in_dim(c, off, size, 0) for c in cts]
-                _, vjp = jax.vjp(lambda p: fns[size](p, part), params)
-                return jax.tree.map(jnp.add, acc, vjp(ct)[0])
+                res = [jax.lax.dynamic_index_in_dim(b, slot, 0, keepdims=False) for b in bufs[size]]
+                return jax.tree.map(jnp.add, acc, vjps[size].backward(params, part, res, consts[size], ct))
             grads = loop(fn, jax.tree.map(jnp.zeros_like, params))
             return fused_psum(grads, axes)                # after the loop: one all-reduce per dtype
 
         spec = P(axes)
-        fwd_map = jax.shard_map(fwd_local, mesh=mesh, in_specs=(P(), spec), out_specs=spec, check_vma=False)
-        bwd_map = jax.shard_map(bwd_local, mesh=mesh, in_specs=(P(), spec, spec), out_specs=P(), check_vma=False)
+        fwd_map = jax.shard_map(fwd_local, mesh=mesh, in_specs=(P(), spec), out_specs=(spec, spec), check_vma=False)
+        bwd_map = jax.shard_map(bwd_local, mesh=mesh, in_specs=(P(), spec, spec, spec), out_specs=P(),
+                                check_vma=False)
 
         @jax.custom_vjp
         def backbone(params, blocks):
-            return fwd_map(params, blocks)
+            return fwd_map(params, blocks)[0]
 
         def fwd(params, blocks):
-            return fwd_map(params, blocks), (params, blocks)
+            acts, bufs = fwd_map(params, blocks)
+            return acts, (params, blocks, bufs)
 
         def bwd(res, cts):
-            params, blocks = res
-            return bwd_map(params, blocks, cts), jax.tree.map(_zero_cotangent, blocks)
+            params, blocks, bufs = res
+            return bwd_map(params, blocks, bufs, cts), jax.tree.map(_zero_cotangent, blocks)
 
         backbone.defvjp(fwd, bwd)
         return backbone
