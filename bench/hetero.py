@@ -317,13 +317,14 @@ def busy_loop(core: int) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL)
 
 
-def run_config(args, argv, hogs: int, batch: int, cores, env) -> dict:
-    """One 2-process run with `hogs` busy loops on process 1's core at global batch `batch`."""
+def run_config(args, argv, hogs: int, batch: int, cores, env, script: str = __file__) -> dict:
+    """One 2-process run of `script`'s worker with `hogs` busy loops on process 1's core at global
+    batch `batch`."""
     loops = []
     with tempfile.TemporaryDirectory() as tmp:
         out_path = pathlib.Path(tmp) / "worker.json"
         cmd = [sys.executable, "-m", "whalex.launch", "-n", "2", "--timeout", str(args.timeout),
-               str(pathlib.Path(__file__).resolve()), *argv, "--batch", str(batch), "--worker-out", str(out_path)]
+               str(pathlib.Path(script).resolve()), *argv, "--batch", str(batch), "--worker-out", str(out_path)]
         try:
             loops = [busy_loop(cores[1]) for _ in range(hogs)]
             print(f"\n=== {hogs} busy loop(s) on core {cores[1]}, batch {batch} ===", flush=True)
@@ -337,13 +338,14 @@ def run_config(args, argv, hogs: int, batch: int, cores, env) -> dict:
         return {"hogs": hogs, "batch": batch, **json.loads(out_path.read_text())}
 
 
-def driver(args, argv):
+def launch_env():
+    """(cores, environment, load average) for the 2-process runs; None (and a SKIP line) without 2 cores."""
     from whalex.launch import available_cores
 
     cores = available_cores()
     if len(cores) < 2:
         print(f"SKIP: needs 2 CPU cores to pin two processes, this process may use {cores}")
-        return
+        return None
     env = dict(os.environ)
     flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
     env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=1"])
@@ -354,6 +356,14 @@ def driver(args, argv):
         print(f"WARNING: load average {load_before:.2f} before the run: other work on this machine competes with "
               "both processes and makes the calibration and the timings noisy", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))       # run the `finally` blocks on SIGTERM too
+    return cores, env, load_before
+
+
+def driver(args, argv):
+    setup = launch_env()
+    if setup is None:
+        return
+    cores, env, load_before = setup
     t0 = time.perf_counter()
     runs = [run_config(args, argv, hogs, batch, cores, env)
             for hogs in [int(x) for x in args.slowdowns.split(",")]

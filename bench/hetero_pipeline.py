@@ -1,0 +1,186 @@
+"""Hardware-aware pipeline stages, measured on the emulated heterogeneous cluster (issue 13, Build 7).
+
+What it measures
+    The 2-process cluster of `bench/hetero.py` (one CPU device per process, process i pinned to core
+    i, process 1's core shared with busy loops: near 2:1 with one, near 3:1 with two). A stock Flax
+    MLP (`depth` x nn.Dense(width) + ReLU, an nn.Dense head; bench/models.py), MSE, Adam, written
+    without annotations and cut into 2 pipeline stages by whalex:
+    ``Config(auto_parallel=True, num_task_graph=2, num_micro_batch=M)``, one stage per process.
+
+    * even:     ``hardware_aware=False``: stages of equal FLOPs (Whale's sequential placement).
+    * balanced: the calibrated cluster (``calibrate(..., optimizer=)``): the fast process takes stage
+                0 and the stages are sized in proportion to the speeds (`balance.partition`).
+
+    Both are timed in interleaved blocks on process 0 (each step ends on the loss, which crosses
+    both processes); medians. The table prints the measured speedup (median even step / median
+    balanced step) beside the planner's prediction: the slowest stage's FLOPs / speed under the even
+    cut over the same under the balanced cut (the schedule's bubble scales both alike), and the
+    ideal for these speeds with layers cut anywhere, (s0 + s1) / (2 min(s0, s1)).
+
+Run from the repo root: ``python bench/hetero_pipeline.py`` (a few minutes; needs >= 2 cores and
+an otherwise idle machine). Writes bench/results/hetero_pipeline.json. Prints how far the measured
+speedup is from the prediction (the issue asks for within 10%) and never fails the process on it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from hetero import RESULTS, launch_env, run_config  # noqa: E402
+
+TOLERANCE = 0.10
+OUT = 8
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="1024", help="global batches (rows), comma-separated")
+    ap.add_argument("--slowdowns", default="1,2", help="busy loops on process 1's core (1: near 2:1, 2: near 3:1)")
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--depth", type=int, default=12, help="hidden Dense layers (what the stages split)")
+    ap.add_argument("--micro", type=int, default=8, help="micro-batches per step")
+    ap.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--block", type=int, default=3)
+    ap.add_argument("--calib-rows", type=int, default=256)
+    ap.add_argument("--timeout", type=float, default=500)
+    ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def make_model(args):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from models import MLP
+
+    model = MLP(args.width, args.depth, OUT)
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.standard_normal((args.batch, args.width)).astype(np.float32),
+             "y": (0.5 * rng.standard_normal((args.batch, OUT))).astype(np.float32)}
+    params = jax.device_get(model.init(jax.random.key(0), batch["x"][:1])["params"])
+
+    def loss_fn(p, b):
+        return jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+
+    return loss_fn, params, batch
+
+
+def stage_time(plan) -> float:
+    """The slowest stage's FLOPs / its device's speed (relative: the bubble scales every plan alike)."""
+    speeds = plan.cluster.speeds
+    return max(t.flops / min(speeds[d] for d in t.devices) for t in plan.task_graphs)
+
+
+def worker(args):
+    import whalex as wh
+    import jax
+    import optax
+
+    from whalex.balance.calibrate import calibrate
+
+    pid = jax.process_index()
+    assert jax.process_count() == 2 and jax.device_count() == 2, "run through the driver"
+    loss_fn, params, batch = make_model(args)
+    optimizer = optax.adam(1e-3)
+    log = (lambda *a: print(*a, flush=True)) if pid == 0 else (lambda *a: None)
+    small = {k: v[: args.calib_rows] for k, v in batch.items()}
+    cluster = calibrate(wh.Cluster.detect(), loss_fn, params, small, optimizer=optimizer, repeats=9)
+    log(f"calibrated speeds (GFLOP/s): {[round(s / 1e9, 2) for s in cluster.speeds]}")
+    config = wh.Config(auto_parallel=True, num_task_graph=2, num_micro_batch=args.micro, schedule=args.schedule)
+    steps = {"even": wh.parallelize(loss_fn, optimizer, config=config.replace(hardware_aware=False), cluster=cluster),
+             "balanced": wh.parallelize(loss_fn, optimizer, config=config, cluster=cluster)}
+    states = {n: s.init(params, batch) for n, s in steps.items()}
+
+    def run(name):
+        t = time.perf_counter()
+        states[name], m = steps[name](states[name], batch)
+        loss = float(m["loss"])
+        return time.perf_counter() - t, loss
+
+    for name in steps:
+        for _ in range(2):
+            run(name)
+    times = {n: [] for n in steps}
+    losses = {}
+    for r in range(args.rounds):
+        for name in steps:
+            for _ in range(args.block):
+                dt, losses[name] = run(name)
+                times[name].append(dt)
+        log(f"round {r + 1}/{args.rounds}: " + ", ".join(
+            f"{n} {1e3 * statistics.median(v[-args.block:]):.1f} ms" for n, v in times.items()))
+    after = calibrate(wh.Cluster.detect(), loss_fn, params, small, optimizer=optimizer, repeats=9)
+    plans = {n: s.plan for n, s in steps.items()}
+    out = {
+        "speeds": list(cluster.speeds), "speeds_after": list(after.speeds),
+        "stage_flops": {n: [t.flops for t in p.task_graphs] for n, p in plans.items()},
+        "stage_devices": {n: [list(t.devices) for t in p.task_graphs] for n, p in plans.items()},
+        "stage_layers": {n: [list(x) for x in p.stage_layers] for n, p in plans.items()},
+        "predicted_speedup": stage_time(plans["even"]) / stage_time(plans["balanced"]),
+        "times": times, "final_loss": losses,
+    }
+    if pid == 0:
+        pathlib.Path(args.worker_out).write_text(json.dumps(out))
+
+
+def summarise(res: dict) -> dict:
+    if "failed" in res:
+        return res
+    s = [(a + b) / 2 for a, b in zip(res["speeds"], res["speeds_after"])]
+    med = {n: statistics.median(v) for n, v in res["times"].items()}
+    actual = med["even"] / med["balanced"]
+    pred = res["predicted_speedup"]
+    return {**res, "speeds_mean": s, "median_step_s": med, "speedup_actual": actual,
+            "speedup_ideal": sum(s) / (2 * min(s)), "off_prediction": actual / pred - 1,
+            "verdict": "PASS" if abs(actual / pred - 1) <= TOLERANCE else "FAIL"}
+
+
+def main(argv):
+    args = parse(argv)
+    if os.environ.get("WHALEX_PROCESS_ID") is not None:
+        return worker(args)
+    setup = launch_env()
+    if setup is None:
+        return
+    cores, env, load_before = setup
+    t0 = time.perf_counter()
+    runs = [summarise(run_config(args, argv, hogs, batch, cores, env, script=__file__))
+            for hogs in [int(x) for x in args.slowdowns.split(",")]
+            for batch in [int(x) for x in args.batches.split(",")]]
+    print(f"\n2 processes x 1 CPU device, one stage each; stock Flax MLP {args.depth} x Dense({args.width}) + "
+          f"Dense({OUT}), Adam, MSE; auto_parallel 2 stages, {args.micro} micro-batches, {args.schedule}; medians\n")
+    head = (f"{'loops':>5} {'batch':>6} {'s0/s1':>6} {'layers even':>11} {'layers bal':>10} {'even ms':>8} "
+            f"{'bal ms':>8} {'speedup':>8} {'pred':>6} {'ideal':>6} {'vs pred':>8}")
+    print(head)
+    print("-" * len(head))
+    for r in runs:
+        if "failed" in r:
+            print(f"{r['hogs']:>5} {r['batch']:>6}  FAILED: {r['failed']}")
+            continue
+        s, med = r["speeds_mean"], r["median_step_s"]
+        layers = {n: "/".join(str(len(x)) for x in r["stage_layers"][n]) for n in ("even", "balanced")}
+        print(f"{r['hogs']:>5} {r['batch']:>6} {s[0] / s[1]:>6.2f} {layers['even']:>11} {layers['balanced']:>10} "
+              f"{1e3 * med['even']:>8.1f} {1e3 * med['balanced']:>8.1f} {r['speedup_actual']:>8.3f} "
+              f"{r['predicted_speedup']:>6.3f} {r['speedup_ideal']:>6.3f} {100 * r['off_prediction']:>+7.1f}%  "
+              f"{r['verdict']}")
+    print(f"\nvs pred: measured speedup / predicted - 1 (target within +-{100 * TOLERANCE:.0f}%); layers: Dense "
+          f"layers per stage; total wall time {time.perf_counter() - t0:.0f} s; load before {load_before:.2f}")
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / "hetero_pipeline.json"
+    path.write_text(json.dumps({"config": {k: v for k, v in vars(args).items() if k not in ("worker_out", "batch")},
+                                "machine": {"platform": platform.platform(), "load_before": load_before},
+                                "tolerance": TOLERANCE, "runs": runs}, indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
