@@ -145,6 +145,9 @@ def test_each_stage_device_holds_only_its_batch_leaves():
     host = step.plan.place_batch(jax.tree.map(np.asarray, batch))        # host leaves: read per device shard
     for g in placed.buffers:
         np.testing.assert_array_equal(np.asarray(host.buffers[g]), np.asarray(placed.buffers[g]))
+    state, metrics = step(state, placed)                # the step takes a batch placed by its plan
+    ref_losses, _, _ = reference(lm_loss((none,) * 4), lm_params(), batch, OPTS["sgd"](), 3)
+    np.testing.assert_allclose(float(metrics["loss"]), ref_losses[2], rtol=1e-5)
     # the compiled step takes the batch in that layout: every device a quarter of what it held
     compiled = program.lower().compile()
     batch_in = jax.tree.leaves(compiled.input_shardings[0][1])
