@@ -24,8 +24,13 @@ What to expect (whalex's pipeline runtime, ``whalex/lowering/pipeline.py``)
 
 The XLA numbers (per device, bytes)
     argument  buffers of the program's inputs: this device's row of the packed stage parameters,
-              its Adam moments, and its replica's batch (every stage device of a replica receives
-              the replica's whole batch, M*b rows: so this grows with M for BOTH schedules).
+              its Adam moments, and its share of its replica's batch (M*b rows: so this grows with
+              M for BOTH schedules). Since issue 13 (Build 6) a stage device receives only the
+              batch leaves its stage reads (`whalex/lowering/stage_batch.py`): x on stage 0, y on
+              stage 3, packed per dtype into one [stages, rows, width] buffer sharded over
+              (stage, data), so every device holds the widest stage's row (here x's 64 floats per
+              row) instead of the whole batch (x and y, 80 floats per row). The "Batch per stage
+              device" table shows each stage's share; "before" is the whole replica batch.
     output    buffers of the outputs: new params, new Adam state, loss.
     temp      XLA's preallocated scratch ("preallocated-temp" allocation): everything live inside
               the program that is neither an input nor an output, after XLA's buffer reuse. This
@@ -145,7 +150,8 @@ def pipeline_row(loss_fn, params, args, M: int, schedule: str, optimizer, cluste
                        .lower(lowering_platforms=(prog.platform,)).compile())
     sched = plan.schedule
     stash = (sched.slots + sched.grad_slots) * prog.message_width * 4   # forward + gradient stash, f32
-    batch_bytes = sum(int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(batch)) // dp
+    layout = prog.batch_layout
+    batch_bytes = layout.device_bytes(dp)                  # what each device holds (padded stage row)
     return {
         "schedule": schedule, "M": M, "micro_batch": args.micro, "data_parallel": dp,
         "global_batch": plan.global_batch, "slots": sched.slots, "ticks": sched.num_ticks,
@@ -153,6 +159,9 @@ def pipeline_row(loss_fn, params, args, M: int, schedule: str, optimizer, cluste
         "max_in_flight": [sched.max_in_flight(s) for s in range(STAGES)],
         "max_grads_waiting": grads_waiting(sched),
         "batch_bytes_per_device": batch_bytes,
+        "batch_bytes_per_device_before": layout.whole_bytes(dp),     # the replica's whole batch (before Build 6)
+        "batch_bytes_read_per_stage": [layout.stage_bytes(s, dp) for s in range(STAGES)],
+        "batch_leaves_per_stage": [[sl.leaf for sl in layout.stages[s]] for s in range(STAGES)],
         "message_width_floats": prog.message_width, "param_width_floats": prog.param_width,
         "predicted_stash_bytes": stash,
         "memory": public, "memory_donated": donated,
@@ -160,6 +169,11 @@ def pipeline_row(loss_fn, params, args, M: int, schedule: str, optimizer, cluste
         "residual_bytes": public["temp_size_in_bytes"] - stash,
         "seconds": time.perf_counter() - t0,
     }
+
+
+def old_peak(row: dict) -> int:
+    """The peak with the replica's whole batch on every device (before Build 6)."""
+    return row["memory"]["peak_bytes"] + row["batch_bytes_per_device_before"] - row["batch_bytes_per_device"]
 
 
 def grads_waiting(sched) -> list[int]:
@@ -250,6 +264,22 @@ def main():
                   f"{mib(m['output_size_in_bytes']):>9}{mib(m['temp_size_in_bytes']):>10}{mib(m['peak_bytes']):>9}"
                   f"{mib(r['predicted_stash_bytes']):>9}{mib(r['residual_bytes']):>9}{mib(d['peak_bytes']):>11}")
     print()
+    print("Batch per stage device, MiB (Build 6: each stage device receives only the leaves its stage reads;")
+    print("every device holds the widest stage's row of each dtype buffer; 'before' = the replica's whole batch;")
+    print(" old = the peak with the whole batch: peak + before - held)")
+    bhead = (f"{'sched':<6}{'M':>4}{'before':>9}{'held':>9}" + "".join(f"{'s' + str(s) + ' reads':>10}" for s in range(STAGES))
+             + f"{'held/peak':>11}{'before/old':>13}")
+    print(bhead)
+    print("-" * len(bhead))
+    for M in Ms:
+        for sch in ("1f1b", "gpipe"):
+            r = by[(sch, M)]
+            peak = r["memory"]["peak_bytes"]
+            print(f"{sch:<6}{M:>4}{mib(r['batch_bytes_per_device_before']):>9}{mib(r['batch_bytes_per_device']):>9}"
+                  + "".join(f"{mib(b):>10}" for b in r["batch_bytes_read_per_stage"])
+                  + f"{100 * r['batch_bytes_per_device'] / peak:>10.0f}%"
+                  + f"{100 * r['batch_bytes_per_device_before'] / old_peak(r):>12.0f}%")
+    print()
     print("GPipe / 1F1B per M:")
     ratios = {}
     for M in Ms:
@@ -314,11 +344,12 @@ def main():
           f"schedule.grad_slots = {waiting} buffer(s) for them.")
     b_lo, b_hi = by[("1f1b", Ms[0])], by[("1f1b", Ms[-1])]
     print(f"  * argument grows with M for both schedules: {mib(b_lo['batch_bytes_per_device']).strip()} -> "
-          f"{mib(b_hi['batch_bytes_per_device']).strip()} MiB of it is the batch; the batch is sharded over 'data' "
-          f"only, so each of the {STAGES} stage devices of a replica receives the replica's whole batch "
-          f"(x and y, M*b rows) although only stage 0 reads x and stage {STAGES - 1} reads y. At M={Ms[-1]} the "
-          f"batch is {100 * b_hi['batch_bytes_per_device'] / b_hi['memory']['peak_bytes']:.0f}% of a 1F1B "
-          f"device's peak.")
+          f"{mib(b_hi['batch_bytes_per_device']).strip()} MiB of it is the batch. Each stage device holds only "
+          f"the leaves its stage reads (x on stage 0, y on stage {STAGES - 1}), padded to the widest stage: at "
+          f"M={Ms[-1]} the batch is {100 * b_hi['batch_bytes_per_device'] / b_hi['memory']['peak_bytes']:.0f}% of "
+          f"a 1F1B device's peak; the replica's whole batch ({mib(b_hi['batch_bytes_per_device_before']).strip()}"
+          f" MiB, what every device held before) was {100 * b_hi['batch_bytes_per_device_before'] / old_peak(b_hi):.0f}%"
+          f" of the peak it made.")
     d = by[("1f1b", Ms[0])]
     print(f"  * donation (the step wh.parallelize runs): alias = "
           f"{mib(d['memory_donated']['alias_size_in_bytes']).strip()} MiB (the whole state), but temp grows by "

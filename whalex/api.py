@@ -16,6 +16,7 @@ import optax
 from whalex import nnx as nnx_lib
 from whalex.distributed import heartbeat
 from whalex.errors import PlanError
+from whalex.lowering.stage_batch import StageBatch
 from whalex.mesh.cluster import Cluster
 from whalex.nnx import NnxModel
 from whalex.plan import Plan
@@ -174,6 +175,11 @@ class Step:
         p = self._plans.get(key)
         if p is not None:
             return self._relayout(state, p), p, self._jitted[key]     # a no-op unless the state came from another step
+        if isinstance(batch, StageBatch):         # placed by a pipeline plan's place_batch: that plan
+            shapes = _signature(jax.tree.leaves(batch))
+            for k, q in self._plans.items():
+                if q.schedule is not None and _signature(jax.tree.leaves(q.program.batch_shapes())) == shapes:
+                    return self._relayout(state, q), q, self._jitted[k]
         if self._last is not None and self._last.schedule is not None:
             raise PlanError("the batch shapes differ from the ones this pipeline was planned for; call "
                             "step.init(params, batch) with the new shapes.")

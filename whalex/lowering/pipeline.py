@@ -3,12 +3,18 @@
 Stages are TaskGraphs in order. The captured loss (traced at micro-batch size) is cut into stage
 functions; each stage's parameters are packed into one row of a flat `[stages, max_params]`
 buffer sharded over the mesh's `stage` axis, so a device holds only its stage's weights (and
-Adam moments). Inside `shard_map`, a `lax.scan` over the schedule's ticks runs, on every device,
+Adam moments). Each stage device receives only the batch leaves its stage reads
+(`whalex.lowering.stage_batch`). Inside `shard_map`, a `lax.scan` over the schedule's ticks runs, on every device,
 `lax.switch` to its stage's forward or backward (recomputing the forward from the stashed stage
 input), then `ppermute`s activations to the next stage and gradients to the previous one. Only the
 stage inputs are stashed, in `schedule.slots` buffers: S for 1F1B, M for GPipe. Values that skip
 a stage are forwarded through it. Gradients are summed over micro-batches in the loop and over
 data-parallel replicas (`psum` over `data`) after it; no collective runs inside a branch.
+
+The last stage returns the loss contract's part outputs for each micro-batch
+(`whalex.core.part_loss`): sums, maxima and minima over the batch are combined over micro-batches
+and replicas by their kind, and per-example aux outputs are written at their micro-batch's rows and
+gathered over replicas in global batch order, so `metrics["aux"]` is the single-device aux.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from whalex.core.capture import Captured
 from whalex.core.interpret import apply_eqn, make_evaluator
 from whalex.errors import PlanError
 from whalex.lowering.emit import Emitter
+from whalex.lowering import stage_batch
 from whalex.lowering.schedules import Schedule
 from whalex.memory import precision as precision_lib, zero as zero_lib
 
@@ -225,21 +232,43 @@ class PipelineProgram(Emitter):
         return {"stages": NamedSharding(self.mesh, P(STAGE))}
 
     @functools.cached_property
-    def batch_shardings(self):
-        return jax.tree.unflatten(self.captured.batch_tree,
-                                  [NamedSharding(self.mesh, P(DATA))] * len(self._batch_vars))
+    def prepass_leaves(self) -> tuple[int, ...]:
+        """Batch leaves the loss contract's pre-pass reads (its data-only reductions, e.g. a token count)."""
+        jp = self.parts.part.jaxpr.jaxpr
+        outs = [o for r in self.parts.sem.reductions if not r.params for o in jp.eqns[r.index].outvars]
+        eqns = parts_lib.cone(jp, outs)
+        n = self.captured.num_params
+        batch = {v: k for k, v in enumerate(jp.invars[n:n + len(self.captured.batch_vars)])}
+        return tuple(sorted({batch[v] for i in eqns for v in jp.eqns[i].invars
+                             if not isinstance(v, C.Literal) and v in batch}))
 
-    @property
-    def _batch_vars(self):
-        return self.captured.batch_vars
+    @functools.cached_property
+    def batch_layout(self) -> stage_batch.StageBatchLayout:
+        """The batch leaves each stage holds: those its equations read; the last stage also runs the
+        pre-pass, so it holds the leaves the pre-pass reads."""
+        cap = self.captured
+        reads = stage_batch.stage_reads(cap.jaxpr.jaxpr, cap.num_params, len(cap.batch_vars), self.cut.eqns,
+                                        self.prepass_leaves)
+        return stage_batch.make_layout(reads, [v.aval for v in cap.batch_vars], self.global_batch)
+
+    @functools.cached_property
+    def batch_shardings(self):
+        return self.batch_layout.shardings(self.mesh, STAGE, DATA)
 
     def packed_shapes(self):
         return {"stages": jax.ShapeDtypeStruct((self.cut.num_stages, self.param_width), self.param_dtype)}
 
     def batch_shapes(self):
-        return jax.tree.unflatten(self.captured.batch_tree, [
-            jax.ShapeDtypeStruct((self.global_batch,) + tuple(v.aval.shape[1:]), v.aval.dtype)
-            for v in self._batch_vars])
+        return self.batch_layout.shapes()
+
+    @functools.cached_property
+    def _batch_packer(self):
+        return jax.jit(self.batch_layout.pack, out_shardings=self.batch_shardings.buffers)
+
+    def place_batch(self, batch):
+        """The caller's batch pytree in the stage layout (each stage device: only its leaves)."""
+        return stage_batch.place(self.batch_layout, batch, self.batch_shardings, self.captured.batch_tree,
+                                 self._batch_packer)
 
     # -- the stage functions -------------------------------------------------------------------
     def _stage_fn(self, s: int):
@@ -257,7 +286,7 @@ class PipelineProgram(Emitter):
         def fn(params_s, live, inputs, overrides):
             env = dict(consts)
             env.update(zip(param_vars, params_s))
-            env.update(zip(input_vars, inputs))
+            env.update((v, x) for v, x in zip(input_vars, inputs) if x is not None)
             env.update(zip(live_in, live))
             prefixes = {p[:k] for p in overrides for k in range(1, len(p) + 1)}
             for i, eqn in eqns:
@@ -268,10 +297,58 @@ class PipelineProgram(Emitter):
         return fn, live_in, live_out
 
     @functools.cached_property
+    def output_kinds(self) -> tuple[str, ...]:
+        """How each part output combines over micro-batches: "sum", "max", "min" or "rows"."""
+        return tuple(k or "sum" for k in self.parts.part_outputs()[1])
+
+    @functools.cached_property
+    def row_outputs(self) -> tuple[int, ...]:
+        """Part outputs (positions) with the batch dimension: per-example aux, gathered by rows."""
+        return tuple(k for k, kind in enumerate(self.output_kinds) if kind == "rows")
+
+    @functools.cached_property
+    def value_outputs(self) -> tuple[int, ...]:
+        """Part outputs (positions) without the batch dimension: combined in the flat accumulator."""
+        return tuple(k for k, kind in enumerate(self.output_kinds) if kind != "rows")
+
+    @functools.cached_property
     def output_slots(self) -> tuple[tuple[Slot, ...], int]:
-        """Where the last stage's outputs (the part outputs) sit in the per-step accumulator."""
-        slots, width = _layout(self.captured.jaxpr.jaxpr.outvars)
+        """Where the batch-free part outputs sit in the per-step accumulator."""
+        outvars = self.captured.jaxpr.jaxpr.outvars
+        slots, width = _layout([outvars[k] for k in self.value_outputs])
         return tuple(slots), max(width, 1)
+
+    @functools.cached_property
+    def output_masks(self) -> tuple[np.ndarray, np.ndarray]:
+        """(is max, is min) per accumulator entry; the others are sums."""
+        slots, width = self.output_slots
+        is_max, is_min = np.zeros(width, bool), np.zeros(width, bool)
+        for sl, k in zip(slots, self.value_outputs):
+            is_max[sl.offset:sl.offset + sl.size] = self.output_kinds[k] == "max"
+            is_min[sl.offset:sl.offset + sl.size] = self.output_kinds[k] == "min"
+        return is_max, is_min
+
+    def _output_init(self):
+        is_max, is_min = self.output_masks
+        big = float(np.finfo(np.float32).max)
+        return jnp.asarray(np.where(is_max, -big, np.where(is_min, big, 0.0)).astype(np.float32))
+
+    def _output_combine(self, acc, outs):
+        """A micro-batch's outputs `outs` combined into `acc` entry by entry (sum, max or min)."""
+        is_max, is_min = self.output_masks
+        if not (is_max.any() or is_min.any()):
+            return acc + outs
+        return jnp.where(is_max, jnp.maximum(acc, outs), jnp.where(is_min, jnp.minimum(acc, outs), acc + outs))
+
+    def _output_across(self, acc, axes):
+        """The accumulator combined over the devices of `axes` (sums, maxima, minima)."""
+        is_max, is_min = self.output_masks
+        out = jax.lax.psum(jnp.where(is_max | is_min, 0.0, acc), axes)
+        if is_max.any():
+            out = jnp.where(is_max, jax.lax.pmax(acc, axes), out)
+        if is_min.any():
+            out = jnp.where(is_min, jax.lax.pmin(acc, axes), out)
+        return out
 
     def _branches(self, overrides, cot):
         """idle, forward and backward branch per stage; the backward of the last stage starts from
@@ -280,10 +357,16 @@ class PipelineProgram(Emitter):
         A, W = self.message_width, self.param_width
         oslots, O = self.output_slots
         dtype = self.param_dtype
+        outvars = self.captured.jaxpr.jaxpr.outvars
+        values, row_pos = self.value_outputs, self.row_outputs
+        layout = self.batch_layout
+
+        def no_rows():
+            return [jnp.zeros(outvars[k].aval.shape, outvars[k].aval.dtype) for k in row_pos]
 
         def idle(params, x, ct, inputs):
             return (jnp.zeros(A, jnp.float32), jnp.zeros(A, jnp.float32), jnp.zeros(W, dtype),
-                    jnp.zeros(O, jnp.float32))
+                    jnp.zeros(O, jnp.float32), no_rows())
 
         fwds, bwds = [], []
         for s in range(S):
@@ -296,26 +379,31 @@ class PipelineProgram(Emitter):
             def unpack_params(params, pslots=pslots):
                 return [params[sl.offset:sl.offset + sl.size].reshape(sl.shape) for sl in pslots]
 
+            def stage_inputs(inputs, s=s):        # this stage's batch leaves (None: not held) + extra
+                return layout.unpack(inputs[0], s) + list(inputs[1])
+
             def fwd(params, x, ct, inputs, fn=fn, in_slots=in_slots, out_slots=out_slots, last=last,
-                    unpack_params=unpack_params):
-                outs = fn(unpack_params(params), _unpack(x, in_slots), inputs[0], overrides(inputs[1]))
+                    unpack_params=unpack_params, stage_inputs=stage_inputs):
+                outs = fn(unpack_params(params), _unpack(x, in_slots), stage_inputs(inputs), overrides(inputs[2]))
                 if last:
                     return (jnp.zeros(A, jnp.float32), jnp.zeros(A, jnp.float32), jnp.zeros(W, dtype),
-                            _pack_values(outs, O))
+                            _pack_values([outs[k] for k in values], O), [outs[k] for k in row_pos])
                 return (_pack(outs, out_slots, A), jnp.zeros(A, jnp.float32), jnp.zeros(W, dtype),
-                        jnp.zeros(O, jnp.float32))
+                        jnp.zeros(O, jnp.float32), no_rows())
 
             def bwd(params, x, ct, inputs, fn=fn, in_slots=in_slots, out_slots=out_slots, last=last,
-                    unpack_params=unpack_params, pslots=pslots):
+                    unpack_params=unpack_params, pslots=pslots, stage_inputs=stage_inputs):
                 live = _unpack(x, in_slots)
                 diff = [k for k, sl in enumerate(in_slots) if jnp.issubdtype(sl.dtype, jnp.floating)]
-                ovr = overrides(inputs[1])
+                ovr = overrides(inputs[2])
+                ins = stage_inputs(inputs)
 
                 def f(p, dl):
                     full = list(live)
                     for k, v in zip(diff, dl):
                         full[k] = v
-                    return fn(p, full, inputs[0], ovr)
+                    outs = fn(p, full, ins, ovr)
+                    return [outs[k] for k in values] if last else outs
 
                 outs, vjp = jax.vjp(f, unpack_params(params), [live[k] for k in diff])
                 cts = _unpack(cot, oslots) if last else _unpack(ct, out_slots)
@@ -327,7 +415,8 @@ class PipelineProgram(Emitter):
                 full = [jnp.zeros(sl.shape, jnp.float32) for sl in in_slots]
                 for k, g in zip(diff, dl):
                     full[k] = g
-                return (jnp.zeros(A, jnp.float32), _pack(full, in_slots, A), dparams, jnp.zeros(O, jnp.float32))
+                return (jnp.zeros(A, jnp.float32), _pack(full, in_slots, A), dparams, jnp.zeros(O, jnp.float32),
+                        no_rows())
 
             fwds.append(fwd)
             bwds.append(bwd)
@@ -356,6 +445,19 @@ class PipelineProgram(Emitter):
         prec = self.precision
         scaled = prec is not None and prec.scaled
 
+        layout = self.batch_layout
+        home = S - 1                  # the stage that runs the loss contract's pre-pass
+        batch_avals = [v.aval for v in self.captured.batch_vars]
+        row_avals = [self.captured.jaxpr.jaxpr.outvars[k].aval for k in self.row_outputs]
+
+        def from_home(values, s):     # the pre-pass values of the home stage, on every stage
+            out = []
+            for v in values:
+                wide = v.astype(jnp.int32) if v.dtype == jnp.bool_ else v
+                wide = jax.lax.psum(jnp.where(s == home, wide, jnp.zeros_like(wide)), STAGE) if S > 1 else wide
+                out.append(wide.astype(v.dtype))
+            return out
+
         def body(packed, batch, extra, *scale):
             scale = scale[0] if scale else None
             row = packed["stages"]
@@ -364,28 +466,34 @@ class PipelineProgram(Emitter):
             params = row[0]
             s = jax.lax.axis_index(STAGE)
             r = jax.lax.axis_index(DATA)
-            leaves = jax.tree.leaves(batch)
+            rows = {g: x[0] for g, x in batch.items()}        # this device's stage row: [per_replica, width]
             extra = list(extra)
 
             def where_of(m):
                 return ((r * per_replica + m * micro, micro),)
 
-            def loop(fn, init):       # every micro-batch of this replica (the data-only pre-pass)
+            def micro_rows(m):
+                return {g: jax.lax.dynamic_slice_in_dim(x, m * micro, micro, 0) for g, x in rows.items()}
+
+            def loop(fn, init):       # every micro-batch of this replica (the data-only pre-pass, home stage)
                 def step(k, acc):
-                    part = [jax.lax.dynamic_slice_in_dim(x, k * micro, micro, 0) for x in leaves]
+                    held = layout.unpack(micro_rows(k), home)
+                    part = [x if x is not None else jnp.zeros((micro,) + a.shape[1:], a.dtype)
+                            for x, a in zip(held, batch_avals)]
                     return fn(part, where_of(k), acc)
                 return jax.lax.fori_loop(0, M, step, init)
 
             def across(values, kinds):
-                return parts_lib.across_devices(values, kinds, DATA)
+                return from_home(parts_lib.across_devices(values, kinds, DATA), s)
 
             zeros = [jnp.zeros(a.shape, a.dtype) for a in param_avals]     # the pre-pass reads no parameter
             given = parts_lib.prepass(pl, lambda c, ovr: make_evaluator(c.jaxpr, {}, None, ovr), loop, across,
                                       zeros, extra)
             idx, cots = parts_lib.cotangents(pl, given, extra, n, scale)
             full = [jnp.zeros(sl.shape, jnp.float32) for sl in oslots]
+            values = self.value_outputs
             for k, c in zip(idx, cots):
-                full[k] = c.astype(jnp.float32)
+                full[values.index(k)] = c.astype(jnp.float32)
             cot = _pack_values(full, O)
 
             def overrides(m):
@@ -394,25 +502,37 @@ class PipelineProgram(Emitter):
             branches = self._branches(overrides, cot)
 
             def tick(carry, row):
-                stash, gstash, gacc, oacc, fin, bin_ = carry
+                stash, gstash, gacc, oacc, racc, fin, bin_ = carry
                 kind, m = row["kind"][s], row["mb"][s]
                 rf, rb = row["recv_f"][s], row["recv_b"][s]
                 fslot, bslot = jnp.maximum(rf, 0) % slots, jnp.maximum(rb, 0) % gslots
                 stash = stash.at[fslot].set(jnp.where(rf >= 0, fin, stash[fslot]))
                 gstash = gstash.at[bslot].set(jnp.where(rb >= 0, bin_, gstash[bslot]))
-                mbatch = [jax.lax.dynamic_slice_in_dim(x, m * micro, micro, 0) for x in leaves]
+                m = jnp.clip(m, 0, M - 1)
                 branch = jnp.where(kind == 0, 0, jnp.where(kind == 1, 1 + s, 1 + S + s))
-                y, dx, dparams, outs = jax.lax.switch(branch, branches, params, stash[m % slots],
-                                                      gstash[m % gslots], (mbatch + extra, m))
+                y, dx, dparams, outs, routs = jax.lax.switch(branch, branches, params, stash[m % slots],
+                                                             gstash[m % gslots], (micro_rows(m), extra, m))
+                done = (kind == 1) & (s == S - 1)          # the last stage's forward of micro-batch m
+                oacc = jnp.where(done, self._output_combine(oacc, outs), oacc)
+                racc = [jax.lax.dynamic_update_slice_in_dim(
+                    a, jnp.where(done, o, jax.lax.dynamic_slice_in_dim(a, m * micro, micro, 0)), m * micro, 0)
+                    for a, o in zip(racc, routs)]
                 fout = jax.lax.ppermute(y, STAGE, fwd_perm) if S > 1 else y
                 bout = jax.lax.ppermute(dx, STAGE, bwd_perm) if S > 1 else dx
-                return (stash, gstash, gacc + dparams, oacc + outs, fout, bout), None
+                return (stash, gstash, gacc + dparams, oacc, racc, fout, bout), None
 
             init = (jnp.zeros((slots, A), jnp.float32), jnp.zeros((gslots, A), jnp.float32), jnp.zeros(W, dtype),
-                    jnp.zeros(O, jnp.float32), jnp.zeros(A, jnp.float32), jnp.zeros(A, jnp.float32))
-            (_, _, gacc, oacc, _, _), _ = jax.lax.scan(tick, init, tables)
-            values = _unpack_values(jax.lax.psum(oacc, (STAGE, DATA)), oslots)
-            outs = parts_lib.finish(pl, given, extra, n, values)
+                    self._output_init(), [jnp.zeros((per_replica,) + a.shape[1:], a.dtype) for a in row_avals],
+                    jnp.zeros(A, jnp.float32), jnp.zeros(A, jnp.float32))
+            (_, _, gacc, oacc, racc, _, _), _ = jax.lax.scan(tick, init, tables)
+            flat = _unpack_values(self._output_across(oacc, (STAGE, DATA)), oslots)
+            gathered = [jax.lax.all_gather(from_last(x, s), DATA, tiled=True) for x in racc]
+            outputs = [None] * len(self.output_kinds)
+            for k, x in zip(values, flat):
+                outputs[k] = x
+            for k, x in zip(self.row_outputs, gathered):
+                outputs[k] = x
+            outs = parts_lib.finish(pl, given, extra, n, outputs)
             if level >= 2:            # ZeRO 2: reduce-scatter the stage gradient over the replicas
                 grads = precision_lib.reduce_in(
                     prec, lambda g: zero_lib.scatter_sum([g[None]], specs, zspecs, DATA)[0], gacc)
@@ -420,9 +540,15 @@ class PipelineProgram(Emitter):
                 grads = precision_lib.reduce_in(prec, lambda g: jax.lax.psum(g, DATA), gacc)[None]
             return outs, {"stages": grads}
 
+        def from_last(x, s):          # per-example outputs: only the last stage wrote them
+            if S == 1:
+                return x
+            wide = x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
+            return jax.lax.psum(jnp.where(s == S - 1, wide, jnp.zeros_like(wide)), STAGE).astype(x.dtype)
+
         return jax.shard_map(body, mesh=self.mesh,
-                             in_specs=({"stages": zspecs[0] if level >= 3 else P(STAGE)}, P(DATA), P())
-                             + ((P(),) if scaled else ()),
+                             in_specs=({"stages": zspecs[0] if level >= 3 else P(STAGE)},
+                                       layout.specs(STAGE, DATA), P()) + ((P(),) if scaled else ()),
                              out_specs=(P(), {"stages": zspecs[0] if level >= 2 else P(STAGE)}), check_vma=False)
 
     # -- what the emitter needs -------------------------------------------------------------------
@@ -445,7 +571,7 @@ class PipelineProgram(Emitter):
         cap = self.parts.whole
 
         def vg(params, batch, extra=(), scale=None):
-            args = (params, batch, list(extra)) + ((scale,) if scale is not None else ())
+            args = (params, batch.buffers, list(extra)) + ((scale,) if scale is not None else ())
             outs, grads = loss_and_grads(*args)
             if scale is not None:
                 grads = precision_lib.unscale(grads, scale)

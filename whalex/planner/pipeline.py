@@ -38,9 +38,6 @@ def pipeline_plan(req: Request, full, stage_of_eqn, per_stage) -> Plan:
         raise PlanError("the loss traced differently at micro-batch size; whalex needs a loss whose "
                         "operations do not depend on the batch size.")
     parts = loss_parts(cap, full, config, "pipeline micro-batches")
-    if parts.sem.row_outputs:
-        raise PlanError("aux outputs with the batch dimension (per-example values) are not gathered by pipelines yet; "
-                        "return batch-free aux values (reduced over the batch) with pipelining.")
     if not parts.sem.affine:
         raise PlanError("the loss is not affine in its sums over the batch (e.g. the log of a mean); a pipeline "
                         "cannot split its gradient over micro-batches in one pass. Write the loss as a sum or mean "
