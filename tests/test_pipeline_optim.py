@@ -19,13 +19,16 @@ def _ln(x, g):
     return (x - m) * jax.lax.rsqrt(v + 1e-5) * g
 
 
-def _block(p, x):
-    """Causal single-head attention and an MLP, both residual."""
+def _attention(p, x):
+    """Causal single-head attention, residual."""
     h = _ln(x, p["g1"])
     q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
     a = jnp.einsum("btd,bsd->bts", q, k) / np.sqrt(D)
     a = jnp.where(jnp.tril(jnp.ones((T, T), bool)), a, -1e9)
-    x = x + jnp.einsum("bts,bsd->btd", jax.nn.softmax(a, -1), v) @ p["wo"]
+    return x + jnp.einsum("bts,bsd->btd", jax.nn.softmax(a, -1), v) @ p["wo"]
+
+
+def _mlp(p, x):
     return x + jnp.tanh(_ln(x, p["g2"]) @ p["w1"]) @ p["w2"]
 
 
@@ -33,11 +36,14 @@ def lm_params(seed=0, tied=True):
     ks = iter(jax.random.split(jax.random.key(seed), 32))
     n = lambda shape, s: s * jax.random.normal(next(ks), shape)  # noqa: E731
 
-    def block():
-        return {"g1": 1 + n((D,), 0.1), "g2": 1 + n((D,), 0.1), "wq": n((D, D), 0.3), "wk": n((D, D), 0.3),
-                "wv": n((D, D), 0.3), "wo": n((D, D), 0.3), "w1": n((D, 2 * D), 0.3), "w2": n((2 * D, D), 0.3)}
+    def block(attention):
+        p = {"g2": 1 + n((D,), 0.1), "w1": n((D, 2 * D), 0.3), "w2": n((2 * D, D), 0.3)}
+        if attention:
+            p.update(g1=1 + n((D,), 0.1), wq=n((D, D), 0.3), wk=n((D, D), 0.3), wv=n((D, D), 0.3),
+                     wo=n((D, D), 0.3))
+        return p
 
-    p = {"emb": n((V, D), 1.0), "pos": n((T, D), 0.3), "b0": block(), "b1": block(), "b2": block(),
+    p = {"emb": n((V, D), 1.0), "pos": n((T, D), 0.3), "b0": block(True), "b1": block(False), "b2": block(False),
          "lnf": 1 + n((D,), 0.1)}
     if not tied:
         p["out"] = n((D, V), 1.0)
@@ -50,13 +56,14 @@ def lm_batch(seed=1):
 
 
 def lm_loss(p, b):
-    """A decoder-only LM in 4 stages; the logits read the input embedding (`out` when untied)."""
+    """A decoder-only LM in 4 stages (attention and MLP blocks kept few: compile time); the logits read
+    the input embedding (`out` when untied)."""
     with wh.replicate(1):
-        x = _block(p["b0"], p["emb"][b["tok"]] + p["pos"])
+        x = _mlp(p["b0"], _attention(p["b0"], p["emb"][b["tok"]] + p["pos"]))
     with wh.replicate(1):
-        x = _block(p["b1"], x)
+        x = _mlp(p["b1"], x)
     with wh.replicate(1):
-        x = _block(p["b2"], x)
+        x = _mlp(p["b2"], x)
     with wh.replicate(1):
         out = p["out"] if "out" in p else p["emb"].T
         logits = _ln(x, p["lnf"]) @ out
@@ -106,11 +113,11 @@ def test_any_optax_transformation_trains_a_4_stage_pipeline_exactly(name):
         assert factored.v_row["b0"]["w1"].size > 1 and factored.v["b0"]["w1"].shape == (1,)
 
 
-@pytest.mark.parametrize("opt,schedule", [(optax.sgd(0.05), "gpipe"), (optax.adam(1e-2, eps=1e-4), "1f1b")],
-                         ids=["sgd", "adam"])
-def test_tied_embedding_across_the_first_and_last_stage(opt, schedule):
+def test_tied_embedding_across_the_first_and_last_stage():
+    """SGD here (a gradient summed twice or once would show); the optimizer tests above train the same tied
+    model with Adam-family updates."""
     params = lm_params()
-    step, state, ref = _check(opt, schedule, params)
+    step, state, ref = _check(optax.sgd(0.05), "gpipe", params)
     program = step.plan.program
     paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     emb = next(k for k, path in enumerate(paths) if path[0].key == "emb")
@@ -127,9 +134,8 @@ def test_tied_embedding_across_the_first_and_last_stage(opt, schedule):
     np.testing.assert_array_equal(copies[0].reshape(V, D), np.asarray(state.params["emb"]))
 
 
-def test_untied_model_still_owns_each_leaf_in_one_stage():
-    """The untied twin (its own output matrix) is also exact, and nothing is listed twice."""
+def test_untied_model_lists_each_leaf_in_one_stage():
     params = lm_params(tied=False)
-    step, _, _ = _check(optax.sgd(0.05), "1f1b", params)
-    listed = [p for ps in step.plan.program.cut.params for p in ps]
+    plan = wh.plan(lm_loss, params, lm_batch(), optax.sgd(0.05), config=wh.Config(num_micro_batch=4))
+    listed = [p for ps in plan.program.cut.params for p in ps]
     assert len(listed) == len(set(listed)) == len(jax.tree.leaves(params))
