@@ -32,7 +32,8 @@ from whalex.core import part_loss as parts_lib
 from whalex.core.capture import Captured
 from whalex.core.interpret import apply_eqn, make_evaluator
 from whalex.errors import PlanError
-from whalex.lowering.emit import Emitter, spread_spec
+from whalex.lowering import stage_rows
+from whalex.lowering.emit import Emitter
 from whalex.lowering.schedules import Schedule
 from whalex.memory import precision as precision_lib, zero as zero_lib
 
@@ -217,7 +218,37 @@ class PipelineProgram(Emitter):
 
     def param_spec_list(self):
         """Each stored leaf spread over every device (its largest dimension the mesh size divides)."""
-        return [spread_spec(s.shape, self.mesh) for s in jax.tree.leaves(self.param_shapes())]
+        return [stage_rows.spread(s.shape, self.mesh.size, (STAGE, DATA)) for s in jax.tree.leaves(self.param_shapes())]
+
+    def _spread_dims(self):
+        return [stage_rows.spread_dim(s.shape, self.mesh.size) for s in jax.tree.leaves(self.param_shapes())]
+
+    def gather_rows(self):
+        """spread params (the caller's pytree) -> {"stages": [stages, width]} rows sharded over `stage`:
+        `pack_params` with explicit all-gathers."""
+        dims, cut, slots = self._spread_dims(), self.cut.params, self.param_slots
+        W, dtype = self.param_width, self.param_dtype
+
+        def body(*leaves):
+            return {"stages": stage_rows.gather_row(leaves, dims, cut, slots, W, dtype, (STAGE, DATA))}
+
+        fn = jax.shard_map(body, mesh=self.mesh, in_specs=tuple(self.param_spec_list()),
+                           out_specs={"stages": P(STAGE)}, check_vma=False)
+        return lambda params: fn(*jax.tree.leaves(params))
+
+    def scatter_grads(self):
+        """{"stages": row gradients} (summed over the replicas) -> the caller-layout gradient, spread: the
+        transpose of `gather_rows` (a tied leaf's rows summed)."""
+        dims, cut, slots, dp = self._spread_dims(), self.cut.params, self.param_slots, self.data_parallel
+        shapes = jax.tree.leaves(self.param_shapes())
+        tree = self.captured.params_tree
+
+        def body(rows):
+            return tuple(stage_rows.scatter_grads(rows["stages"], dims, cut, slots, shapes, dp, (STAGE, DATA)))
+
+        fn = jax.shard_map(body, mesh=self.mesh, in_specs=({"stages": P(STAGE)},),
+                           out_specs=tuple(self.param_spec_list()), check_vma=False)
+        return lambda rows: jax.tree.unflatten(tree, list(fn(rows)))
 
     @functools.cached_property
     def param_shardings(self):
@@ -440,16 +471,12 @@ class PipelineProgram(Emitter):
     def value_and_grad(self):
         loss_and_grads = self.loss_and_grads()
         cap = self.parts.whole
-        level = self.memory_options.zero_level
-        spec, zspec = self.row_specs
-        rows_in = {"stages": NamedSharding(self.mesh, zspec if level >= 3 else spec)}
+        gather, scatter = self.gather_rows(), self.scatter_grads()
 
         def vg(params, batch, extra=(), scale=None):
-            rows, transpose = jax.vjp(self.pack_params, params)
-            rows = jax.lax.with_sharding_constraint(rows, rows_in)
-            args = (rows, batch, list(extra)) + ((scale,) if scale is not None else ())
+            args = (gather(params), batch, list(extra)) + ((scale,) if scale is not None else ())
             outs, grad_rows = loss_and_grads(*args)
-            grads = jax.lax.with_sharding_constraint(transpose(grad_rows)[0], self.param_shardings)
+            grads = scatter(grad_rows)
             if scale is not None:
                 grads = precision_lib.unscale(grads, scale)
             value, aux, new_state = cap.split_outputs(outs)
