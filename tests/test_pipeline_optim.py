@@ -128,6 +128,8 @@ def test_tied_embedding_across_the_first_and_last_stage():
     assert len(state.params["emb"].sharding.device_set) == 8
     # the stage rows computed from it hold identical copies
     rows = jax.device_get(jax.jit(program.pack_params)(state.params)["stages"])
+    # the step's explicit all-gather / all-to-all builds the same rows
+    np.testing.assert_array_equal(jax.device_get(jax.jit(program.gather_rows())(state.params)["stages"]), rows)
     copies = [rows[s, sl.offset:sl.offset + sl.size] for s in with_emb
               for p, sl in zip(program.cut.params[s], program.param_slots[s]) if p == emb]
     np.testing.assert_array_equal(copies[0], copies[1])

@@ -8,7 +8,8 @@ gathers each stage's leaves into one row of a flat `[stages, width]` buffer shar
 mesh's `stage` axis, so while computing a device holds only its stage's weights; the gradient in
 the caller's layout is the transpose of that gather, which sums the rows of every stage that reads
 a leaf (tied parameters: one copy, the gradients of all its readers summed, like Megatron's
-embedding group). Inside `shard_map`, a `lax.scan` over the schedule's ticks runs, on every
+embedding group). `gather_rows` / `scatter_grads` do both with explicit collectives
+(whalex/lowering/stage_rows.py). Inside `shard_map`, a `lax.scan` over the schedule's ticks runs, on every
 device, `lax.switch` to its stage's forward or backward (recomputing the forward from the stashed
 stage input), then `ppermute`s activations to the next stage and gradients to the previous one.
 Only the stage inputs are stashed, in `schedule.slots` buffers: S for 1F1B, M for GPipe. Values
@@ -198,9 +199,9 @@ class PipelineProgram(Emitter):
         return max([_layout(b)[1] for b in self.cut.boundaries] + [1])
 
     def pack_params(self, params):
-        """The caller's parameters gathered into the `[stages, width]` rows the stage functions read
-        (a tied leaf copied into every row that reads it). Linear: its transpose maps row gradients
-        back to the caller's pytree, summing the copies."""
+        """The caller's parameters in the `[stages, width]` rows the stage functions read (a tied leaf
+        copied into every row that reads it), in plain jnp: what `gather_rows` computes with explicit
+        collectives inside the step, and its definition (tests compare them)."""
         leaves = jax.tree.leaves(params)
         rows = []
         for ps in self.cut.params:
@@ -227,10 +228,10 @@ class PipelineProgram(Emitter):
         """spread params (the caller's pytree) -> {"stages": [stages, width]} rows sharded over `stage`:
         `pack_params` with explicit all-gathers."""
         dims, cut, slots = self._spread_dims(), self.cut.params, self.param_slots
-        W, dtype = self.param_width, self.param_dtype
+        W, dtype, shapes = self.param_width, self.param_dtype, jax.tree.leaves(self.param_shapes())
 
         def body(*leaves):
-            return {"stages": stage_rows.gather_row(leaves, dims, cut, slots, W, dtype, (STAGE, DATA))}
+            return {"stages": stage_rows.gather_row(leaves, dims, cut, slots, shapes, W, dtype, (STAGE, DATA))}
 
         fn = jax.shard_map(body, mesh=self.mesh, in_specs=tuple(self.param_spec_list()),
                            out_specs={"stages": P(STAGE)}, check_vma=False)

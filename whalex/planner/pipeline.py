@@ -84,12 +84,14 @@ def pipeline_plan(req: Request, full, stage_of_eqn, per_stage) -> Plan:
                    for d in plan_memory(program, cluster.specs[: layout.size], float(stash)))
     comms = []
     level = mem.zero_level
-    n = layout.size
-    for s in range(num_stages):
-        comms.append(Comm(s, "all-gather", (DATA, STAGE), (n - 1) / n * grad_bytes,
-                          "stage parameters gathered from the state spread over every device"))
-        comms.append(Comm(s, "reduce-scatter", (DATA, STAGE), (n - 1) / n * grad_bytes,
-                          "stage gradients to the spread state (tied parameters summed over their stages)"))
+    total = sum(int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize for v in invars[:cap.num_params])
+    for s in range(num_stages):          # whalex/lowering/stage_rows.py: the state spread over every device
+        comms.append(Comm(s, "all-gather", (DATA,), (dp - 1) / dp * total / num_stages,
+                          "1/stages of every stored parameter over the replicas"))
+        comms.append(Comm(s, "all-to-all", (STAGE,), (num_stages - 1) / num_stages * grad_bytes,
+                          "the stage's parameter blocks to it"))
+        comms.append(Comm(s, "all-to-all", (STAGE,), (num_stages - 1) / num_stages * grad_bytes,
+                          "its gradient blocks back to the spread state (tied parameters summed over their stages)"))
         if dp > 1 and level >= 2:
             comms.append(Comm(s, "reduce-scatter", (DATA,), (dp - 1) / dp * grad_bytes,
                               f"gradient sync over replicas (zero {level})"))
