@@ -93,6 +93,7 @@ OPTIMIZERS = {
     # min_dim_size_to_factor=8: the tiny matrices are really factored (row and column statistics)
     "adafactor": (lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8), "1f1b"),
     "lamb": (lambda: optax.lamb(1e-2), "gpipe"),
+    "lars": (lambda: optax.lars(1.0), "1f1b"),           # per-leaf trust ratios (0.001 * |p| / |g|)
     "multi_transform": (lambda: optax.multi_transform({"emb": optax.adam(3e-2, eps=1e-4),
                                                        "rest": optax.sgd(1e-2)}, _emb_label), "1f1b"),
     "adamw_mask": (lambda: optax.adamw(1e-2, eps=1e-4, weight_decay=0.5,
