@@ -112,6 +112,7 @@ def test_any_optax_transformation_trains_a_4_stage_pipeline_exactly(name):
     if name == "adafactor":        # factored statistics of a caller-shaped leaf, not of a packed buffer
         factored = state.opt_state[0]
         assert factored.v_row["b0"]["w1"].size > 1 and factored.v["b0"]["w1"].shape == (1,)
+        assert not factored.v_row["emb"].sharding.is_fully_replicated      # spread like the parameters
 
 
 def test_tied_embedding_across_the_first_and_last_stage():

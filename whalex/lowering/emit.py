@@ -151,6 +151,10 @@ class Emitter:
         return jax.tree.unflatten(jax.tree.structure(self.param_shapes()),
                                   [NamedSharding(self.mesh, s) for s in specs])
 
+    def opt_state_spec_tree(self, param_specs):
+        """PartitionSpecs of the optimizer state: parts shaped like the parameters follow `param_specs`."""
+        return opt_state_specs(self.optimizer, self.param_shapes(), param_specs)[0]
+
     def _compute_param_shardings(self):
         """Where the stored parameters live while the step computes (ZeRO 3: sharded)."""
         return self._param_named(self.zero_specs()) if self.memory_options.zero_level >= 3 else self.param_shardings
@@ -162,7 +166,7 @@ class Emitter:
         params = self._compute_param_shardings()
         opt = None
         if self.optimizer is not None:
-            specs, _ = opt_state_specs(self.optimizer, self.param_shapes(), zspecs if level >= 1 else self.param_spec_list())
+            specs = self.opt_state_spec_tree(zspecs if level >= 1 else self.param_spec_list())
             opt = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
         rep = NamedSharding(self.mesh, P())
         cap = getattr(self, "captured", None)

@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from whalex import _compat as C
 from whalex.core import part_loss as parts_lib
 from whalex.core.capture import Captured
+from whalex.core.shardings import opt_state_specs
 from whalex.core.interpret import apply_eqn, make_evaluator
 from whalex.errors import PlanError
 from whalex.lowering import stage_rows
@@ -254,6 +255,13 @@ class PipelineProgram(Emitter):
     @functools.cached_property
     def param_shardings(self):
         return self._param_named(self.param_spec_list())
+
+    def opt_state_spec_tree(self, param_specs):
+        """Parts shaped like the parameters follow `param_specs`; every other leaf (adafactor's factored
+        statistics, masked or multi_transform inner states) is spread by its own shape too."""
+        specs, shapes = opt_state_specs(self.optimizer, self.param_shapes(), param_specs)
+        spread = lambda s, x: stage_rows.spread(x.shape, self.mesh.size, (STAGE, DATA)) if s == P() else s  # noqa: E731
+        return jax.tree.map(spread, specs, shapes, is_leaf=lambda x: isinstance(x, P))
 
     @functools.cached_property
     def row_specs(self) -> tuple[P, P]:
