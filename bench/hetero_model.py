@@ -34,8 +34,8 @@ Models (Flax linen, real sizes, all planned at full depth)
     T5-Large: 24 encoder + 24 decoder pre-RMSNorm blocks, d=1024, 16 heads x 64, FF 4096 (ReLU),
         vocab 32128, relative position bias computed once per stack (32 buckets) and passed to
         every block as in T5. Simplification: the encoder embedding, decoder embedding and LM
-        head are untied (+66M parameters, 803M instead of 738M): a parameter used by two pipeline
-        stages is refused by whalex ("each parameter must belong to one stage").
+        head are untied (+66M parameters, 803M instead of 738M): these figures were measured when
+        whalex refused a parameter used by two pipeline stages (tied weights work since issue 13).
 
 The predictions
     Data parallelism: ``plan.balance.predicted_speedup`` = even compute time / balanced compute

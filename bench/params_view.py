@@ -71,7 +71,9 @@ def main():
     pipe = wh.parallelize(loss_fn, optax.adam(1e-3),
                           config=wh.Config(num_micro_batch=4, auto_parallel=True, num_task_graph=2))
     pstate = pipe.init(params, batch)
-    assert set(pstate.stored_params) == {"stages"}, "the pipeline should store packed stage buffers"
+    if pstate.view is None:
+        raise SystemExit("pipelines store the caller's pytree since issue 13 (no stage buffers to unpack): "
+                         "nothing to measure; bench/results/params_view.json keeps the figures of the packed storage.")
     placed = pipe.plan.place_batch(batch)
     prog = pipe.plan.program
 

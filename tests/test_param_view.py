@@ -1,5 +1,6 @@
 """Issue 11, Build 3: `state.params` reads as the caller's pytree under every plan; plans with their
-own storage (pipeline stage buffers, padded uneven head shards) unpack on read and pack on replace."""
+own storage (padded uneven head shards) unpack on read and pack on replace. Pipelines store the
+caller's pytree itself (spread over every device) and pack stage rows inside the step."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,7 +33,7 @@ def test_pipeline_params_read_as_the_callers_pytree(config):
     params, batch = _plain()
     step = wh.parallelize(_two_stage, SGD, config=config)
     state = step.init(params, batch)
-    assert set(state.stored_params) == {"stages"} and state.view.layout == "pipeline stage buffers"
+    assert state.view is None                  # stored as the caller's pytree, spread over every device
     assert jax.tree.structure(state.params) == jax.tree.structure(params)
     assert _shapes(state.params) == _shapes(params)
     jax.tree.map(np.testing.assert_array_equal, state.params, params)       # unpacking is exact
@@ -50,8 +51,7 @@ def test_replace_params_packs_a_callers_pytree_and_training_goes_on_from_it():
     state = step.init(params, batch)
     other, _ = _plain(seed=1)
     state = state.replace(params=other)               # e.g. weights loaded from elsewhere
-    assert set(state.stored_params) == {"stages"}
-    assert state.stored_params["stages"].sharding == step.plan.program.param_shardings["stages"]
+    assert state.view is None
     jax.tree.map(np.testing.assert_array_equal, state.params, other)
     state, losses = _train(step, state, [batch] * 2)
     ref_losses, ref = reference_train(_two_stage, other, batch, SGD, 2)
@@ -86,10 +86,10 @@ def test_padded_uneven_head_reads_unpadded_and_a_new_batch_size_relays_out_the_s
 
 
 def test_a_state_from_another_step_is_a_clear_error():
-    params, batch = _plain()
-    config = wh.Config(num_micro_batch=4)
-    state = wh.parallelize(_two_stage, SGD, config=config).init(params, batch)
-    step = wh.parallelize(_two_stage, SGD, config=config)
+    loss_fn, params, batch = _head_model()
+    cluster = wh.Cluster(kinds=HETERO)
+    state = wh.parallelize(loss_fn, SGD, cluster=cluster).init(params, batch)
+    step = wh.parallelize(loss_fn, SGD, cluster=cluster)
     step.init(params, batch)
-    with pytest.raises(wh.PlanError, match="made by another step.*pipeline stage buffers.*CheckpointManager"):
+    with pytest.raises(wh.PlanError, match="made by another step.*padded uneven shards.*CheckpointManager"):
         step(state, batch)

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import whalex as wh
 from conftest import adam, assert_matches, rel_err, reference_train
@@ -54,9 +55,12 @@ def test_two_stage_pipeline_with_nested_dp(schedule):
     plan = step.plan
     assert plan.schedule.name == schedule and plan.layout.axis_sizes == (4, 2)      # 4 pipeline replicas
     assert [vd.groups for vd in plan.virtual_devices] == [((0,), (2,), (4,), (6,)), ((1,), (3,), (5,), (7,))]
-    # each device holds only its stage's parameters
-    packed = state.stored_params["stages"]
-    assert packed.shape[0] == 2 and {s.data.shape[0] for s in packed.addressable_shards} == {1}
+    # the state is stored in the caller's pytree, each leaf spread over every device; each step gathers
+    # a device's stage parameters into its row of the [stages, width] buffer
+    w1 = state.params["w1"]
+    assert len(w1.sharding.device_set) == 8 and {s.data.size for s in w1.addressable_shards} == {w1.size // 8}
+    rows = jax.eval_shape(plan.program.pack_params, state.params)["stages"]
+    assert rows.shape == (2, plan.program.param_width) and plan.program.row_specs[0] == P("stage")
     assert "bubble" in plan.summary()
 
 

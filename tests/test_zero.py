@@ -62,15 +62,15 @@ def test_hybrid_plan_shards_the_backbone_over_its_batch_axis(level):
 
 @pytest.mark.parametrize("level", [1, 2, 3])
 def test_pipeline_plan_matches_single_device(level):
-    """2 stages x 4 replicas: the packed stage row is split over `data` (padded to a multiple of 4)."""
+    """2 stages x 4 replicas: the state is spread over every device already; levels 2 and 3 also split
+    the packed stage rows over `data` (padded to a multiple of 4) while computing."""
     params, batch = _plain()
     step, state = _compare(_two_stage, params, batch, wh.Config(num_micro_batch=4, zero_level=level))
-    mu = state.opt_state[0].mu["stages"]
-    width = step.plan.program.param_width
-    assert width % 4 == 0 and mu.sharding.spec == P("stage", "data")
-    assert {s.data.shape for s in mu.addressable_shards} == {(1, width // 4)}
-    stored = state.stored_params["stages"]
-    assert {s.data.shape for s in stored.addressable_shards} == {(1, width // 4 if level == 3 else width)}
+    mu = state.opt_state[0].mu["w2"]
+    assert {s.data.size for s in mu.addressable_shards} == {mu.size // 8}
+    program = step.plan.program
+    assert program.param_width % 4 == 0
+    assert program.row_specs == (P("stage"), P("stage", "data"))        # the row split used at levels 2 and 3
 
 
 @pytest.mark.parametrize("level", [1, 2, 3])
@@ -110,7 +110,7 @@ def test_hlo_reduce_scatters_gradients_at_zero_2_and_3():
     assert ops[2]["reduce-scatter"] == 6 and ops[3]["reduce-scatter"] == 6       # one per parameter leaf
     assert ops[1]["all-gather"] == 6                                              # new params after the update
     pipe = wh.plan(_two_stage, *_plain(), adam(), config=wh.Config(num_micro_batch=4, zero_level=2))
-    assert _ops(pipe).get("reduce-scatter") == 1                                  # the packed stage gradient
+    assert _ops(pipe).get("reduce-scatter", 0) >= 1                               # the packed stage gradient
     het = wh.plan(loss_fn, params, batch, adam(), config=wh.Config(zero_level=3), cluster=wh.Cluster(kinds=HETERO))
     assert _ops(het).get("reduce-scatter") == 6
 

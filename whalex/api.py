@@ -141,7 +141,7 @@ class Step:
         """Register `state`, placed per the plan made for the caller's `params` (its stored params may be
         packed, so the step finds the plan under their shapes too), and return it."""
         caller = self._key(params, example_batch)
-        key = self._key(state.stored_params, example_batch)       # pipelines carry packed parameters
+        key = self._key(state.stored_params, example_batch)       # padded uneven heads store their own layout
         self._plans[key] = self._plans[caller]
         self._jitted[key] = self._jitted[caller]
         self._last_call = None
@@ -200,7 +200,7 @@ class Step:
         return p.program.place_caller_state(old.program.caller_state(state), rng=state.rng)
 
     def params(self, state: TrainState):
-        """The parameters of `state` as the caller's pytree (unpacks pipeline stage buffers)."""
+        """The parameters of `state` as the caller's pytree (unpacks padded uneven shards)."""
         return state.params
 
     def model(self, state: TrainState):

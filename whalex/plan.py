@@ -201,8 +201,10 @@ class Plan:
         lines += self._host_lines()
         level = self.config.zero_level
         if level and not any(x.by.startswith("zero") for x in shares):
-            lines.append(f"zero {level}: nothing to shard (no parameter has a data-parallel axis of more than one "
-                         "device and a dimension it divides)")
+            why = ("the pipeline already stores parameters and optimizer state spread over every device"
+                   if self.schedule is not None else
+                   "no parameter has a data-parallel axis of more than one device and a dimension it divides")
+            lines.append(f"zero {level}: nothing to shard ({why})")
         return lines
 
     def _host_lines(self) -> list[str]:

@@ -10,13 +10,12 @@ import jax
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ParamView:
-    """How a plan that stores the parameters in its own layout (pipeline stage buffers, padded uneven
-    shards) reads and writes them as the caller's pytree. Compared by identity: a state carries its
+    """How a plan that stores the parameters in its own layout (padded uneven shards) reads and writes them as the caller's pytree. Compared by identity: a state carries its
     plan's view as static pytree data, so jit caches and sharding trees match it exactly."""
 
     unpack: Callable     # stored layout -> the caller's pytree
     pack: Callable       # the caller's pytree -> stored layout, placed per the plan
-    layout: str          # what the storage is, for messages ("pipeline stage buffers", ...)
+    layout: str          # what the storage is, for messages ("padded uneven shards", ...)
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -32,7 +31,7 @@ class TrainState:
     keeps them in `stored_params` and unpacks on read (one jitted call; `view` says how);
     `state.replace(params=tree)` packs a caller pytree back."""
 
-    stored_params: Any           # the parameters as the step takes them (packed / padded where `view` is set)
+    stored_params: Any           # the parameters as the step takes them (padded where `view` is set)
     opt_state: Any
     step: jax.Array
     loss_scale: Any = None       # amp="fp16": whalex.memory.precision.LossScale (scale, finite steps)

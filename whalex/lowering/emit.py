@@ -36,8 +36,9 @@ def map_param_trees(tree, param_shapes, fn: Callable):
     return jax.tree.map(lambda x: fn(x) if is_param_tree(x) else x, tree, is_leaf=is_param_tree)
 
 
-def _spread(shape, mesh) -> P:
-    """A spec putting 1/n of a leaf on each of the mesh's n devices: its largest dimension n divides."""
+def spread_spec(shape, mesh) -> P:
+    """A spec putting 1/n of a leaf on each of the mesh's n devices: its largest dimension n divides
+    (replicated when none does)."""
     dims = [d for d in range(len(shape)) if shape[d] % mesh.size == 0]
     if not dims:
         return P()
@@ -48,8 +49,8 @@ def _spread(shape, mesh) -> P:
 def _relayout(opt_state, expected):
     """`opt_state` (per-parameter subtrees converted) in the structure of `expected`, or a PlanError."""
     if not param_tree_test(expected)(opt_state):
-        raise PlanError("this plan stores the parameters in its own layout (pipeline stage buffers or padded "
-                        "uneven shards) and the optimizer state has parts that are not per-parameter subtrees "
+        raise PlanError("this plan stores the parameters in its own layout (padded uneven shards) and the "
+                        "optimizer state has parts that are not per-parameter subtrees "
                         "(e.g. adafactor's factored statistics), so it has no plan-independent form; checkpoint "
                         "under a plan without packing, or use a per-parameter optimizer (adam, sgd, ...).")
     return jax.tree.unflatten(jax.tree.structure(expected), jax.tree.leaves(opt_state))
@@ -122,8 +123,9 @@ class Emitter:
         read = lambda p: self.unpack_params(offload.fetch(p, compute) if offloaded else p)  # noqa: E731
         # each caller leaf spread over every device (its largest divisible dimension): one copy of the
         # parameters in all, and 2.9x faster to produce than replicated leaves (bench/params_view.py)
-        unpack = jax.jit(read, out_shardings=jax.tree.map(lambda s: NamedSharding(self.mesh, _spread(s.shape, self.mesh)),
-                                                          jax.eval_shape(self.unpack_params, self.param_shapes())))
+        spread = lambda s: NamedSharding(self.mesh, spread_spec(s.shape, self.mesh))  # noqa: E731
+        unpack = jax.jit(read, out_shardings=jax.tree.map(spread, jax.eval_shape(self.unpack_params,
+                                                                                 self.param_shapes())))
         pack = jax.jit(self.prepare_params, out_shardings=compute)
 
         def pack_placed(params):
@@ -149,6 +151,10 @@ class Emitter:
         return jax.tree.unflatten(jax.tree.structure(self.param_shapes()),
                                   [NamedSharding(self.mesh, s) for s in specs])
 
+    def opt_state_spec_tree(self, param_specs):
+        """PartitionSpecs of the optimizer state: parts shaped like the parameters follow `param_specs`."""
+        return opt_state_specs(self.optimizer, self.param_shapes(), param_specs)[0]
+
     def _compute_param_shardings(self):
         """Where the stored parameters live while the step computes (ZeRO 3: sharded)."""
         return self._param_named(self.zero_specs()) if self.memory_options.zero_level >= 3 else self.param_shardings
@@ -160,7 +166,7 @@ class Emitter:
         params = self._compute_param_shardings()
         opt = None
         if self.optimizer is not None:
-            specs, _ = opt_state_specs(self.optimizer, self.param_shapes(), zspecs if level >= 1 else self.param_spec_list())
+            specs = self.opt_state_spec_tree(zspecs if level >= 1 else self.param_spec_list())
             opt = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
         rep = NamedSharding(self.mesh, P())
         cap = getattr(self, "captured", None)
@@ -334,8 +340,8 @@ class Emitter:
 
     def caller_state(self, state: TrainState) -> dict:
         """The state in the caller's layout, what a checkpoint holds: {'params', 'opt_state', 'step'} and
-        'model_state' / 'rng' (key data) / 'loss_scale' where present. Internal layouts (pipeline packing,
-        padded uneven heads) are undone; ZeRO shards and offloaded arrays are just placed arrays."""
+        'model_state' / 'rng' (key data) / 'loss_scale' where present. Internal layouts (padded
+        uneven heads) are undone; ZeRO shards and offloaded arrays are just placed arrays."""
         params, opt_state = state.stored_params, state.opt_state
         if self.param_layout() is not None:
             compute = self.compute_shardings()           # undo the layout in device memory (offload: fetch)

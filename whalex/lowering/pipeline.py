@@ -1,15 +1,21 @@
 """Pipeline parallelism in one SPMD program (Whale sections 3.1.2 and 4).
 
 Stages are TaskGraphs in order. The captured loss (traced at micro-batch size) is cut into stage
-functions; each stage's parameters are packed into one row of a flat `[stages, max_params]`
-buffer sharded over the mesh's `stage` axis, so a device holds only its stage's weights (and
-Adam moments). Each stage device receives only the batch leaves its stage reads
-(`whalex.lowering.stage_batch`). Inside `shard_map`, a `lax.scan` over the schedule's ticks runs, on every device,
-`lax.switch` to its stage's forward or backward (recomputing the forward from the stashed stage
-input), then `ppermute`s activations to the next stage and gradients to the previous one. Only the
-stage inputs are stashed, in `schedule.slots` buffers: S for 1F1B, M for GPipe. Values that skip
-a stage are forwarded through it. Gradients are summed over micro-batches in the loop and over
-data-parallel replicas (`psum` over `data`) after it; no collective runs inside a branch.
+functions. The parameters and the optimizer state are stored in the caller's pytree, each leaf
+spread over every device of the mesh, and the optax update runs there under GSPMD: exact for any
+GradientTransformation (factored, masked, multi_transform, global norms). Each step `pack_params`
+gathers each stage's leaves into one row of a flat `[stages, width]` buffer sharded over the
+mesh's `stage` axis, so while computing a device holds only its stage's weights; the gradient in
+the caller's layout is the transpose of that gather, which sums the rows of every stage that reads
+a leaf (tied parameters: one copy, the gradients of all its readers summed, like Megatron's
+embedding group). `gather_rows` / `scatter_grads` do both with explicit collectives
+(whalex/lowering/stage_rows.py). Each stage device receives only the batch leaves its stage reads
+(`whalex.lowering.stage_batch`). Inside `shard_map`, a `lax.scan` over the schedule's ticks runs, on
+every device, `lax.switch` to its stage's forward or backward (recomputing the forward from the
+stashed stage input), then `ppermute`s activations to the next stage and gradients to the previous
+one. Only the stage inputs are stashed, in `schedule.slots` buffers: S for 1F1B, M for GPipe. Values
+that skip a stage are forwarded through it. Gradients are summed over micro-batches in the loop and
+over data-parallel replicas (`psum` over `data`) after it; no collective runs inside a branch.
 
 The last stage returns the loss contract's part outputs for each micro-batch
 (`whalex.core.part_loss`): sums, maxima and minima over the batch are combined over micro-batches
@@ -31,8 +37,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from whalex import _compat as C
 from whalex.core import part_loss as parts_lib
 from whalex.core.capture import Captured
+from whalex.core.shardings import opt_state_specs
 from whalex.core.interpret import apply_eqn, make_evaluator
 from whalex.errors import PlanError
+from whalex.lowering import stage_rows
 from whalex.lowering.emit import Emitter
 from whalex.lowering import stage_batch
 from whalex.lowering.schedules import Schedule
@@ -60,7 +68,7 @@ class StageCut:
     """The captured loss cut into stages: equations, parameters, and what crosses each boundary."""
 
     eqns: tuple[tuple[int, ...], ...]          # top-level equation indices per stage
-    params: tuple[tuple[int, ...], ...]        # parameter leaves per stage
+    params: tuple[tuple[int, ...], ...]        # parameter leaves per stage (a tied leaf in each stage reading it)
     boundaries: tuple[tuple[Any, ...], ...]    # vars sent from stage k to k+1, k < S-1
 
     @property
@@ -69,7 +77,8 @@ class StageCut:
 
 
 def cut_stages(cap: Captured, stage_of_eqn: Sequence[int], num_stages: int) -> StageCut:
-    """Group top-level equations into stages and find the values each boundary must carry."""
+    """Group top-level equations into stages and find the values each boundary must carry. A
+    parameter read by several stages (tied weights) is listed in each of them."""
     jaxpr = cap.jaxpr.jaxpr
     n = cap.num_params
     eqns = [[] for _ in range(num_stages)]
@@ -95,16 +104,8 @@ def cut_stages(cap: Captured, stage_of_eqn: Sequence[int], num_stages: int) -> S
     for v in jaxpr.outvars:
         if not isinstance(v, C.Literal) and v in produced_at:
             last_use[v] = num_stages
-    owners: dict[int, list[int]] = {}
-    for s, ps in enumerate(params):
-        for p in ps:
-            owners.setdefault(p, []).append(s)
-    for p, stages in owners.items():
-        if len(stages) > 1:
-            raise PlanError(
-                f"parameter {cap.param_paths[p]} is used by pipeline stages {stages}; each parameter must "
-                "belong to one stage (untie shared weights, or put their uses in one TaskGraph).")
-    unused = set(range(n)) - set(owners)
+    owners = {p for ps in params for p in ps}
+    unused = set(range(n)) - owners
     params[0] |= unused                       # unused parameters live on stage 0 with zero gradients
     boundaries = []
     for k in range(num_stages - 1):
@@ -206,6 +207,9 @@ class PipelineProgram(Emitter):
         return max([_layout(b)[1] for b in self.cut.boundaries] + [1])
 
     def pack_params(self, params):
+        """The caller's parameters in the `[stages, width]` rows the stage functions read (a tied leaf
+        copied into every row that reads it), in plain jnp: what `gather_rows` computes with explicit
+        collectives inside the step, and its definition (tests compare them)."""
         leaves = jax.tree.leaves(params)
         rows = []
         for ps in self.cut.params:
@@ -214,22 +218,67 @@ class PipelineProgram(Emitter):
             rows.append(jnp.pad(row, (0, self.param_width - row.shape[0])))
         return {"stages": jnp.stack(rows)}
 
-    def param_layout(self):
-        return "pipeline stage buffers"
-
-    def unpack_params(self, packed):
-        """The user's parameter pytree from the packed stage buffer."""
-        buf = packed["stages"]
-        leaves = [None] * self.captured.num_params
-        for s, (ps, slots) in enumerate(zip(self.cut.params, self.param_slots)):
-            for p, slot in zip(ps, slots):
-                leaves[p] = buf[s, slot.offset:slot.offset + slot.size].reshape(slot.shape)
-        return jax.tree.unflatten(self.captured.params_tree, leaves)
-
     # -- shardings ----------------------------------------------------------------------------
+    def param_shapes(self):
+        """The stored parameters: the caller's pytree."""
+        invars = self.captured.jaxpr.jaxpr.invars[: self.captured.num_params]
+        return jax.tree.unflatten(self.captured.params_tree,
+                                  [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in invars])
+
+    def param_spec_list(self):
+        """Each stored leaf spread over every device (its largest dimension the mesh size divides)."""
+        return [stage_rows.spread(s.shape, self.mesh.size, (STAGE, DATA)) for s in jax.tree.leaves(self.param_shapes())]
+
+    def _spread_dims(self):
+        return [stage_rows.spread_dim(s.shape, self.mesh.size) for s in jax.tree.leaves(self.param_shapes())]
+
+    def gather_rows(self):
+        """spread params (the caller's pytree) -> {"stages": [stages, width]} rows sharded over `stage`:
+        `pack_params` with explicit all-gathers."""
+        dims, cut, slots = self._spread_dims(), self.cut.params, self.param_slots
+        W, dtype, shapes = self.param_width, self.param_dtype, jax.tree.leaves(self.param_shapes())
+
+        def body(*leaves):
+            return {"stages": stage_rows.gather_row(leaves, dims, cut, slots, shapes, W, dtype, (STAGE, DATA))}
+
+        fn = jax.shard_map(body, mesh=self.mesh, in_specs=tuple(self.param_spec_list()),
+                           out_specs={"stages": P(STAGE)}, check_vma=False)
+        return lambda params: fn(*jax.tree.leaves(params))
+
+    def scatter_grads(self):
+        """{"stages": row gradients} (summed over the replicas) -> the caller-layout gradient, spread: the
+        transpose of `gather_rows` (a tied leaf's rows summed)."""
+        dims, cut, slots, dp = self._spread_dims(), self.cut.params, self.param_slots, self.data_parallel
+        shapes = jax.tree.leaves(self.param_shapes())
+        tree = self.captured.params_tree
+
+        def body(rows):
+            return tuple(stage_rows.scatter_grads(rows["stages"], dims, cut, slots, shapes, dp, (STAGE, DATA)))
+
+        fn = jax.shard_map(body, mesh=self.mesh, in_specs=({"stages": P(STAGE)},),
+                           out_specs=tuple(self.param_spec_list()), check_vma=False)
+        return lambda rows: jax.tree.unflatten(tree, list(fn(rows)))
+
     @functools.cached_property
     def param_shardings(self):
-        return {"stages": NamedSharding(self.mesh, P(STAGE))}
+        return self._param_named(self.param_spec_list())
+
+    def opt_state_spec_tree(self, param_specs):
+        """Parts shaped like the parameters follow `param_specs`; every other leaf (adafactor's factored
+        statistics, masked or multi_transform inner states) is spread by its own shape too."""
+        specs, shapes = opt_state_specs(self.optimizer, self.param_shapes(), param_specs)
+        spread = lambda s, x: stage_rows.spread(x.shape, self.mesh.size, (STAGE, DATA)) if s == P() else s  # noqa: E731
+        return jax.tree.map(spread, specs, shapes, is_leaf=lambda x: isinstance(x, P))
+
+    @functools.cached_property
+    def row_specs(self) -> tuple[P, P]:
+        """The packed rows' spec, and with ZeRO (levels 2 and 3) the same split over `data` too:
+        the stage gradient is reduce-scattered over the replicas, the stage row gathered in the body."""
+        opts = self.memory_options
+        if opts.zero_level == 0 or opts.zero_axes is None:
+            return P(STAGE), P(STAGE)
+        shape = (self.cut.num_stages, self.param_width)
+        return P(STAGE), zero_lib.shard_spec(P(STAGE), shape, (DATA,), dict(self.mesh.shape))
 
     @functools.cached_property
     def prepass_leaves(self) -> tuple[int, ...]:
@@ -254,9 +303,6 @@ class PipelineProgram(Emitter):
     @functools.cached_property
     def batch_shardings(self):
         return self.batch_layout.shardings(self.mesh, STAGE, DATA)
-
-    def packed_shapes(self):
-        return {"stages": jax.ShapeDtypeStruct((self.cut.num_stages, self.param_width), self.param_dtype)}
 
     def batch_shapes(self):
         return self.batch_layout.shapes()
@@ -440,7 +486,8 @@ class PipelineProgram(Emitter):
         param_avals = [v.aval for v in self.captured.jaxpr.jaxpr.invars[:n]]
 
         level = self.memory_options.zero_level
-        specs, zspecs = self.param_spec_list(), self.zero_specs()
+        spec, zspec = self.row_specs
+        specs, zspecs = [spec], [zspec]
 
         prec = self.precision
         scaled = prec is not None and prec.scaled
@@ -556,23 +603,15 @@ class PipelineProgram(Emitter):
     def has_aux(self) -> bool:
         return self.parts.whole.has_aux
 
-    def param_shapes(self):
-        return self.packed_shapes()
-
-    def param_spec_list(self):
-        return [P(STAGE)]
-
-    def prepare_params(self, params):
-        return self.pack_params(params)
-
     def value_and_grad(self):
         loss_and_grads = self.loss_and_grads()
-
         cap = self.parts.whole
+        gather, scatter = self.gather_rows(), self.scatter_grads()
 
         def vg(params, batch, extra=(), scale=None):
-            args = (params, batch.buffers, list(extra)) + ((scale,) if scale is not None else ())
-            outs, grads = loss_and_grads(*args)
+            args = (gather(params), batch.buffers, list(extra)) + ((scale,) if scale is not None else ())
+            outs, grad_rows = loss_and_grads(*args)
+            grads = scatter(grad_rows)
             if scale is not None:
                 grads = precision_lib.unscale(grads, scale)
             value, aux, new_state = cap.split_outputs(outs)

@@ -115,7 +115,7 @@ def plan_memory(program, device_specs, activations=0.0):
 
 def zero_sharded(program, paths) -> dict:
     """path -> (bytes per device as planned, ZeRO degree, ZeRO axes) for each stored leaf ZeRO
-    divides (the pipeline's one packed leaf is named `paths[0]`)."""
+    divides."""
     sizes = dict(program.mesh.shape)
     out = {}
     for path, shape, spec, zspec in zip(paths, jax.tree.leaves(program.param_shapes()), program.param_spec_list(),

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from whalex.balance.partition import layer_key, stage_devices
 from whalex.balance.profile import taskgraph_flops
@@ -50,7 +49,7 @@ def pipeline_plan(req: Request, full, stage_of_eqn, per_stage) -> Plan:
     grid = [[placement[s][r] for s in range(num_stages)] for r in range(dp)]
     ordered = [cluster.devices[i] for row in grid for i in row] if cluster.devices is not None else None
     mesh = layout.build(ordered)
-    mem = MemoryOptions.from_config(config, ((DATA,),))
+    mem = MemoryOptions.from_config(config, ((DATA,),) * cap.num_params)
     program = PipelineProgram(cap, cut, schedule, mesh, optimizer, cluster.platform, full.global_batch, dp, mem,
                               parts=parts)
     _ = program.param_dtype
@@ -75,17 +74,27 @@ def pipeline_plan(req: Request, full, stage_of_eqn, per_stage) -> Plan:
         infos.append(TaskGraphInfo(s, f"stage {s}: {labels[s]}", True, 1, groups[0], dp, len(cut.eqns[s]),
                                    sum(sizes), float(nbytes), flops[s], float(msg)))
     stash = (schedule.slots + schedule.grad_slots) * program.message_width * 4      # stashed stage inputs
-    memory = plan_memory(program, cluster.specs[: layout.size], float(stash))
-    comms = []
     grad_bytes = program.param_width * np.dtype(program.param_dtype).itemsize
+    # the state is stored spread over every device; while computing, a device also holds its stage's
+    # gathered parameter row and the row's gradient accumulator
+    memory = tuple(dataclasses.replace(d, params=d.params + grad_bytes, grads=d.grads + grad_bytes)
+                   for d in plan_memory(program, cluster.specs[: layout.size], float(stash)))
+    comms = []
     level = mem.zero_level
-    for s in range(num_stages):
+    total = sum(int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize for v in invars[:cap.num_params])
+    for s in range(num_stages):          # whalex/lowering/stage_rows.py: the state spread over every device
+        comms.append(Comm(s, "all-gather", (DATA,), (dp - 1) / dp * total / num_stages,
+                          "1/stages of every stored parameter over the replicas"))
+        comms.append(Comm(s, "all-to-all", (STAGE,), (num_stages - 1) / num_stages * grad_bytes,
+                          "the stage's parameter blocks to it"))
+        comms.append(Comm(s, "all-to-all", (STAGE,), (num_stages - 1) / num_stages * grad_bytes,
+                          "its gradient blocks back to the spread state (tied parameters summed over their stages)"))
         if dp > 1 and level >= 2:
             comms.append(Comm(s, "reduce-scatter", (DATA,), (dp - 1) / dp * grad_bytes,
                               f"gradient sync over replicas (zero {level})"))
         elif dp > 1:
             comms.append(Comm(s, "all-reduce", (DATA,), 2.0 * (dp - 1) / dp * grad_bytes, "gradient sync over replicas"))
-        if dp > 1 and level >= 1:
+        if dp > 1 and level >= 3:
             comms.append(Comm(s, "all-gather", (DATA,), (dp - 1) / dp * grad_bytes,
                               f"zero {level}: stage parameters over replicas"))
         sends = (s < num_stages - 1) + (s > 0)
@@ -96,7 +105,8 @@ def pipeline_plan(req: Request, full, stage_of_eqn, per_stage) -> Plan:
     infos = [dataclasses.replace(t, comm_bytes=sum(c.bytes for c in comms if c.taskgraph == t.index)) for t in infos]
     return Plan(cluster=cluster, config=config, layout=layout, task_graphs=tuple(infos), virtual_devices=tuple(vds),
                 batch_sizes=(full.global_batch // dp,) * layout.size, global_batch=full.global_batch,
-                param_specs={p: P(STAGE) for p in cap.param_paths}, patterns=(), comms=tuple(comms), memory=memory,
+                param_specs=dict(zip(cap.param_paths, program.param_spec_list())), patterns=(), comms=tuple(comms),
+                memory=memory,
                 program=program, schedule=schedule, batch_couplings=tuple(parts.sem.lines()),
                 stage_layers=tuple(stage_layer_names(full, stage_of_eqn, s) for s in range(num_stages)))
 
