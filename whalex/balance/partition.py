@@ -139,7 +139,7 @@ def partition(flops: Sequence[float], state_bytes: Sequence[float], input_bytes:
     starts, b = [], n
     for s in range(k, 0, -1):
         a = cut[s, b]
-        starts.append(a)
+        starts.append(int(a))
         b = a
     return starts[::-1]
 
