@@ -1,10 +1,12 @@
 """Automatic pipeline partitioning (Whale's `auto_parallel` + `num_task_graph`, Example 3).
 
-The model is cut into layers (contiguous top-level equations under one Flax module path, or runs
-that read a new parameter for plain functions); each layer's forward+backward FLOPs come from
-XLA's cost analysis and its memory from its parameter, gradient and optimizer-state bytes plus the
-activations its stage stashes. Contiguous layers are split into k stages minimising the slowest
-stage's time (FLOPs / device FLOP/s) with every stage under its device's memory.
+The model is cut into units (`balance.layers`: module paths at increasing depths, then single
+equations); each unit's forward+backward FLOPs come from XLA's cost analysis (identical repeated
+blocks measured once) and its memory from its parameter, gradient and optimizer-state bytes plus
+the activations its stage stashes. Contiguous units are split into k stages minimising the slowest
+stage's time (FLOPs / device FLOP/s) with every stage under its device's memory; among the cuts
+that reach that time, boundaries between blocks are preferred. The coarsest granularity whose best
+split is within `TOLERANCE` of the ideal (total time / total speed) is used.
 """
 from __future__ import annotations
 
@@ -15,9 +17,14 @@ import jax
 import numpy as np
 
 from whalex import _compat as C
-from whalex.balance.profile import taskgraph_flops
+from whalex.balance.layers import Unit, cut_penalties, granularities, layer_key, stage_names
+from whalex.balance.profile import FlopsCache, group_flops
 from whalex.errors import PlanError
-from whalex.primitives.scopes import PREFIX
+
+__all__ = ["AutoStages", "Layer", "auto_stages", "layer_key", "partition", "profile_layers", "stage_devices"]
+
+TOLERANCE = 0.10        # a granularity is fine enough when its slowest stage is within 10% of the ideal
+SLACK = 0.05            # otherwise: the coarsest within 5% of the best granularity found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,51 +36,30 @@ class Layer:
     input_bytes: float       # activations entering the layer (stashed per in-flight micro-batch)
 
 
-def layer_key(eqn) -> str | None:
-    parts = [p for p in str(eqn.source_info.name_stack).split("/") if p and not p.startswith(PREFIX)]
-    return "/".join(parts[:2]) if len(parts) >= 2 else None
+@dataclasses.dataclass(frozen=True)
+class AutoStages:
+    """What `auto_stages` decided: the stage of every top-level equation, the modules each stage
+    holds, the granularity cut ("depth 3": module paths three deep) and the predicted stage FLOPs."""
+
+    stage_of_eqn: tuple[int, ...]
+    layers: tuple[tuple[str, ...], ...]
+    granularity: str
+    flops: tuple[float, ...]
 
 
-def split_layers(cap) -> list[tuple[str, list[int]]]:
-    """Contiguous runs of top-level equations, one per layer."""
-    jaxpr = cap.jaxpr.jaxpr
-    params = set(jaxpr.invars[: cap.num_params])
-    units: list[tuple[str, list[int]]] = []
-    seen_keys: set = set()
-    for i, eqn in enumerate(jaxpr.eqns):
-        key = layer_key(eqn)
-        reads_param = any(not isinstance(v, C.Literal) and v in params for v in eqn.invars)
-        if key is not None:
-            new = not units or (key != units[-1][0] and key not in seen_keys)
-        else:
-            new = not units or (reads_param and units[-1][0].startswith("op") and
-                                any(not isinstance(v, C.Literal) and v in params
-                                    for j in units[-1][1] for v in jaxpr.eqns[j].invars))
-        if new:
-            units.append((key or f"op{i}", [i]))
-            if key:
-                seen_keys.add(key)
-        else:
-            units[-1][1].append(i)
-    return units
-
-
-def profile_layers(cap, optimizer=None) -> list[Layer]:
-    units = split_layers(cap)
-    assign = {(i,): u for u, (_, eqns) in enumerate(units) for i in eqns}
-    flops = taskgraph_flops(cap.jaxpr, assign, len(units))
+def profile_layers(cap, optimizer=None, units: Sequence[Unit] | None = None, cache: FlopsCache | None = None,
+                   opt_factor: float | None = None) -> list[Layer]:
+    """FLOPs and memory of each unit (default: the model's top-level layers)."""
+    units = units if units is not None else next(granularities(cap)).units
+    flops = group_flops(cap.jaxpr, [list(u.eqns) for u in units], cache)
     jaxpr = cap.jaxpr.jaxpr
     param_index = {v: k for k, v in enumerate(jaxpr.invars[: cap.num_params])}
-    opt_factor = _optimizer_factor(optimizer, cap)
-    produced = {}
-    for u, (_, eqns) in enumerate(units):
-        for i in eqns:
-            for v in jaxpr.eqns[i].outvars:
-                produced[v] = u
+    factor = _optimizer_factor(optimizer, cap) if opt_factor is None else opt_factor
+    produced = {v: u for u, unit in enumerate(units) for i in unit.eqns for v in jaxpr.eqns[i].outvars}
     layers = []
-    for u, (name, eqns) in enumerate(units):
+    for u, unit in enumerate(units):
         ps, ins = set(), set()
-        for i in eqns:
+        for i in unit.eqns:
             for v in jaxpr.eqns[i].invars:
                 if isinstance(v, C.Literal):
                     continue
@@ -82,7 +68,8 @@ def profile_layers(cap, optimizer=None) -> list[Layer]:
                 elif produced.get(v, u) < u:
                     ins.add(v)
         pbytes = sum(_nbytes(v) for v in ps)
-        layers.append(Layer(name, tuple(eqns), flops[u], pbytes * (2 + opt_factor), sum(_nbytes(v) for v in ins)))
+        layers.append(Layer("/".join(unit.key) or f"op{unit.eqns[0]}", unit.eqns, flops[u],
+                            pbytes * (2 + factor), sum(_nbytes(v) for v in ins)))
     return layers
 
 
@@ -103,13 +90,15 @@ def _optimizer_factor(optimizer, cap) -> float:
 
 
 def partition(flops: Sequence[float], state_bytes: Sequence[float], input_bytes: Sequence[float],
-              speeds: Sequence[float], capacities: Sequence[float], micro_batch_in_flight=None) -> list[int]:
+              speeds: Sequence[float], capacities: Sequence[float], micro_batch_in_flight=None,
+              penalties: Sequence[float] | None = None) -> list[int]:
     """Split layers 0..n-1 into len(speeds) contiguous non-empty stages.
 
     Minimises the slowest stage's time sum(flops)/speed, subject to each stage's memory
     (state bytes of its layers + its input activations x micro-batches in flight) fitting its
-    device's capacity. Returns the first layer index of each stage. Pure; raises PlanError if no
-    split fits.
+    device's capacity. With `penalties[a]` (the cost of a boundary before layer a), the split with
+    the least total penalty among those reaching that time. Returns the first layer index of each
+    stage. Pure; raises PlanError if no split fits.
     """
     n, k = len(flops), len(speeds)
     if k > n:
@@ -117,35 +106,40 @@ def partition(flops: Sequence[float], state_bytes: Sequence[float], input_bytes:
     in_flight = micro_batch_in_flight or [k - s for s in range(k)]
     pf = np.concatenate([[0.0], np.cumsum(flops)])
     pm = np.concatenate([[0.0], np.cumsum(state_bytes)])
-    inf = float("inf")
+    inb = np.asarray(input_bytes, dtype=float)
 
-    def stage_cost(s, a, b):          # layers a..b-1 on stage s
-        mem = pm[b] - pm[a] + input_bytes[a] * in_flight[s]
-        if mem > capacities[s]:
-            return inf
-        return (pf[b] - pf[a]) / speeds[s]
+    def stage_cost(s, a, b):          # layers a..b-1 on stage s, for an array of starts a
+        mem = pm[b] - pm[a] + inb[a] * in_flight[s]
+        return np.where(mem > capacities[s], np.inf, (pf[b] - pf[a]) / speeds[s])
 
-    best = np.full((k + 1, n + 1), inf)
-    cut = np.zeros((k + 1, n + 1), dtype=int)
-    best[0, 0] = 0.0
-    for s in range(1, k + 1):
-        for b in range(s, n - (k - s) + 1):
-            for a in range(s - 1, b):
-                if best[s - 1, a] == inf:
-                    continue
-                c = max(best[s - 1, a], stage_cost(s - 1, a, b))
-                if c < best[s, b]:
-                    best[s, b], cut[s, b] = c, a
-    if best[k, n] == inf:
-        worst = max(range(n), key=lambda i: state_bytes[i])
+    def solve(combine):
+        best = np.full((k + 1, n + 1), np.inf)
+        cut = np.zeros((k + 1, n + 1), dtype=int)
+        best[0, 0] = 0.0
+        for s in range(1, k + 1):
+            for b in range(s, n - (k - s) + 1):
+                a = np.arange(s - 1, b)
+                c = combine(best[s - 1, a], stage_cost(s - 1, a, b), a)
+                j = int(np.argmin(c))        # the first minimum: the earliest cut, as a loop would find
+                if c[j] < np.inf:
+                    best[s, b], cut[s, b] = c[j], a[j]
+        return best[k, n], cut
+
+    worst, cut = solve(lambda prev, cost, a: np.maximum(prev, cost))
+    if worst == np.inf:
+        big = max(range(n), key=lambda i: state_bytes[i])
         raise PlanError(
             f"no split of the model into {k} stages fits the devices' memory (largest layer needs "
-            f"{state_bytes[worst] / 2**30:.2f} GiB of state); use more stages, devices with more memory, or "
+            f"{state_bytes[big] / 2**30:.2f} GiB of state); use more stages, devices with more memory, or "
             "ZeRO/offload.")
+    if penalties is not None:
+        bound = worst * (1 + 1e-9)
+        pen = np.asarray(penalties, dtype=float)
+        _, cut = solve(lambda prev, cost, a: np.where(cost <= bound, prev + pen[a], np.inf))
     starts, b = [], n
     for s in range(k, 0, -1):
         a = cut[s, b]
-        starts.append(a)
+        starts.append(int(a))
         b = a
     return starts[::-1]
 
@@ -167,26 +161,43 @@ def stage_devices(cluster, num_stages: int, hardware_aware: bool = True) -> list
 
 
 def auto_stages(cap, num_stages: int, cluster, optimizer=None, micro_fraction: float = 1.0,
-                in_flight: Sequence[int] | None = None, hardware_aware: bool = True) -> list[int]:
-    """Stage index of every top-level equation for `num_stages` balanced stages.
+                in_flight: Sequence[int] | None = None, hardware_aware: bool = True) -> AutoStages:
+    """Balanced stages for `num_stages` devices per pipeline replica.
 
-    `micro_fraction` scales the captured (global-batch) activations to one device's micro-batch;
-    `in_flight[s]` is how many micro-batches stage s stashes under the schedule.
+    Granularities are tried coarse to fine (`balance.layers.granularities`) and the first whose
+    best split has its slowest stage within `TOLERANCE` of the ideal is used; if none is, the
+    coarsest within `SLACK` of the best one found. `micro_fraction` scales the captured
+    (global-batch) activations to one device's micro-batch; `in_flight[s]` is how many
+    micro-batches stage s stashes under the schedule.
     """
     if num_stages < 2:
         raise PlanError("auto_parallel needs num_task_graph >= 2 stages; set Config(num_task_graph=k).")
-    layers = profile_layers(cap, optimizer)
     placement = stage_devices(cluster, num_stages, hardware_aware)
-    speeds = [min(cluster.speeds[i] for i in devs) for devs in placement]
-    caps = [min(cluster.specs[i].memory_bytes for i in devs) for devs in placement]
-    if not hardware_aware:
-        speeds = [1.0] * num_stages
-    starts = partition([l.flops for l in layers], [l.state_bytes for l in layers],
-                       [l.input_bytes * micro_fraction for l in layers], speeds,
-                       [float(c) for c in caps], in_flight)
-    stage_of_layer = np.searchsorted(np.asarray(starts), np.arange(len(layers)), side="right") - 1
+    speeds = [min(cluster.speeds[i] for i in devs) for devs in placement] if hardware_aware else [1.0] * num_stages
+    caps = [float(min(cluster.specs[i].memory_bytes for i in devs)) for devs in placement]
+    cache, factor = FlopsCache(), _optimizer_factor(optimizer, cap)
+    tried, error = [], None
+    for gran in granularities(cap):
+        layers = profile_layers(cap, units=gran.units, cache=cache, opt_factor=factor)
+        flops = [l.flops for l in layers]
+        try:
+            starts = partition(flops, [l.state_bytes for l in layers], [l.input_bytes * micro_fraction for l in layers],
+                               speeds, caps, in_flight, cut_penalties(cap, gran.units) if gran.fine else None)
+        except PlanError as e:
+            error = e                       # the finest granularity's reason, if none fits
+            continue
+        stage_flops = np.add.reduceat(np.asarray(flops, dtype=float), starts)
+        slowest = float(np.max(stage_flops / np.asarray(speeds)))
+        tried.append((slowest, gran, starts, tuple(float(f) for f in stage_flops)))
+        if slowest <= (1 + TOLERANCE) * sum(flops) / sum(speeds):
+            break
+    if not tried:
+        raise error
+    best = min(t[0] for t in tried)
+    _, gran, starts, stage_flops = next(t for t in tried if t[0] <= (1 + SLACK) * best)
+    stage_of_unit = np.searchsorted(np.asarray(starts), np.arange(len(gran.units)), side="right") - 1
     out = [0] * len(cap.jaxpr.jaxpr.eqns)
-    for l, layer in enumerate(layers):
-        for i in layer.eqns:
-            out[i] = int(stage_of_layer[l])
-    return out
+    for unit, s in zip(gran.units, stage_of_unit):
+        for i in unit.eqns:
+            out[i] = int(s)
+    return AutoStages(tuple(out), stage_names(gran.units, [int(s) for s in stage_of_unit]), gran.name, stage_flops)

@@ -55,13 +55,28 @@ def loop_correction(eqn) -> float:
     return (eqn.params["length"] - 1) * per_step + inner
 
 
+@dataclasses.dataclass(frozen=True)
+class FlopsCache:
+    """Measured FLOPs by `subgraph_key`, shared between calls of `group_flops` on one jaxpr
+    (`memo` holds the keys of called jaxprs)."""
+
+    measured: dict = dataclasses.field(default_factory=dict)
+    memo: dict = dataclasses.field(default_factory=dict)
+
+
 def taskgraph_flops(closed: C.ClosedJaxpr, assign: dict, num_taskgraphs: int) -> tuple[float, ...]:
     """Forward + backward FLOPs of each TaskGraph on the global batch (XLA cost analysis, with
     `scan` bodies counted once per iteration)."""
+    return group_flops(closed, taskgraph_eqns(closed.jaxpr, assign, num_taskgraphs))
+
+
+def group_flops(closed: C.ClosedJaxpr, groups, cache: FlopsCache | None = None) -> tuple[float, ...]:
+    """Forward + backward FLOPs of each group of top-level equations; groups computing the same
+    function (repeated blocks) are measured once, also across calls sharing `cache`."""
     jaxpr = closed.jaxpr
     consts = dict(zip(jaxpr.constvars, closed.consts))
-    groups = taskgraph_eqns(jaxpr, assign, num_taskgraphs)
-    result, measured, memo = [], {}, {}
+    cache = FlopsCache() if cache is None else cache
+    result, measured, memo = [], cache.measured, cache.memo
     for indices, (inputs, outputs, fn) in zip(groups, subgraph_functions(jaxpr, groups)):
         if not indices:
             result.append(0.0)

@@ -86,12 +86,12 @@ def build_plan(loss_fn: Callable, params, batch, optimizer=None, config=None, cl
         k = config.num_task_graph
         sched = make_schedule(config.schedule, k, m)
         dp = max(cluster.size // k, 1)
-        stage_of_eqn = auto_stages(cap, k, cluster, optimizer, micro_fraction=1.0 / (dp * m),
-                                   in_flight=[sched.max_in_flight(s) for s in range(k)],
-                                   hardware_aware=config.hardware_aware)
+        auto = auto_stages(cap, k, cluster, optimizer, micro_fraction=1.0 / (dp * m),
+                           in_flight=[sched.max_in_flight(s) for s in range(k)], hardware_aware=config.hardware_aware)
+        stage_of_eqn, stage_layers = list(auto.stage_of_eqn), auto.layers
     else:
         groups = _stage_groups(cap)
-        stage_of_eqn = None
+        stage_of_eqn, stage_layers = None, None
     if cap.global_batch % m:
         raise PlanError(
             f"num_micro_batch={m} does not divide the global batch of {cap.global_batch}; use a batch size "
@@ -122,5 +122,5 @@ def build_plan(loss_fn: Callable, params, batch, optimizer=None, config=None, cl
         if stage_of_eqn is None:
             tg_stage = {tg: s for s, g in enumerate(groups) for tg in g}
             stage_of_eqn = [tg_stage[cap.assign[(i,)]] for i in range(len(cap.jaxpr.jaxpr.eqns))]
-        return pipeline_plan(req, cap, stage_of_eqn, per_stage)
+        return pipeline_plan(req, cap, stage_of_eqn, per_stage, stage_layers)
     return hybrid_plan(req, cap, spmd_plan(req, cap))

@@ -21,7 +21,9 @@ from whalex.planner.common import Request, loss_parts
 from whalex.primitives.scopes import Strategy
 
 
-def pipeline_plan(req: Request, full, stage_of_eqn, per_stage) -> Plan:
+def pipeline_plan(req: Request, full, stage_of_eqn, per_stage, stage_layers=None) -> Plan:
+    """The pipeline of `stage_of_eqn`; `stage_layers` names the modules per stage (by default the
+    top-level layers of each stage's equations)."""
     config, cluster, optimizer = req.config, req.cluster, req.optimizer
     m = config.num_micro_batch
     num_stages = max(stage_of_eqn) + 1 if stage_of_eqn else 1
@@ -108,7 +110,8 @@ def pipeline_plan(req: Request, full, stage_of_eqn, per_stage) -> Plan:
                 param_specs=dict(zip(cap.param_paths, program.param_spec_list())), patterns=(), comms=tuple(comms),
                 memory=memory,
                 program=program, schedule=schedule, batch_couplings=tuple(parts.sem.lines()),
-                stage_layers=tuple(stage_layer_names(full, stage_of_eqn, s) for s in range(num_stages)))
+                stage_layers=tuple(stage_layers) if stage_layers is not None else
+                tuple(stage_layer_names(full, stage_of_eqn, s) for s in range(num_stages)))
 
 
 def stage_labels(cap, stage_of_eqn, num_stages):
