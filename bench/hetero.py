@@ -120,15 +120,9 @@ def make_model(args):
 
 def make_mlp(args):
     """A stock Flax MLP (bench/models.py): `depth` x (nn.Dense(width) + ReLU) and an nn.Dense(OUT) head."""
-    import jax
-    import numpy as np
-    from models import MLP
+    from models import mlp_regression
 
-    model = MLP(args.width, args.depth, OUT)
-    rng = np.random.default_rng(0)
-    batch = {"x": rng.standard_normal((args.batch, args.width)).astype(np.float32),
-             "y": (0.5 * rng.standard_normal((args.batch, OUT))).astype(np.float32)}
-    params = jax.device_get(model.init(jax.random.key(0), batch["x"][:1])["params"])
+    model, params, batch = mlp_regression(args.width, args.depth, OUT, args.batch)
 
     def loss_fn(p, b):
         import jax.numpy as jnp

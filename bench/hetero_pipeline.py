@@ -57,16 +57,10 @@ def parse(argv=None):
 
 
 def make_model(args):
-    import jax
     import jax.numpy as jnp
-    import numpy as np
-    from models import MLP
+    from models import mlp_regression
 
-    model = MLP(args.width, args.depth, OUT)
-    rng = np.random.default_rng(0)
-    batch = {"x": rng.standard_normal((args.batch, args.width)).astype(np.float32),
-             "y": (0.5 * rng.standard_normal((args.batch, OUT))).astype(np.float32)}
-    params = jax.device_get(model.init(jax.random.key(0), batch["x"][:1])["params"])
+    model, params, batch = mlp_regression(args.width, args.depth, OUT, args.batch)
 
     def loss_fn(p, b):
         return jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
