@@ -57,16 +57,21 @@ def _reduce(kind, logits, b, p):
     raise ValueError(kind)
 
 
+def lm_hidden(scopes, p, b):
+    """The LM's first three layers (embedding, w1, w2), each under its scope: the last hidden state."""
+    with scopes[0]():
+        h = p["emb"][b["inputs"]]
+    with scopes[1]():
+        h = jnp.tanh(h @ p["w1"])
+    with scopes[2]():
+        return jnp.tanh(h @ p["w2"])
+
+
 def lm_loss(kind, scopes):
     """scopes: 4 context factories, one per layer (embedding, w1, w2, head + loss)."""
 
     def loss_fn(p, b):
-        with scopes[0]():
-            h = p["emb"][b["inputs"]]
-        with scopes[1]():
-            h = jnp.tanh(h @ p["w1"])
-        with scopes[2]():
-            h = jnp.tanh(h @ p["w2"])
+        h = lm_hidden(scopes, p, b)
         with scopes[3]():
             return _reduce(kind, h @ p["out"], b, p)
 

@@ -14,38 +14,17 @@ import pytest
 
 import whalex as wh
 from conftest import adam, rel_err
+from test_loss_contract import B, T, lm_batch, lm_hidden, lm_params  # the padded LM and its data
 
-B, T, V, D = 32, 6, 16, 12
 none = contextlib.nullcontext
 rep1 = lambda: wh.replicate(1)  # noqa: E731
-
-
-def lm_batch(seed=0):
-    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-    tok = jax.random.randint(k1, (B, T + 1), 1, V)
-    lengths = jax.random.randint(k2, (B,), 1, T + 1)
-    lengths = lengths.at[jnp.array([3, 17, 18, 30])].set(0)          # rows that are all padding
-    tok = jnp.where(jnp.arange(T + 1)[None] <= lengths[:, None], tok, 0)
-    weight = jax.random.uniform(k3, (B,)) * (lengths > 0)
-    return {"inputs": tok[:, :-1], "targets": tok[:, 1:], "weight": weight}
-
-
-def lm_params(seed=1):
-    k = jax.random.split(jax.random.key(seed), 4)
-    return {"emb": jax.random.normal(k[0], (V, D)) * 0.5, "w1": jax.random.normal(k[1], (D, D)) * 0.3,
-            "w2": jax.random.normal(k[2], (D, D)) * 0.3, "out": jax.random.normal(k[3], (D, V)) * 0.3}
 
 
 def lm_loss(scopes, normaliser="targets"):
     """scopes: one context factory per layer (embedding, w1, w2, head + loss + aux)."""
 
     def loss_fn(p, b):
-        with scopes[0]():
-            h = p["emb"][b["inputs"]]
-        with scopes[1]():
-            h = jnp.tanh(h @ p["w1"])
-        with scopes[2]():
-            h = jnp.tanh(h @ p["w2"])
+        h = lm_hidden(scopes, p, b)
         with scopes[3]():
             logits = h @ p["out"]
             ce = optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"])
