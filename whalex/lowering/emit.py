@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from whalex.core.shardings import opt_state_specs, param_tree_test
 from whalex.distributed import place_global
 from whalex.errors import PlanError
+from whalex.lowering import stage_rows
 from whalex.memory import MemoryOptions, offload, precision, zero
 from whalex.state import ParamView, TrainState
 
@@ -38,12 +39,8 @@ def map_param_trees(tree, param_shapes, fn: Callable):
 
 def spread_spec(shape, mesh) -> P:
     """A spec putting 1/n of a leaf on each of the mesh's n devices: its largest dimension n divides
-    (replicated when none does)."""
-    dims = [d for d in range(len(shape)) if shape[d] % mesh.size == 0]
-    if not dims:
-        return P()
-    d = max(dims, key=lambda d: shape[d])
-    return P(*([None] * d + [tuple(mesh.axis_names)]))
+    (replicated when none does); the pipelines' stored leaves use the same rule (`stage_rows.spread`)."""
+    return stage_rows.spread(shape, mesh.size, tuple(mesh.axis_names))
 
 
 def _relayout(opt_state, expected):
