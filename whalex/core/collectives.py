@@ -22,3 +22,23 @@ def fused_psum(tree, axis):
         for i, a, b in zip(idx, offsets[:-1], offsets[1:]):
             out[i] = flat[a:b].reshape(leaves[i].shape)
     return jax.tree.unflatten(tree_def, out)
+
+
+def fused_all_gather(xs, axis, dims):
+    """`[lax.all_gather(x, axis, axis=d, tiled=True) for x, d in zip(xs, dims)]` as one all-gather per
+    dtype: each leaf's local block flattened into one buffer, gathered (one row per device of `axis`),
+    and each leaf rebuilt by concatenating its blocks on its dimension `d`. A leaf whose `d` is None is
+    passed through. Same values, one collective instead of one per leaf (see `fused_psum`)."""
+    out = list(xs)
+    todo = [i for i, d in enumerate(dims) if d is not None]
+    for dtype in dict.fromkeys(xs[i].dtype for i in todo):
+        idx = [i for i in todo if xs[i].dtype == dtype]
+        if len(idx) == 1:
+            out[idx[0]] = jax.lax.all_gather(xs[idx[0]], axis, axis=dims[idx[0]], tiled=True)
+            continue
+        rows = jax.lax.all_gather(jnp.concatenate([xs[i].reshape(-1) for i in idx]), axis)    # [n, total]
+        offsets = np.cumsum([0] + [xs[i].size for i in idx])
+        for i, a, b in zip(idx, offsets[:-1], offsets[1:]):
+            blocks = rows[:, a:b].reshape((rows.shape[0],) + xs[i].shape)                       # [n, *block]
+            out[i] = jnp.concatenate(list(blocks), axis=dims[i])
+    return out

@@ -13,7 +13,7 @@ embedding group). `gather_rows` / `scatter_grads` do both with explicit collecti
 (`whalex.lowering.stage_batch`). Inside `shard_map`, a `lax.scan` over the schedule's ticks runs, on
 every device, `lax.switch` to its stage's forward or backward (recomputing the forward from the
 stashed stage input), then `ppermute`s activations to the next stage and gradients to the previous
-one. Only the stage inputs are stashed, in `schedule.slots` buffers: S for 1F1B, M for GPipe. Values
+one (with 2 stages one swap carries both: stage 0 only sends forward, stage 1 only backward). Only the stage inputs are stashed, in `schedule.slots` buffers: S for 1F1B, M for GPipe. Values
 that skip a stage are forwarded through it. Gradients are summed over micro-batches in the loop and
 over data-parallel replicas (`psum` over `data`) after it; no collective runs inside a branch.
 
@@ -564,8 +564,11 @@ class PipelineProgram(Emitter):
                 racc = [jax.lax.dynamic_update_slice_in_dim(
                     a, jnp.where(done, o, jax.lax.dynamic_slice_in_dim(a, m * micro, micro, 0)), m * micro, 0)
                     for a, o in zip(racc, routs)]
-                fout = jax.lax.ppermute(y, STAGE, fwd_perm) if S > 1 else y
-                bout = jax.lax.ppermute(dx, STAGE, bwd_perm) if S > 1 else dx
+                if S == 2:            # stage 0 only sends forward, stage 1 only backward: one swap
+                    fout = bout = jax.lax.ppermute(jnp.where(s == 0, y, dx), STAGE, [(0, 1), (1, 0)])
+                else:
+                    fout = jax.lax.ppermute(y, STAGE, fwd_perm) if S > 1 else y
+                    bout = jax.lax.ppermute(dx, STAGE, bwd_perm) if S > 1 else dx
                 return (stash, gstash, gacc + dparams, oacc, racc, fout, bout), None
 
             init = (jnp.zeros((slots, A), jnp.float32), jnp.zeros((gslots, A), jnp.float32), jnp.zeros(W, dtype),

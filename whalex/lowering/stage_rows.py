@@ -4,7 +4,7 @@ collectives (functions for the inside of `shard_map` over a ('data', 'stage') me
 A pipeline stores each parameter leaf split on one dimension (`spread_dim`) over the mesh axes
 ('stage', 'data') in that order, so device (replica r, stage s) holds block s*dp + r (`spread`).
 `gather_row` builds each device's row of its stage's leaves, receiving only those (plus 1/S of
-every leaf from the all-gather over `data`); `scatter_grads` is its transpose, which sums a tied
+every leaf from one fused all-gather over `data`); `scatter_grads` is its transpose, which sums a tied
 leaf's gradients from every stage that reads it. Written by hand because XLA's partitioner
 replicates the packed rows to reshard them from the spread layout (every device would receive
 every parameter); on 8 CPU devices both cost the same time, the all-to-all less memory.
@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
+
+from whalex.core.collectives import fused_all_gather, fused_psum
 
 
 def spread_dim(shape: Sequence[int], n: int) -> int | None:
@@ -57,7 +59,7 @@ def gather_row(local: Sequence, dims: Sequence, stage_params: Sequence[Sequence[
     stage, data = axes
     S = len(stage_params)
     layout, C = _block_layout(stage_params, dims, shapes, S)
-    part = [x if d is None else jax.lax.all_gather(x, data, axis=d, tiled=True) for x, d in zip(local, dims)]
+    part = fused_all_gather(list(local), data, dims)
 
     def buffer(entries):
         flat = [part[p].astype(dtype).reshape(-1) for p, _, _ in entries]
@@ -114,10 +116,11 @@ def scatter_grads(row, dims: Sequence, stage_params: Sequence[Sequence[int]], sl
             size = int(np.prod(block, dtype=np.int64))
             g = recv[t, off:off + size].reshape(block)
             blocks[p] = g if p not in blocks else blocks[p] + g
+    summed = fused_psum(rep, stage)
     out = []
     for p, d in enumerate(dims):
         if d is None:
-            out.append(jax.lax.psum(rep[replicated.index(p)], stage))
+            out.append(summed[replicated.index(p)])
             continue
         g = blocks[p]
         size = g.shape[d] // dp
