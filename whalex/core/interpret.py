@@ -150,19 +150,33 @@ def _param_key(value: Any, memo: dict) -> Any:
     return repr(value)
 
 
-def apply_eqn(eqn, path: tuple, invals: Sequence[Any], overrides: dict, prefixes: set | None = None) -> list:
+def apply_eqn(eqn, path: tuple, invals: Sequence[Any], overrides: dict, prefixes: set | None = None,
+              constraints: dict | None = None) -> list:
     """Evaluate one equation, replacing it (or an equation inside a call it makes) by
-    `overrides[path]`; `prefixes` are the paths that lead to an override (computed when None)."""
+    `overrides[path]`; `prefixes` are the paths that lead to an override or a constraint (computed
+    when None). `constraints[(path, "in"|"out", pos)]`: a PartitionSpec (or sharding) for
+    `with_sharding_constraint`, as `make_evaluator` applies them (a pipeline stage's split layers)."""
+    constraints = constraints or {}
     if prefixes is None:
-        prefixes = {p[:k] for p in overrides for k in range(1, len(p) + 1)}
+        prefixes = {p[:k] for p in list(overrides) + [c[0] for c in constraints] for k in range(1, len(p) + 1)}
+    if constraints:
+        invals = [_constrain(x, constraints.get((path, "in", pos))) for pos, x in enumerate(invals)]
     if path in overrides:
-        return list(overrides[path](*invals))
-    if path in prefixes and C.is_call(eqn):
+        outs = list(overrides[path](*invals))
+    elif path in prefixes and C.is_call(eqn):
         sub, consts = C.call_jaxpr(eqn)
         env = dict(zip(sub.constvars, consts))
         env.update(zip(sub.invars, invals))
         for j, e in enumerate(sub.eqns):
             env.update(zip(e.outvars, apply_eqn(e, path + (j,), [C.read(env, v) for v in e.invars], overrides,
-                                                prefixes)))
-        return [C.read(env, v) for v in sub.outvars]
-    return C.bind(eqn, invals)
+                                                prefixes, constraints)))
+        outs = [C.read(env, v) for v in sub.outvars]
+    else:
+        outs = C.bind(eqn, invals)
+    if constraints:
+        outs = [_constrain(x, constraints.get((path, "out", pos))) for pos, x in enumerate(outs)]
+    return outs
+
+
+def _constrain(x, spec):
+    return x if spec is None else jax.lax.with_sharding_constraint(x, spec)

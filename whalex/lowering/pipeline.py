@@ -46,7 +46,7 @@ from whalex.lowering import stage_batch
 from whalex.lowering.schedules import Schedule
 from whalex.memory import precision as precision_lib, zero as zero_lib
 
-STAGE, DATA = "stage", "data"
+STAGE, DATA, MODEL = "stage", "data", "model"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +180,9 @@ class PipelineProgram(Emitter):
     precision: Any = None        # whalex.memory.precision.Precision (amp, comm_dtype)
     remat: Any = None            # always None: stages recompute their forward from the stashed input
     parts: Any = None            # whalex.core.parts.PartLoss: the loss contract over micro-batches
+    model_parallel: int = 1      # split TaskGraphs inside the stages: devices of the `model` mesh axis
+    model_dims: tuple = ()       # per parameter leaf: its dimension split over `model` (None: whole)
+    constraints: Any = None      # the split layers' sharding constraints ((path, "in"|"out", pos) -> spec)
 
     # -- packing of parameters ------------------------------------------------------------------
     @functools.cached_property
@@ -190,10 +193,78 @@ class PipelineProgram(Emitter):
                             "cast the parameters to one dtype.")
         return dtypes.pop()
 
+    def model_dim(self, leaf: int):
+        """The dimension of parameter `leaf` split over `model` inside its stage (None: whole)."""
+        return self.model_dims[leaf] if self.model_dims else None
+
     @functools.cached_property
     def param_slots(self) -> tuple[tuple[Slot, ...], ...]:
+        """Per stage: the whole (not model-split) leaves in the stage's flat row."""
         invars = self.captured.jaxpr.jaxpr.invars
-        return tuple(tuple(_layout([invars[p] for p in ps])[0]) for ps in self.cut.params)
+        return tuple(tuple(_layout([invars[p] for p in ps if self.model_dim(p) is None])[0]) for ps in self.cut.params)
+
+    @functools.cached_property
+    def model_slots(self) -> tuple[tuple[tuple[Slot, int], ...], ...]:
+        """Per stage: (slot of the block, split dimension) of each model-split leaf in the stage's
+        `[model, width]` row; row m holds block m of every such leaf (its 1/model on the split dim)."""
+        invars, M = self.captured.jaxpr.jaxpr.invars, self.model_parallel
+        out = []
+        for ps in self.cut.params:
+            off, entries = 0, []
+            for p in ps:
+                d = self.model_dim(p)
+                if d is None:
+                    continue
+                shape = tuple(n // M if k == d else n for k, n in enumerate(invars[p].aval.shape))
+                slot = Slot(invars[p], off, shape, invars[p].aval.dtype)
+                entries.append((slot, d))
+                off += slot.size
+            out.append(tuple(entries))
+        return tuple(out)
+
+    @functools.cached_property
+    def model_width(self) -> int:
+        return max([sum(sl.size for sl, _ in e) for e in self.model_slots] + [1])
+
+    @property
+    def three_d(self) -> bool:
+        """Split TaskGraphs inside the stages: a ('data', 'stage', 'model') mesh."""
+        return self.model_parallel > 1
+
+    def unpack_stage(self, s: int, rows):
+        """Stage s's parameter leaves (in `cut.params[s]` order) from its rows: the flat row `[width]`
+        and, in 3D, the `[model, width]` row whose model-split leaves are reassembled on their split
+        dimension (row m is block m, so GSPMD keeps each block on its model device)."""
+        flat = {sl.var: rows[0][sl.offset:sl.offset + sl.size].reshape(sl.shape) for sl in self.param_slots[s]}
+        M = self.model_parallel
+        for sl, d in (self.model_slots[s] if self.three_d else ()):
+            x = rows[1][:, sl.offset:sl.offset + sl.size].reshape((M,) + sl.shape)
+            full = sl.shape[:d] + (M * sl.shape[d],) + sl.shape[d + 1:]
+            x = jnp.moveaxis(x, 0, d).reshape(full)
+            flat[sl.var] = jax.lax.with_sharding_constraint(x, P(*([None] * d + [MODEL])))
+        invars = self.captured.jaxpr.jaxpr.invars
+        return [flat[invars[p]] for p in self.cut.params[s]]
+
+    def pack_stage_grads(self, s: int, grads):
+        """The transpose of `unpack_stage`: stage s's leaf gradients into its rows."""
+        W, dtype = self.param_width, self.param_dtype
+        invars = self.captured.jaxpr.jaxpr.invars
+        by_var = {invars[p]: g for p, g in zip(self.cut.params[s], grads)}
+        flat = [by_var[sl.var].reshape(-1).astype(dtype) for sl in self.param_slots[s]]
+        row = jnp.concatenate(flat) if flat else jnp.zeros((0,), dtype)
+        out = (jnp.pad(row, (0, W - row.shape[0])),)
+        if self.three_d:
+            M, parts = self.model_parallel, []
+            for sl, d in self.model_slots[s]:
+                g = by_var[sl.var].astype(dtype).reshape(sl.shape[:d] + (M, sl.shape[d]) + sl.shape[d + 1:])
+                parts.append(jnp.moveaxis(g, d, 0).reshape(M, -1))
+            m = jnp.concatenate(parts, axis=1) if parts else jnp.zeros((M, 0), dtype)
+            out += (jnp.pad(m, ((0, 0), (0, self.model_width - m.shape[1]))),)
+        return out
+
+    def zero_rows(self):
+        z = (jnp.zeros(self.param_width, self.param_dtype),)
+        return z + ((jnp.zeros((self.model_parallel, self.model_width), self.param_dtype),) if self.three_d else ())
 
     @functools.cached_property
     def param_width(self) -> int:
@@ -218,6 +289,16 @@ class PipelineProgram(Emitter):
             rows.append(jnp.pad(row, (0, self.param_width - row.shape[0])))
         return {"stages": jnp.stack(rows)}
 
+    def pack_rows(self, params):
+        """3D: the caller's parameters as {"stages": [stages, width] whole leaves, "model": [stages,
+        model, width] model-split leaves}, in plain jnp; under GSPMD its vjp is the gradient's way
+        back (a tied leaf's rows summed)."""
+        leaves = jax.tree.leaves(params)
+        per_stage = [self.pack_stage_grads(s, [jnp.asarray(leaves[p]) for p in ps]) for s, ps in enumerate(self.cut.params)]
+        rows = {"stages": jnp.stack([r[0] for r in per_stage]), "model": jnp.stack([r[1] for r in per_stage])}
+        return {"stages": jax.lax.with_sharding_constraint(rows["stages"], NamedSharding(self.mesh, P(STAGE))),
+                "model": jax.lax.with_sharding_constraint(rows["model"], NamedSharding(self.mesh, P(STAGE, MODEL)))}
+
     # -- shardings ----------------------------------------------------------------------------
     def param_shapes(self):
         """The stored parameters: the caller's pytree."""
@@ -227,7 +308,11 @@ class PipelineProgram(Emitter):
 
     def param_spec_list(self):
         """Each stored leaf spread over every device (its largest dimension the mesh size divides)."""
-        return [stage_rows.spread(s.shape, self.mesh.size, (STAGE, DATA)) for s in jax.tree.leaves(self.param_shapes())]
+        return [stage_rows.spread(s.shape, self.mesh.size, self.spread_axes) for s in jax.tree.leaves(self.param_shapes())]
+
+    @property
+    def spread_axes(self) -> tuple[str, ...]:
+        return (STAGE, DATA, MODEL) if self.three_d else (STAGE, DATA)
 
     def _spread_dims(self):
         return [stage_rows.spread_dim(s.shape, self.mesh.size) for s in jax.tree.leaves(self.param_shapes())]
@@ -267,7 +352,7 @@ class PipelineProgram(Emitter):
         """Parts shaped like the parameters follow `param_specs`; every other leaf (adafactor's factored
         statistics, masked or multi_transform inner states) is spread by its own shape too."""
         specs, shapes = opt_state_specs(self.optimizer, self.param_shapes(), param_specs)
-        spread = lambda s, x: stage_rows.spread(x.shape, self.mesh.size, (STAGE, DATA)) if s == P() else s  # noqa: E731
+        spread = lambda s, x: stage_rows.spread(x.shape, self.mesh.size, self.spread_axes) if s == P() else s  # noqa: E731
         return jax.tree.map(spread, specs, shapes, is_leaf=lambda x: isinstance(x, P))
 
     @functools.cached_property
@@ -328,16 +413,18 @@ class PipelineProgram(Emitter):
         param_vars = [jaxpr.invars[p] for p in self.cut.params[s]]
         input_vars = jaxpr.invars[n:]
         eqns = [(i, jaxpr.eqns[i]) for i in self.cut.eqns[s]]
+        constraints = dict(self.constraints or {})
+        cpaths = [c[0] for c in constraints]
 
         def fn(params_s, live, inputs, overrides):
             env = dict(consts)
             env.update(zip(param_vars, params_s))
             env.update((v, x) for v, x in zip(input_vars, inputs) if x is not None)
             env.update(zip(live_in, live))
-            prefixes = {p[:k] for p in overrides for k in range(1, len(p) + 1)}
+            prefixes = {p[:k] for p in list(overrides) + cpaths for k in range(1, len(p) + 1)}
             for i, eqn in eqns:
                 env.update(zip(eqn.outvars, apply_eqn(eqn, (i,), [C.read(env, v) for v in eqn.invars], overrides,
-                                                      prefixes)))
+                                                      prefixes, constraints)))
             return [C.read(env, v) for v in live_out]
 
         return fn, live_in, live_out
@@ -411,19 +498,18 @@ class PipelineProgram(Emitter):
             return [jnp.zeros(outvars[k].aval.shape, outvars[k].aval.dtype) for k in row_pos]
 
         def idle(params, x, ct, inputs):
-            return (jnp.zeros(A, jnp.float32), jnp.zeros(A, jnp.float32), jnp.zeros(W, dtype),
+            return (jnp.zeros(A, jnp.float32), jnp.zeros(A, jnp.float32), self.zero_rows(),
                     jnp.zeros(O, jnp.float32), no_rows())
 
         fwds, bwds = [], []
         for s in range(S):
             fn, live_in, live_out = self._stage_fn(s)
-            pslots = self.param_slots[s]
             in_slots, _ = _layout(live_in)
             out_slots, _ = _layout(live_out)
             last = s == S - 1
 
-            def unpack_params(params, pslots=pslots):
-                return [params[sl.offset:sl.offset + sl.size].reshape(sl.shape) for sl in pslots]
+            def unpack_params(params, s=s):
+                return self.unpack_stage(s, params)
 
             def stage_inputs(inputs, s=s):        # this stage's batch leaves (None: not held) + extra
                 return layout.unpack(inputs[0], s) + list(inputs[1])
@@ -432,13 +518,13 @@ class PipelineProgram(Emitter):
                     unpack_params=unpack_params, stage_inputs=stage_inputs):
                 outs = fn(unpack_params(params), _unpack(x, in_slots), stage_inputs(inputs), overrides(inputs[2]))
                 if last:
-                    return (jnp.zeros(A, jnp.float32), jnp.zeros(A, jnp.float32), jnp.zeros(W, dtype),
+                    return (jnp.zeros(A, jnp.float32), jnp.zeros(A, jnp.float32), self.zero_rows(),
                             _pack_values([outs[k] for k in values], O), [outs[k] for k in row_pos])
-                return (_pack(outs, out_slots, A), jnp.zeros(A, jnp.float32), jnp.zeros(W, dtype),
+                return (_pack(outs, out_slots, A), jnp.zeros(A, jnp.float32), self.zero_rows(),
                         jnp.zeros(O, jnp.float32), no_rows())
 
             def bwd(params, x, ct, inputs, fn=fn, in_slots=in_slots, out_slots=out_slots, last=last,
-                    unpack_params=unpack_params, pslots=pslots, stage_inputs=stage_inputs):
+                    unpack_params=unpack_params, stage_inputs=stage_inputs, s=s):
                 live = _unpack(x, in_slots)
                 diff = [k for k, sl in enumerate(in_slots) if jnp.issubdtype(sl.dtype, jnp.floating)]
                 ovr = overrides(inputs[2])
@@ -456,8 +542,7 @@ class PipelineProgram(Emitter):
                 cts = [c.astype(o.dtype) if jnp.issubdtype(o.dtype, jnp.floating)
                        else np.zeros(o.shape, jax.dtypes.float0) for c, o in zip(cts, outs)]
                 dp, dl = vjp(cts)
-                dflat = jnp.concatenate([g.reshape(-1).astype(dtype) for g in dp]) if dp else jnp.zeros((0,), dtype)
-                dparams = jnp.pad(dflat, (0, W - dflat.shape[0]))
+                dparams = self.pack_stage_grads(s, dp)
                 full = [jnp.zeros(sl.shape, jnp.float32) for sl in in_slots]
                 for k, g in zip(diff, dl):
                     full[k] = g
@@ -486,6 +571,7 @@ class PipelineProgram(Emitter):
         param_avals = [v.aval for v in self.captured.jaxpr.jaxpr.invars[:n]]
 
         level = self.memory_options.zero_level
+        three_d = self.three_d
         spec, zspec = self.row_specs
         specs, zspecs = [spec], [zspec]
 
@@ -510,7 +596,9 @@ class PipelineProgram(Emitter):
             row = packed["stages"]
             if level >= 3:            # ZeRO 3: all-gather the stage row over the replicas
                 row = zero_lib.gather([row], specs, zspecs, DATA)[0]
-            params = row[0]
+            params = (row[0],)
+            if three_d:               # [model, width]: row m on model device m (an auto axis here)
+                params += (jax.lax.with_sharding_constraint(packed["model"][0], P(MODEL)),)
             s = jax.lax.axis_index(STAGE)
             r = jax.lax.axis_index(DATA)
             rows = {g: x[0] for g, x in batch.items()}        # this device's stage row: [per_replica, width]
@@ -569,9 +657,10 @@ class PipelineProgram(Emitter):
                 else:
                     fout = jax.lax.ppermute(y, STAGE, fwd_perm) if S > 1 else y
                     bout = jax.lax.ppermute(dx, STAGE, bwd_perm) if S > 1 else dx
-                return (stash, gstash, gacc + dparams, oacc, racc, fout, bout), None
+                gacc = tuple(a + g for a, g in zip(gacc, dparams))
+                return (stash, gstash, gacc, oacc, racc, fout, bout), None
 
-            init = (jnp.zeros((slots, A), jnp.float32), jnp.zeros((gslots, A), jnp.float32), jnp.zeros(W, dtype),
+            init = (jnp.zeros((slots, A), jnp.float32), jnp.zeros((gslots, A), jnp.float32), self.zero_rows(),
                     self._output_init(), [jnp.zeros((per_replica,) + a.shape[1:], a.dtype) for a in row_avals],
                     jnp.zeros(A, jnp.float32), jnp.zeros(A, jnp.float32))
             (_, _, gacc, oacc, racc, _, _), _ = jax.lax.scan(tick, init, tables)
@@ -585,10 +674,13 @@ class PipelineProgram(Emitter):
             outs = parts_lib.finish(pl, given, extra, n, outputs)
             if level >= 2:            # ZeRO 2: reduce-scatter the stage gradient over the replicas
                 grads = precision_lib.reduce_in(
-                    prec, lambda g: zero_lib.scatter_sum([g[None]], specs, zspecs, DATA)[0], gacc)
+                    prec, lambda g: zero_lib.scatter_sum([g[None]], specs, zspecs, DATA)[0], gacc[0])
             else:
-                grads = precision_lib.reduce_in(prec, lambda g: jax.lax.psum(g, DATA), gacc)[None]
-            return outs, {"stages": grads}
+                grads = precision_lib.reduce_in(prec, lambda g: jax.lax.psum(g, DATA), gacc[0])[None]
+            if not three_d:
+                return outs, {"stages": grads}
+            mgrads = precision_lib.reduce_in(prec, lambda g: jax.lax.psum(g, DATA), gacc[1])[None]
+            return outs, {"stages": grads, "model": mgrads}
 
         def from_last(x, s):          # per-example outputs: only the last stage wrote them
             if S == 1:
@@ -596,10 +688,15 @@ class PipelineProgram(Emitter):
             wide = x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
             return jax.lax.psum(jnp.where(s == S - 1, wide, jnp.zeros_like(wide)), STAGE).astype(x.dtype)
 
+        rows_in = {"stages": zspecs[0] if level >= 3 else P(STAGE)}
+        rows_out = {"stages": zspecs[0] if level >= 2 else P(STAGE)}
+        manual = {}
+        if three_d:                   # `model` stays an auto axis: GSPMD shards the split layers inside a stage
+            rows_in["model"] = rows_out["model"] = P(STAGE)
+            manual = {"axis_names": frozenset({STAGE, DATA})}
         return jax.shard_map(body, mesh=self.mesh,
-                             in_specs=({"stages": zspecs[0] if level >= 3 else P(STAGE)},
-                                       layout.specs(STAGE, DATA), P()) + ((P(),) if scaled else ()),
-                             out_specs=(P(), {"stages": zspecs[0] if level >= 2 else P(STAGE)}), check_vma=False)
+                             in_specs=(rows_in, layout.specs(STAGE, DATA), P()) + ((P(),) if scaled else ()),
+                             out_specs=(P(), rows_out), check_vma=False, **manual)
 
     # -- what the emitter needs -------------------------------------------------------------------
     @property
@@ -609,12 +706,24 @@ class PipelineProgram(Emitter):
     def value_and_grad(self):
         loss_and_grads = self.loss_and_grads()
         cap = self.parts.whole
-        gather, scatter = self.gather_rows(), self.scatter_grads()
+        if self.three_d:              # GSPMD packs the rows; the vjp of the packing brings the gradient back
+            def rows_and_back(params):
+                return jax.vjp(self.pack_rows, params)
+        else:
+            gather, scatter = self.gather_rows(), self.scatter_grads()
+
+            def rows_and_back(params):
+                return gather(params), lambda g: (scatter(g),)
 
         def vg(params, batch, extra=(), scale=None):
-            args = (gather(params), batch.buffers, list(extra)) + ((scale,) if scale is not None else ())
+            rows, back = rows_and_back(params)
+            args = (rows, batch.buffers, list(extra)) + ((scale,) if scale is not None else ())
             outs, grad_rows = loss_and_grads(*args)
-            grads = scatter(grad_rows)
+            if self.three_d:
+                grad_rows = {"stages": jax.lax.with_sharding_constraint(grad_rows["stages"], NamedSharding(self.mesh, P(STAGE))),
+                             "model": jax.lax.with_sharding_constraint(grad_rows["model"],
+                                                                       NamedSharding(self.mesh, P(STAGE, MODEL)))}
+            grads = back(grad_rows)[0]
             if scale is not None:
                 grads = precision_lib.unscale(grads, scale)
             value, aux, new_state = cap.split_outputs(outs)

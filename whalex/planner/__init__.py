@@ -20,7 +20,7 @@ from whalex.memory.precision import amp_loss
 from whalex.plan import Plan
 from whalex.planner.common import Request, check_optimizer, refuse_unbuilt, resolve
 from whalex.planner.hybrid import hybrid_plan
-from whalex.planner.pipeline import pipeline_plan
+from whalex.planner.pipeline import model_degree, pipeline_plan
 from whalex.planner.spmd import spmd_plan
 from whalex.planner.uneven import balance_data_parallel
 
@@ -85,7 +85,7 @@ def build_plan(loss_fn: Callable, params, batch, optimizer=None, config=None, cl
         groups = None
         k = config.num_task_graph
         sched = make_schedule(config.schedule, k, m)
-        dp = max(cluster.size // k, 1)
+        dp = max(cluster.size // (k * model_degree(cap)), 1)
         auto = auto_stages(cap, k, cluster, optimizer, micro_fraction=1.0 / (dp * m),
                            in_flight=[sched.max_in_flight(s) for s in range(k)], hardware_aware=config.hardware_aware)
         stage_of_eqn, stage_layers = list(auto.stage_of_eqn), auto.layers
@@ -99,10 +99,12 @@ def build_plan(loss_fn: Callable, params, batch, optimizer=None, config=None, cl
     per_stage = None
     if m > 1 or config.auto_parallel:
         if config.auto_parallel:
-            per_stage = 1 if cluster.size % config.num_task_graph == 0 else None
+            mp = model_degree(cap)
+            per_stage = 1 if cluster.size % (config.num_task_graph * mp) == 0 else None
             if per_stage is None:
-                raise PlanError(f"num_task_graph={config.num_task_graph} stages do not divide the cluster's "
-                                f"{cluster.size} devices; use a divisor of {cluster.size}.")
+                raise PlanError(f"num_task_graph={config.num_task_graph} stages"
+                                + (f" x split({mp}) inside them" if mp > 1 else "")
+                                + f" do not divide the cluster's {cluster.size} devices; use a divisor of {cluster.size}.")
         else:
             per_stage = _pipelinable(cap, groups, cluster.size)
             counts = {cap.taskgraphs[i].strategy.device_count or cluster.size

@@ -11,7 +11,8 @@ from whalex.balance.partition import layer_key, stage_devices
 from whalex.balance.profile import taskgraph_flops
 from whalex.core.comm import Comm
 from whalex.errors import PlanError
-from whalex.lowering.pipeline import DATA, STAGE, PipelineProgram, cut_stages
+from whalex.lowering.patterns import plan_shardings
+from whalex.lowering.pipeline import DATA, MODEL, STAGE, PipelineProgram, cut_stages
 from whalex.lowering.schedules import make_schedule
 from whalex.memory import MemoryOptions, plan_memory
 from whalex.memory.remat import configure as configure_memory
@@ -21,14 +22,31 @@ from whalex.planner.common import Request, loss_parts
 from whalex.primitives.scopes import Strategy
 
 
+def model_degree(cap) -> int:
+    """Devices of the `model` axis for split TaskGraphs inside pipeline stages (1: none). Every split
+    TaskGraph of a pipeline needs the same explicit device count."""
+    counts = {tg.strategy.device_count for tg in cap.taskgraphs if tg.strategy.kind == "split"}
+    if not counts:
+        return 1
+    if None in counts or len(counts) > 1:
+        raise PlanError(f"split TaskGraphs inside pipeline stages ask for {sorted(map(str, counts))} devices; give every "
+                        "wh.split(n) inside a pipeline the same explicit n (the size of the stages' `model` axis).")
+    return counts.pop()
+
+
 def pipeline_plan(req: Request, full, stage_of_eqn, per_stage, stage_layers=None) -> Plan:
     """The pipeline of `stage_of_eqn`; `stage_layers` names the modules per stage (by default the
-    top-level layers of each stage's equations)."""
+    top-level layers of each stage's equations). Split TaskGraphs inside the stages make it 3D: a
+    ('data', 'stage', 'model') mesh, the split layers sharded over `model` by the sharding patterns."""
     config, cluster, optimizer = req.config, req.cluster, req.optimizer
     m = config.num_micro_batch
     num_stages = max(stage_of_eqn) + 1 if stage_of_eqn else 1
     k = cluster.size
-    dp = k // num_stages                   # nested data parallelism (includes replicate(n) inside stages)
+    mp = model_degree(full)
+    if k % (num_stages * mp):
+        raise PlanError(f"{num_stages} pipeline stages x split({mp}) need a multiple of {num_stages * mp} devices, but "
+                        f"the cluster has {k}; use a stage count or split degree that divides it.")
+    dp = k // (num_stages * mp)            # nested data parallelism (includes replicate(n) inside stages)
     if full.global_batch % (dp * m):
         raise PlanError(
             f"the global batch of {full.global_batch} cannot be split into {m} micro-batches on each of the "
@@ -46,14 +64,25 @@ def pipeline_plan(req: Request, full, stage_of_eqn, per_stage, stage_layers=None
     cap = parts.body(parts.part_outputs()[0])       # stages end in the loss's sums over each micro-batch
     cut = cut_stages(cap, stage_of_eqn, num_stages)
     schedule = make_schedule(config.schedule, num_stages, m)
-    layout = MeshLayout((DATA, STAGE), (dp, num_stages))
     placement = stage_devices(cluster, num_stages, config.hardware_aware)   # [stage][replica] -> device
-    grid = [[placement[s][r] for s in range(num_stages)] for r in range(dp)]
+    if mp > 1:
+        layout = MeshLayout((DATA, STAGE, MODEL), (dp, num_stages, mp))
+        grid = [[placement[s][r * mp + j] for s in range(num_stages) for j in range(mp)] for r in range(dp)]
+        sharding = stage_shardings(cap, mp)
+        model_dims = tuple(next((d for d, a in enumerate(spec) if a is not None), None) for spec in sharding.param_specs)
+        constraints = sharding.constraints
+        if config.zero_level or config.offload:
+            raise PlanError("ZeRO and offload are not built for pipelines with split TaskGraphs inside the stages yet; "
+                            "drop Config(zero=...)/offload, or the split annotations inside the stages.")
+    else:
+        layout = MeshLayout((DATA, STAGE), (dp, num_stages))
+        grid = [[placement[s][r] for s in range(num_stages)] for r in range(dp)]
+        sharding, model_dims, constraints = None, (), None
     ordered = [cluster.devices[i] for row in grid for i in row] if cluster.devices is not None else None
     mesh = layout.build(ordered)
     mem = MemoryOptions.from_config(config, ((DATA,),) * cap.num_params)
     program = PipelineProgram(cap, cut, schedule, mesh, optimizer, cluster.platform, full.global_batch, dp, mem,
-                              parts=parts)
+                              parts=parts, model_parallel=mp, model_dims=model_dims, constraints=constraints)
     _ = program.param_dtype
     if config.remat not in (None, "full") or "activations" in (config.offload or ()):
         raise PlanError(f"a pipeline already recomputes each stage's forward from its stashed input (remat='full'); "
@@ -69,11 +98,11 @@ def pipeline_plan(req: Request, full, stage_of_eqn, per_stage, stage_layers=None
     for s in range(num_stages):
         sizes = [int(np.prod(invars[i].aval.shape)) for i in cut.params[s]]
         nbytes = sum(sz * np.dtype(invars[i].aval.dtype).itemsize for sz, i in zip(sizes, cut.params[s]))
-        groups = tuple((placement[s][r],) for r in range(dp))
+        groups = tuple(tuple(placement[s][r * mp:(r + 1) * mp]) for r in range(dp))
         strategy = Strategy("replicate", per_stage)
-        vds.append(VirtualDevice(s, strategy, 1, groups, (), (DATA,)))
+        vds.append(VirtualDevice(s, strategy, mp, groups, (MODEL,) if mp > 1 else (), (DATA,)))
         msg = 0.0                      # filled in from the plan's collectives below
-        infos.append(TaskGraphInfo(s, f"stage {s}: {labels[s]}", True, 1, groups[0], dp, len(cut.eqns[s]),
+        infos.append(TaskGraphInfo(s, f"stage {s}: {labels[s]}", True, mp, groups[0], dp, len(cut.eqns[s]),
                                    sum(sizes), float(nbytes), flops[s], float(msg)))
     stash = (schedule.slots + schedule.grad_slots) * program.message_width * 4      # stashed stage inputs
     grad_bytes = program.param_width * np.dtype(program.param_dtype).itemsize
@@ -107,11 +136,22 @@ def pipeline_plan(req: Request, full, stage_of_eqn, per_stage, stage_layers=None
     infos = [dataclasses.replace(t, comm_bytes=sum(c.bytes for c in comms if c.taskgraph == t.index)) for t in infos]
     return Plan(cluster=cluster, config=config, layout=layout, task_graphs=tuple(infos), virtual_devices=tuple(vds),
                 batch_sizes=(full.global_batch // dp,) * layout.size, global_batch=full.global_batch,
-                param_specs=dict(zip(cap.param_paths, program.param_spec_list())), patterns=(), comms=tuple(comms),
+                param_specs=dict(zip(cap.param_paths, program.param_spec_list())),
+                patterns=sharding.choices if sharding is not None else (), comms=tuple(comms),
                 memory=memory,
                 program=program, schedule=schedule, batch_couplings=tuple(parts.sem.lines()),
                 stage_layers=tuple(stage_layers) if stage_layers is not None else
                 tuple(stage_layer_names(full, stage_of_eqn, s) for s in range(num_stages)))
+
+
+def stage_shardings(cap, mp: int):
+    """The sharding patterns of the split TaskGraphs inside the stages, planned over a `model` axis of
+    `mp` devices alone: inside a stage's shard_map, `data` and `stage` are manual and only `model`
+    is left to GSPMD, so the constraints name `model` only."""
+    layout = MeshLayout((MODEL,), (mp,))
+    vds = [VirtualDevice(tg.index, tg.strategy, mp if tg.strategy.kind == "split" else 1, (tuple(range(mp)),),
+                         (MODEL,) if tg.strategy.kind == "split" else (), ()) for tg in cap.taskgraphs]
+    return plan_shardings(cap, vds, layout)
 
 
 def stage_labels(cap, stage_of_eqn, num_stages):
