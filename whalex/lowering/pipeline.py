@@ -37,6 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from whalex import _compat as C
 from whalex.core import part_loss as parts_lib
 from whalex.core.capture import Captured
+from whalex.core.collectives import fused_all_gather
 from whalex.core.shardings import opt_state_specs
 from whalex.core.interpret import apply_eqn, make_evaluator
 from whalex.errors import PlanError
@@ -231,7 +232,7 @@ class PipelineProgram(Emitter):
         """Split TaskGraphs inside the stages: a ('data', 'stage', 'model') mesh."""
         return self.model_parallel > 1
 
-    def unpack_stage(self, s: int, rows):
+    def unpack_stage(self, s: int, rows, constrain: bool = True):
         """Stage s's parameter leaves (in `cut.params[s]` order) from its rows: the flat row `[width]`
         and, in 3D, the `[model, width]` row whose model-split leaves are reassembled on their split
         dimension (row m is block m, so GSPMD keeps each block on its model device)."""
@@ -241,7 +242,7 @@ class PipelineProgram(Emitter):
             x = rows[1][:, sl.offset:sl.offset + sl.size].reshape((M,) + sl.shape)
             full = sl.shape[:d] + (M * sl.shape[d],) + sl.shape[d + 1:]
             x = jnp.moveaxis(x, 0, d).reshape(full)
-            flat[sl.var] = jax.lax.with_sharding_constraint(x, P(*([None] * d + [MODEL])))
+            flat[sl.var] = jax.lax.with_sharding_constraint(x, P(*([None] * d + [MODEL]))) if constrain else x
         invars = self.captured.jaxpr.jaxpr.invars
         return [flat[invars[p]] for p in self.cut.params[s]]
 
@@ -316,6 +317,73 @@ class PipelineProgram(Emitter):
 
     def _spread_dims(self):
         return [stage_rows.spread_dim(s.shape, self.mesh.size) for s in jax.tree.leaves(self.param_shapes())]
+
+    @functools.cached_property
+    def full_slots(self) -> tuple[tuple[Slot, ...], ...]:
+        """Per stage: every leaf of the stage, whole, one after the other (3D: the row `gather_row`
+        builds over (stage, data) before the model-split leaves are cut into their model blocks)."""
+        invars = self.captured.jaxpr.jaxpr.invars
+        return tuple(tuple(_layout([invars[p] for p in ps])[0]) for ps in self.cut.params)
+
+    def gather_rows_3d(self):
+        """3D: the spread params -> {"stages": [stages, width] whole leaves, "model": [stages, model,
+        width] model blocks}: one fused all-gather over `model` (each device then holds its (stage,
+        data) block, the 2D layout), `stage_rows.gather_row` over (stage, data), then each model
+        device keeps block m of the stage's model-split leaves."""
+        dims, cut, full = self._spread_dims(), self.cut.params, self.full_slots
+        Wf = max([sum(sl.size for sl in f) for f in full] + [1])
+        dtype, shapes, M = self.param_dtype, jax.tree.leaves(self.param_shapes()), self.model_parallel
+
+        def split(t):
+            def rows(row):
+                leaves = [row[sl.offset:sl.offset + sl.size].reshape(sl.shape) for sl in full[t]]
+                m = jax.lax.axis_index(MODEL)
+                blocks = [jax.lax.dynamic_slice_in_dim(x, m * (x.shape[d] // M), x.shape[d] // M, d)
+                          for p, x in zip(cut[t], leaves) if (d := self.model_dim(p)) is not None]
+                whole = [x for p, x in zip(cut[t], leaves) if self.model_dim(p) is None]
+                return self._flat(whole, self.param_width), self._flat(blocks, self.model_width)
+            return rows
+
+        def body(*leaves):
+            part = fused_all_gather(list(leaves), MODEL, dims)
+            row = stage_rows.gather_row(part, dims, cut, full, shapes, Wf, dtype, (STAGE, DATA))[0]
+            flat, mrow = jax.lax.switch(jax.lax.axis_index(STAGE), [split(t) for t in range(len(cut))], row)
+            return {"stages": flat[None], "model": mrow[None, None]}
+
+        fn = jax.shard_map(body, mesh=self.mesh, in_specs=tuple(self.param_spec_list()),
+                           out_specs={"stages": P(STAGE), "model": P(STAGE, MODEL)}, check_vma=False)
+        return lambda params: fn(*jax.tree.leaves(params))
+
+    def scatter_grads_3d(self):
+        """3D: the transpose of `gather_rows_3d`: the model rows all-gathered over `model` into whole leaf
+        gradients, `stage_rows.scatter_grads` over (stage, data), then each model device's block."""
+        dims, cut, full, dp = self._spread_dims(), self.cut.params, self.full_slots, self.data_parallel
+        Wf = max([sum(sl.size for sl in f) for f in full] + [1])
+        shapes, M, tree = jax.tree.leaves(self.param_shapes()), self.model_parallel, self.captured.params_tree
+
+        def whole(t):
+            def row(flat, allm):
+                leaves = self.unpack_stage(t, (flat, allm), constrain=False)
+                return self._flat(leaves, Wf)
+            return row
+
+        def body(rows):
+            allm = jax.lax.all_gather(rows["model"][0, 0], MODEL)                       # [model, width]
+            row = jax.lax.switch(jax.lax.axis_index(STAGE), [whole(t) for t in range(len(cut))],
+                                 rows["stages"][0], allm)[None]
+            grads = stage_rows.scatter_grads(row, dims, cut, full, shapes, dp, (STAGE, DATA))
+            m = jax.lax.axis_index(MODEL)
+            return tuple(g if d is None else jax.lax.dynamic_slice_in_dim(g, m * (g.shape[d] // M), g.shape[d] // M, d)
+                         for g, d in zip(grads, dims))
+
+        fn = jax.shard_map(body, mesh=self.mesh, in_specs=({"stages": P(STAGE), "model": P(STAGE, MODEL)},),
+                           out_specs=tuple(self.param_spec_list()), check_vma=False)
+        return lambda rows: jax.tree.unflatten(tree, list(fn(rows)))
+
+    def _flat(self, leaves, width):
+        flat = [x.reshape(-1).astype(self.param_dtype) for x in leaves]
+        row = jnp.concatenate(flat) if flat else jnp.zeros((0,), self.param_dtype)
+        return jnp.pad(row, (0, width - row.shape[0]))
 
     def gather_rows(self):
         """spread params (the caller's pytree) -> {"stages": [stages, width]} rows sharded over `stage`:
@@ -706,23 +774,18 @@ class PipelineProgram(Emitter):
     def value_and_grad(self):
         loss_and_grads = self.loss_and_grads()
         cap = self.parts.whole
-        if self.three_d:              # GSPMD packs the rows; the vjp of the packing brings the gradient back
-            def rows_and_back(params):
-                return jax.vjp(self.pack_rows, params)
+        if self.three_d:
+            gather, scatter = self.gather_rows_3d(), self.scatter_grads_3d()
         else:
             gather, scatter = self.gather_rows(), self.scatter_grads()
 
-            def rows_and_back(params):
-                return gather(params), lambda g: (scatter(g),)
+        def rows_and_back(params):
+            return gather(params), lambda g: (scatter(g),)
 
         def vg(params, batch, extra=(), scale=None):
             rows, back = rows_and_back(params)
             args = (rows, batch.buffers, list(extra)) + ((scale,) if scale is not None else ())
             outs, grad_rows = loss_and_grads(*args)
-            if self.three_d:
-                grad_rows = {"stages": jax.lax.with_sharding_constraint(grad_rows["stages"], NamedSharding(self.mesh, P(STAGE))),
-                             "model": jax.lax.with_sharding_constraint(grad_rows["model"],
-                                                                       NamedSharding(self.mesh, P(STAGE, MODEL)))}
             grads = back(grad_rows)[0]
             if scale is not None:
                 grads = precision_lib.unscale(grads, scale)
