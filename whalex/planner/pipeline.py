@@ -133,6 +133,8 @@ def pipeline_plan(req: Request, full, stage_of_eqn, per_stage, stage_layers=None
             comms.append(Comm(s, "collective-permute", (STAGE,), float(schedule.num_ticks * sends *
                                                                       program.message_width * 4),
                               "activations to the next stage, gradients to the previous (every tick)"))
+    if sharding is not None:                 # the split layers' collectives over `model`, per micro-batch
+        comms += split_comms(sharding, cap, stage_of_eqn, m)
     infos = [dataclasses.replace(t, comm_bytes=sum(c.bytes for c in comms if c.taskgraph == t.index)) for t in infos]
     return Plan(cluster=cluster, config=config, layout=layout, task_graphs=tuple(infos), virtual_devices=tuple(vds),
                 batch_sizes=(full.global_batch // dp,) * layout.size, global_batch=full.global_batch,
@@ -152,6 +154,17 @@ def stage_shardings(cap, mp: int):
     vds = [VirtualDevice(tg.index, tg.strategy, mp if tg.strategy.kind == "split" else 1, (tuple(range(mp)),),
                          (MODEL,) if tg.strategy.kind == "split" else (), ()) for tg in cap.taskgraphs]
     return plan_shardings(cap, vds, layout)
+
+
+def split_comms(sharding, cap, stage_of_eqn, micro_batches: int) -> list[Comm]:
+    """The sharding patterns' collectives (planned per micro-batch, per split TaskGraph) as the stage
+    devices run them: every micro-batch, forward ones twice (the backward recomputes the forward)."""
+    stage_of_tg = {}
+    for i, st in enumerate(stage_of_eqn):
+        stage_of_tg.setdefault(cap.assign[(i,)], st)
+    return [Comm(stage_of_tg.get(c.taskgraph, 0), c.kind, c.axes,
+                 c.bytes * micro_batches * (1 if "(bwd)" in c.reason else 2), f"TG{c.taskgraph} {c.reason}")
+            for c in sharding.comms if c.bytes > 0]
 
 
 def stage_labels(cap, stage_of_eqn, num_stages):
