@@ -232,7 +232,7 @@ class PipelineProgram(Emitter):
         """Split TaskGraphs inside the stages: a ('data', 'stage', 'model') mesh."""
         return self.model_parallel > 1
 
-    def unpack_stage(self, s: int, rows, constrain: bool = True):
+    def unpack_stage(self, s: int, rows):
         """Stage s's parameter leaves (in `cut.params[s]` order) from its rows: the flat row `[width]`
         and, in 3D, the `[model, width]` row whose model-split leaves are reassembled on their split
         dimension (row m is block m, so GSPMD keeps each block on its model device)."""
@@ -242,7 +242,7 @@ class PipelineProgram(Emitter):
             x = rows[1][:, sl.offset:sl.offset + sl.size].reshape((M,) + sl.shape)
             full = sl.shape[:d] + (M * sl.shape[d],) + sl.shape[d + 1:]
             x = jnp.moveaxis(x, 0, d).reshape(full)
-            flat[sl.var] = jax.lax.with_sharding_constraint(x, P(*([None] * d + [MODEL]))) if constrain else x
+            flat[sl.var] = jax.lax.with_sharding_constraint(x, P(*([None] * d + [MODEL])))
         invars = self.captured.jaxpr.jaxpr.invars
         return [flat[invars[p]] for p in self.cut.params[s]]
 
@@ -308,8 +308,11 @@ class PipelineProgram(Emitter):
                                   [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in invars])
 
     def param_spec_list(self):
-        """Each stored leaf spread over every device (its largest dimension the mesh size divides)."""
-        return [stage_rows.spread(s.shape, self.mesh.size, self.spread_axes) for s in jax.tree.leaves(self.param_shapes())]
+        """Each stored leaf spread over every device (its largest dimension the mesh size divides); in
+        3D a model-split leaf is stored as its model blocks, each spread over (stage, data)."""
+        shapes = jax.tree.leaves(self.param_shapes())
+        return [self._split_storage(p)[1] if self.model_dim(p) is not None
+                else stage_rows.spread(x.shape, self.mesh.size, self.spread_axes) for p, x in enumerate(shapes)]
 
     @property
     def spread_axes(self) -> tuple[str, ...]:
@@ -318,72 +321,87 @@ class PipelineProgram(Emitter):
     def _spread_dims(self):
         return [stage_rows.spread_dim(s.shape, self.mesh.size) for s in jax.tree.leaves(self.param_shapes())]
 
-    @functools.cached_property
-    def full_slots(self) -> tuple[tuple[Slot, ...], ...]:
-        """Per stage: every leaf of the stage, whole, one after the other (3D: the row `gather_row`
-        builds over (stage, data) before the model-split leaves are cut into their model blocks)."""
+    def _split_group(self) -> tuple[list[int], list[int]]:
+        """3D: (whole leaves, model-split leaves) as parameter indices."""
+        n = self.captured.num_params
+        return [p for p in range(n) if self.model_dim(p) is None], [p for p in range(n) if self.model_dim(p) is not None]
+
+    def _model_local(self, p: int) -> tuple[int, ...]:
+        """A model-split leaf's shape on one model device (its split dim / model)."""
+        shape, d = self.captured.jaxpr.jaxpr.invars[p].aval.shape, self.model_dim(p)
+        return tuple(x // self.model_parallel if k == d else x for k, x in enumerate(shape))
+
+    def _split_storage(self, p: int) -> tuple[int | None, P]:
+        """3D storage of a model-split leaf: its model block on its split dim (`model`), that block spread
+        over (stage, data) on its largest dimension they divide (on the split dim too: `model` major)."""
+        local, k = self._model_local(p), self.model_dim(p)
+        d = stage_rows.spread_dim(local, self.mesh.size // self.model_parallel)
+        spec = [None] * len(local)
+        spec[k] = MODEL
+        if d is not None:
+            spec[d] = (MODEL, STAGE, DATA) if d == k else (STAGE, DATA)
+        return d, P(*spec)
+
+    def _group_gather(self, group, dims, slots, shapes, width, local):
+        """`stage_rows.gather_row` over (stage, data) for the leaves `group` (parameter indices) of every
+        stage, in `cut.params` order."""
+        where = {p: i for i, p in enumerate(group)}
+        cut = [[where[p] for p in ps if p in where] for ps in self.cut.params]
+        return stage_rows.gather_row(local, dims, cut, slots, shapes, width, self.param_dtype, (STAGE, DATA))
+
+    def _group_scatter(self, group, dims, slots, shapes, row):
+        where = {p: i for i, p in enumerate(group)}
+        cut = [[where[p] for p in ps if p in where] for ps in self.cut.params]
+        return stage_rows.scatter_grads(row, dims, cut, slots, shapes, self.data_parallel, (STAGE, DATA))
+
+    def _groups_3d(self):
+        whole, split = self._split_group()
         invars = self.captured.jaxpr.jaxpr.invars
-        return tuple(tuple(_layout([invars[p] for p in ps])[0]) for ps in self.cut.params)
+        wshapes = [invars[p].aval for p in whole]
+        wdims = [stage_rows.spread_dim(a.shape, self.mesh.size) for a in wshapes]
+        sshapes = [jax.ShapeDtypeStruct(self._model_local(p), invars[p].aval.dtype) for p in split]
+        sdims = [self._split_storage(p)[0] for p in split]
+        mslots = tuple(tuple(sl for sl, _ in e) for e in self.model_slots)
+        return (whole, wdims, wshapes), (split, sdims, sshapes, mslots)
 
     def gather_rows_3d(self):
-        """3D: the spread params -> {"stages": [stages, width] whole leaves, "model": [stages, model,
-        width] model blocks}: one fused all-gather over `model` (each device then holds its (stage,
-        data) block, the 2D layout), `stage_rows.gather_row` over (stage, data), then each model
-        device keeps block m of the stage's model-split leaves."""
-        dims, cut, full = self._spread_dims(), self.cut.params, self.full_slots
-        Wf = max([sum(sl.size for sl in f) for f in full] + [1])
-        dtype, shapes, M = self.param_dtype, jax.tree.leaves(self.param_shapes()), self.model_parallel
-
-        def split(t):
-            def rows(row):
-                leaves = [row[sl.offset:sl.offset + sl.size].reshape(sl.shape) for sl in full[t]]
-                m = jax.lax.axis_index(MODEL)
-                blocks = [jax.lax.dynamic_slice_in_dim(x, m * (x.shape[d] // M), x.shape[d] // M, d)
-                          for p, x in zip(cut[t], leaves) if (d := self.model_dim(p)) is not None]
-                whole = [x for p, x in zip(cut[t], leaves) if self.model_dim(p) is None]
-                return self._flat(whole, self.param_width), self._flat(blocks, self.model_width)
-            return rows
+        """3D: the stored params -> {"stages": [stages, width] whole leaves, "model": [stages, model,
+        width] model blocks}. A whole leaf: one fused all-gather over `model` (each device then holds
+        its (stage, data) block, the 2D layout), then the pipeline's gather over (stage, data). A
+        model-split leaf is stored as its model blocks, each spread over (stage, data): the same
+        gather on the blocks, so a device never receives another model device's block."""
+        (whole, wdims, wshapes), (split, sdims, sshapes, mslots) = self._groups_3d()
+        n = self.captured.num_params
 
         def body(*leaves):
-            part = fused_all_gather(list(leaves), MODEL, dims)
-            row = stage_rows.gather_row(part, dims, cut, full, shapes, Wf, dtype, (STAGE, DATA))[0]
-            flat, mrow = jax.lax.switch(jax.lax.axis_index(STAGE), [split(t) for t in range(len(cut))], row)
-            return {"stages": flat[None], "model": mrow[None, None]}
+            wl = fused_all_gather([leaves[p] for p in whole], MODEL, wdims)
+            flat = self._group_gather(whole, wdims, self.param_slots, wshapes, self.param_width, wl)
+            mrow = self._group_gather(split, sdims, mslots, sshapes, self.model_width, [leaves[p] for p in split])
+            return {"stages": flat, "model": mrow[:, None]}
 
+        assert len(whole) + len(split) == n
         fn = jax.shard_map(body, mesh=self.mesh, in_specs=tuple(self.param_spec_list()),
                            out_specs={"stages": P(STAGE), "model": P(STAGE, MODEL)}, check_vma=False)
         return lambda params: fn(*jax.tree.leaves(params))
 
     def scatter_grads_3d(self):
-        """3D: the transpose of `gather_rows_3d`: the model rows all-gathered over `model` into whole leaf
-        gradients, `stage_rows.scatter_grads` over (stage, data), then each model device's block."""
-        dims, cut, full, dp = self._spread_dims(), self.cut.params, self.full_slots, self.data_parallel
-        Wf = max([sum(sl.size for sl in f) for f in full] + [1])
-        shapes, M, tree = jax.tree.leaves(self.param_shapes()), self.model_parallel, self.captured.params_tree
-
-        def whole(t):
-            def row(flat, allm):
-                leaves = self.unpack_stage(t, (flat, allm), constrain=False)
-                return self._flat(leaves, Wf)
-            return row
+        """3D: the transpose of `gather_rows_3d` (a tied leaf's gradients summed over its stages)."""
+        (whole, wdims, wshapes), (split, sdims, sshapes, mslots) = self._groups_3d()
+        M, tree, n = self.model_parallel, self.captured.params_tree, self.captured.num_params
 
         def body(rows):
-            allm = jax.lax.all_gather(rows["model"][0, 0], MODEL)                       # [model, width]
-            row = jax.lax.switch(jax.lax.axis_index(STAGE), [whole(t) for t in range(len(cut))],
-                                 rows["stages"][0], allm)[None]
-            grads = stage_rows.scatter_grads(row, dims, cut, full, shapes, dp, (STAGE, DATA))
+            out = [None] * n
             m = jax.lax.axis_index(MODEL)
-            return tuple(g if d is None else jax.lax.dynamic_slice_in_dim(g, m * (g.shape[d] // M), g.shape[d] // M, d)
-                         for g, d in zip(grads, dims))
+            wg = self._group_scatter(whole, wdims, self.param_slots, wshapes, rows["stages"])
+            for p, g, d in zip(whole, wg, wdims):        # the (stage, data) block -> this device's model part
+                out[p] = g if d is None else jax.lax.dynamic_slice_in_dim(g, m * (g.shape[d] // M), g.shape[d] // M, d)
+            for p, g in zip(split, self._group_scatter(split, sdims, mslots, sshapes, rows["model"][:, 0])):
+                out[p] = g
+            return tuple(out)
 
         fn = jax.shard_map(body, mesh=self.mesh, in_specs=({"stages": P(STAGE), "model": P(STAGE, MODEL)},),
                            out_specs=tuple(self.param_spec_list()), check_vma=False)
         return lambda rows: jax.tree.unflatten(tree, list(fn(rows)))
-
-    def _flat(self, leaves, width):
-        flat = [x.reshape(-1).astype(self.param_dtype) for x in leaves]
-        row = jnp.concatenate(flat) if flat else jnp.zeros((0,), self.param_dtype)
-        return jnp.pad(row, (0, width - row.shape[0]))
 
     def gather_rows(self):
         """spread params (the caller's pytree) -> {"stages": [stages, width]} rows sharded over `stage`:
