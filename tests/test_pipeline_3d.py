@@ -105,3 +105,24 @@ def test_split_degrees_inside_a_pipeline_must_agree_and_divide(monkeypatch):
     loss_fn, params, batch = lm_model.lm(num_blocks=2, batch=8)
     with pytest.raises(wh.PlanError, match=r"split\(3\)"):
         wh.plan(loss_fn, params, batch, config=config)
+
+
+def test_a_3d_checkpoint_restores_under_data_parallelism(split_lm, tmp_path):
+    """The 3D storage (model blocks spread over stage and data) saves the caller's pytree: restored under
+    plain data parallelism, the parameters and Adam's moments are the 3D plan's, bit for bit."""
+    loss_fn, params, batch = split_lm
+    config = wh.Config(auto_parallel=True, num_task_graph=2, num_micro_batch=2)
+    three_d = wh.parallelize(loss_fn, adam(), config=config)
+    state = three_d.init(params, batch)
+    for _ in range(2):
+        state, _ = three_d(state, batch)
+    dp = wh.parallelize(loss_fn, adam())
+    with wh.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.save(three_d, state)
+        manager.wait_until_finished()
+        restored = manager.restore(dp, params, batch)
+    for a, b in zip(jax.tree.leaves(dp.params(restored)), jax.tree.leaves(three_d.params(state))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    mu = lambda s: [x for x in jax.tree.leaves(s) if getattr(x, "ndim", 0) >= 1]   # noqa: E731
+    for a, b in zip(mu(restored.opt_state), mu(state.opt_state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
