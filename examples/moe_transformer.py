@@ -25,7 +25,7 @@ the summary report both. The data are the learnable second-order Markov chain of
 
     python examples/moe_transformer.py                     # ~1 min on 2 CPU cores
     python examples/moe_transformer.py --top-k 1 --capacity 1.0
-    python examples/moe_transformer.py --check             # also trains single-device and compares
+    python examples/moe_transformer.py --check             # also trains single-device, compares, exits 1 if not equal
 
 On CPU the script simulates `--devices` devices unless XLA_FLAGS already sets a device count.
 """
@@ -57,7 +57,11 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
     p.add_argument("--devices", type=int, default=8, help="devices; simulated on CPU")
     p.add_argument("--branching", type=int, default=3, help="possible next tokens per context in the data")
-    p.add_argument("--check", action="store_true", help="also train on one device and compare the parameters")
+    p.add_argument("--check", action="store_true",
+                   help="also train on one device and compare the parameters; exit 1 if they differ")
+    p.add_argument("--check-steps", type=int, default=5, help="Adam steps of the --check comparison")
+    p.add_argument("--check-tol", type=float, default=1e-4, help="largest accepted relative parameter error")
+    p.add_argument("--perturb", action="store_true", help=argparse.SUPPRESS)   # tests: a deliberately wrong plan
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.experts % args.devices:
@@ -86,6 +90,7 @@ import whalex as wh  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pipeline_transformer import INIT, MLP, CausalSelfAttention, Embeddings, MarkovTokens  # noqa: E402
+import single_device_check  # noqa: E402
 
 
 class MoEBlock(nn.Module):
@@ -198,39 +203,17 @@ def main(args) -> dict:
           f"last {k} steps {mean('z_loss', history[-k:]) / layers:.4f}")
     result = {"history": history, "state": state, "step": step}
     if args.check:
-        result["max_rel_err"] = check(args, loss_fn, params, data, cluster)
+        result["max_rel_err"], result["check_ok"] = check(args, loss_fn, params, data, cluster)
     return result
 
 
-def check(args, loss_fn, params, data, cluster, steps: int = 5) -> float:
-    """Train the same model with whalex and on one device for a few steps; compare parameters.
-
-    Adam's eps is raised to 1e-4 for the comparison: with eps=1e-8 an element whose true gradient
-    is ~1e-9 moves by ~lr on float reassociation noise alone (DESIGN.md section 4), which measures
-    the optimizer, not the plan (measured here: 5e-4 with eps=1e-8, 4e-6 with eps=1e-4).
-    """
-    optimizer = optax.adam(args.lr, eps=1e-4)
-    step = wh.parallelize(loss_fn, optimizer, has_aux=True, cluster=cluster)
-    batches = [data.batch(args.batch, args.seq) for _ in range(steps)]
-    state = step.init(params, batches[0])
-    ref_p, ref_o = params, optimizer.init(params)
-
-    @jax.jit
-    def ref_step(p, o, b):
-        (_, _), g = jax.value_and_grad(loss_fn, has_aux=True)(p, b)
-        u, o = optimizer.update(g, o, p)
-        return optax.apply_updates(p, u), o
-
-    for b in batches:
-        state, _ = step(state, b)
-        ref_p, ref_o = ref_step(ref_p, ref_o, b)
-    errs = jax.tree.map(lambda a, r: float(np.max(np.abs(np.asarray(a) - np.asarray(r))) /
-                                           max(float(np.max(np.abs(np.asarray(r)))), 1e-30)), step.params(state), ref_p)
-    worst = max(jax.tree.leaves(errs))
-    print(f"check: after {steps} Adam steps the parameters match single-device training to {worst:.2e} "
-          "(max |a-b| / max |b| over leaves)")
-    return worst
+def check(args, loss_fn, params, data, cluster) -> tuple[float, bool]:
+    """Train the same model with whalex and on one device for --check-steps steps; compare parameters."""
+    batches = [data.batch(args.batch, args.seq) for _ in range(args.check_steps)]
+    worst = single_device_check.compare(loss_fn, params, batches, args.lr, has_aux=True, perturb=args.perturb,
+                                        cluster=cluster)
+    return worst, single_device_check.verdict(worst, args.check_tol, args.check_steps)
 
 
 if __name__ == "__main__":
-    main(ARGS)
+    single_device_check.exit_status(main(ARGS))
