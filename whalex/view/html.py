@@ -92,7 +92,8 @@ def _count(section: Section) -> str:
     rows = sum(len(x.rows) for x in section.items("html") if isinstance(x, Table))
     lines = sum(1 for x in section.items("html") if isinstance(x, Line))
     n = rows or lines
-    return f' <span class="wx-count">({n} {"rows" if rows else "lines"})</span>' if section.collapsed and n else ""
+    noun = ("row" if rows else "line") + ("" if n == 1 else "s")
+    return f' <span class="wx-count">({n} {noun})</span>' if section.collapsed and n else ""
 
 
 def render(sections: tuple[Section, ...], picture_png: bytes | None = None, subtitle: str = "") -> str:

@@ -57,6 +57,14 @@ def _kinds(plan) -> tuple[str, ...]:
     return tuple(plan.cluster.kinds[: _used(plan)])
 
 
+def _legend_on_top(ax, handles=None) -> None:
+    """A one-row legend inside the top of the axes, with headroom so that it covers no bar."""
+    lo, hi = ax.get_ylim()
+    ax.set_ylim(lo, hi + 0.3 * (hi - lo))
+    kw = {"handles": handles} if handles is not None else {}
+    ax.legend(**kw, fontsize=8, loc="upper center", ncol=5, frameon=False, columnspacing=1.0, handlelength=1.5)
+
+
 def draw_mesh(ax, plan, colors) -> None:
     names, sizes = plan.layout.axis_names, plan.layout.axis_sizes
     kinds = _kinds(plan)
@@ -83,8 +91,8 @@ def draw_mesh(ax, plan, colors) -> None:
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(f"Device mesh: {n} devices, coloured by kind", fontsize=10)
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in colors.items()], loc="upper center",
-              bbox_to_anchor=(0.5, -0.12 if xlabel else -0.02), ncol=min(len(colors), 4), fontsize=8, frameon=False)
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in colors.items()], loc="center left",
+              bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
     ax.set_label("mesh")
 
 
@@ -97,9 +105,8 @@ def draw_loads(ax, plan, colors) -> None:
         ax.bar(np.array(ids) + 0.2, even, 0.4, color="none", edgecolor="#888888", hatch="//", label="even")
         ax.bar(np.array(ids) - 0.2, load, 0.4, color=[colors.get(d.kind, KIND_COLORS[0]) for d in r.devices],
                label="load")
-        ax.legend(handles=[Patch(color="#888888", label="balanced (colour: kind)"),
-                           Patch(facecolor="none", edgecolor="#888888", hatch="//", label="even plan")],
-                  fontsize=8, loc="lower right")
+        _legend_on_top(ax, [Patch(color="#888888", label="balanced (colour: kind)"),
+                            Patch(facecolor="none", edgecolor="#888888", hatch="//", label="even plan")])
         what = "batch rows" if r.kind.startswith("batch") else r.kind
         ax.set_title(f"Load per device: {what}, {'balanced' if r.applied else 'even (not balanced)'}", fontsize=10)
         ax.set_ylabel(f"{what} per step")
@@ -124,9 +131,8 @@ def draw_time(ax, plan, colors) -> None:
         ax.bar(ids + 0.2, [t / unit for t in p.even_times], 0.4, color="none", edgecolor="#888888",
                hatch="//", label="even")
         ax.bar(ids - 0.2, [t / unit for t in p.device_times], 0.4, color=cs, label="predicted")
-        ax.legend(handles=[Patch(color="#888888", label="balanced"),
-                           Patch(facecolor="none", edgecolor="#888888", hatch="//", label="even plan")],
-                  fontsize=8, loc="lower right")
+        _legend_on_top(ax, [Patch(color="#888888", label="balanced (colour: kind)"),
+                            Patch(facecolor="none", edgecolor="#888888", hatch="//", label="even plan")])
     else:
         ax.bar(ids, [t / unit for t in p.device_times], 0.6, color=cs, label="predicted")
     ax.axhline(p.step_time / unit, color="#444444", linestyle="--", linewidth=1)
@@ -157,11 +163,11 @@ def draw_memory(ax, plan, colors) -> None:
         lo, hi = min(caps, default=0), max(caps, default=0)
         used = max((t / c for t, c in zip(totals, caps) if c), default=0.0)
         span = fmt_bytes(lo) if lo == hi else f"{fmt_bytes(lo)} to {fmt_bytes(hi)}"
-        note = f"capacity {span}, at most {100 * used:.2g}% used"
+        note = f"capacity {span}, {100 * used:.1g}% used"
     ax.set_title(f"Memory per device ({note})", fontsize=10)
     ax.set_ylabel(name)
     ax.set_xlabel("device")
-    ax.legend(fontsize=8, loc="lower right", ncol=2)
+    _legend_on_top(ax)
     ax.set_label("memory")
 
 
@@ -213,7 +219,7 @@ def draw_traffic(ax, plan) -> None:
     ax.set_yticks(range(len(tgs)), [t.name + " " + t.strategy for t in plan.task_graphs])
     ax.invert_yaxis()
     ax.set_xlabel(f"{name} per step and device")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
 
 
 def plot(plan, width: float = 12.0) -> Figure:
