@@ -20,8 +20,9 @@ for i, cell in enumerate(cells):
     if last is None:
         continue
     value = eval(compile(ast.Expression(last.value), f"<cell {i + 1}>", "eval"), ns)
-    if hasattr(value, "_repr_html_"):
-        shown = f"html {len(value._repr_html_())}"
+    html = value._repr_html_() if hasattr(value, "_repr_html_") else None   # None: Jupyter tries the next format
+    if html is not None:
+        shown = f"html {len(html)}"
     elif hasattr(value, "savefig"):
         buf = io.BytesIO()
         value.savefig(buf, format="png")
