@@ -65,7 +65,9 @@ def parse_args(argv=None):
     p.add_argument("--perturb", action="store_true", help=argparse.SUPPRESS)   # tests: a deliberately wrong plan
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    for name in ("classes", "steps", "batch", "image_size", "width", "devices"):
+    if args.steps < (0 if args.check else 1):
+        p.error("--steps must be at least 1 (0 only with --check: the comparison alone)")
+    for name in ("classes", "batch", "image_size", "width", "devices"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.batch % args.devices:
@@ -243,6 +245,8 @@ def main(args) -> dict:
           f"{n_params:,} parameters ({n_head:,} in the classifier head), {jax.device_count()} "
           f"{jax.devices()[0].platform} device(s)")
 
+    if args.steps == 0:                                        # --check --steps 0: the comparison alone
+        return check(args, {}, loss_fn, params, data)
     step = wh.parallelize(loss_fn, optax.adam(args.lr), has_aux=True)
     t0 = time.perf_counter()
     state = step.init(params, example)
@@ -277,9 +281,13 @@ def main(args) -> dict:
           f"(always guessing the most frequent class: {data.probs.max():.3f})")
     print(f"final loss: {losses[-1]:.4f}")
     result = {"losses": losses, "accuracies": accuracies, "state": state, "plan": step.plan}
+    return check(args, result, loss_fn, model.init(jax.random.key(args.seed), example["image"])["params"], data)
+
+
+def check(args, result: dict, loss_fn, params, data) -> dict:
+    """--check: whalex and one device train from `params` for --check-steps steps; the verdict in `result`."""
     if args.check:
         batches = [data.batch(args.batch) for _ in range(args.check_steps)]
-        params = model.init(jax.random.key(args.seed), example["image"])["params"]
         worst = single_device_check.compare(loss_fn, params, batches, args.lr, has_aux=True, perturb=args.perturb)
         result["max_rel_err"] = worst
         result["check_ok"] = single_device_check.verdict(worst, args.check_tol, args.check_steps)

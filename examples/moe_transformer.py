@@ -64,6 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--perturb", action="store_true", help=argparse.SUPPRESS)   # tests: a deliberately wrong plan
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.steps < (0 if args.check else 1):
+        p.error("--steps must be at least 1 (0 only with --check: the comparison alone)")
     if args.experts % args.devices:
         p.error(f"--experts {args.experts} must be a multiple of --devices {args.devices} (experts per device)")
     if args.batch % args.devices:
@@ -173,6 +175,8 @@ def main(args) -> dict:
     print(f"annotations (Example 5): set_default_strategy(replicate({args.devices})), experts under "
           f"split({args.devices}): {args.experts // args.devices} expert(s) per device")
 
+    if args.steps == 0:                                        # --check --steps 0: the comparison alone
+        return check(args, {}, loss_fn, params, data, cluster)
     optimizer = optax.adam(args.lr)
     step = wh.parallelize(loss_fn, optimizer, has_aux=True, cluster=cluster)
     t0 = time.perf_counter()
@@ -202,17 +206,18 @@ def main(args) -> dict:
           f"{mean('aux_loss', history[-k:]) / layers:.4f} (1.0 = perfectly balanced); router z-loss per layer, "
           f"last {k} steps {mean('z_loss', history[-k:]) / layers:.4f}")
     result = {"history": history, "state": state, "step": step}
+    return check(args, result, loss_fn, params, data, cluster)
+
+
+def check(args, result: dict, loss_fn, params, data, cluster) -> dict:
+    """--check: whalex and one device train from `params` for --check-steps steps; the verdict in `result`."""
     if args.check:
-        result["max_rel_err"], result["check_ok"] = check(args, loss_fn, params, data, cluster)
+        batches = [data.batch(args.batch, args.seq) for _ in range(args.check_steps)]
+        worst = single_device_check.compare(loss_fn, params, batches, args.lr, has_aux=True, perturb=args.perturb,
+                                            cluster=cluster)
+        result["max_rel_err"] = worst
+        result["check_ok"] = single_device_check.verdict(worst, args.check_tol, args.check_steps)
     return result
-
-
-def check(args, loss_fn, params, data, cluster) -> tuple[float, bool]:
-    """Train the same model with whalex and on one device for --check-steps steps; compare parameters."""
-    batches = [data.batch(args.batch, args.seq) for _ in range(args.check_steps)]
-    worst = single_device_check.compare(loss_fn, params, batches, args.lr, has_aux=True, perturb=args.perturb,
-                                        cluster=cluster)
-    return worst, single_device_check.verdict(worst, args.check_tol, args.check_steps)
 
 
 if __name__ == "__main__":

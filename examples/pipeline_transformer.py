@@ -81,7 +81,9 @@ def parse_args(argv=None):
     p.add_argument("--perturb", action="store_true", help=argparse.SUPPRESS)   # tests: a deliberately wrong plan
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    for name in ("layers", "d_model", "heads", "seq", "vocab", "batch", "micro_batches", "stages", "steps",
+    if args.steps < (0 if args.check else 1):
+        p.error("--steps must be at least 1 (0 only with --check: the comparison alone)")
+    for name in ("layers", "d_model", "heads", "seq", "vocab", "batch", "micro_batches", "stages",
                  "devices", "branching"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -333,6 +335,8 @@ def main(args) -> dict:
         print(f"annotations: {args.stages} x wh.replicate(1), blocks per stage {stage_blocks(args.layers, args.stages)}"
               " (embeddings in the first stage, head and loss in the last)")
 
+    if args.steps == 0:                                        # --check --steps 0: the comparison alone
+        return check(args, {}, loss_fn, params, data, config, cluster)
     step = wh.parallelize(loss_fn, make_optimizer(args), config=config, cluster=cluster)
     t0 = time.perf_counter()
     state = step.init(params, example)
@@ -362,9 +366,14 @@ def main(args) -> dict:
           f"{np.log(args.vocab):.4f}; the Markov chain itself = {np.mean(optimal[-k:]):.4f})")
     print(f"final loss: {losses[-1]:.4f}")
     result = {"losses": losses, "state": state, "step": step, "model": model, "loss_fn": loss_fn}
+    params = model.init(jax.random.key(args.seed), example["inputs"], example["targets"])["params"]
+    return check(args, result, loss_fn, params, data, config, cluster)
+
+
+def check(args, result: dict, loss_fn, params, data, config, cluster) -> dict:
+    """--check: whalex and one device train from `params` for --check-steps steps; the verdict in `result`."""
     if args.check:
         batches = [data.batch(args.batch, args.seq) for _ in range(args.check_steps)]
-        params = model.init(jax.random.key(args.seed), example["inputs"], example["targets"])["params"]
         worst = single_device_check.compare(loss_fn, params, batches, args.lr, has_aux=False, perturb=args.perturb,
                                             config=config, cluster=cluster)
         result["max_rel_err"] = worst

@@ -2,7 +2,8 @@
 
 The hidden `--perturb` flag doubles the whalex side's learning rate: the parameters then leave
 single-device training's by ~1e-2, far past the 1e-4 tolerance. The scripts run as `__main__`
-(runpy, in this process: the 8 simulated devices are already there) on tiny sizes.
+(runpy, in this process: the 8 simulated devices are already there) on tiny sizes, with `--steps 0`
+(the comparison alone). That the check passes on the right plan: tests/test_moe.py (the MoE example).
 """
 import runpy
 import sys
@@ -21,7 +22,7 @@ TINY = {
 
 
 def _run(monkeypatch, script, *flags):
-    monkeypatch.setattr(sys, "argv", [str(EXAMPLES / script), *TINY[script], "--steps", "1", "--check",
+    monkeypatch.setattr(sys, "argv", [str(EXAMPLES / script), *TINY[script], "--steps", "0", "--check",
                                       "--check-steps", "2", *flags])
     runpy.run_path(str(EXAMPLES / script), run_name="__main__")
 
@@ -33,8 +34,3 @@ def test_check_fails_on_a_wrong_plan(monkeypatch, capsys, script):
     assert exit_.value.code not in (0, None)                    # sys.exit(message): status 1
     assert "check failed" in str(exit_.value.code)
     assert "FAILED" in capsys.readouterr().out
-
-
-def test_check_passes_on_the_right_plan(monkeypatch, capsys):
-    _run(monkeypatch, "pipeline_transformer.py")                # no SystemExit: status 0
-    assert "passed" in capsys.readouterr().out
