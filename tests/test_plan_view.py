@@ -81,9 +81,14 @@ def _drawn(fig) -> np.ndarray:
     return np.asarray(canvas.buffer_rgba())
 
 
+@pytest.fixture(scope="module")
+def figures(plans):
+    return {name: plan.plot() for name, plan in plans.items()}
+
+
 @pytest.mark.parametrize("kind", KINDS)
-def test_plot_draws(plans, kind):
-    fig = plans[kind].plot()
+def test_plot_draws(figures, kind):
+    fig = figures[kind]
     image = _drawn(fig)
     assert image.shape[0] > 400 and image.shape[1] > 800 and image[..., :3].std() > 10   # not blank
     labels = {ax.get_label() for ax in fig.axes}
@@ -98,11 +103,11 @@ def _bars(fig, axes_label, container_label):
     return [p.get_height() for p in bars]
 
 
-def test_heterogeneous_per_device_bars_differ(plans):
-    fig = plans["heterogeneous"].plot()
+def test_heterogeneous_per_device_bars_differ(figures):
+    fig = figures["heterogeneous"]
     loads = _bars(fig, "loads", "load")
     assert len(loads) == 8 and loads[0] > loads[-1]                 # V100s take more rows than T4s
-    even = _bars(plans["hybrid"].plot(), "loads", "load")
+    even = _bars(figures["hybrid"], "loads", "load")
     assert len(set(even)) == 1                                      # the homogeneous plan is even
 
 

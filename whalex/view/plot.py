@@ -57,6 +57,13 @@ def _kinds(plan) -> tuple[str, ...]:
     return tuple(plan.cluster.kinds[: _used(plan)])
 
 
+def _device_axis(ax, n: int) -> None:
+    """x: one tick per device (up to 32 devices; matplotlib chooses beyond)."""
+    ax.set_xlabel("device")
+    if n <= 32:
+        ax.set_xticks(range(n))
+
+
 def _legend_on_top(ax, handles=None) -> None:
     """A one-row legend inside the top of the axes, with headroom so that it covers no bar."""
     lo, hi = ax.get_ylim()
@@ -117,7 +124,7 @@ def draw_loads(ax, plan, colors) -> None:
                label="load")
         ax.set_title(f"Batch rows per device (global batch {plan.global_batch})", fontsize=10)
         ax.set_ylabel("rows per step")
-    ax.set_xlabel("device")
+    _device_axis(ax, len(r.devices) if r is not None else len(plan.batch_sizes))
     ax.set_label("loads")
 
 
@@ -138,7 +145,7 @@ def draw_time(ax, plan, colors) -> None:
     ax.axhline(p.step_time / unit, color="#444444", linestyle="--", linewidth=1)
     ax.set_title(f"Predicted compute per step (step: slowest device, {fmt_time(p.step_time)})", fontsize=10)
     ax.set_ylabel(name)
-    ax.set_xlabel("device")
+    _device_axis(ax, len(ids))
     ax.set_label("time")
 
 
@@ -166,7 +173,7 @@ def draw_memory(ax, plan, colors) -> None:
         note = f"capacity {span}, {100 * used:.1g}% used"
     ax.set_title(f"Memory per device ({note})", fontsize=10)
     ax.set_ylabel(name)
-    ax.set_xlabel("device")
+    _device_axis(ax, len(mem))
     _legend_on_top(ax)
     ax.set_label("memory")
 
