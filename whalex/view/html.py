@@ -61,6 +61,7 @@ body.vscode-dark .wx-plan {              /* VS Code notebooks say their theme wi
 .wx-plan pre { font-family: var(--wx-code); font-size: 12px; background: var(--wx-stripe); color: var(--wx-fg);
   border: 1px solid var(--wx-border); padding: 6px 8px; overflow-x: auto; margin: 4px 0; }
 .wx-plan .wx-caption { color: var(--wx-muted); font-size: 12px; }
+.wx-plan th .wx-unit { font-weight: 400; color: var(--wx-muted); font-size: 11px; }
 .wx-plan img { max-width: 100%; height: auto; background: #ffffff; border-radius: 4px; }
 """
 
@@ -71,7 +72,9 @@ def _table(t: Table, facts: bool = False) -> str:
         rows = "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in t.rows)
         return f'<table class="wx-facts"><tbody>{rows}</tbody></table>'
     cls = ['class="wx-num"' if n else "" for n in t.numeric]
-    head = "".join(f"<th {c}>{esc(h)}</th>" for c, h in zip(cls, t.columns))
+    units = t.units or ("",) * len(t.columns)
+    head = "".join(f"<th {c}>{esc(h)}" + (f'<br><span class="wx-unit">{esc(u)}</span>' if u else "") + "</th>"
+                   for c, h, u in zip(cls, t.columns, units))
     body = "".join("<tr>" + "".join(f"<td {c}>{esc(v)}</td>" for c, v in zip(cls, r)) + "</tr>" for r in t.rows)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 

@@ -35,6 +35,7 @@ class Table:
     numeric: tuple[bool, ...]    # per column: right-aligned in HTML (numbers with units)
     where: str = "both"
     facts: bool = False          # a label | value grid (HTML shows labels as row headers)
+    units: tuple[str, ...] = ()  # per column: the unit of bare numbers, shown under the HTML heading
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +58,11 @@ class Section:
         return tuple(x for x in self.body if x.where in ("both", where))
 
 
-def _table(columns, rows, numeric) -> Table:
-    numeric = tuple(c in numeric for c in columns)
-    return Table(tuple(columns), tuple(tuple(r) for r in rows), numeric)
+def _table(columns, rows, numeric, units=None) -> Table:
+    """A table; `numeric` names the right-aligned columns, `units` maps a column to its unit."""
+    units = units or {}
+    return Table(tuple(columns), tuple(tuple(r) for r in rows), tuple(c in numeric for c in columns),
+                 units=tuple(units.get(c, "") for c in columns))
 
 
 def speed_lines(cluster) -> list[str]:
@@ -126,7 +129,9 @@ def taskgraphs(plan) -> Section:
              fmt_devices(t.devices), str(t.nested_dp), f"{t.num_params:,}", fmt_flops(t.flops),
              fmt_bytes(t.comm_bytes)] for t in plan.task_graphs]
     numeric = {"devices/replica", "nested DP", "params", "FLOPs (fwd+bwd)", "comm/device"}
-    return Section("taskgraphs", "TaskGraphs", (_table(TASKGRAPH_COLUMNS, rows, numeric),))
+    units = {"devices/replica": "devices", "devices": "indices", "nested DP": "replicas", "params": "elements",
+             "FLOPs (fwd+bwd)": "per step", "comm/device": "per step"}
+    return Section("taskgraphs", "TaskGraphs", (_table(TASKGRAPH_COLUMNS, rows, numeric, units),))
 
 
 def speeds(plan) -> Section | None:
@@ -158,10 +163,13 @@ def balance(plan, report, key: str) -> Section:
     rows = [[str(d.device), d.kind, fmt_speed(d.speed, d.spread), str(d.even_rows), str(d.rows),
              fmt_time(d.time), fmt_bytes(d.memory), fmt_bytes(d.capacity)] for d in r.devices]
     numeric = {"device", "capacity", "even", "balanced", "predicted time", "predicted memory", "memory"}
+    load = "rows" if r.kind.startswith("batch") else r.kind.split()[0]
+    units = {"capacity": "speed", "even": load, "balanced": load, "predicted time": "compute per step",
+             "memory": "capacity"}
     tail = (f"predicted step compute: even {fmt_time(r.even_time)}, balanced "
             f"{fmt_time(r.balanced_time)} ({r.predicted_speedup:.2f}x)")
     return Section(key, f"Hardware-aware balance of the {r.kind}",
-                   (Line(head), _table(BALANCE_COLUMNS, rows, numeric), Line(tail, 1)))
+                   (Line(head), _table(BALANCE_COLUMNS, rows, numeric, units), Line(tail, 1)))
 
 
 def experts(plan) -> Section | None:
@@ -207,7 +215,8 @@ def devices(plan) -> Section:
                      fmt_bytes(m.host), fmt_bytes(m.capacity)])
     numeric = set(MEMORY_COLUMNS) - {"devices", "kind"}
     return Section("devices", "Per device: batch rows and memory",
-                   (Line("per device:", where="text"), _table(MEMORY_COLUMNS, rows, numeric)))
+                   (Line("per device:", where="text"),
+                    _table(MEMORY_COLUMNS, rows, numeric, {"batch": "rows", "host": "pinned", "capacity": "device"})))
 
 
 def host_lines(plan) -> list[str]:
