@@ -238,7 +238,7 @@ def main(args) -> dict:
     data = SyntheticImages(args.classes, args.image_size, args.noise, args.seed, args.zipf)
     model, loss_fn = build_model(args.devices, args.classes, args.width)
     example = data.batch(args.batch)
-    params = model.init(jax.random.key(args.seed), example["image"])["params"]
+    params = jax.jit(model.init)(jax.random.key(args.seed), example["image"])["params"]   # jit: eager init compiles op by op
     n_params = sum(x.size for x in jax.tree.leaves(params))
     n_head = sum(x.size for x in jax.tree.leaves(params["ClassifierHead_0"]))
     print(f"{args.classes:,} classes, {args.image_size}x{args.image_size} images, global batch {args.batch}, "
@@ -281,7 +281,8 @@ def main(args) -> dict:
           f"(always guessing the most frequent class: {data.probs.max():.3f})")
     print(f"final loss: {losses[-1]:.4f}")
     result = {"losses": losses, "accuracies": accuracies, "state": state, "plan": step.plan}
-    return check(args, result, loss_fn, model.init(jax.random.key(args.seed), example["image"])["params"], data)
+    params = jax.jit(model.init)(jax.random.key(args.seed), example["image"])["params"]
+    return check(args, result, loss_fn, params, data)
 
 
 def check(args, result: dict, loss_fn, params, data) -> dict:

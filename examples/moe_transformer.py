@@ -163,7 +163,7 @@ def main(args) -> dict:
     loss_fn = make_loss(model, args.aux_weight, args.z_weight)
     data = MarkovTokens(args.vocab, args.branching, args.seed)
     example = data.batch(args.batch, args.seq)
-    params = model.init(jax.random.key(args.seed), example["inputs"])["params"]
+    params = jax.jit(model.init)(jax.random.key(args.seed), example["inputs"])["params"]
     n_params = sum(x.size for x in jax.tree.leaves(params))
     n_expert = sum(x.size for path, x in jax.tree_util.tree_leaves_with_path(params)
                    if any(getattr(k, "key", "").startswith("moe_") for k in path) and x.ndim and

@@ -324,7 +324,7 @@ def main(args) -> dict:
     data = MarkovTokens(args.vocab, args.branching, args.seed)
     model, loss_fn, config = build(args)
     example = data.batch(args.batch, args.seq)
-    params = model.init(jax.random.key(args.seed), example["inputs"], example["targets"])["params"]
+    params = jax.jit(model.init)(jax.random.key(args.seed), example["inputs"], example["targets"])["params"]
     n_params = sum(x.size for x in jax.tree.leaves(params))
     print(f"GPT: {args.layers} blocks, d_model {args.d_model}, {args.heads} heads, vocab {args.vocab}, "
           f"seq {args.seq}, {n_params:,} parameters; global batch {args.batch} sequences, "
@@ -366,7 +366,7 @@ def main(args) -> dict:
           f"{np.log(args.vocab):.4f}; the Markov chain itself = {np.mean(optimal[-k:]):.4f})")
     print(f"final loss: {losses[-1]:.4f}")
     result = {"losses": losses, "state": state, "step": step, "model": model, "loss_fn": loss_fn}
-    params = model.init(jax.random.key(args.seed), example["inputs"], example["targets"])["params"]
+    params = jax.jit(model.init)(jax.random.key(args.seed), example["inputs"], example["targets"])["params"]
     return check(args, result, loss_fn, params, data, config, cluster)
 
 

@@ -14,16 +14,16 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 TINY = {
     "hybrid_classification.py": ["--classes", "64", "--image-size", "8", "--width", "8", "--batch", "16"],
-    "pipeline_transformer.py": ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq", "8", "--vocab", "16",
-                                "--batch", "16", "--micro-batches", "2", "--warmup", "0"],
-    "moe_transformer.py": ["--layers", "2", "--d-model", "16", "--heads", "2", "--experts", "8",
+    "pipeline_transformer.py": ["--layers", "1", "--stages", "2", "--d-model", "16", "--heads", "2", "--seq", "8",
+                                "--vocab", "16", "--batch", "16", "--micro-batches", "2", "--warmup", "0"],
+    "moe_transformer.py": ["--layers", "1", "--moe-every", "1", "--d-model", "16", "--heads", "2", "--experts", "8",
                            "--expert-hidden", "16", "--seq", "8", "--vocab", "16", "--batch", "16"],
 }
 
 
 def _run(monkeypatch, script, *flags):
     monkeypatch.setattr(sys, "argv", [str(EXAMPLES / script), *TINY[script], "--steps", "0", "--check",
-                                      "--check-steps", "2", *flags])
+                                      "--check-steps", "1", *flags])
     runpy.run_path(str(EXAMPLES / script), run_name="__main__")
 
 

@@ -69,7 +69,7 @@ def hybrid_problem():
     model = Hybrid()
     kx, ky, kp = jax.random.split(jax.random.key(0), 3)
     batch = {"x": jax.random.normal(kx, (64, 32)), "y": jax.random.randint(ky, (64,), 0, 2048)}
-    params = model.init(kp, batch["x"], batch["y"])["params"]
+    params = jax.jit(model.init)(kp, batch["x"], batch["y"])["params"]   # jit: eager init compiles op by op
     return (lambda p, b: model.apply({"params": p}, b["x"], b["y"])), params, batch
 
 
@@ -102,7 +102,7 @@ def moe_problem():
     model = MoEModel()
     kx, ky, kp = jax.random.split(jax.random.key(2), 3)
     batch = {"x": jax.random.normal(kx, (16, 8, 12)), "y": jax.random.normal(ky, (16, 8, 4))}
-    params = model.init(kp, batch["x"])["params"]
+    params = jax.jit(model.init)(kp, batch["x"])["params"]
 
     def loss_fn(p, b):
         out, updates = model.apply({"params": p}, b["x"], mutable=[wh.moe.layer.COLLECTION])
