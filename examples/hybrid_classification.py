@@ -30,6 +30,8 @@ the entropy of the label distribution: the best loss a model that ignores the im
 
     python examples/hybrid_classification.py                    # 8192 classes, ~1-2 min on 2 CPU cores
     python examples/hybrid_classification.py --classes 100000   # the paper's 100K-class head
+    python examples/hybrid_classification.py --check            # also trains on one device, compares
+                                                                # the parameters, exits 1 if they differ
 
 On CPU the script simulates `--devices` devices (XLA_FLAGS=--xla_force_host_platform_device_count)
 unless XLA_FLAGS already sets a device count.
@@ -56,9 +58,16 @@ def parse_args(argv=None):
     p.add_argument("--noise", type=float, default=0.5, help="noise std relative to the class signal")
     p.add_argument("--zipf", type=float, default=1.0,
                    help="class frequency ~ 1 / rank**zipf; 0 gives uniform labels")
+    p.add_argument("--check", action="store_true",
+                   help="also train on one device and compare the parameters; exit 1 if they differ")
+    p.add_argument("--check-steps", type=int, default=5, help="Adam steps of the --check comparison")
+    p.add_argument("--check-tol", type=float, default=1e-4, help="largest accepted relative parameter error")
+    p.add_argument("--perturb", action="store_true", help=argparse.SUPPRESS)   # tests: a deliberately wrong plan
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    for name in ("classes", "steps", "batch", "image_size", "width", "devices"):
+    if args.steps < (0 if args.check else 1):
+        p.error("--steps must be at least 1 (0 only with --check: the comparison alone)")
+    for name in ("classes", "batch", "image_size", "width", "devices"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.batch % args.devices:
@@ -92,6 +101,10 @@ import optax  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 import whalex as wh  # noqa: E402
+
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import single_device_check  # noqa: E402  (--check)
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,13 +238,15 @@ def main(args) -> dict:
     data = SyntheticImages(args.classes, args.image_size, args.noise, args.seed, args.zipf)
     model, loss_fn = build_model(args.devices, args.classes, args.width)
     example = data.batch(args.batch)
-    params = model.init(jax.random.key(args.seed), example["image"])["params"]
+    params = jax.jit(model.init)(jax.random.key(args.seed), example["image"])["params"]   # jit: eager init compiles op by op
     n_params = sum(x.size for x in jax.tree.leaves(params))
     n_head = sum(x.size for x in jax.tree.leaves(params["ClassifierHead_0"]))
     print(f"{args.classes:,} classes, {args.image_size}x{args.image_size} images, global batch {args.batch}, "
           f"{n_params:,} parameters ({n_head:,} in the classifier head), {jax.device_count()} "
           f"{jax.devices()[0].platform} device(s)")
 
+    if args.steps == 0:                                        # --check --steps 0: the comparison alone
+        return check(args, {}, loss_fn, params, data)
     step = wh.parallelize(loss_fn, optax.adam(args.lr), has_aux=True)
     t0 = time.perf_counter()
     state = step.init(params, example)
@@ -265,8 +280,20 @@ def main(args) -> dict:
           f"mean of last {k} steps {np.mean(accuracies[-k:]):.3f} "
           f"(always guessing the most frequent class: {data.probs.max():.3f})")
     print(f"final loss: {losses[-1]:.4f}")
-    return {"losses": losses, "accuracies": accuracies, "state": state, "plan": step.plan}
+    result = {"losses": losses, "accuracies": accuracies, "state": state, "plan": step.plan}
+    params = jax.jit(model.init)(jax.random.key(args.seed), example["image"])["params"]
+    return check(args, result, loss_fn, params, data)
+
+
+def check(args, result: dict, loss_fn, params, data) -> dict:
+    """--check: whalex and one device train from `params` for --check-steps steps; the verdict in `result`."""
+    if args.check:
+        batches = [data.batch(args.batch) for _ in range(args.check_steps)]
+        worst = single_device_check.compare(loss_fn, params, batches, args.lr, has_aux=True, perturb=args.perturb)
+        result["max_rel_err"] = worst
+        result["check_ok"] = single_device_check.verdict(worst, args.check_tol, args.check_steps)
+    return result
 
 
 if __name__ == "__main__":
-    main(ARGS)
+    single_device_check.exit_status(main(ARGS))

@@ -25,7 +25,7 @@ the summary report both. The data are the learnable second-order Markov chain of
 
     python examples/moe_transformer.py                     # ~1 min on 2 CPU cores
     python examples/moe_transformer.py --top-k 1 --capacity 1.0
-    python examples/moe_transformer.py --check             # also trains single-device and compares
+    python examples/moe_transformer.py --check             # also trains single-device, compares, exits 1 if not equal
 
 On CPU the script simulates `--devices` devices unless XLA_FLAGS already sets a device count.
 """
@@ -57,9 +57,15 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
     p.add_argument("--devices", type=int, default=8, help="devices; simulated on CPU")
     p.add_argument("--branching", type=int, default=3, help="possible next tokens per context in the data")
-    p.add_argument("--check", action="store_true", help="also train on one device and compare the parameters")
+    p.add_argument("--check", action="store_true",
+                   help="also train on one device and compare the parameters; exit 1 if they differ")
+    p.add_argument("--check-steps", type=int, default=5, help="Adam steps of the --check comparison")
+    p.add_argument("--check-tol", type=float, default=1e-4, help="largest accepted relative parameter error")
+    p.add_argument("--perturb", action="store_true", help=argparse.SUPPRESS)   # tests: a deliberately wrong plan
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.steps < (0 if args.check else 1):
+        p.error("--steps must be at least 1 (0 only with --check: the comparison alone)")
     if args.experts % args.devices:
         p.error(f"--experts {args.experts} must be a multiple of --devices {args.devices} (experts per device)")
     if args.batch % args.devices:
@@ -86,6 +92,7 @@ import whalex as wh  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pipeline_transformer import INIT, MLP, CausalSelfAttention, Embeddings, MarkovTokens  # noqa: E402
+import single_device_check  # noqa: E402
 
 
 class MoEBlock(nn.Module):
@@ -156,7 +163,7 @@ def main(args) -> dict:
     loss_fn = make_loss(model, args.aux_weight, args.z_weight)
     data = MarkovTokens(args.vocab, args.branching, args.seed)
     example = data.batch(args.batch, args.seq)
-    params = model.init(jax.random.key(args.seed), example["inputs"])["params"]
+    params = jax.jit(model.init)(jax.random.key(args.seed), example["inputs"])["params"]
     n_params = sum(x.size for x in jax.tree.leaves(params))
     n_expert = sum(x.size for path, x in jax.tree_util.tree_leaves_with_path(params)
                    if any(getattr(k, "key", "").startswith("moe_") for k in path) and x.ndim and
@@ -168,6 +175,8 @@ def main(args) -> dict:
     print(f"annotations (Example 5): set_default_strategy(replicate({args.devices})), experts under "
           f"split({args.devices}): {args.experts // args.devices} expert(s) per device")
 
+    if args.steps == 0:                                        # --check --steps 0: the comparison alone
+        return check(args, {}, loss_fn, params, data, cluster)
     optimizer = optax.adam(args.lr)
     step = wh.parallelize(loss_fn, optimizer, has_aux=True, cluster=cluster)
     t0 = time.perf_counter()
@@ -197,40 +206,19 @@ def main(args) -> dict:
           f"{mean('aux_loss', history[-k:]) / layers:.4f} (1.0 = perfectly balanced); router z-loss per layer, "
           f"last {k} steps {mean('z_loss', history[-k:]) / layers:.4f}")
     result = {"history": history, "state": state, "step": step}
+    return check(args, result, loss_fn, params, data, cluster)
+
+
+def check(args, result: dict, loss_fn, params, data, cluster) -> dict:
+    """--check: whalex and one device train from `params` for --check-steps steps; the verdict in `result`."""
     if args.check:
-        result["max_rel_err"] = check(args, loss_fn, params, data, cluster)
+        batches = [data.batch(args.batch, args.seq) for _ in range(args.check_steps)]
+        worst = single_device_check.compare(loss_fn, params, batches, args.lr, has_aux=True, perturb=args.perturb,
+                                            cluster=cluster)
+        result["max_rel_err"] = worst
+        result["check_ok"] = single_device_check.verdict(worst, args.check_tol, args.check_steps)
     return result
 
 
-def check(args, loss_fn, params, data, cluster, steps: int = 5) -> float:
-    """Train the same model with whalex and on one device for a few steps; compare parameters.
-
-    Adam's eps is raised to 1e-4 for the comparison: with eps=1e-8 an element whose true gradient
-    is ~1e-9 moves by ~lr on float reassociation noise alone (DESIGN.md section 4), which measures
-    the optimizer, not the plan (measured here: 5e-4 with eps=1e-8, 4e-6 with eps=1e-4).
-    """
-    optimizer = optax.adam(args.lr, eps=1e-4)
-    step = wh.parallelize(loss_fn, optimizer, has_aux=True, cluster=cluster)
-    batches = [data.batch(args.batch, args.seq) for _ in range(steps)]
-    state = step.init(params, batches[0])
-    ref_p, ref_o = params, optimizer.init(params)
-
-    @jax.jit
-    def ref_step(p, o, b):
-        (_, _), g = jax.value_and_grad(loss_fn, has_aux=True)(p, b)
-        u, o = optimizer.update(g, o, p)
-        return optax.apply_updates(p, u), o
-
-    for b in batches:
-        state, _ = step(state, b)
-        ref_p, ref_o = ref_step(ref_p, ref_o, b)
-    errs = jax.tree.map(lambda a, r: float(np.max(np.abs(np.asarray(a) - np.asarray(r))) /
-                                           max(float(np.max(np.abs(np.asarray(r)))), 1e-30)), step.params(state), ref_p)
-    worst = max(jax.tree.leaves(errs))
-    print(f"check: after {steps} Adam steps the parameters match single-device training to {worst:.2e} "
-          "(max |a-b| / max |b| over leaves)")
-    return worst
-
-
 if __name__ == "__main__":
-    main(ARGS)
+    single_device_check.exit_status(main(ARGS))

@@ -39,6 +39,7 @@ same curve as plain single-device training: the plan changes where the work runs
     python examples/pipeline_transformer.py                       # ~1-2 min on 2 CPU cores
     python examples/pipeline_transformer.py --schedule gpipe
     python examples/pipeline_transformer.py --auto                # whalex picks the stages
+    python examples/pipeline_transformer.py --check               # compare with one device; exit 1 if not equal
 
 On CPU the script simulates `--devices` devices (XLA_FLAGS=--xla_force_host_platform_device_count)
 unless XLA_FLAGS already sets a device count.
@@ -73,9 +74,16 @@ def parse_args(argv=None):
     p.add_argument("--auto", action="store_true",
                    help="no annotations in the model: auto_parallel=True, num_task_graph=--stages")
     p.add_argument("--branching", type=int, default=3, help="possible next tokens per context in the data")
+    p.add_argument("--check", action="store_true",
+                   help="also train on one device and compare the parameters; exit 1 if they differ")
+    p.add_argument("--check-steps", type=int, default=5, help="Adam steps of the --check comparison")
+    p.add_argument("--check-tol", type=float, default=1e-4, help="largest accepted relative parameter error")
+    p.add_argument("--perturb", action="store_true", help=argparse.SUPPRESS)   # tests: a deliberately wrong plan
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    for name in ("layers", "d_model", "heads", "seq", "vocab", "batch", "micro_batches", "stages", "steps",
+    if args.steps < (0 if args.check else 1):
+        p.error("--steps must be at least 1 (0 only with --check: the comparison alone)")
+    for name in ("layers", "d_model", "heads", "seq", "vocab", "batch", "micro_batches", "stages",
                  "devices", "branching"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -123,6 +131,10 @@ import optax  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 import whalex as wh  # noqa: E402
+
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import single_device_check  # noqa: E402  (--check)
 
 
 # --------------------------------------------------------------------------------------------
@@ -312,7 +324,7 @@ def main(args) -> dict:
     data = MarkovTokens(args.vocab, args.branching, args.seed)
     model, loss_fn, config = build(args)
     example = data.batch(args.batch, args.seq)
-    params = model.init(jax.random.key(args.seed), example["inputs"], example["targets"])["params"]
+    params = jax.jit(model.init)(jax.random.key(args.seed), example["inputs"], example["targets"])["params"]
     n_params = sum(x.size for x in jax.tree.leaves(params))
     print(f"GPT: {args.layers} blocks, d_model {args.d_model}, {args.heads} heads, vocab {args.vocab}, "
           f"seq {args.seq}, {n_params:,} parameters; global batch {args.batch} sequences, "
@@ -323,6 +335,8 @@ def main(args) -> dict:
         print(f"annotations: {args.stages} x wh.replicate(1), blocks per stage {stage_blocks(args.layers, args.stages)}"
               " (embeddings in the first stage, head and loss in the last)")
 
+    if args.steps == 0:                                        # --check --steps 0: the comparison alone
+        return check(args, {}, loss_fn, params, data, config, cluster)
     step = wh.parallelize(loss_fn, make_optimizer(args), config=config, cluster=cluster)
     t0 = time.perf_counter()
     state = step.init(params, example)
@@ -351,8 +365,21 @@ def main(args) -> dict:
           f"mean of last {k} steps {np.mean(losses[-k:]):.4f} (uniform guess ln({args.vocab}) = "
           f"{np.log(args.vocab):.4f}; the Markov chain itself = {np.mean(optimal[-k:]):.4f})")
     print(f"final loss: {losses[-1]:.4f}")
-    return {"losses": losses, "state": state, "step": step, "model": model, "loss_fn": loss_fn}
+    result = {"losses": losses, "state": state, "step": step, "model": model, "loss_fn": loss_fn}
+    params = jax.jit(model.init)(jax.random.key(args.seed), example["inputs"], example["targets"])["params"]
+    return check(args, result, loss_fn, params, data, config, cluster)
+
+
+def check(args, result: dict, loss_fn, params, data, config, cluster) -> dict:
+    """--check: whalex and one device train from `params` for --check-steps steps; the verdict in `result`."""
+    if args.check:
+        batches = [data.batch(args.batch, args.seq) for _ in range(args.check_steps)]
+        worst = single_device_check.compare(loss_fn, params, batches, args.lr, has_aux=False, perturb=args.perturb,
+                                            config=config, cluster=cluster)
+        result["max_rel_err"] = worst
+        result["check_ok"] = single_device_check.verdict(worst, args.check_tol, args.check_steps)
+    return result
 
 
 if __name__ == "__main__":
-    main(ARGS)
+    single_device_check.exit_status(main(ARGS))

@@ -25,6 +25,7 @@ LAYERS = (
     ("whalex.balance", "whalex.moe"),  # decides loads | MoE layers (the call names live in core)
     ("whalex.memory",),               # ZeRO, remat, precision, offload: functions of specs and policies
     ("whalex.lowering",),             # carries out a plan, decides nothing about balance
+    ("whalex.view",),                 # the Plan's text, HTML, pictures, timing: functions of a Plan given to them
     ("whalex.plan",),                 # the Plan (data) and its views
     ("whalex.planner",),              # calls balance, hands its decisions to lowering, builds the Plan
     ("whalex.api",),                  # the public face
@@ -44,6 +45,8 @@ FORBIDDEN = {
 OPTIONAL = {"matplotlib", "IPython"}
 # ... and deliberate lazy imports, by (file, module): the reason.
 LAZY = {
+    ("whalex/plan.py", "whalex.view.plot"):
+        "Plan.plot and the HTML picture load matplotlib on first use: it adds ~0.55 s to `import whalex` (~2 s)",
     ("whalex/distributed.py", "jax"):
         "the process group is joined from os.environ before JAX is imported (import whalex joins first)",
     ("whalex/distributed.py", "whalex._compat"):

@@ -75,7 +75,8 @@ def resolve_count(strategy: Strategy, num_devices: int) -> int:
     if n > num_devices:
         raise PlanError(
             f"wh.{strategy.label()} asks for {n} devices but the cluster has {num_devices}; lower the "
-            f"device_count to at most {num_devices}, or leave it out to use every device.")
+            f"device_count to at most {num_devices}, or leave it out to use every device. On CPU, simulate {n} "
+            f"devices: set XLA_FLAGS=--xla_force_host_platform_device_count={n} before jax is imported.")
     if num_devices % n:
         raise PlanError(
             f"wh.{strategy.label()} asks for {n} devices, which does not divide the cluster's "

@@ -66,7 +66,9 @@ def _pipelinable(cap, groups, num_devices: int) -> int | None:
     if num_devices % (n * len(groups)):
         raise PlanError(
             f"{len(groups)} pipeline stages of {n} device(s) need a multiple of {n * len(groups)} devices, but the "
-            f"cluster has {num_devices}; use a stage count that divides it or fewer devices per stage.")
+            f"cluster has {num_devices}; use a stage count that divides it or fewer devices per stage"
+            + (f"; on CPU, simulate them: set XLA_FLAGS=--xla_force_host_platform_device_count={n * len(groups)} "
+               "before jax is imported." if num_devices < n * len(groups) else "."))
     return n
 
 

@@ -1,0 +1,296 @@
+"""What a plan says, as data: titled sections of lines and tables.
+
+`plan.summary()` (text) and `plan._repr_html_()` (notebooks) both render `sections(plan)`, so the
+two cannot drift. A body item says where it shows: "both" (the default), "text" only (a heading
+line whose words the HTML section title already gives) or "html" only (a fact grid, the schedule's
+text picture, the traffic of each collective).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from whalex.lowering.schedules import render as render_schedule
+from whalex.memory.remat import summary_lines
+from whalex.view.format import fmt_bytes, fmt_devices, fmt_flops, fmt_pct, fmt_speed, fmt_time
+
+TASKGRAPH_COLUMNS = ("TaskGraph", "strategy", "devices/replica", "devices", "nested DP", "params",
+                     "FLOPs (fwd+bwd)", "comm/device")
+PATTERN_COLUMNS = ("TaskGraph", "unit", "parameter", "pattern", "candidate costs")
+MEMORY_COLUMNS = ("devices", "kind", "batch", "params", "grads", "opt state", "activations", "host", "capacity")
+BALANCE_COLUMNS = ("device", "kind", "capacity", "even", "balanced", "predicted time", "predicted memory", "memory")
+TRAFFIC_COLUMNS = ("TaskGraph", "collective", "mesh axes", "bytes/device", "why")
+
+
+@dataclasses.dataclass(frozen=True)
+class Line:
+    text: str
+    indent: int = 0
+    where: str = "both"          # "both" | "text" | "html"
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    columns: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
+    numeric: tuple[bool, ...]    # per column: right-aligned in HTML (numbers with units)
+    where: str = "both"
+    facts: bool = False          # a label | value grid (HTML shows labels as row headers)
+    units: tuple[str, ...] = ()  # per column: the unit of bare numbers, shown under the HTML heading
+
+
+@dataclasses.dataclass(frozen=True)
+class Pre:
+    """Preformatted text (a picture made of characters), shown as is."""
+
+    text: str
+    caption: str
+    where: str = "html"
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    key: str                     # stable name: "overview", "taskgraphs", "pipeline", ...
+    title: str                   # the heading in HTML
+    body: tuple
+    collapsed: bool = False      # long detail: folded in HTML
+
+    def items(self, where: str) -> tuple:
+        return tuple(x for x in self.body if x.where in ("both", where))
+
+
+def _table(columns, rows, numeric, units=None) -> Table:
+    """A table; `numeric` names the right-aligned columns, `units` maps a column to its unit."""
+    units = units or {}
+    return Table(tuple(columns), tuple(tuple(r) for r in rows), tuple(c in numeric for c in columns),
+                 units=tuple(units.get(c, "") for c in columns))
+
+
+def speed_lines(cluster) -> list[str]:
+    """Calibrated speeds, one line per group of devices that the noise made equal: the common
+    speed, and the spread (or range of spreads) of the members' measurements."""
+    if cluster.measured is None:
+        return []
+    groups: dict[float, list[int]] = {}
+    for i, s in enumerate(cluster.measured):
+        groups.setdefault(s, []).append(i)
+    lines = ["calibrated speeds " + ("(median over timing rounds ± relative spread; speeds equal within the noise "
+                                     "are merged):" if cluster.spread is not None else "(given without a spread):")]
+    for speed, ids in sorted(groups.items(), key=lambda g: -g[0]):
+        text = f"  {fmt_speed(speed)} on device{'s' if len(ids) > 1 else ''} {fmt_devices(tuple(ids))}"
+        if cluster.spread is not None:
+            lo, hi = min(cluster.spread[i] for i in ids), max(cluster.spread[i] for i in ids)
+            text += f", spread ± {fmt_pct(lo)}" + (f" to {fmt_pct(hi)}" if hi > lo else "")
+        if cluster.overhead is not None:
+            text += f", fixed {fmt_time(cluster.overhead[ids[0]])} per step"
+        lines.append(text)
+    return lines
+
+
+def mesh_text(plan) -> str:
+    return " x ".join(f"{n}={s}" for n, s in zip(plan.layout.axis_names, plan.layout.axis_sizes))
+
+
+def _lines(texts, where="both") -> list[Line]:
+    """Lines as the summary prints them; a leading two-space indent becomes indent level 1."""
+    out = []
+    for t in texts:
+        indent = (len(t) - len(t.lstrip(" "))) // 2
+        out.append(Line(t[2 * indent:], indent, where))
+    return out
+
+
+# -- the sections, in the order the summary prints them -------------------------------------------
+def overview(plan) -> Section:
+    c = plan.cluster
+    kinds: dict[str, int] = {}
+    for k in c.kinds:
+        kinds[k] = kinds.get(k, 0) + 1
+    facts = [("cluster", repr(c)),
+             ("devices", ", ".join(f"{n} x {k}" for k, n in kinds.items())),
+             ("mesh", mesh_text(plan)),
+             ("global batch", f"{plan.global_batch} samples"),
+             ("micro-batches", str(plan.config.num_micro_batch)),
+             ("TaskGraphs", str(len(plan.task_graphs))),
+             ("collective traffic", f"{fmt_bytes(plan.predicted_comm_bytes)} per step and device")]
+    if plan.schedule is not None:
+        facts.append(("pipeline bubble", fmt_pct(plan.schedule.bubble_fraction)))
+    for r in (plan.balance, plan.head_balance):
+        if r is not None:
+            facts.append(("balance" if r is plan.balance else "head balance",
+                          f"{r.kind}: " + (f"predicted speedup {r.predicted_speedup:.2f}x" if r.applied else "even plan")))
+    header = (f"whalex plan: {c!r}, mesh ({mesh_text(plan)}), global batch {plan.global_batch}, "
+              f"{plan.config.num_micro_batch} micro-batch(es)")
+    facts_table = Table(("fact", "value"), tuple(facts), (False, False), where="html", facts=True)
+    return Section("overview", "Plan", (Line(header, where="text"), facts_table))
+
+
+def taskgraphs(plan) -> Section:
+    rows = [[t.name, t.strategy + ("" if t.annotated else " (default)"), str(t.device_count),
+             fmt_devices(t.devices), str(t.nested_dp), f"{t.num_params:,}", fmt_flops(t.flops),
+             fmt_bytes(t.comm_bytes)] for t in plan.task_graphs]
+    numeric = {"devices/replica", "nested DP", "params", "FLOPs (fwd+bwd)", "comm/device"}
+    units = {"devices/replica": "devices", "devices": "indices", "nested DP": "replicas", "params": "elements",
+             "FLOPs (fwd+bwd)": "per step", "comm/device": "per step"}
+    return Section("taskgraphs", "TaskGraphs", (_table(TASKGRAPH_COLUMNS, rows, numeric, units),))
+
+
+def speeds(plan) -> Section | None:
+    lines = speed_lines(plan.cluster)
+    return Section("speeds", "Calibrated speeds", tuple(_lines(lines))) if lines else None
+
+
+def pipeline(plan) -> Section | None:
+    s = plan.schedule
+    if s is None:
+        return None
+    reps = plan.layout.axis_sizes[0]
+    body = [Line(f"pipeline: {s.num_stages} stages x {reps} replica{'s' if reps > 1 else ''}, schedule "
+                 f"{s.name}, {s.num_micro_batch} micro-batches, {s.num_ticks} ticks, bubble "
+                 f"{s.bubble_fraction:.1%}, {s.slots} stashed micro-batch(es) per stage")]
+    for k, layers in enumerate(plan.stage_layers):
+        if layers:
+            body.append(Line(f"stage {k}: {len(layers)} layer{'s' if len(layers) > 1 else ''} "
+                             f"({', '.join(layers)})", 1))
+    body.append(Pre(render_schedule(s), "the schedule tick by tick (F: forward, B: backward of a micro-batch; "
+                                         ".. idle)"))
+    return Section("pipeline", "Pipeline schedule", tuple(body))
+
+
+def balance(plan, report, key: str) -> Section:
+    r = report
+    head = (f"hardware-aware balance of the {r.kind} ({'applied' if r.applied else 'not applied: even plan'}; "
+            f"speeds from the {r.source}; unit {r.unit}; Algorithm 1 moved {r.shifted} units for memory):")
+    rows = [[str(d.device), d.kind, fmt_speed(d.speed, d.spread), str(d.even_rows), str(d.rows),
+             fmt_time(d.time), fmt_bytes(d.memory), fmt_bytes(d.capacity)] for d in r.devices]
+    numeric = {"device", "capacity", "even", "balanced", "predicted time", "predicted memory", "memory"}
+    load = "rows" if r.kind.startswith("batch") else r.kind.split()[0]
+    units = {"capacity": "speed", "even": load, "balanced": load, "predicted time": "compute per step",
+             "memory": "capacity"}
+    tail = (f"predicted step compute: even {fmt_time(r.even_time)}, balanced "
+            f"{fmt_time(r.balanced_time)} ({r.predicted_speedup:.2f}x)")
+    return Section(key, f"Hardware-aware balance of the {r.kind}",
+                   (Line(head), _table(BALANCE_COLUMNS, rows, numeric, units), Line(tail, 1)))
+
+
+def experts(plan) -> Section | None:
+    lines = []
+    for e in getattr(getattr(plan.program, "sharding", None), "experts", ()):
+        a2a = sum(c.bytes for c in plan.comms if c.taskgraph == e.taskgraph and c.kind == "all-to-all")
+        n = plan.layout.axis_size(e.expert_axes)
+        lines.append(Line(f"expert parallelism: TG{e.taskgraph} experts over {'x'.join(e.expert_axes)} ({n} devices, "
+                          f"{e.experts_per_device} per device), tokens over {'x'.join(e.token_axes)}; all-to-all "
+                          f"dispatch and combine, {fmt_bytes(a2a)} per step and device"))
+    return Section("experts", "Expert parallelism", tuple(lines)) if lines else None
+
+
+def couplings(plan) -> Section | None:
+    if not plan.couplings:
+        return None
+    body = [Line("batch couplings of the loss (reductions over the batch, and how this plan computes them):")]
+    body += [Line(c, 1) for c in plan.couplings]
+    return Section("couplings", "Batch couplings of the loss", tuple(body), collapsed=len(body) > 4)
+
+
+def patterns(plan) -> Section | None:
+    rows = [[f"TG{p.taskgraph}", p.unit, p.param, p.pattern,
+             ", ".join(f"{k}={fmt_bytes(v)}" for k, v in p.costs)] for p in plan.patterns]
+    if not rows:
+        return None
+    return Section("patterns", "Sharding patterns",
+                   (Line("sharding patterns (least communication wins):", where="text"),
+                    Line("least communication wins", where="html"),
+                    _table(PATTERN_COLUMNS, rows, set())), collapsed=True)
+
+
+def devices(plan) -> Section:
+    rows = []
+    groups: dict = {}
+    for m, b in zip(plan.memory, plan.batch_sizes):
+        key = (m.kind, b, round(m.params), round(m.opt_state))
+        groups.setdefault(key, []).append(m)
+    for (kind, b, _, _), ms in groups.items():
+        m = ms[0]
+        rows.append([fmt_devices(tuple(x.device for x in ms)), kind, str(b), fmt_bytes(m.params),
+                     fmt_bytes(m.grads), fmt_bytes(m.opt_state), fmt_bytes(m.activations),
+                     fmt_bytes(m.host), fmt_bytes(m.capacity)])
+    numeric = set(MEMORY_COLUMNS) - {"devices", "kind"}
+    return Section("devices", "Per device: batch rows and memory",
+                   (Line("per device:", where="text"),
+                    _table(MEMORY_COLUMNS, rows, numeric, {"batch": "rows", "host": "pinned", "capacity": "device"})))
+
+
+def host_lines(plan) -> list[str]:
+    """Host RAM per node and device (what offload may use), and whether the offloaded state fits it."""
+    c = plan.cluster
+    if not c.nodes:
+        return []
+    used = len(plan.memory)
+    share = c.host_bytes[:used]
+    if min(share) == float("inf"):
+        return ["host memory: unknown (a device kind without a typical node; nothing bounds offload)"]
+    nodes = {(len(n), ram) for n, ram in zip(c.nodes, c.host_memory) if n[0] < used}
+    desc = ", ".join(f"{fmt_bytes(ram)} per node of {k} device{'s' if k > 1 else ''}" for k, ram in sorted(nodes))
+    lines = [f"host memory ({c.host_source}): {desc}; {fmt_bytes(min(share))} per device"]
+    worst = max(range(used), key=lambda d: plan.memory[d].host - share[d])
+    host = plan.memory[worst].host
+    if host > share[worst]:
+        lines.append(f"  does not fit: host memory is the limit (offload keeps {fmt_bytes(host)} per device on the "
+                     f"host, which holds {fmt_bytes(share[worst])} per device)")
+    elif host > 0:
+        lines.append(f"  offload keeps {fmt_bytes(host)} per device on the host: fits")
+    return lines
+
+
+def memory(plan) -> Section | None:
+    """Each memory optimization's share of the per-device memory (from the plan's shardings), host
+    memory and what offload keeps there, and a ZeRO level that found nothing to shard."""
+    shares = plan.memory[0].shares if plan.memory else ()
+    body: list = []
+    if shares:
+        body.append(Line("memory optimizations, per device:", where="text"))
+        width = max(len(x.component) for x in shares)
+        body += [Line(f"{x.component:<{width}}  {fmt_bytes(x.before)} -> {fmt_bytes(x.after)} ({x.by})", 1, "text")
+                 for x in shares]
+        body.append(Table(("component", "before", "after", "by"),
+                          tuple((x.component, fmt_bytes(x.before), fmt_bytes(x.after), x.by) for x in shares),
+                          (False, True, True, False), where="html"))
+    body += _lines(host_lines(plan))
+    level = plan.config.zero_level
+    if level and not any(x.by.startswith("zero") for x in shares):
+        why = ("the pipeline already stores parameters and optimizer state spread over every device"
+               if plan.schedule is not None else
+               "no parameter has a data-parallel axis of more than one device and a dimension it divides")
+        body.append(Line(f"zero {level}: nothing to shard ({why})"))
+    return Section("memory", "Memory optimizations and host memory", tuple(body)) if body else None
+
+
+def traffic(plan) -> Section:
+    rows = [[f"TG{c.taskgraph}", c.kind, "x".join(c.axes) if not isinstance(c.axes, str) else c.axes,
+             fmt_bytes(c.bytes), c.reason] for c in plan.comms]
+    body = [Line(f"predicted collective traffic per step and device: {fmt_bytes(plan.predicted_comm_bytes)}")]
+    if rows:
+        body.append(Table(TRAFFIC_COLUMNS, tuple(map(tuple, rows)), (False, False, False, True, False), where="html"))
+    return Section("traffic", "Collective traffic", tuple(body), collapsed=len(rows) > 8)
+
+
+def precision(plan) -> Section | None:
+    lines = summary_lines(plan.program)               # remat per TaskGraph, amp, comm dtype
+    return Section("precision", "Remat and precision", tuple(_lines(lines))) if lines else None
+
+
+def xla_memory(plan, compiled_memory: bool) -> Section | None:
+    if not (compiled_memory or "memory" in plan._cache):
+        return None
+    m = plan.compiled_memory()
+    return Section("xla-memory", "XLA memory analysis", (Line("XLA memory analysis per device: " + ", ".join(
+        f"{k.replace('_size_in_bytes', '')} {fmt_bytes(v)}" for k, v in m.items())),))
+
+
+def sections(plan, compiled_memory: bool = False) -> tuple[Section, ...]:
+    """Everything the plan says, in the summary's order; sections with nothing to say are left out."""
+    out = [overview(plan), taskgraphs(plan), speeds(plan), pipeline(plan)]
+    out += [balance(plan, r, key) for r, key in ((plan.balance, "balance"), (plan.head_balance, "head-balance"))
+            if r is not None]
+    out += [experts(plan), couplings(plan), patterns(plan), devices(plan), memory(plan), traffic(plan),
+            precision(plan), xla_memory(plan, compiled_memory)]
+    return tuple(s for s in out if s is not None)
