@@ -15,7 +15,6 @@ from whalex.primitives.config import Config
 from whalex.view import html as view_html
 from whalex.view import sections as view_sections
 from whalex.view import text as view_text
-from whalex.view.schedule import as_view
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +60,6 @@ class Plan:
     head_balance: Any = None                  # the split head's class shards when `balance` is the batch's (hybrid)
     batch_couplings: Any = dataclasses.field(default=(), repr=False, compare=False)   # lines, or a function of none
     _cache: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
-
-    def __post_init__(self):
-        # the schedule prints as its picture (`print(plan.schedule)`), and repr()s on one line
-        object.__setattr__(self, "schedule", as_view(self.schedule))
 
     @property
     def couplings(self) -> tuple[str, ...]:

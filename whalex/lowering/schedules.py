@@ -59,6 +59,17 @@ class Schedule:
     def __post_init__(self):
         self.validate()
 
+    def __str__(self) -> str:
+        """The picture: one row per stage, one column per tick (F3: forward of micro-batch 3, B3: its
+        backward, ..: idle), under a one-line header."""
+        head = (f"{self.name} schedule: {self.num_stages} stages, {self.num_micro_batch} micro-batches, "
+                f"{self.num_ticks} ticks, bubble {self.bubble_fraction:.1%}")
+        return head + "\n" + render(self)
+
+    def __repr__(self) -> str:
+        return (f"Schedule({self.name!r}, stages={self.num_stages}, micro_batches={self.num_micro_batch}, "
+                f"ticks={self.num_ticks}, bubble={self.bubble_fraction:.1%})")
+
     # -- derived facts -----------------------------------------------------------------------
     @property
     def num_ticks(self) -> int:
