@@ -1,8 +1,11 @@
 """Issue 12: calibration a user can trust. Interleaved timing rounds give each device a median speed
 and a relative spread; speeds that differ by less than the noise are merged, so identical devices get
 the even plan every time, while a truly slower device keeps its speed; plans print speed ± spread."""
+import importlib
 import time
+import warnings
 
+import jax
 import numpy as np
 import pytest
 
@@ -11,7 +14,7 @@ from models import plain_model
 from test_launch import child_env, run_launch
 import optax
 
-from whalex.balance.calibrate import Measurement, affine, calibrate, group_speeds, measure, summarize
+from whalex.balance.calibrate import Measurement, affine, resolved, calibrate, group_speeds, measure, summarize
 
 # medians and spreads measured on the 8 simulated CPU devices of this machine (size 128, 5 rounds):
 # identical devices, 28 to 53 GFLOP/s apart, each with a large spread
@@ -91,15 +94,71 @@ def test_affine_splits_time_into_fixed_seconds_and_speed():
     # a slope that noise made non-positive: the whole time counts as work, nothing fixed
     m, _ = affine(rows, np.array([[[0.01, 0.009]]] * 3), work_per_row=1.0)
     assert m.overheads == (0.0,) and m.speeds[0] == pytest.approx(512 / 0.009)
+    # resolved: the larger step took longer in at least 3 rounds of 4 (first device); the second's
+    # difference is noise of either sign
+    t = np.array([[[1.0, 2.0], [1.0, 1.1]], [[1.0, 2.1], [1.0, 0.9]], [[1.0, 1.9], [1.0, 1.05]],
+                  [[1.1, 2.0], [1.0, 0.95]]])
+    assert resolved(rows, t).tolist() == [True, False]
 
 
-def test_calibrating_the_users_step_measures_fixed_time_and_the_plan_uses_it():
+def test_calibrating_the_users_step_on_identical_devices_gives_one_speed():
+    # a 32-row step of this tiny model is nearly all fixed time: the per-row part is below the timing
+    # noise, so (with a warning) the whole step time counts as work, alike on every device
     loss_fn, params, batch = plain_model("dp", "ctx")
-    cluster = calibrate(wh.Cluster.detect(), loss_fn, params, batch, optimizer=optax.adam(1e-3), repeats=5)
-    assert cluster.overhead is not None and len(cluster.overhead) == 8 and min(cluster.overhead) >= 0
-    assert len(set(cluster.speeds)) == 1 and len(set(cluster.overhead)) == 1       # identical: one group, one value
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cluster = calibrate(wh.Cluster.detect(), loss_fn, params, batch, optimizer=optax.adam(1e-3), repeats=5)
+    assert len(set(cluster.speeds)) == 1                        # identical: one group, one value
+    if cluster.overhead is None:
+        assert any("cannot be told apart" in str(w.message) for w in caught)
+    else:                                                       # every device resolved its per-row time
+        assert len(set(cluster.overhead)) == 1 and min(cluster.overhead) >= 0
+    plan = wh.plan(loss_fn, params, batch, cluster=cluster)
+    assert len(set(plan.batch_sizes)) == 1
+
+
+def _synthetic_rounds(fixed, per_row, noise, seed=0):
+    """A stand-in for `time_rounds`: seconds = fixed + rows * per_row per device, times lognormal noise
+    of relative size `noise` and one 3x outlier, shaped (round, device, size) like the real timings."""
+    rng = np.random.default_rng(seed)
+
+    def fake(devices, fn, args, repeats):
+        rows = np.array([jax.tree.leaves(a[-1])[0].shape[0] for a in args])
+        t = np.asarray(fixed)[None, :, None] + rows[None, None, :] * np.asarray(per_row)[None, :, None]
+        t = t * np.exp(noise * rng.standard_normal((repeats, len(devices), len(args))))
+        t[1, 2, 1] *= 3.0
+        return t
+    return fake
+
+
+def test_calibrate_splits_fixed_time_from_per_row_time_when_the_rows_stand_above_the_noise(monkeypatch):
+    loss_fn, params, batch = plain_model("dp", "ctx")
+    cal = importlib.import_module("whalex.balance.calibrate")
+    # identical devices: 200 us fixed + 20 us per row, 5% noise -> one speed, one fixed time
+    monkeypatch.setattr(cal, "time_rounds", _synthetic_rounds([2e-4] * 8, [2e-5] * 8, 0.05))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cluster = calibrate(wh.Cluster.detect(), loss_fn, params, batch, optimizer=optax.adam(1e-3), repeats=5)
+    assert len(set(cluster.speeds)) == 1 and len(set(cluster.overhead)) == 1
+    assert cluster.overhead[0] == pytest.approx(2e-4, rel=0.3)
     plan = wh.plan(loss_fn, params, batch, cluster=cluster)
     assert len(set(plan.batch_sizes)) == 1 and "fixed " in plan.summary()
+    # half the devices 2x slower per row: two speeds 2:1 apart, the fixed time measured on both
+    monkeypatch.setattr(cal, "time_rounds", _synthetic_rounds([2e-4] * 8, [2e-5] * 4 + [4e-5] * 4, 0.05))
+    cluster = calibrate(wh.Cluster.detect(), loss_fn, params, batch, optimizer=optax.adam(1e-3), repeats=5)
+    assert len(set(cluster.speeds[:4])) == len(set(cluster.speeds[4:])) == 1
+    assert cluster.speeds[0] / cluster.speeds[4] == pytest.approx(2.0, rel=0.15)
+    assert all(o == pytest.approx(2e-4, rel=0.3) for o in cluster.overhead)
+    # all fixed time and 20% noise: the slope is noise, so a warning and no fixed time, and one speed
+    monkeypatch.setattr(cal, "time_rounds", _synthetic_rounds([2e-4] * 8, [1e-8] * 8, 0.2))
+    with pytest.warns(UserWarning, match="cannot be told apart.*Pass a larger batch"):
+        cluster = calibrate(wh.Cluster.detect(), loss_fn, params, batch, optimizer=optax.adam(1e-3), repeats=5)
+    assert cluster.overhead is None and len(set(cluster.speeds)) == 1
+
+
+def test_a_declared_fixed_time_shifts_rows_to_the_fast_devices():
+    loss_fn, params, batch = plain_model("dp", "ctx")
+    plan = wh.plan(loss_fn, params, batch)
     # declared: 2:1 speeds, and the slow half also spends the time of 2.5 of its rows fixed per step
     per_row = sum(t.flops for t in plan.task_graphs) / 32
     fixed = 2.5 * per_row / 1e9

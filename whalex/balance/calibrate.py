@@ -11,7 +11,10 @@ Timings are noisy, so a calibration a user can trust does three things:
   standard deviation: the interquartile range / 1.349, over the median; unlike the median
   absolute deviation it also sees two-valued timings, as when a busy core slows every other run);
 - it merges speeds that differ by less than the noise (`group_speeds`): identical devices then get
-  exactly equal speeds and the even plan, instead of a random uneven plan built on noise.
+  exactly equal speeds and the even plan, instead of a random uneven plan built on noise;
+- it splits a user step's time into fixed seconds and seconds per row only where the per-row time
+  stands above the noise on every device (`resolved`); otherwise, with a warning, it counts the
+  whole time as work, the same way on every device, rather than mixing two estimates.
 
 In a multi-process run each process times its own devices; medians and spreads are all-gathered
 and grouped alike on every process, so every process plans alike.
@@ -23,6 +26,7 @@ import dataclasses
 import functools
 import gc
 import time
+import warnings
 from typing import Callable, Sequence
 
 import jax
@@ -131,6 +135,14 @@ def affine(rows: Sequence[int], times: np.ndarray, work_per_row: float) -> tuple
     return Measurement(m.speeds, m.spreads, tuple(map(float, np.median(fixed, axis=0)))), fixed
 
 
+def resolved(rows: Sequence[int], times: np.ndarray) -> np.ndarray:
+    """Per device: whether the per-row time stands above the noise, i.e. the step at the larger row
+    count took longer in at least three rounds of four (the slopes' first quartile is positive).
+    A tiny step whose time is nearly all fixed fails this: its slope is noise of either sign."""
+    t = np.asarray(times, np.float64)
+    return np.percentile((t[..., 1] - t[..., 0]) / (rows[1] - rows[0]), 25, axis=0) > 0
+
+
 def summarize(samples) -> Measurement:
     """Median and relative spread (IQR / 1.349 / median) per column of (round, device) speeds."""
     samples = np.asarray(samples, np.float64)
@@ -221,28 +233,41 @@ def measure(cluster: Cluster, loss_fn: Callable | None = None, params=None, batc
     mine = [i for i, d in enumerate(cluster.devices) if d.process_index == jax.process_index()]
     devices = [cluster.devices[i] for i in mine]
     two = _halves(batch) if loss_fn is not None else None
+    table = None                                        # (quantity, device) rows, this process's columns
     if loss_fn is not None:
         fn, lead, flops = _loss_work(loss_fn, params, optimizer)
         if two is not None:
             (r1, r2), small, whole = two
             per_row = max(flops(whole) - flops(small), 0.0) / (r2 - r1) or 1.0
-            local = affine((r1, r2), time_rounds(devices, fn, [(*lead, small), (*lead, whole)], repeats),
-                           per_row)[0] if mine else None
-        else:
+            if mine:
+                t = time_rounds(devices, fn, [(*lead, small), (*lead, whole)], repeats)
+                split, total = affine((r1, r2), t, per_row)[0], summarize(per_row * r2 / t[..., 1])
+                table = [split.speeds, split.spreads, split.overheads, total.speeds, total.spreads,
+                         resolved((r1, r2), t)]
+        elif mine:
             work = flops(batch) or 1.0
-            local = summarize(work / time_rounds(devices, fn, (*lead, batch), repeats)) if mine else None
-    else:
+            m = summarize(work / time_rounds(devices, fn, (*lead, batch), repeats))
+            table = [m.speeds, m.spreads]
+    elif mine:
         fn, work = _matmul_work(size, chain)
         args = (jnp.asarray(np.random.default_rng(0).standard_normal((size, size)), jnp.float32) / size ** 0.5,)
-        local = summarize(work / time_rounds(devices, fn, args, repeats)) if mine else None
-    rows = 3 if two is not None else 2
-    table = np.zeros((rows, cluster.size))              # speeds, spreads[, overheads]; zero where another process times
-    if local is not None:
-        table[:, mine] = [local.speeds, local.spreads] + ([local.overheads] if two is not None else [])
+        m = summarize(work / time_rounds(devices, fn, args, repeats))
+        table = [m.speeds, m.spreads]
+    full = np.zeros((6 if two is not None else 2, cluster.size))   # zero where another process times
+    if table is not None:
+        full[:, mine] = table
     if jax.process_count() > 1:
-        table = np.asarray(multihost_utils.process_allgather(table)).reshape(jax.process_count(), rows, -1).sum(0)
-    return Measurement(tuple(map(float, table[0])), tuple(map(float, table[1])),
-                       tuple(map(float, table[2])) if two is not None else None)
+        full = np.asarray(multihost_utils.process_allgather(full)).reshape(jax.process_count(), len(full), -1).sum(0)
+    if two is None:
+        return Measurement(tuple(map(float, full[0])), tuple(map(float, full[1])))
+    if np.all(full[5] > 0):
+        return Measurement(*(tuple(map(float, r)) for r in full[:3]))
+    warnings.warn(f"calibrate: at {two[0][0]} and {two[0][1]} rows the step took about as long either way on "
+                  f"{int(np.sum(full[5] == 0))} of {cluster.size} devices (its time is nearly all fixed, or the "
+                  "timings are noisy), so the per-row time and the fixed time cannot be told apart; every "
+                  "device's whole step time counts as work instead (no fixed time). Pass a larger batch to "
+                  "calibrate to measure the fixed time.", stacklevel=3)
+    return Measurement(tuple(map(float, full[3])), tuple(map(float, full[4])))
 
 
 def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, batch=None, *, optimizer=None,
