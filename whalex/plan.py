@@ -8,7 +8,7 @@ import jax
 
 from whalex.balance.profile import DeviceMemory
 from whalex.core.comm import Comm
-from whalex.lowering.patterns import PatternChoice
+from whalex.lowering.patterns import Coverage, PatternChoice
 from whalex.mesh.cluster import Cluster
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
 from whalex.primitives.config import Config
@@ -58,6 +58,7 @@ class Plan:
     stage_layers: tuple = ()                  # per stage, the names of the layers it holds
     balance: Any = None                       # the hardware-aware BalanceReport, on heterogeneous clusters
     head_balance: Any = None                  # the split head's class shards when `balance` is the batch's (hybrid)
+    coverage: tuple[Coverage, ...] = ()       # every parameter a split TaskGraph reads, and its layout
     batch_couplings: Any = dataclasses.field(default=(), repr=False, compare=False)   # lines, or a function of none
     _cache: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 

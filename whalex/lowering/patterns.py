@@ -56,6 +56,24 @@ class PatternChoice:
 
 
 @dataclasses.dataclass(frozen=True)
+class Coverage:
+    """One parameter a split TaskGraph reads, and the layout it got; `note` says why a parameter
+    was left whole (no sharding pattern matched the operation that reads it)."""
+
+    taskgraph: int
+    strategy: str            # "split(4)"
+    param: str
+    shape: tuple[int, ...]
+    spec: P
+    note: str = ""
+
+    @property
+    def left_whole(self) -> bool:
+        """A matrix (or larger) the split leaves whole on every device: compute and memory not divided."""
+        return self.spec == P() and len(self.shape) >= 2
+
+
+@dataclasses.dataclass(frozen=True)
 class ExpertCall:
     """An MoE experts call run expert-parallel: groups over `token_axes`, experts over `expert_axes`."""
 
@@ -75,6 +93,7 @@ class ShardingPlan:
     choices: tuple[PatternChoice, ...]
     comms: tuple[Comm, ...]
     experts: tuple[ExpertCall, ...] = ()
+    coverage: tuple[Coverage, ...] = ()
 
     def comm_bytes(self, taskgraph: int | None = None) -> float:
         return sum(c.bytes for c in self.comms if taskgraph is None or c.taskgraph == taskgraph)
@@ -106,6 +125,38 @@ def _ring(kind: str, size: float, n: int) -> float:
     return (2.0 if kind == "all-reduce" else 1.0) * (n - 1) / n * size
 
 
+def _prefer(candidates: list[int], shape, skip_last: bool) -> int | None:
+    """The dimension to split among `candidates`: not the innermost one when there are several
+    (split heads, not head_dim: the score contraction stays local), then the largest (3 < heads in
+    a fused (3, heads, head_dim) kernel), then the first."""
+    if not candidates:
+        return None
+    inner = max(candidates) if skip_last and len(candidates) > 1 else None
+    return min(candidates, key=lambda d: (d == inner, -shape[d], d))
+
+
+def _reshape_groups(in_shape, out_shape) -> list[tuple[list[int], list[int]]]:
+    """The reshape as groups (input dims, output dims) of equal element count, size-1 dims left out."""
+    ins = [d for d, k in enumerate(in_shape) if k != 1]
+    outs = [d for d, k in enumerate(out_shape) if k != 1]
+    groups, a, b = [], 0, 0
+    while a < len(ins) and b < len(outs):
+        gi, go = [ins[a]], [outs[b]]
+        pi, po = in_shape[ins[a]], out_shape[outs[b]]
+        a, b = a + 1, b + 1
+        while pi != po:
+            if pi < po and a < len(ins):
+                gi.append(ins[a])
+                pi, a = pi * in_shape[ins[a]], a + 1
+            elif po < pi and b < len(outs):
+                go.append(outs[b])
+                po, b = po * out_shape[outs[b]], b + 1
+            else:
+                return [(ins, [])]             # not a plain regrouping: nothing survives
+        groups.append((gi, go))
+    return groups
+
+
 def to_spec(spec: tuple) -> P:
     out = []
     for a in spec:
@@ -127,6 +178,8 @@ class _Planner:
         self.choices: list[PatternChoice] = []
         self.comms: list[Comm] = []
         self.experts: list[ExpertCall] = []
+        self.unmatched: dict[int, tuple[int, str]] = {}   # leaf -> (TaskGraph, why no pattern matched it)
+        self.readers: dict[int, str] = {}                   # leaf -> the first split-scope operation reading it
         self.b = cap.global_batch
 
     # -- helpers ---------------------------------------------------------------------------
@@ -159,10 +212,10 @@ class _Planner:
             return None
         return self.origin.get((frame, v))
 
-    def decide_param(self, leaf: int, ndim: int, dim: int, axes: Axes) -> bool:
+    def decide_param(self, leaf: int, dim: int, axes: Axes) -> bool:
         if leaf in self.param_spec:
             return False
-        spec = [None] * ndim
+        spec = [None] * len(self.cap.jaxpr.jaxpr.invars[leaf].aval.shape)
         spec[dim] = axes
         self.param_spec[leaf] = spec
         return True
@@ -201,7 +254,21 @@ class _Planner:
             spec = self.param_spec.get(i)
             specs.append(to_spec(tuple(spec)) if spec else P())
         return ShardingPlan(tuple(specs), tuple(batch_specs), self.constraints, tuple(self.choices),
-                            tuple(self.comms), tuple(self.experts))
+                            tuple(self.comms), tuple(self.experts), self._coverage(specs))
+
+    def _coverage(self, specs) -> tuple[Coverage, ...]:
+        out = []
+        for tg in self.cap.taskgraphs:
+            vd = self.vds[tg.index]
+            if not vd.model_axes:
+                continue
+            for leaf in tg.params:
+                shape = tuple(self.cap.jaxpr.jaxpr.invars[leaf].aval.shape)
+                note = ""
+                if specs[leaf] == P() and len(shape) >= 2:
+                    note = self.unmatched.get(leaf, (None, self.readers.get(leaf, "")))[1]
+                out.append(Coverage(tg.index, vd.strategy.label(), self.cap.param_paths[leaf], shape, specs[leaf], note))
+        return tuple(out)
 
     def _first_consumers(self, jaxpr) -> dict:
         first: dict = {}
@@ -317,7 +384,7 @@ class _Planner:
                 raise PlanError("the MoE experts' weights must be parameters of the model (leaves of params), "
                                 "so that whalex can shard them over the expert devices.")
             leaf, dims = o
-            if dims[0] is None or not self.decide_param(leaf, len(dims), dims[0], ma):
+            if dims[0] is None or not self.decide_param(leaf, dims[0], ma):
                 spec = self.param_spec.get(leaf)
                 if spec is None or spec[dims[0]] != ma:
                     raise PlanError(f"MoE expert weight {self.cap.param_paths[leaf]} is also used outside the "
@@ -335,14 +402,25 @@ class _Planner:
                 for v in eqn.outvars]
 
     # -- split -----------------------------------------------------------------------------
+    _PASSING = frozenset(("reshape", "transpose", "broadcast_in_dim", "squeeze", "convert_element_type", "copy"))
+
     def split_rule(self, path, frame, eqn, ins, tg, vd):
         name = eqn.primitive.name
         batch = any(i.batch for i in ins)
         outs = eqn.outvars
+        for v in eqn.invars:
+            o = self.param_of(frame, v)
+            if o is not None and name not in self._PASSING:
+                self.readers.setdefault(o[0], f"read by {name}, which no sharding pattern splits")
         if name == "dot_general":
             res = self.matmul(path, frame, eqn, ins, tg, vd)
             if res is not None:
                 return [res]
+            for v in eqn.invars:
+                o = self.param_of(frame, v)
+                if o is not None:
+                    self.unmatched.setdefault(o[0], (tg, "dot_general with dimension_numbers "
+                                                     f"{eqn.params['dimension_numbers']} not matched"))
         if name == "gather":
             res = self.embedding(path, frame, eqn, ins, tg, vd)
             if res is not None:
@@ -363,6 +441,12 @@ class _Planner:
             return [Info(tuple(a for d, a in enumerate(ins[0].spec) if d not in drop), batch)]
         if name == "reshape":
             return [self.reshape(eqn, ins[0], tg, vd, batch)]
+        if name in ("slice", "dynamic_slice"):
+            return [self.keep_whole_dims(tg, vd, eqn.invars[0], ins[0], outs[0].aval.shape, batch, name)]
+        if name == "split":
+            return [self.keep_whole_dims(tg, vd, eqn.invars[0], ins[0], v.aval.shape, batch, name) for v in outs]
+        if name == "concatenate":
+            return [self.concatenate(eqn, ins, tg, vd, batch)]
         if name in REDUCTIONS:
             axes = set(eqn.params["axes"])
             spec = ins[0].spec
@@ -409,19 +493,53 @@ class _Planner:
             leaf, dims = o
             for d, a in enumerate(spec):
                 if a == vd.model_axes and dims[d] is not None and v.aval.shape[d] == eqn.outvars[0].aval.shape[d]:
-                    self.decide_param(leaf, len(dims), dims[d], a)
+                    self.decide_param(leaf, dims[d], a)
+        return Info(tuple(spec), batch)
+
+    def keep_whole_dims(self, tg, vd, var, info: Info, out_shape, batch, name) -> Info:
+        """slice / dynamic_slice / split: a split dimension the op keeps whole stays split (q, k and v
+        sliced out of a fused (..., 3, heads, head_dim) tensor keep their heads split); a split
+        dimension the op cuts is gathered first."""
+        spec = []
+        for d, a in enumerate(info.spec):
+            if a and out_shape[d] != var.aval.shape[d]:
+                self.comm(tg, "all-gather", a, self.group_bytes(var.aval, info, vd), f"{name} of a split dim")
+                a = None
+            spec.append(a)
+        return Info(tuple(spec), batch and out_shape[0] == var.aval.shape[0])
+
+    def concatenate(self, eqn, ins, tg, vd, batch) -> Info:
+        """Concatenation along a whole dimension keeps the other dimensions' splits (rotary halves
+        joined on head_dim keep the heads split)."""
+        axis = eqn.params["dimension"]
+        spec = [None] * len(eqn.outvars[0].aval.shape)
+        for v, info in zip(eqn.invars, ins):
+            for d, a in enumerate(info.spec):
+                if a and d == axis:
+                    self.comm(tg, "all-gather", a, self.group_bytes(v.aval, info, vd), "concatenate along a split dim")
+                elif a and spec[d] is None:
+                    spec[d] = a
         return Info(tuple(spec), batch)
 
     def reshape(self, eqn, info: Info, tg, vd, batch) -> Info:
+        """A split dimension survives a reshape when it is the major dimension of the group of input
+        dimensions that becomes a group of output dimensions, and the group's major output dimension
+        divides over the same devices: blocks of the one are then blocks of the other (heads
+        [B, L, H, Dh] -> [B, L, KV, G, Dh] stay split on KV; [B, L, KV, G, Dh] -> [B, L, H, Dh] on H).
+        Any other split dimension is gathered first."""
         in_shape, out_shape = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
         spec = [None] * len(out_shape)
-        if batch and out_shape and out_shape[0] % self.b == 0 and info.spec and info.spec[0]:
-            spec[0] = info.spec[0]
-        if info.spec and len(in_shape) > 1 and info.spec[-1] and out_shape and out_shape[-1] == in_shape[-1]:
-            spec[-1] = info.spec[-1]
-        for d, a in enumerate(info.spec[1:-1], start=1):
-            if a:
-                self.comm(tg, "all-gather", a, self.group_bytes(eqn.invars[0].aval, info, vd), "reshape of a split dim")
+        for gi, go in _reshape_groups(in_shape, out_shape):
+            for d in gi:
+                a = info.spec[d]
+                if not a:
+                    continue
+                if d == gi[0] and go and out_shape[go[0]] % self.shards(a) == 0 and \
+                        (d > 0 or not batch or out_shape[go[0]] % self.b == 0):
+                    spec[go[0]] = a
+                else:
+                    self.comm(tg, "all-gather", a, self.group_bytes(eqn.invars[0].aval, info, vd),
+                              "reshape of a split dim")
         return Info(tuple(spec), batch)
 
     def generic_dot(self, eqn, ins, tg, vd, batch) -> Info:
@@ -445,6 +563,12 @@ class _Planner:
         return vd.strategy.pattern if vd.strategy.pattern != "auto" else self.matmul_pattern
 
     def matmul(self, path, frame, eqn, ins, tg, vd) -> Info | None:
+        """SP1 column / SP2 row for any dot_general that reads one weight: the weight may have several
+        contracting and free dimensions (DenseGeneral's (in, heads, head_dim) kernels and its
+        (heads, head_dim, out) output kernel, einsum-written layers, fused (in, 3, heads, head_dim)
+        qkv kernels). Column splits one free dimension of the weight, row one contracting dimension
+        (the one the input is already split on, if any); the cheaper of the two in communication
+        wins, among those whose dimension the split degree divides."""
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
         lo, ro = self.param_of(frame, eqn.invars[0]), self.param_of(frame, eqn.invars[1])
         if (lo is None) == (ro is None):
@@ -452,60 +576,90 @@ class _Planner:
         w_pos = 0 if lo is not None else 1
         x_pos = 1 - w_pos
         leaf, dims = lo if lo is not None else ro
+        param_name = self.cap.param_paths[leaf]
         w_var, x_var = eqn.invars[w_pos], eqn.invars[x_pos]
         wc, xc = (lc, rc) if w_pos == 0 else (rc, lc)
         wb = lb if w_pos == 0 else rb
         w_shape = w_var.aval.shape
         w_free = [d for d in range(len(w_shape)) if d not in wc and d not in wb]
-        if len(wc) != 1 or wb or len(w_free) != 1 or dims[wc[0]] is None or dims[w_free[0]] is None:
+        if wb:
+            self.unmatched.setdefault(leaf, (tg, f"dot_general with the weight's dimensions {tuple(wb)} as batch "
+                                                f"dimensions (dimension_numbers {eqn.params['dimension_numbers']})"))
             return None
         ma = vd.model_axes
         n = self.shards(ma)
         x, x_aval, y_aval = ins[x_pos], x_var.aval, eqn.outvars[0].aval
-        cx = xc[0]
-        x_split_c = x.spec[cx] == ma
+        # column: a free weight dim; row: a contracting one (position k in wc / xc)
+        col_dims = [d for d in w_free if dims[d] is not None]
+        row_ks = [k for k, d in enumerate(wc) if dims[d] is not None]
+        if not col_dims and not row_ks:
+            return None
+        x_split_k = next((k for k, d in enumerate(xc) if x.spec[d] == ma), None)
+        col = _prefer([d for d in col_dims if w_shape[d] % n == 0], w_shape, len(w_free) > 1)
+        if x_split_k is not None and x_split_k in row_ks:
+            row_k = x_split_k
+        else:
+            k_dims = _prefer([wc[k] for k in row_ks if w_shape[wc[k]] % n == 0], w_shape, len(wc) > 1)
+            row_k = None if k_dims is None else list(wc).index(k_dims)
+        x_split_c = x_split_k is not None
         x_bytes = self.group_bytes(x_aval, x, vd)
         y_info = Info(self.batch_spec(vd, y_aval) if x.batch else _unsplit(len(y_aval.shape)), x.batch)
         y_bytes = self.group_bytes(y_aval, y_info, vd)
+        inf = float("inf")
         cost = {
-            "column": (_ring("all-gather", x_bytes, n) + _ring("reduce-scatter", x_bytes, n)) if x_split_c
+            "column": inf if col is None else
+            (_ring("all-gather", x_bytes, n) + _ring("reduce-scatter", x_bytes, n)) if x_split_c
             else _ring("all-reduce", x_bytes, n),
-            "row": _ring("all-reduce", y_bytes, n) + (0.0 if x_split_c else _ring("all-gather", x_bytes, n)),
+            "row": inf if row_k is None else
+            _ring("all-reduce", y_bytes, n) + (0.0 if x_split_k == row_k else _ring("all-gather", x_bytes, n)),
         }
         decided = self.param_spec.get(leaf)
         if decided is not None:       # a weight used twice keeps its first layout
-            pattern = "row" if decided[dims[wc[0]]] == ma else "column"
+            on = [d for d in range(len(w_shape)) if dims[d] is not None and decided[dims[d]] == ma]
+            if on and on[0] in wc:
+                pattern, row_k = "row", list(wc).index(on[0])
+            elif on and on[0] in w_free:
+                pattern, col = "column", on[0]
+            else:
+                return None
         else:
             forced = self._forced(vd)
+            if forced != "auto" and cost[forced] == inf or cost["column"] == cost["row"] == inf:
+                sizes = ", ".join(f"{w_shape[d]}" for d in (col_dims if forced == "column" else
+                                                             [wc[k] for k in row_ks] if forced == "row" else
+                                                             col_dims + [wc[k] for k in row_ks]))
+                which = {"column": "output (free)", "row": "contracted"}.get(forced, "output or contracted")
+                raise PlanError(
+                    f"split({n}) cannot shard {param_name} (shape {tuple(w_shape)}): none of its {which} "
+                    f"dimensions ({sizes}) is divisible by the {n} devices of {self.cap.taskgraphs[tg].name}. "
+                    f"Use a split degree that divides one of them, pad that dimension in the model (e.g. a "
+                    f"vocabulary padded to a multiple of {n}), or move this layer out of the split scope.")
             pattern = forced if forced != "auto" else min(("column", "row"), key=lambda k: (cost[k], k != "column"))
-            self.decide_param(leaf, len(dims) if dims else len(w_shape),
-                              dims[w_free[0]] if pattern == "column" else dims[wc[0]], ma)
-        param_name = self.cap.param_paths[leaf]
+            self.decide_param(leaf, dims[col] if pattern == "column" else dims[wc[row_k]], ma)
         self.choices.append(PatternChoice(tg, "matmul", param_name,
                                           "SP1 column" if pattern == "column" else "SP2 row",
                                           tuple(sorted(cost.items()))))
-        # Output layout: x's free dims keep their (batch) axes, the weight's free dim gets `ma`.
-        x_free = [d for d in range(len(x_aval.shape)) if d not in xc]
-        x_spec_in = list(x.spec)
+        # the input: contracting dims whole (column) or split on the row dim; ma leaves its other dims
+        x_want = [None if a == ma else a for a in x.spec]
+        for k, d in enumerate(xc):
+            x_want[d] = ma if pattern == "row" and k == row_k else None
         if pattern == "column":
-            x_spec_in[cx] = None
-            out = [x_spec_in[d] if x_spec_in[d] != ma else None for d in x_free] + [ma]
             if x_split_c:
                 self.comm(tg, "all-gather", ma, x_bytes, f"SP1 {param_name}: gather input")
                 self.comm(tg, "reduce-scatter", ma, x_bytes, f"SP1 {param_name}: input grad (bwd)")
             else:
                 self.comm(tg, "all-reduce", ma, x_bytes, f"SP1 {param_name}: input grad (bwd)")
         else:
-            x_spec_in[cx] = ma
-            out = [x_spec_in[d] if x_spec_in[d] != ma else None for d in x_free] + [None]
             self.comm(tg, "all-reduce", ma, y_bytes, f"SP2 {param_name}: partial sums")
-            if not x_split_c:
+            if x_split_k != row_k:
                 self.comm(tg, "all-gather", ma, x_bytes, f"SP2 {param_name}: input grad (bwd)")
-        if w_pos == 0:      # weight first: output dims are the weight's free dim, then x's
-            out = out[-1:] + out[:-1]
-        x_want = tuple(x_spec_in)
-        if x_want != x.spec:
-            self.constraints[(path, "in", x_pos)] = to_spec(x_want)
+        w_spec = [ma if pattern == "column" and d == col else None for d in range(len(w_shape))]
+        lhs, rhs = (w_spec, x_want) if w_pos == 0 else (x_want, w_spec)
+        out = [lhs[d] for d in lb]
+        out += [lhs[d] for d in range(len(lhs)) if d not in lc and d not in lb]
+        out += [rhs[d] for d in range(len(rhs)) if d not in rc and d not in rb]
+        if tuple(x_want) != x.spec:
+            self.constraints[(path, "in", x_pos)] = to_spec(tuple(x_want))
         self.constraints[(path, "out", 0)] = to_spec(tuple(out))
         return Info(tuple(out), x.batch)
 
@@ -525,14 +679,22 @@ class _Planner:
         y_aval = eqn.outvars[0].aval
         y_info = Info(self.batch_spec(vd, y_aval) if idx.batch else _unsplit(len(y_aval.shape)), idx.batch)
         y_bytes = self.group_bytes(y_aval, y_info, vd)
-        cost = {"column": 0.0, "row": _ring("all-reduce", y_bytes, n)}
+        inf = float("inf")
+        cost = {"column": 0.0 if table[1] % n == 0 else inf,
+                "row": _ring("all-reduce", y_bytes, n) if table[0] % n == 0 else inf}
         decided = self.param_spec.get(leaf)
         if decided is not None:
             pattern = "row" if decided[dims[0]] == ma else "column"
         else:
             forced = self._forced(vd)
+            if forced != "auto" and cost[forced] == inf or cost["column"] == cost["row"] == inf:
+                raise PlanError(
+                    f"split({n}) cannot shard the embedding {self.cap.param_paths[leaf]} (shape {tuple(table)}): "
+                    f"{'its hidden size' if forced == 'column' else 'its vocabulary' if forced == 'row' else 'neither its vocabulary nor its hidden size'} "
+                    f"is divisible by the {n} devices of {self.cap.taskgraphs[tg].name}. Use a split degree that "
+                    f"divides one of them, or pad the vocabulary to a multiple of {n}.")
             pattern = forced if forced != "auto" else min(("column", "row"), key=lambda k: (cost[k], k != "column"))
-            self.decide_param(leaf, 2, dims[1] if pattern == "column" else dims[0], ma)
+            self.decide_param(leaf, dims[1] if pattern == "column" else dims[0], ma)
         name = self.cap.param_paths[leaf]
         self.choices.append(PatternChoice(tg, "embedding", name,
                                           "hidden split" if pattern == "column" else "vocab split",

@@ -140,6 +140,7 @@ def pipeline_plan(req: Request, full, stage_of_eqn, per_stage, stage_layers=None
                 batch_sizes=(full.global_batch // dp,) * layout.size, global_batch=full.global_batch,
                 param_specs=dict(zip(cap.param_paths, program.param_spec_list())),
                 patterns=sharding.choices if sharding is not None else (), comms=tuple(comms),
+                coverage=sharding.coverage if sharding is not None else (),
                 memory=memory,
                 program=program, schedule=schedule, batch_couplings=tuple(parts.sem.lines()),
                 stage_layers=tuple(stage_layers) if stage_layers is not None else

@@ -88,7 +88,7 @@ def spmd_plan(req: Request, cap, report=None) -> Plan:
     return Plan(cluster=cluster, config=config, layout=layout, task_graphs=tuple(infos), virtual_devices=vds,
                 batch_sizes=(per_device,) * layout.size, global_batch=full.global_batch,
                 param_specs=dict(zip(cap.param_paths, sharding.param_specs)), patterns=sharding.choices,
-                comms=comms, memory=memory, program=program, balance=report, batch_couplings=couplings)
+                coverage=sharding.coverage, comms=comms, memory=memory, program=program, balance=report, batch_couplings=couplings)
 
 
 def whole_batch_couplings(req: Request, full) -> tuple[str, ...]:

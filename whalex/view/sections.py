@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jax.sharding import PartitionSpec as P
+
 from whalex.lowering.schedules import render as render_schedule
 from whalex.memory.remat import summary_lines
 from whalex.view.format import fmt_bytes, fmt_devices, fmt_flops, fmt_pct, fmt_speed, fmt_time
@@ -16,6 +18,7 @@ from whalex.view.format import fmt_bytes, fmt_devices, fmt_flops, fmt_pct, fmt_s
 TASKGRAPH_COLUMNS = ("TaskGraph", "strategy", "devices/replica", "devices", "nested DP", "params",
                      "FLOPs (fwd+bwd)", "comm/device")
 PATTERN_COLUMNS = ("TaskGraph", "unit", "parameter", "pattern", "candidate costs")
+COVERAGE_COLUMNS = ("TaskGraph", "parameter", "shape", "layout")
 MEMORY_COLUMNS = ("devices", "kind", "batch", "params", "grads", "opt state", "activations", "host", "capacity")
 BALANCE_COLUMNS = ("device", "kind", "capacity", "even", "balanced", "predicted time", "predicted memory", "memory")
 TRAFFIC_COLUMNS = ("TaskGraph", "collective", "mesh axes", "bytes/device", "why")
@@ -202,6 +205,26 @@ def patterns(plan) -> Section | None:
                     _table(PATTERN_COLUMNS, rows, set())), collapsed=True)
 
 
+def coverage_warnings(plan) -> list[str]:
+    """One line per matrix a split TaskGraph leaves whole on every device, and why."""
+    return [f"warning: {c.strategy} left {c.param} {c.shape} whole" + (f": {c.note}" if c.note else "")
+            for c in plan.coverage if c.left_whole]
+
+
+def coverage(plan) -> Section | None:
+    """What each split TaskGraph reads and how it is laid out; warnings for matrices left whole."""
+    if not plan.coverage:
+        return None
+    body = [Line(w) for w in coverage_warnings(plan)]
+    for tg in sorted({c.taskgraph for c in plan.coverage}):
+        cs = [c for c in plan.coverage if c.taskgraph == tg]
+        split = sum(c.spec != P() for c in cs)
+        body.append(Line(f"split coverage: TG{tg} {cs[0].strategy} reads {len(cs)} parameters, {split} split"))
+    rows = [[f"TG{c.taskgraph}", c.param, "x".join(map(str, c.shape)) or "scalar", str(c.spec)] for c in plan.coverage]
+    body.append(_table(COVERAGE_COLUMNS, rows, set()))
+    return Section("coverage", "Split coverage", tuple(body), collapsed=not coverage_warnings(plan))
+
+
 def devices(plan) -> Section:
     rows = []
     groups: dict = {}
@@ -291,6 +314,6 @@ def sections(plan, compiled_memory: bool = False) -> tuple[Section, ...]:
     out = [overview(plan), taskgraphs(plan), speeds(plan), pipeline(plan)]
     out += [balance(plan, r, key) for r, key in ((plan.balance, "balance"), (plan.head_balance, "head-balance"))
             if r is not None]
-    out += [experts(plan), couplings(plan), patterns(plan), devices(plan), memory(plan), traffic(plan),
+    out += [experts(plan), couplings(plan), patterns(plan), coverage(plan), devices(plan), memory(plan), traffic(plan),
             precision(plan), xla_memory(plan, compiled_memory)]
     return tuple(s for s in out if s is not None)

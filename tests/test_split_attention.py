@@ -1,0 +1,259 @@
+"""Issue 14: `split` shards transformer layers. Attention heads (linen MultiHeadDotProductAttention,
+nnx.MultiHeadAttention, grouped-query attention, a fused qkv kernel) and an einsum-written MLP,
+under split(2), split(4) and split(8) (nested data parallelism on the rest of the 8 devices):
+training equals single-device training (SGD and Adam, a token-weighted loss on a padded batch),
+the compiled step does at most 1/8 of the single-device FLOPs plus 10% on each device, and the
+attention block's forward pass has exactly one all-reduce of activations (Megatron's)."""
+import functools
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import whalex as wh
+from conftest import adam, reference_train, rel_err
+
+B, L, D = 16, 6, 16
+
+
+def scope(n):
+    """split(n), or (n=None) the unsplit model: data parallel over all 8 devices."""
+    return wh.split(n) if n else wh.replicate(8)
+
+
+class LinenMHA(nn.Module):
+    n: int | None = None
+
+    @nn.compact
+    def __call__(self, x):
+        with scope(self.n):
+            return nn.MultiHeadDotProductAttention(num_heads=8, qkv_features=32)(x)
+
+
+class GQA(nn.Module):
+    """Grouped-query attention: 16 query heads share 8 key/value heads (jnp.repeat, as Llama-style code does)."""
+    n: int | None = None
+
+    @nn.compact
+    def __call__(self, x):
+        with scope(self.n):
+            q = nn.DenseGeneral((16, 2), name="query")(x)
+            k = jnp.repeat(nn.DenseGeneral((8, 2), name="key")(x), 2, axis=2)
+            v = jnp.repeat(nn.DenseGeneral((8, 2), name="value")(x), 2, axis=2)
+            w = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(2.0), axis=-1)
+            return nn.DenseGeneral(D, axis=(-2, -1), name="out")(jnp.einsum("bhqk,bkhd->bqhd", w, v))
+
+
+class FusedQKV(nn.Module):
+    """One (D, 3, heads, head_dim) kernel for q, k and v, sliced apart; a causal mask."""
+    n: int | None = None
+
+    @nn.compact
+    def __call__(self, x):
+        with scope(self.n):
+            qkv = nn.DenseGeneral((3, 8, 4), name="qkv")(x)
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+            s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / 2.0
+            s = jnp.where(jnp.tril(jnp.ones((L, L), bool)), s, -1e9)
+            o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+            return nn.DenseGeneral(D, axis=(-2, -1), name="out")(o)
+
+
+class EinsumMLP(nn.Module):
+    n: int | None = None
+
+    @nn.compact
+    def __call__(self, x):
+        w1 = self.param("w1", nn.initializers.lecun_normal(), (D, 64))
+        b1 = self.param("b1", nn.initializers.normal(0.1), (64,))
+        w2 = self.param("w2", nn.initializers.lecun_normal(), (64, D))
+        with scope(self.n):
+            return jnp.einsum("blf,fd->bld", jax.nn.gelu(jnp.einsum("bld,df->blf", x, w1) + b1), w2)
+
+
+LINEN = {"mha": LinenMHA, "gqa": GQA, "fused": FusedQKV, "mlp": EinsumMLP}
+
+
+def problem():
+    k = jax.random.split(jax.random.key(0), 3)
+    lengths = jnp.array([0, 6, 3, 1, 6, 0, 2, 5, 6, 4, 1, 6, 3, 0, 5, 2])      # some rows all padding
+    return {"x": jax.random.normal(k[0], (B, L, D)), "t": jax.random.normal(k[1], (B, L, D)),
+            "mask": (jnp.arange(L)[None] < lengths[:, None]).astype(jnp.float32)}
+
+
+def masked_mse(y, batch):
+    """Token-weighted: the mean over the real tokens of a padded batch."""
+    m = batch["mask"]
+    return jnp.sum(m[..., None] * (y - batch["t"]) ** 2) / (jnp.sum(m) * D)
+
+
+def linen_problem(name, n):
+    model = LINEN[name](n)
+    batch = problem()
+    params = LINEN[name]().init(jax.random.key(1), batch["x"])["params"]
+    return (lambda p, b: masked_mse(model.apply({"params": p}, b["x"]), b)), params, batch
+
+
+def _err(a, b):
+    """rel_err with a floor, for parameters whose true value stays near zero."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-3))
+
+
+def param_errors(got, ref):
+    """Per leaf: `_err`, except attention's key bias, whose true gradient is zero (softmax is shift
+    invariant): it holds only float noise, which Adam scales up to ~1e-6, so it is held to an
+    absolute 1e-5 instead (reported as a tenth of that bound, 1e-4, when reached)."""
+    def one(path, a, b):
+        if "key" in jax.tree_util.keystr(path) and "bias" in jax.tree_util.keystr(path):
+            return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)))) / 1e-1
+        return _err(a, b)
+    return jax.tree_util.tree_map_with_path(one, got, ref)
+
+
+def _opt(kind):
+    return optax.sgd(0.5) if kind == "sgd" else adam(1e-2)
+
+
+@functools.cache
+def linen_reference(name, kind):
+    loss_fn, params, batch = linen_problem(name, None)
+    return reference_train(loss_fn, params, batch, _opt(kind), steps=3)
+
+
+@functools.cache
+def reference_flops(name):
+    """FLOPs of value_and_grad on one device over the whole batch (the unsplit block)."""
+    loss_fn, params, batch = linen_problem(name, None)
+    return jax.jit(jax.value_and_grad(loss_fn)).lower(params, batch).compile().cost_analysis()["flops"]
+
+
+def all_reduces(text):
+    """(result shapes, op_name) of every all-reduce in compiled HLO text."""
+    out = []
+    for line in text.splitlines():
+        if " all-reduce(" not in line and " all-reduce-start(" not in line:
+            continue
+        head = re.split(r" all-reduce(?:-start)?\(", line, maxsplit=1)[0]
+        shapes = [tuple(int(d) for d in s.split(",") if d) for s in re.findall(r"f32\[([0-9,]*)\]", head)]
+        name = re.search(r'op_name="([^"]*)"', line)
+        out.append((shapes, name.group(1) if name else ""))
+    return out
+
+
+def check_compiled(step, flops_unsplit, n):
+    """Per-device FLOPs at most 1/8 of the unsplit block's plus 10%; one forward all-reduce of
+    activations (the output projection's partial sums)."""
+    compiled = step.plan.lowered().compile()
+    flops = compiled.cost_analysis()["flops"]
+    assert flops <= 1.1 * flops_unsplit / 8, (flops, flops_unsplit / 8)
+    act = (B * n // 8, L, D)                                   # one model group's rows
+    fwd = [s for s, name in all_reduces(compiled.as_text()) if "transpose(" not in name and act in s]
+    assert len(fwd) == 1 and fwd[0].count(act) == 1, all_reduces(compiled.as_text())
+    return flops
+
+
+CASES = [("mha", 2, "sgd"), ("mha", 4, "sgd"), ("mha", 4, "adam"), ("mha", 8, "sgd"),
+         ("gqa", 4, "sgd"), ("gqa", 8, "adam"), ("fused", 4, "adam"), ("fused", 8, "sgd"),
+         ("mlp", 4, "sgd"), ("mlp", 8, "adam")]
+
+
+@pytest.mark.parametrize("name,n,kind", CASES)
+def test_split_transformer_layers_are_exact_and_divide_the_work(name, n, kind):
+    ref_losses, ref_params = linen_reference(name, kind)
+    loss_fn, params, batch = linen_problem(name, n)
+    step = wh.parallelize(loss_fn, _opt(kind))
+    state = step.init(params, batch)
+    losses = []
+    for _ in range(3):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    errs = param_errors(step.params(state), ref_params)
+    assert max(jax.tree.leaves(errs)) < 1e-4, errs
+    assert max(jax.tree.leaves(jax.tree.map(rel_err, ref_params, params))) > 1e-3      # training moved them
+    # every matrix is split: nothing left whole
+    cov = step.plan.coverage
+    assert cov and not [c for c in cov if c.left_whole], step.plan.summary()
+    assert "left" not in step.plan.summary()
+    if name == "mlp":
+        assert step.plan.param_specs["['w1']"] == P(None, "model") and step.plan.param_specs["['w2']"] == P("model")
+        assert step.plan.param_specs["['b1']"] == P("model")
+        return
+    specs = {re.findall(r"\['([^']+)'\]", k)[-2]: s for k, s in step.plan.param_specs.items()
+             if k.endswith("['kernel']")}
+    heads_col = P(None, None, "model") if name == "fused" else P(None, "model")
+    assert all(s == heads_col for k, s in specs.items() if k != "out"), specs      # heads, not head_dim
+    assert specs["out"] == P("model"), specs                                       # contracting over heads
+    if kind == "sgd":
+        check_compiled(step, reference_flops(name), n)
+
+
+def test_attention_patterns_are_chosen_by_communication_cost():
+    loss_fn, params, batch = linen_problem("mha", 4)
+    plan = wh.plan(loss_fn, params, batch)
+    chosen = {re.findall(r"\['([^']+)'\]", c.param)[-2]: c for c in plan.patterns}
+    for proj in ("query", "key", "value"):
+        costs = dict(chosen[proj].costs)
+        assert chosen[proj].pattern == "SP1 column" and costs["column"] < costs["row"]
+    costs = dict(chosen["out"].costs)
+    assert chosen["out"].pattern == "SP2 row" and costs["row"] < costs["column"]
+    assert "split coverage: TG0 split(4) reads 8 parameters, 7 split" in plan.summary()
+
+
+class NnxAttention(nnx.Module):
+    def __init__(self, rngs, n=None):
+        self.attn = nnx.MultiHeadAttention(8, D, qkv_features=32, decode=False, rngs=rngs)
+        self.n = n
+
+    def __call__(self, x):
+        with scope(self.n):
+            return self.attn(x)
+
+
+def _nnx_loss(model, batch):
+    return masked_mse(model(batch["x"]), batch)
+
+
+@functools.cache
+def nnx_reference(kind):
+    model = NnxAttention(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, _opt(kind), wrt=nnx.Param)
+
+    @nnx.jit
+    def train(model, opt, batch):
+        loss, grads = nnx.value_and_grad(_nnx_loss)(model, batch)
+        opt.update(model, grads)
+        return loss
+
+    batch = problem()
+    losses = [float(train(model, opt, batch)) for _ in range(3)]
+    flops = nnx.jit(nnx.value_and_grad(_nnx_loss)).lower(NnxAttention(nnx.Rngs(0)), batch).compile()
+    return losses, nnx.to_pure_dict(nnx.state(model, nnx.Param)), flops.cost_analysis()["flops"]
+
+
+@pytest.mark.parametrize("n,kind", [(2, "adam"), (4, "sgd"), (8, "sgd")])
+def test_nnx_multi_head_attention_split_is_exact(n, kind):
+    ref_losses, ref_params, ref_flops = nnx_reference(kind)
+    batch = problem()
+    step = wh.parallelize(_nnx_loss, _opt(kind))
+    state = step.init(NnxAttention(nnx.Rngs(0), n), batch)
+    losses = []
+    for _ in range(3):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    got = nnx.to_pure_dict(nnx.state(step.model(state), nnx.Param))
+    errs = param_errors(got, ref_params)
+    assert max(jax.tree.leaves(errs)) < 1e-4, errs
+    specs = {k: s for k, s in step.plan.param_specs.items() if "kernel" in k}
+    assert sum(s == P(None, "model") for s in specs.values()) == 3 and sum(s == P("model") for s in specs.values()) == 1
+    assert not [c for c in step.plan.coverage if c.left_whole]
+    if kind == "sgd":
+        check_compiled(step, ref_flops, n)
