@@ -257,3 +257,90 @@ def test_nnx_multi_head_attention_split_is_exact(n, kind):
     assert not [c for c in step.plan.coverage if c.left_whole]
     if kind == "sgd":
         check_compiled(step, ref_flops, n)
+
+
+def _mlp_problem(hidden, classes):
+    k = jax.random.split(jax.random.key(2), 4)
+    params = {"w1": jax.random.normal(k[0], (D, hidden)) / 4, "b1": jnp.zeros(hidden),
+              "w2": jax.random.normal(k[1], (hidden, classes)) / 4}
+    batch = {"x": jax.random.normal(k[2], (B, D)), "y": jax.random.randint(k[3], (B,), 0, classes)}
+
+    def loss_fn(p, b):
+        with wh.split(8):
+            logits = jnp.tanh(b["x"] @ p["w1"] + p["b1"]) @ p["w2"]
+            return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+    return loss_fn, params, batch
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_indivisible_dims_take_the_pattern_that_divides(kind):
+    """1001 classes on 8 devices: the head cannot be column-split (8 does not divide 1001), so it is
+    row-split over its 16 inputs, and training stays exact."""
+    loss_fn, params, batch = _mlp_problem(16, 1001)
+    ref_losses, ref_params = reference_train(loss_fn, params, batch, _opt(kind), steps=3)
+    step = wh.parallelize(loss_fn, _opt(kind))
+    state = step.init(params, batch)
+    for want in ref_losses:
+        state, metrics = step(state, batch)
+        assert float(metrics["loss"]) == pytest.approx(want, rel=1e-5)
+    assert max(jax.tree.leaves(jax.tree.map(_err, step.params(state), ref_params))) < 1e-4
+    specs = step.plan.param_specs
+    assert specs["['w1']"] == P(None, "model") and specs["['w2']"] == P("model"), specs   # 1001 classes: row
+    (head,) = [c for c in step.plan.patterns if c.param == "['w2']"]
+    assert head.pattern == "SP2 row" and dict(head.costs)["column"] == float("inf")
+
+
+def test_hidden_12_on_8_devices_is_exact():
+    loss_fn, params, batch = _mlp_problem(12, 16)
+    ref_losses, ref_params = reference_train(loss_fn, params, batch, _opt("sgd"), steps=3)
+    step = wh.parallelize(loss_fn, _opt("sgd"))
+    state = step.init(params, batch)
+    for want in ref_losses:
+        state, metrics = step(state, batch)
+        assert float(metrics["loss"]) == pytest.approx(want, rel=1e-5)
+    assert max(jax.tree.leaves(jax.tree.map(_err, step.params(state), ref_params))) < 1e-4
+    specs = step.plan.param_specs
+    assert specs["['w1']"] == P("model") and specs["['w2']"] == P(None, "model"), specs  # 12 hidden: row, then column
+    assert specs["['b1']"] == P()
+
+
+def test_nothing_divisible_is_a_plan_error_naming_the_parameter():
+    loss_fn, params, batch = _mlp_problem(12, 1001)
+    with pytest.raises(wh.PlanError, match=r"split\(8\) cannot shard \['w2'\] \(shape \(12, 1001\)\).*"
+                                           r"\(1001, 12\) is divisible by the 8 devices"):
+        wh.plan(loss_fn, params, batch)
+    # a forced pattern that cannot divide is refused alike, before any step runs
+    k = jax.random.split(jax.random.key(3), 2)
+    p = {"w": jax.random.normal(k[0], (D, 12))}
+
+    def forced(p, b):
+        with wh.split(8, pattern="column"):
+            return jnp.mean((b["x"] @ p["w"]) ** 2)
+    with pytest.raises(wh.PlanError, match=r"none of its output \(free\) dimensions \(12\)"):
+        wh.parallelize(forced, optax.sgd(0.1)).init(p, {"x": jax.random.normal(k[1], (B, D))})
+
+
+def test_embedding_that_nothing_divides_is_a_plan_error():
+    params = {"table": jnp.ones((30, 12))}
+
+    def loss_fn(p, b):
+        with wh.split(8):
+            return jnp.mean(jnp.take(p["table"], b["t"], axis=0) ** 2)
+    with pytest.raises(wh.PlanError, match=r"embedding \['table'\] \(shape \(30, 12\)\).*neither"):
+        wh.plan(loss_fn, params, {"t": jnp.zeros((B,), jnp.int32)})
+
+
+def test_a_split_around_an_unmatched_operation_warns_in_the_summary():
+    """Per-head weights contracted with the heads as a batch dimension match no pattern: the
+    summary says so, naming the parameter and the operation."""
+    k = jax.random.split(jax.random.key(4), 2)
+    params = {"w": jax.random.normal(k[0], (8, 4, 4))}
+
+    def loss_fn(p, b):
+        with wh.split(4):
+            return jnp.mean(jnp.einsum("bhd,hde->bhe", b["x"], p["w"]) ** 2)
+    plan = wh.plan(loss_fn, params, {"x": jax.random.normal(k[1], (B, 8, 4))})
+    text = plan.summary()
+    assert "warning: split(4) left ['w'] (8, 4, 4) whole: dot_general with the weight's dimensions (0,) as batch" \
+        in text, text
+    assert [c.param for c in plan.coverage if c.left_whole] == ["['w']"]
