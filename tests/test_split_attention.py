@@ -272,61 +272,69 @@ def _mlp_problem(hidden, classes):
     return loss_fn, params, batch
 
 
-@pytest.mark.parametrize("kind", ["sgd", "adam"])
-def test_indivisible_dims_take_the_pattern_that_divides(kind):
-    """1001 classes on 8 devices: the head cannot be column-split (8 does not divide 1001), so it is
-    row-split over its 16 inputs, and training stays exact."""
-    loss_fn, params, batch = _mlp_problem(16, 1001)
+def _train_and_compare(loss_fn, params, batch, kind, **kw):
     ref_losses, ref_params = reference_train(loss_fn, params, batch, _opt(kind), steps=3)
-    step = wh.parallelize(loss_fn, _opt(kind))
+    step = wh.parallelize(loss_fn, _opt(kind), **kw)
     state = step.init(params, batch)
     for want in ref_losses:
         state, metrics = step(state, batch)
         assert float(metrics["loss"]) == pytest.approx(want, rel=1e-5)
     assert max(jax.tree.leaves(jax.tree.map(_err, step.params(state), ref_params))) < 1e-4
+    assert jax.tree.map(jnp.shape, step.params(state)) == jax.tree.map(jnp.shape, params)
+    return step, state
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_1001_classes_on_8_devices_are_padded_and_exact(kind):
+    """The head's class dimension is column-split (the cheaper pattern) and stored padded to 1008:
+    the model computes on 1001 classes, the padding is never read and stays zero."""
+    loss_fn, params, batch = _mlp_problem(16, 1001)
+    step, state = _train_and_compare(loss_fn, params, batch, kind)
     specs = step.plan.param_specs
-    assert specs["['w1']"] == P(None, "model") and specs["['w2']"] == P("model"), specs   # 1001 classes: row
+    assert specs["['w2']"] == P(None, "model"), specs
     (head,) = [c for c in step.plan.patterns if c.param == "['w2']"]
-    assert head.pattern == "SP2 row" and dict(head.costs)["column"] == float("inf")
+    assert head.pattern == "SP1 column, padded 1001 -> 1008"
+    assert "dim 1 padded 1001 -> 1008 (8 does not divide 1001)" in step.plan.summary()
+    stored = state.stored_params["w2"]
+    assert stored.shape == (16, 1008) and {s.data.shape for s in stored.addressable_shards} == {(16, 126)}
+    assert float(jnp.abs(stored[:, 1001:]).max()) == 0.0
+    if kind == "adam":
+        mu = state.opt_state[0].mu["w2"]
+        assert mu.shape == (16, 1008) and float(jnp.abs(mu[:, 1001:]).max()) == 0.0
 
 
-def test_hidden_12_on_8_devices_is_exact():
+def test_hidden_12_on_8_devices_is_exact_with_micro_batches():
+    """12 hidden units over 8 devices, and 2 micro-batches (the accumulation loop reads the padded
+    parameters too)."""
     loss_fn, params, batch = _mlp_problem(12, 16)
-    ref_losses, ref_params = reference_train(loss_fn, params, batch, _opt("sgd"), steps=3)
-    step = wh.parallelize(loss_fn, _opt("sgd"))
-    state = step.init(params, batch)
-    for want in ref_losses:
-        state, metrics = step(state, batch)
-        assert float(metrics["loss"]) == pytest.approx(want, rel=1e-5)
-    assert max(jax.tree.leaves(jax.tree.map(_err, step.params(state), ref_params))) < 1e-4
-    specs = step.plan.param_specs
-    assert specs["['w1']"] == P("model") and specs["['w2']"] == P(None, "model"), specs  # 12 hidden: row, then column
-    assert specs["['b1']"] == P()
+    step, _ = _train_and_compare(loss_fn, params, batch, "sgd", config=wh.Config(num_micro_batch=2))
+    padded = [c.param for c in step.plan.coverage if "padded" in c.note]
+    assert padded and set(padded) <= {"['w1']", "['b1']", "['w2']"}, step.plan.summary()
 
 
-def test_nothing_divisible_is_a_plan_error_naming_the_parameter():
-    loss_fn, params, batch = _mlp_problem(12, 1001)
-    with pytest.raises(wh.PlanError, match=r"split\(8\) cannot shard \['w2'\] \(shape \(12, 1001\)\).*"
-                                           r"\(1001, 12\) is divisible by the 8 devices"):
+def test_a_dimension_smaller_than_the_devices_is_a_plan_error_naming_the_parameter():
+    loss_fn, params, batch = _mlp_problem(4, 6)
+    with pytest.raises(wh.PlanError, match=r"split\(8\) cannot shard \['w2'\] \(shape \(4, 6\)\): its output and "
+                                           r"contracted dimensions \(6, 4\) are all smaller than the 8 devices"):
         wh.plan(loss_fn, params, batch)
-    # a forced pattern that cannot divide is refused alike, before any step runs
+    # a forced pattern that cannot split is refused alike, before any step runs
     k = jax.random.split(jax.random.key(3), 2)
-    p = {"w": jax.random.normal(k[0], (D, 12))}
+    p = {"w": jax.random.normal(k[0], (D, 6))}
 
     def forced(p, b):
         with wh.split(8, pattern="column"):
             return jnp.mean((b["x"] @ p["w"]) ** 2)
-    with pytest.raises(wh.PlanError, match=r"none of its output \(free\) dimensions \(12\)"):
+    with pytest.raises(wh.PlanError, match=r"its output \(free\) dimensions \(6\) are all smaller"):
         wh.parallelize(forced, optax.sgd(0.1)).init(p, {"x": jax.random.normal(k[1], (B, D))})
 
 
 def test_embedding_that_nothing_divides_is_a_plan_error():
-    params = {"table": jnp.ones((30, 12))}
+    params = {"table": jnp.ones((6, 4))}
 
     def loss_fn(p, b):
         with wh.split(8):
             return jnp.mean(jnp.take(p["table"], b["t"], axis=0) ** 2)
-    with pytest.raises(wh.PlanError, match=r"embedding \['table'\] \(shape \(30, 12\)\).*neither"):
+    with pytest.raises(wh.PlanError, match=r"embedding \['table'\] \(shape \(6, 4\)\).*both smaller"):
         wh.plan(loss_fn, params, {"t": jnp.zeros((B,), jnp.int32)})
 
 

@@ -94,6 +94,7 @@ class ShardingPlan:
     comms: tuple[Comm, ...]
     experts: tuple[ExpertCall, ...] = ()
     coverage: tuple[Coverage, ...] = ()
+    padding: tuple[tuple[int, int, int], ...] = ()   # (leaf, dim, devices): stored padded to a multiple of devices
 
     def comm_bytes(self, taskgraph: int | None = None) -> float:
         return sum(c.bytes for c in self.comms if taskgraph is None or c.taskgraph == taskgraph)
@@ -123,6 +124,13 @@ def _ring(kind: str, size: float, n: int) -> float:
     if n <= 1:
         return 0.0
     return (2.0 if kind == "all-reduce" else 1.0) * (n - 1) / n * size
+
+
+def _choose(candidates: list[int], shape, n: int, skip_last: bool) -> int | None:
+    """`_prefer` among the dimensions `n` divides; failing those, among the dimensions of at least
+    `n` elements, which the plan stores padded to a multiple of `n` (None: no dimension can split)."""
+    even = _prefer([d for d in candidates if shape[d] % n == 0], shape, skip_last)
+    return even if even is not None else _prefer([d for d in candidates if shape[d] >= n], shape, skip_last)
 
 
 def _prefer(candidates: list[int], shape, skip_last: bool) -> int | None:
@@ -254,7 +262,17 @@ class _Planner:
             spec = self.param_spec.get(i)
             specs.append(to_spec(tuple(spec)) if spec else P())
         return ShardingPlan(tuple(specs), tuple(batch_specs), self.constraints, tuple(self.choices),
-                            tuple(self.comms), tuple(self.experts), self._coverage(specs))
+                            tuple(self.comms), tuple(self.experts), self._coverage(specs), self._padding())
+
+    def _padding(self) -> tuple[tuple[int, int, int], ...]:
+        """(leaf, dim, devices) for every split dimension the device count does not divide."""
+        out = []
+        for leaf, spec in sorted(self.param_spec.items()):
+            shape = self.cap.jaxpr.jaxpr.invars[leaf].aval.shape
+            for d, a in enumerate(spec):
+                if a and shape[d] % self.shards(a):
+                    out.append((leaf, d, self.shards(a)))
+        return tuple(out)
 
     def _coverage(self, specs) -> tuple[Coverage, ...]:
         out = []
@@ -267,6 +285,10 @@ class _Planner:
                 note = ""
                 if specs[leaf] == P() and len(shape) >= 2:
                     note = self.unmatched.get(leaf, (None, self.readers.get(leaf, "")))[1]
+                for d, a in enumerate(self.param_spec.get(leaf, ())):
+                    k = self.shards(a) if a else 1
+                    if shape[d] % k:
+                        note = f"dim {d} padded {shape[d]} -> {-(-shape[d] // k) * k} ({k} does not divide {shape[d]})"
                 out.append(Coverage(tg.index, vd.strategy.label(), self.cap.param_paths[leaf], shape, specs[leaf], note))
         return tuple(out)
 
@@ -595,12 +617,14 @@ class _Planner:
         if not col_dims and not row_ks:
             return None
         x_split_k = next((k for k, d in enumerate(xc) if x.spec[d] == ma), None)
-        col = _prefer([d for d in col_dims if w_shape[d] % n == 0], w_shape, len(w_free) > 1)
+        col = _choose(col_dims, w_shape, n, len(w_free) > 1)
         if x_split_k is not None and x_split_k in row_ks:
             row_k = x_split_k
         else:
-            k_dims = _prefer([wc[k] for k in row_ks if w_shape[wc[k]] % n == 0], w_shape, len(wc) > 1)
+            k_dims = _choose([wc[k] for k in row_ks], w_shape, n, len(wc) > 1)
             row_k = None if k_dims is None else list(wc).index(k_dims)
+        pads = {"column": col is not None and w_shape[col] % n != 0,
+                "row": row_k is not None and w_shape[wc[row_k]] % n != 0}
         x_split_c = x_split_k is not None
         x_bytes = self.group_bytes(x_aval, x, vd)
         y_info = Info(self.batch_spec(vd, y_aval) if x.batch else _unsplit(len(y_aval.shape)), x.batch)
@@ -628,17 +652,20 @@ class _Planner:
                 sizes = ", ".join(f"{w_shape[d]}" for d in (col_dims if forced == "column" else
                                                              [wc[k] for k in row_ks] if forced == "row" else
                                                              col_dims + [wc[k] for k in row_ks]))
-                which = {"column": "output (free)", "row": "contracted"}.get(forced, "output or contracted")
+                which = {"column": "output (free)", "row": "contracted"}.get(forced, "output and contracted")
                 raise PlanError(
-                    f"split({n}) cannot shard {param_name} (shape {tuple(w_shape)}): none of its {which} "
-                    f"dimensions ({sizes}) is divisible by the {n} devices of {self.cap.taskgraphs[tg].name}. "
-                    f"Use a split degree that divides one of them, pad that dimension in the model (e.g. a "
-                    f"vocabulary padded to a multiple of {n}), or move this layer out of the split scope.")
-            pattern = forced if forced != "auto" else min(("column", "row"), key=lambda k: (cost[k], k != "column"))
+                    f"split({n}) cannot shard {param_name} (shape {tuple(w_shape)}): its {which} dimensions "
+                    f"({sizes}) are all smaller than the {n} devices of {self.cap.taskgraphs[tg].name}, so no "
+                    f"split gives every device a part. Use a split degree of at most the largest of them, or move "
+                    f"this layer out of the split scope.")
+            pattern = forced if forced != "auto" else \
+                min(("column", "row"), key=lambda k: (cost[k], pads[k], k != "column"))
             self.decide_param(leaf, dims[col] if pattern == "column" else dims[wc[row_k]], ma)
-        self.choices.append(PatternChoice(tg, "matmul", param_name,
-                                          "SP1 column" if pattern == "column" else "SP2 row",
-                                          tuple(sorted(cost.items()))))
+        label = "SP1 column" if pattern == "column" else "SP2 row"
+        size = w_shape[col] if pattern == "column" else w_shape[wc[row_k]]
+        if size % n:
+            label += f", padded {size} -> {-(-size // n) * n}"
+        self.choices.append(PatternChoice(tg, "matmul", param_name, label, tuple(sorted(cost.items()))))
         # the input: contracting dims whole (column) or split on the row dim; ma leaves its other dims
         x_want = [None if a == ma else a for a in x.spec]
         for k, d in enumerate(xc):
@@ -680,8 +707,8 @@ class _Planner:
         y_info = Info(self.batch_spec(vd, y_aval) if idx.batch else _unsplit(len(y_aval.shape)), idx.batch)
         y_bytes = self.group_bytes(y_aval, y_info, vd)
         inf = float("inf")
-        cost = {"column": 0.0 if table[1] % n == 0 else inf,
-                "row": _ring("all-reduce", y_bytes, n) if table[0] % n == 0 else inf}
+        cost = {"column": 0.0 if table[1] >= n else inf,
+                "row": _ring("all-reduce", y_bytes, n) if table[0] >= n else inf}
         decided = self.param_spec.get(leaf)
         if decided is not None:
             pattern = "row" if decided[dims[0]] == ma else "column"
@@ -690,9 +717,9 @@ class _Planner:
             if forced != "auto" and cost[forced] == inf or cost["column"] == cost["row"] == inf:
                 raise PlanError(
                     f"split({n}) cannot shard the embedding {self.cap.param_paths[leaf]} (shape {tuple(table)}): "
-                    f"{'its hidden size' if forced == 'column' else 'its vocabulary' if forced == 'row' else 'neither its vocabulary nor its hidden size'} "
-                    f"is divisible by the {n} devices of {self.cap.taskgraphs[tg].name}. Use a split degree that "
-                    f"divides one of them, or pad the vocabulary to a multiple of {n}.")
+                    f"{'its hidden size is' if forced == 'column' else 'its vocabulary is' if forced == 'row' else 'its vocabulary and hidden size are both'} "
+                    f"smaller than the {n} devices of {self.cap.taskgraphs[tg].name}. Use a smaller split degree, "
+                    f"or move the embedding out of the split scope.")
             pattern = forced if forced != "auto" else min(("column", "row"), key=lambda k: (cost[k], k != "column"))
             self.decide_param(leaf, dims[1] if pattern == "column" else dims[0], ma)
         name = self.cap.param_paths[leaf]

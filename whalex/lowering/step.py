@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from whalex.core import part_loss as parts_lib
 from whalex.core.capture import Captured
 from whalex.lowering.emit import Emitter
+from whalex.lowering.padding import EvenPadding
 from whalex.lowering.patterns import ShardingPlan
 from whalex.memory import precision as precision_lib
 from whalex.memory.precision import value_and_grad as scaled_value_and_grad
@@ -31,7 +32,7 @@ class Program(Emitter):
     platform: str
     num_micro_batch: int = 1     # > 1: gradient accumulation over micro-batches (captured at micro size)
     overrides: Any = None        # path -> function replacing that equation (uneven split head)
-    padded: Any = None           # param leaf -> (UnevenColumns, axis): stored padded per device
+    padded: Any = None           # param leaf -> (UnevenColumns | EvenPadding, axis): stored padded per device
     memory: Any = None           # whalex.memory.MemoryOptions (ZeRO level, offload)
     precision: Any = None        # whalex.memory.precision.Precision (amp, comm_dtype)
     remat: Any = None            # whalex.memory.remat.RematPlan (per-TaskGraph remat, activation offload)
@@ -96,6 +97,18 @@ class Program(Emitter):
     def param_layout(self):
         return "padded uneven shards" if self.padded else None
 
+    def compute_params(self, params):
+        """The stored parameters as the model reads them: evenly padded leaves sliced back to their
+        own size, keeping their sharding (the uneven head's leaves stay padded: its override reads them)."""
+        even = {i: v for i, v in (self.padded or {}).items() if isinstance(v[0], EvenPadding)}
+        if not even:
+            return params
+        leaves, tree = jax.tree.flatten(params)
+        for i, (layout, axis) in even.items():
+            leaves[i] = jax.lax.with_sharding_constraint(layout.unpad(leaves[i], axis),
+                                                         NamedSharding(self.mesh, self.sharding.param_specs[i]))
+        return jax.tree.unflatten(tree, leaves)
+
     # -- the functions -----------------------------------------------------------------------
     def loss(self) -> Callable:
         """loss(params, batch) -> (loss, aux) evaluated with the plan's constraints."""
@@ -107,6 +120,7 @@ class Program(Emitter):
             batch, extra = inputs
             if gather is not None:       # ZeRO 3: stored sharded, gathered where used
                 params = jax.lax.with_sharding_constraint(params, gather)
+            params = self.compute_params(params)
             outs = evaluate(*jax.tree.leaves(params), *jax.tree.leaves(batch), *extra)
             value, aux, new_state = cap.split_outputs(outs)
             return value, (aux, new_state)
@@ -163,6 +177,7 @@ class Program(Emitter):
         def accumulate(params, batch, extra=(), scale=None):
             if gather is not None:       # ZeRO 3: stored sharded, gathered where used
                 params = jax.lax.with_sharding_constraint(params, gather)
+            params, stored_grads = jax.vjp(self.compute_params, params)
             leaves, tree = jax.tree.flatten(batch)
             micro = [split(x, s) for x, s in zip(leaves, specs)]
             b = leaves[0].shape[0]
@@ -182,7 +197,7 @@ class Program(Emitter):
 
             outs, grads = parts_lib.value_and_grad(pl, evaluator_for, loop, across, jax.tree.leaves(params),
                                                    list(extra), scale, map_parts)
-            grads = jax.tree.unflatten(ptree, grads)
+            grads = stored_grads(jax.tree.unflatten(ptree, grads))[0]
             if scale is not None:
                 grads = precision_lib.unscale(grads, scale)
             grads = jax.lax.with_sharding_constraint(grads, grad_shardings)

@@ -71,6 +71,11 @@ def pipeline_plan(req: Request, full, stage_of_eqn, per_stage, stage_layers=None
         sharding = stage_shardings(cap, mp)
         model_dims = tuple(next((d for d, a in enumerate(spec) if a is not None), None) for spec in sharding.param_specs)
         constraints = sharding.constraints
+        if sharding.padding:
+            leaf, d, k = sharding.padding[0]
+            raise PlanError(f"split({k}) inside a pipeline stage would pad {cap.param_paths[leaf]} (dimension {d} of "
+                            f"{cap.jaxpr.jaxpr.invars[leaf].aval.shape[d]}, which {k} does not divide); padded "
+                            "parameters are not built for pipeline stages yet. Use a split degree that divides it.")
         if config.zero_level or config.offload:
             raise PlanError("ZeRO and offload are not built for pipelines with split TaskGraphs inside the stages yet; "
                             "drop Config(zero=...)/offload, or the split annotations inside the stages.")

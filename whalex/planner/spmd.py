@@ -17,6 +17,7 @@ from whalex.balance.profile import taskgraph_flops
 from whalex.core.part_loss import PartLoss
 from whalex.core.parts import analyse
 from whalex.errors import PlanError
+from whalex.lowering.padding import EvenPadding
 from whalex.lowering.patterns import plan_shardings
 from whalex.lowering.step import Program
 from whalex.lowering.uneven import UnevenProgram
@@ -48,11 +49,14 @@ def spmd_plan(req: Request, cap, report=None) -> Plan:
                             "must divide over the data-parallel replicas)") from None
         raise
     mesh = layout.build(cluster.devices)
-    overrides, padded, split_report = None, None, None
+    overrides, split_report = None, None
+    padded = {leaf: (EvenPadding(cap.jaxpr.jaxpr.invars[leaf].aval.shape[d], k), d) for leaf, d, k in sharding.padding}
     if config.hardware_aware and m == 1:
         found = uneven_heads(cap, vds, layout, sharding, cluster, optimizer, mesh)
         if found is not None:
-            overrides, padded, sharding, split_report = found
+            overrides, head_padded, sharding, split_report = found
+            padded.update(head_padded)
+    padded = padded or None
     if sharding.experts:
         overrides = {**(overrides or {}), **expert_overrides(sharding.experts, mesh)}
     axis_sizes = dict(zip(layout.axis_names, layout.axis_sizes))

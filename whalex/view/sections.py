@@ -18,7 +18,7 @@ from whalex.view.format import fmt_bytes, fmt_devices, fmt_flops, fmt_pct, fmt_s
 TASKGRAPH_COLUMNS = ("TaskGraph", "strategy", "devices/replica", "devices", "nested DP", "params",
                      "FLOPs (fwd+bwd)", "comm/device")
 PATTERN_COLUMNS = ("TaskGraph", "unit", "parameter", "pattern", "candidate costs")
-COVERAGE_COLUMNS = ("TaskGraph", "parameter", "shape", "layout")
+COVERAGE_COLUMNS = ("TaskGraph", "parameter", "shape", "layout", "note")
 MEMORY_COLUMNS = ("devices", "kind", "batch", "params", "grads", "opt state", "activations", "host", "capacity")
 BALANCE_COLUMNS = ("device", "kind", "capacity", "even", "balanced", "predicted time", "predicted memory", "memory")
 TRAFFIC_COLUMNS = ("TaskGraph", "collective", "mesh axes", "bytes/device", "why")
@@ -220,7 +220,8 @@ def coverage(plan) -> Section | None:
         cs = [c for c in plan.coverage if c.taskgraph == tg]
         split = sum(c.spec != P() for c in cs)
         body.append(Line(f"split coverage: TG{tg} {cs[0].strategy} reads {len(cs)} parameters, {split} split"))
-    rows = [[f"TG{c.taskgraph}", c.param, "x".join(map(str, c.shape)) or "scalar", str(c.spec)] for c in plan.coverage]
+    rows = [[f"TG{c.taskgraph}", c.param, "x".join(map(str, c.shape)) or "scalar", str(c.spec), c.note]
+            for c in plan.coverage]
     body.append(_table(COVERAGE_COLUMNS, rows, set()))
     return Section("coverage", "Split coverage", tuple(body), collapsed=not coverage_warnings(plan))
 
