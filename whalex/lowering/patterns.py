@@ -188,6 +188,7 @@ class _Planner:
         self.experts: list[ExpertCall] = []
         self.unmatched: dict[int, tuple[int, str]] = {}   # leaf -> (TaskGraph, why no pattern matched it)
         self.readers: dict[int, str] = {}                   # leaf -> the first split-scope operation reading it
+        self.made_at: dict = {}                             # (frame, var) -> (equation path, output position)
         self.b = cap.global_batch
 
     # -- helpers ---------------------------------------------------------------------------
@@ -344,9 +345,10 @@ class _Planner:
                     outs = self.split_rule(path, frame, eqn, ins, tg, vd)
                 else:
                     outs = self.replicate_rule(eqn, ins, vd)
-            for v, info in zip(eqn.outvars, outs):
+            for k, (v, info) in enumerate(zip(eqn.outvars, outs)):
                 self.info[(frame, v)] = info
                 self.producer[(frame, v)] = tg
+                self.made_at[(frame, v)] = (path, k)
 
     # -- bridges ---------------------------------------------------------------------------
     def bridge(self, path, pos, frame, v, tg, vd) -> Info:
@@ -372,6 +374,9 @@ class _Planner:
                 gathered = tuple(a for a in have if not need or a not in need)
                 self.comm(tg, "all-gather", gathered, size, f"bridge into TG{tg}: gather dim {d}")
         self.constraints[(path, "in", pos)] = to_spec(want)
+        made = self.made_at.get((frame, v))
+        if made is not None:            # the producer keeps its own layout up to the bridge
+            self.constraints.setdefault((made[0], "out", made[1]), to_spec(info.spec))
         return Info(want, info.batch)
 
     # -- experts (MoE) ----------------------------------------------------------------------
@@ -481,7 +486,7 @@ class _Planner:
             return [Info(tuple(a if a not in reduced else None for a in info.spec), batch)]
         if name in OPAQUE_CALLS or name in ("dot_general", "gather"):
             if name == "dot_general":
-                return [self.generic_dot(eqn, ins, tg, vd, batch)]
+                return [self.generic_dot(path, eqn, ins, tg, vd, batch)]
             first = next((i for i in ins if any(i.spec[1:]) or i.batch), ins[0] if ins else None)
             result = []
             for v in outs:
@@ -564,7 +569,11 @@ class _Planner:
                               "reshape of a split dim")
         return Info(tuple(spec), batch)
 
-    def generic_dot(self, eqn, ins, tg, vd, batch) -> Info:
+    def generic_dot(self, path, eqn, ins, tg, vd, batch) -> Info:
+        """A product of two activations (attention's scores and context): batch dims keep their
+        splits (heads stay split), a contraction over a split dim is all-reduced. When the result is
+        split over this TaskGraph's own axes its layout is pinned, operands and result, so that
+        XLA keeps the heads where the projections put them."""
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
         lhs, rhs = ins
         out_spec = [lhs.spec[d] for d in lb]
@@ -579,6 +588,10 @@ class _Planner:
             clean.append(a if a and a not in seen else None)
             if a:
                 seen.add(a)
+        if vd.model_axes and vd.model_axes in clean and not partial:
+            for pos, info in enumerate(ins):
+                self.constraints[(path, "in", pos)] = to_spec(info.spec)
+            self.constraints[(path, "out", 0)] = to_spec(tuple(clean))
         return Info(tuple(clean), batch)
 
     def _forced(self, vd: VirtualDevice) -> str:
@@ -658,8 +671,9 @@ class _Planner:
                     f"({sizes}) are all smaller than the {n} devices of {self.cap.taskgraphs[tg].name}, so no "
                     f"split gives every device a part. Use a split degree of at most the largest of them, or move "
                     f"this layer out of the split scope.")
+            natural = "row" if x_split_c else "column"      # on a tie: the one that takes x as it is laid out
             pattern = forced if forced != "auto" else \
-                min(("column", "row"), key=lambda k: (cost[k], pads[k], k != "column"))
+                min(("column", "row"), key=lambda k: (cost[k], pads[k], k != natural))
             self.decide_param(leaf, dims[col] if pattern == "column" else dims[wc[row_k]], ma)
         label = "SP1 column" if pattern == "column" else "SP2 row"
         size = w_shape[col] if pattern == "column" else w_shape[wc[row_k]]
@@ -685,8 +699,7 @@ class _Planner:
         out = [lhs[d] for d in lb]
         out += [lhs[d] for d in range(len(lhs)) if d not in lc and d not in lb]
         out += [rhs[d] for d in range(len(rhs)) if d not in rc and d not in rb]
-        if tuple(x_want) != x.spec:
-            self.constraints[(path, "in", x_pos)] = to_spec(tuple(x_want))
+        self.constraints[(path, "in", x_pos)] = to_spec(tuple(x_want))     # pinned: XLA must not re-split it
         self.constraints[(path, "out", 0)] = to_spec(tuple(out))
         return Info(tuple(out), x.batch)
 
