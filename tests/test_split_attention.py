@@ -352,3 +352,28 @@ def test_a_split_around_an_unmatched_operation_warns_in_the_summary():
     assert "warning: split(4) left ['w'] (8, 4, 4) whole: dot_general with the weight's dimensions (0,) as batch" \
         in text, text
     assert [c.param for c in plan.coverage if c.left_whole] == ["['w']"]
+
+
+def test_padded_split_with_zero_and_a_checkpoint_read_by_another_plan(tmp_path):
+    """split(4) x 2 data replicas with ZeRO 2: 1001 classes stored padded to 1004 train exactly; a
+    checkpoint of the padded state restores into a plain data-parallel plan as the caller's shapes."""
+    k = jax.random.split(jax.random.key(5), 4)
+    params = {"w1": jax.random.normal(k[0], (D, 16)) / 4, "w2": jax.random.normal(k[1], (16, 1001)) / 4}
+    batch = {"x": jax.random.normal(k[2], (B, D)), "y": jax.random.randint(k[3], (B,), 0, 1001)}
+
+    def head(p, b):
+        return optax.softmax_cross_entropy_with_integer_labels(jnp.tanh(b["x"] @ p["w1"]) @ p["w2"], b["y"]).mean()
+
+    def split_loss(p, b):
+        with wh.split(4):
+            return head(p, b)
+    step, state = _train_and_compare(split_loss, params, batch, "adam", config=wh.Config(zero_level=2))
+    assert state.stored_params["w2"].shape == (16, 1004)
+    manager = wh.CheckpointManager(tmp_path)
+    manager.save(step, state)
+    manager.wait_until_finished()
+    other = wh.parallelize(head, _opt("adam"))
+    restored = manager.restore(other, params, batch)
+    assert max(jax.tree.leaves(jax.tree.map(_err, other.params(restored), step.params(state)))) == 0.0
+    assert restored.opt_state[0].mu["w2"].shape == (16, 1001)
+    manager.close()
