@@ -1,5 +1,6 @@
-"""Names of the calls whalex recognises in a captured jaxpr (written by `whalex.moe`, read by the
-sharding patterns): MoE experts calls are `whalex_moe_experts__<activation>`."""
+"""Names of the calls whalex recognises in a captured jaxpr (written by `whalex.moe` and
+`whalex.ops`, read by the planner): MoE experts calls are `whalex_moe_experts__<activation>`,
+dense MLPs `whalex_mlp__<activation>`."""
 from __future__ import annotations
 
 EXPERTS_NAME = "whalex_moe_experts"
@@ -13,4 +14,17 @@ def call_name(activation: str) -> str:
 def parse_call_name(name: str) -> str | None:
     """The activation of an experts call, or None if `name` is not one."""
     prefix = EXPERTS_NAME + "__"
+    return name[len(prefix):] if name.startswith(prefix) and name[len(prefix):] in EXPERT_ACTIVATIONS else None
+
+
+MLP_NAME = "whalex_mlp"
+
+
+def mlp_call_name(activation: str) -> str:
+    return f"{MLP_NAME}__{activation}"
+
+
+def parse_mlp_name(name: str) -> str | None:
+    """The activation of a `wh.ops.mlp` call, or None if `name` is not one."""
+    prefix = MLP_NAME + "__"
     return name[len(prefix):] if name.startswith(prefix) and name[len(prefix):] in EXPERT_ACTIVATIONS else None

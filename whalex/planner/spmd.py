@@ -21,12 +21,13 @@ from whalex.lowering.padding import EvenPadding
 from whalex.lowering.patterns import plan_shardings
 from whalex.lowering.step import Program
 from whalex.lowering.uneven import UnevenProgram
-from whalex.lowering.uneven_split import UnevenColumns, uneven_head
+from whalex.lowering.uneven_split import UnevenColumns, uneven_head, uneven_mlp
 from whalex.memory import MemoryOptions, plan_memory, residual_bytes, zero, zero_sharded
 from whalex.memory.remat import configure as configure_memory
 from whalex.mesh.virtual import DATA, mesh_layout, virtual_devices
 from whalex.moe.parallel import expert_parallel
-from whalex.ops import HEAD_NAME
+from whalex.core.names import parse_mlp_name
+from whalex.ops import ACTIVATIONS, HEAD_NAME
 from whalex.plan import Plan
 from whalex.planner.common import Request, loss_parts, taskgraph_infos
 
@@ -150,58 +151,87 @@ def plan_columns(classes: int, speeds: Sequence[float], capacities: Sequence[flo
     return UnevenColumns(counts, max(counts), chunk), bal
 
 
+def _model_shards(vd, layout, cluster):
+    """For a split TaskGraph on one model axis: (axis, devices per model position, the slowest
+    device's speed per position, its spread, the smallest memory per position); None when the
+    positions are equally fast (the even plan applies)."""
+    if vd.strategy.kind != "split" or len(vd.model_axes) != 1:
+        return None
+    axis = vd.model_axes[0]
+    grid = np.asarray(range(layout.size)).reshape(layout.axis_sizes)
+    model_dim = layout.axis_names.index(axis)
+    per_model = np.moveaxis(grid, model_dim, -1).reshape(-1, layout.axis_sizes[model_dim])
+    slowest = [min(per_model[:, j], key=lambda d: cluster.speeds[d]) for j in range(per_model.shape[1])]
+    speeds = [cluster.speeds[d] for d in slowest]
+    if len(set(speeds)) == 1:
+        return None
+    spreads = None if cluster.spread is None else [cluster.spread[d] for d in slowest]
+    caps = [min(cluster.specs[d].memory_bytes for d in per_model[:, j]) for j in range(per_model.shape[1])]
+    return axis, per_model, speeds, spreads, caps
+
+
 def uneven_heads(cap, vds, layout, sharding, cluster, optimizer, mesh):
-    """Uneven class shards for `wh.ops.softmax_cross_entropy_head` under split on a heterogeneous
-    model axis: (overrides, padded, sharding, report), or None when the even plan applies."""
+    """Uneven shards under split on a heterogeneous model axis, for `wh.ops.softmax_cross_entropy_head`
+    (classes) and `wh.ops.mlp` (hidden units): (overrides, padded, sharding, report), or None when
+    the even plan applies."""
     jaxpr = cap.jaxpr.jaxpr
     params = {v: i for i, v in enumerate(jaxpr.invars[: cap.num_params])}
     overrides, padded, specs, reports = {}, {}, list(sharding.param_specs), []
+    opt = 2.0 if optimizer is not None else 0.0
     for i, eqn in enumerate(jaxpr.eqns):
-        if not (C.is_call(eqn) and eqn.params.get("name") == HEAD_NAME):
+        name = str(eqn.params.get("name", "")) if C.is_call(eqn) else ""
+        activation = parse_mlp_name(name)
+        if name != HEAD_NAME and activation is None:
             continue
+        shards = _model_shards(vds[cap.assign[(i,)]], layout, cluster)
+        if shards is None:
+            continue
+        axis, per_model, speeds, spreads, caps = shards
         vd = vds[cap.assign[(i,)]]
-        if vd.strategy.kind != "split" or len(vd.model_axes) != 1:
-            continue
-        x, kernel, bias, labels = eqn.invars
         cast = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns[:i] if e.primitive.name == "convert_element_type"}
-        kernel, bias = cast.get(kernel, kernel), cast.get(bias, bias)     # amp: the fp32 parameter behind the cast
-        if kernel not in params or bias not in params:
+        weights = [cast.get(v, v) for v in (eqn.invars[1:3] if name == HEAD_NAME else eqn.invars[1:4])]
+        if any(w not in params for w in weights):     # amp: the fp32 parameter behind the cast
             continue
-        axis = vd.model_axes[0]
-        grid = np.asarray(range(layout.size)).reshape(layout.axis_sizes)
-        model_dim = layout.axis_names.index(axis)
-        per_model = np.moveaxis(grid, model_dim, -1).reshape(-1, layout.axis_sizes[model_dim])
-        slowest = [min(per_model[:, j], key=lambda d: cluster.speeds[d]) for j in range(per_model.shape[1])]
-        speeds = [cluster.speeds[d] for d in slowest]
-        spreads = None if cluster.spread is None else [cluster.spread[d] for d in slowest]
-        caps = [min(cluster.specs[d].memory_bytes for d in per_model[:, j]) for j in range(per_model.shape[1])]
-        if len(set(speeds)) == 1:
-            continue
-        features, classes = kernel.aval.shape
-        itemsize = np.dtype(kernel.aval.dtype).itemsize
-        opt = 2.0 if optimizer is not None else 0.0
+        itemsize = np.dtype(weights[0].aval.dtype).itemsize
         names = [f"model shard {j} ({cluster.specs[per_model[0, j]].name})" for j in range(len(speeds))]
-        per_column = (features + 1) * itemsize * (2 + opt)          # weight, gradient, optimizer state
-        cols, bal = plan_columns(classes, speeds, caps, per_column, names)
+        if name == HEAD_NAME:
+            features, units = weights[0].aval.shape
+            per_column = (features + 1) * itemsize * (2 + opt)          # weight, gradient, optimizer state
+            what = "head shard of {} classes"
+        else:
+            features, units = weights[0].aval.shape
+            per_column = (features + 1 + weights[2].aval.shape[1]) * itemsize * (2 + opt)
+            what = "MLP shard of {} hidden units"
+        cols, bal = plan_columns(units, speeds, caps, per_column, names)
         for j, c in enumerate(caps):                                   # every device stores the padded width
             if cols.width * per_column > c:
-                raise PlanError(f"{names[j]} cannot hold the padded head shard of {cols.width} classes "
+                raise PlanError(f"{names[j]} cannot hold the padded {what.format(cols.width)} "
                                 f"({cols.width * per_column / 2**30:.2f} GiB > {c / 2**30:.2f} GiB); use more devices "
                                 "or hardware_aware=False.")
-        pk, pb = params[kernel], params[bias]
-        padded[pk], padded[pb] = (cols, 1), (cols, 0)
-        specs[pk], specs[pb] = P(None, axis), P(axis)
         batch_axes = tuple(a for a in vd.batch_axes if layout.axis_size((a,)) > 1)
-        head = uneven_head(mesh, axis, batch_axes, cols, cap.global_batch)
-        overrides[(i,)] = lambda *args, head=head: [head(*args)]
+        leaves = [params[w] for w in weights]
+        if name == HEAD_NAME:
+            (pk, pb) = leaves
+            padded[pk], padded[pb] = (cols, 1), (cols, 0)
+            specs[pk], specs[pb] = P(None, axis), P(axis)
+            head = uneven_head(mesh, axis, batch_axes, cols, cap.global_batch)
+            overrides[(i,)] = lambda *args, head=head: [head(*args)]
+        else:
+            (p1, pb, p2) = leaves
+            padded[p1], padded[pb], padded[p2] = (cols, 1), (cols, 0), (cols, 0)
+            specs[p1], specs[pb], specs[p2] = P(None, axis), P(axis), P(axis)
+            fn = uneven_mlp(mesh, axis, batch_axes, cols, ACTIVATIONS[activation])
+            overrides[(i,)] = lambda x, w1, b1, w2, b2, fn=fn: [fn(x, w1, b1, w2) + b2]
         tg_flops = taskgraph_flops(cap.jaxpr, {(j,): 0 if j == i else 1 for j in range(len(jaxpr.eqns))}, 1)[0]
-        even = [classes // len(speeds)] * len(speeds)
+        even = [units // len(speeds)] * len(speeds)
         reports.append(cost.report([cluster.specs[per_model[0, j]] for j in range(len(speeds))], speeds,
                                    cols.counts, even, source=cluster.speed_source, unit=cols.chunk, applied=True,
-                                   shifted=bal.shifted, flops_per_sample=tg_flops / classes,
+                                   shifted=bal.shifted, flops_per_sample=tg_flops / units,
                                    state_bytes=cols.width * per_column, act_base=0.0, act_per_sample=0.0,
                                    spreads=spreads))
-        reports[-1] = dataclasses.replace(reports[-1], kind=f"classes of {cap.param_paths[pk]} (padded to {cols.width})")
+        kind = "classes" if name == HEAD_NAME else "hidden units"
+        reports[-1] = dataclasses.replace(reports[-1], kind=f"{kind} of {cap.param_paths[leaves[0]]} "
+                                                            f"(padded to {cols.width})")
     if not overrides:
         return None
     return overrides, padded, dataclasses.replace(sharding, param_specs=tuple(specs)), reports[0]
