@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import whalex as wh
-from conftest import adam, reference_train, rel_err
+from conftest import HETERO, adam, reference_train, rel_err
 
 B, L, D = 16, 6, 16
 
@@ -377,3 +377,31 @@ def test_padded_split_with_zero_and_a_checkpoint_read_by_another_plan(tmp_path):
     assert max(jax.tree.leaves(jax.tree.map(_err, other.params(restored), step.params(state)))) == 0.0
     assert restored.opt_state[0].mu["w2"].shape == (16, 1001)
     manager.close()
+
+
+def _mlp_op_problem():
+    k = jax.random.split(jax.random.key(6), 5)
+    params = {"w1": jax.random.normal(k[0], (D, 64)) / 4, "b1": jax.random.normal(k[1], (64,)) * 0.1,
+              "w2": jax.random.normal(k[2], (64, D)) / 8, "b2": jnp.zeros(D)}
+    batch = problem()
+
+    def loss_fn(p, b):
+        with wh.split(8):
+            y = wh.ops.mlp(b["x"], p["w1"], p["b1"], p["w2"], p["b2"], "gelu")
+        return masked_mse(y, b)
+    return loss_fn, params, batch
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_uneven_mlp_shards_on_a_declared_heterogeneous_cluster(kind):
+    """wh.ops.mlp under split(8) on V100 x4 + T4 x4: the hidden units go 10:6 (15.7 : 8.1 TFLOP/s, in
+    units of 2), stored padded to one even buffer; training equals one device."""
+    loss_fn, params, batch = _mlp_op_problem()
+    plain = jax.nn.gelu(batch["x"] @ params["w1"] + params["b1"]) @ params["w2"] + params["b2"]
+    np.testing.assert_allclose(loss_fn(params, batch), masked_mse(plain, batch), rtol=1e-6)   # the op outside whalex
+    step, state = _train_and_compare(loss_fn, params, batch, kind, cluster=wh.Cluster(kinds=HETERO))
+    r = next(r for r in (step.plan.balance, step.plan.head_balance) if r is not None and r.kind.startswith("hidden"))
+    assert r.applied and [d.rows for d in r.devices] == [10] * 4 + [6] * 4
+    w1 = state.stored_params["w1"]
+    assert w1.shape == (D, 80) and {s.data.shape for s in w1.addressable_shards} == {(D, 10)}
+    assert "hidden units of ['w1'] (padded to 10)" in step.plan.summary()
