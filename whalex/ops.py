@@ -1,5 +1,8 @@
 """Operations whalex knows how to shard beyond what sharding annotations can express.
 
+`attention(x, wq, bq, wk, bk, wv, bv, wo, bo, causal)` is multi-head self-attention with
+DenseGeneral-shaped kernels (flax's `MultiHeadDotProductAttention` parameters fit it as they are);
+on a heterogeneous model axis each device gets a number of heads proportional to its speed.
 `mlp(x, w1, b1, w2, b2, activation)` is the Megatron MLP, `activation(x @ w1 + b1) @ w2 + b2`.
 In even plans `split` shards it like the same layers written with `nn.Dense` (column, then row);
 on a heterogeneous model axis each device gets a share of the hidden units proportional to its
@@ -20,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from whalex.core.names import EXPERT_ACTIVATIONS, mlp_call_name
+from whalex.core.names import EXPERT_ACTIVATIONS, attention_call_name, mlp_call_name
 
 HEAD_NAME = "whalex_softmax_cross_entropy_head"
 
@@ -63,3 +66,33 @@ def mlp(x, w1, b1, w2, b2, activation: str = "gelu"):
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown mlp activation {activation!r}; use one of {sorted(ACTIVATIONS)}.")
     return _named_mlp(activation)(x, w1, b1, w2, b2)
+
+
+def attention_heads(x, wq, bq, wk, bk, wv, bv, wo, causal: bool):
+    """The heads' part of `attention` (without the output bias): also the per-block function of
+    the uneven lowering, for any block of heads."""
+    q = jnp.einsum("...d,dhk->...hk", x, wq) + bq
+    k = jnp.einsum("...d,dhk->...hk", x, wk) + bk
+    v = jnp.einsum("...d,dhk->...hk", x, wv) + bv
+    s = jnp.einsum("...qhk,...shk->...hqs", q, k) / jnp.sqrt(jnp.asarray(q.shape[-1], q.dtype))
+    if causal:
+        length = x.shape[-2]
+        s = jnp.where(jnp.tril(jnp.ones((length, length), bool)), s, jnp.finfo(s.dtype).min)
+    o = jnp.einsum("...hqs,...shk->...qhk", jax.nn.softmax(s, axis=-1), v)
+    return jnp.einsum("...qhk,hko->...qo", o, wo)
+
+
+@functools.lru_cache(maxsize=None)
+def _named_attention(causal: bool):
+    def fn(x, wq, bq, wk, bk, wv, bv, wo, bo):
+        return attention_heads(x, wq, bq, wk, bk, wv, bv, wo, causal) + bo
+
+    fn.__name__ = attention_call_name(causal)
+    return jax.jit(fn)
+
+
+def attention(x, wq, bq, wk, bk, wv, bv, wo, bo, causal: bool = False):
+    """Multi-head self-attention: x [..., length, d]; wq, wk, wv [d, heads, head_dim]; bq, bk, bv
+    [heads, head_dim]; wo [heads, head_dim, d_out]; bo [d_out]. Scores scaled by 1/sqrt(head_dim),
+    a causal mask when `causal`."""
+    return _named_attention(bool(causal))(x, wq, bq, wk, bk, wv, bv, wo, bo)

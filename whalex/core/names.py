@@ -28,3 +28,17 @@ def parse_mlp_name(name: str) -> str | None:
     """The activation of a `wh.ops.mlp` call, or None if `name` is not one."""
     prefix = MLP_NAME + "__"
     return name[len(prefix):] if name.startswith(prefix) and name[len(prefix):] in EXPERT_ACTIVATIONS else None
+
+
+ATTENTION_NAME = "whalex_attention"
+
+
+def attention_call_name(causal: bool) -> str:
+    return f"{ATTENTION_NAME}__{'causal' if causal else 'full'}"
+
+
+def parse_attention_name(name: str) -> bool | None:
+    """Whether a `wh.ops.attention` call is causal, or None if `name` is not one."""
+    prefix = ATTENTION_NAME + "__"
+    rest = name[len(prefix):] if name.startswith(prefix) else None
+    return {"causal": True, "full": False}.get(rest) if rest is not None else None

@@ -134,64 +134,59 @@ def uneven_head(mesh, model_axis: str, batch_axes: tuple, layout: UnevenColumns,
 
 
 
-def uneven_mlp(mesh, model_axis: str, batch_axes: tuple, layout: UnevenColumns, activation):
-    """f(x, w1_padded, b1_padded, w2_padded) -> activation(x @ w1 + b1) @ w2 with the hidden units
-    uneven over `model_axis` (the Megatron MLP: column, then row). Each device loops over its own
-    `chunk`-unit blocks (work proportional to its real share; the padding is never read), then one
-    psum of the partial outputs; the custom VJP runs the same loop (each block's VJP) and one psum of
-    the input gradient."""
+def uneven_blocks(mesh, model_axis: str, batch_axes: tuple, layout: UnevenColumns, block, dims: tuple[int, ...]):
+    """f(x, *weights_padded) -> sum over the real units of `block(x, *weight slices)`, the units
+    (hidden units, heads) uneven over `model_axis`: weight i is sliced on dims[i], device j loops
+    over its own `chunk`-unit blocks (work proportional to its share; padding never read), then one
+    psum; the custom VJP runs the same loop (each block's VJP) and one psum of the input gradient."""
     counts = jnp.asarray(layout.counts, jnp.int32)
     chunk = layout.chunk
     bspec = batch_axes if batch_axes else None
     mx = model_axis
 
-    def block(x, c1, cb, c2):
-        return activation(x @ c1 + cb) @ c2
+    def slices(k, ws):
+        return [jax.lax.dynamic_slice_in_dim(w, k * chunk, chunk, d) for w, d in zip(ws, dims)]
 
-    def slices(k, w1, b1, w2):
-        return (jax.lax.dynamic_slice_in_dim(w1, k * chunk, chunk, 1),
-                jax.lax.dynamic_slice_in_dim(b1, k * chunk, chunk, 0),
-                jax.lax.dynamic_slice_in_dim(w2, k * chunk, chunk, 0))
-
-    def local_fwd(x, w1, b1, w2):
+    def local_fwd(x, *ws):
         n = counts[jax.lax.axis_index(mx)]
-        out = jnp.zeros(x.shape[:-1] + (w2.shape[1],), x.dtype)
-        y = jax.lax.fori_loop(0, n // chunk, lambda k, acc: acc + block(x, *slices(k, w1, b1, w2)), out)
+        out = jax.eval_shape(lambda x, *c: block(x, *c), x, *[jax.ShapeDtypeStruct(
+            tuple(chunk if i == d else s for i, s in enumerate(w.shape)), w.dtype) for w, d in zip(ws, dims)])
+        y = jax.lax.fori_loop(0, n // chunk, lambda k, acc: acc + block(x, *slices(k, ws)),
+                              jnp.zeros(out.shape, out.dtype))
         return jax.lax.psum(y, mx)
 
-    def local_bwd(x, w1, b1, w2, g):
+    def local_bwd(x, *args):
+        ws, g = args[:-1], args[-1]
         n = counts[jax.lax.axis_index(mx)]
 
         def body(k, acc):
-            dx, dw1, db1, dw2 = acc
-            _, vjp = jax.vjp(block, x, *slices(k, w1, b1, w2))
-            gx, g1, gb, g2 = vjp(g)
-            return (dx + gx, jax.lax.dynamic_update_slice_in_dim(dw1, g1, k * chunk, 1),
-                    jax.lax.dynamic_update_slice_in_dim(db1, gb, k * chunk, 0),
-                    jax.lax.dynamic_update_slice_in_dim(dw2, g2, k * chunk, 0))
+            dx, dws = acc
+            _, vjp = jax.vjp(block, x, *slices(k, ws))
+            gx, *gws = vjp(g)
+            return dx + gx, [jax.lax.dynamic_update_slice_in_dim(dw, gw, k * chunk, d)
+                             for dw, gw, d in zip(dws, gws, dims)]
 
-        zeros = (jnp.zeros_like(x), jnp.zeros_like(w1), jnp.zeros_like(b1), jnp.zeros_like(w2))
-        dx, dw1, db1, dw2 = jax.lax.fori_loop(0, n // chunk, body, zeros)
-        dx = jax.lax.psum(dx, mx)                          # after the loop: partial sums over hidden units
+        dx, dws = jax.lax.fori_loop(0, n // chunk, body, (jnp.zeros_like(x), [jnp.zeros_like(w) for w in ws]))
+        dx = jax.lax.psum(dx, mx)                          # after the loop: partial sums over the units
         if batch_axes:
-            dw1, db1, dw2 = jax.lax.psum((dw1, db1, dw2), batch_axes)
-        return dx, dw1, db1, dw2
+            dws = jax.lax.psum(dws, batch_axes)
+        return (dx, *dws)
 
-    w_specs = (P(None, mx), P(mx), P(mx))
+    w_specs = tuple(P(*([None] * d + [mx])) for d in dims)
     fwd_map = jax.shard_map(local_fwd, mesh=mesh, in_specs=(P(bspec),) + w_specs, out_specs=P(bspec),
                             check_vma=False)
     bwd_map = jax.shard_map(local_bwd, mesh=mesh, in_specs=(P(bspec),) + w_specs + (P(bspec),),
                             out_specs=(P(bspec),) + w_specs, check_vma=False)
 
     @jax.custom_vjp
-    def mlp(x, w1, b1, w2):
-        return fwd_map(x, w1, b1, w2)
+    def run(x, *ws):
+        return fwd_map(x, *ws)
 
-    def fwd(x, w1, b1, w2):
-        return fwd_map(x, w1, b1, w2), (x, w1, b1, w2)
+    def fwd(x, *ws):
+        return fwd_map(x, *ws), (x, *ws)
 
     def bwd(res, g):
         return bwd_map(*res, g)
 
-    mlp.defvjp(fwd, bwd)
-    return mlp
+    run.defvjp(fwd, bwd)
+    return run

@@ -5,6 +5,7 @@ data parallelism as explicit collectives."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -21,13 +22,13 @@ from whalex.lowering.padding import EvenPadding
 from whalex.lowering.patterns import plan_shardings
 from whalex.lowering.step import Program
 from whalex.lowering.uneven import UnevenProgram
-from whalex.lowering.uneven_split import UnevenColumns, uneven_head, uneven_mlp
+from whalex.lowering.uneven_split import UnevenColumns, uneven_blocks, uneven_head
 from whalex.memory import MemoryOptions, plan_memory, residual_bytes, zero, zero_sharded
 from whalex.memory.remat import configure as configure_memory
 from whalex.mesh.virtual import DATA, mesh_layout, virtual_devices
 from whalex.moe.parallel import expert_parallel
-from whalex.core.names import parse_mlp_name
-from whalex.ops import ACTIVATIONS, HEAD_NAME
+from whalex.core.names import parse_attention_name, parse_mlp_name
+from whalex.ops import ACTIVATIONS, HEAD_NAME, attention_heads
 from whalex.plan import Plan
 from whalex.planner.common import Request, loss_parts, taskgraph_infos
 
@@ -180,8 +181,14 @@ def uneven_heads(cap, vds, layout, sharding, cluster, optimizer, mesh):
     opt = 2.0 if optimizer is not None else 0.0
     for i, eqn in enumerate(jaxpr.eqns):
         name = str(eqn.params.get("name", "")) if C.is_call(eqn) else ""
-        activation = parse_mlp_name(name)
-        if name != HEAD_NAME and activation is None:
+        activation, causal = parse_mlp_name(name), parse_attention_name(name)
+        if name == HEAD_NAME:
+            kind, weights, dims = "classes", eqn.invars[1:3], (1, 0)
+        elif activation is not None:
+            kind, weights, dims = "hidden units", eqn.invars[1:4], (1, 0, 0)
+        elif causal is not None:
+            kind, weights, dims = "heads", eqn.invars[1:8], (1, 0, 1, 0, 1, 0, 0)
+        else:
             continue
         shards = _model_shards(vds[cap.assign[(i,)]], layout, cluster)
         if shards is None:
@@ -189,39 +196,32 @@ def uneven_heads(cap, vds, layout, sharding, cluster, optimizer, mesh):
         axis, per_model, speeds, spreads, caps = shards
         vd = vds[cap.assign[(i,)]]
         cast = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns[:i] if e.primitive.name == "convert_element_type"}
-        weights = [cast.get(v, v) for v in (eqn.invars[1:3] if name == HEAD_NAME else eqn.invars[1:4])]
-        if any(w not in params for w in weights):     # amp: the fp32 parameter behind the cast
+        weights = [cast.get(v, v) for v in weights]    # amp: the fp32 parameter behind the cast
+        if any(w not in params for w in weights):
             continue
         itemsize = np.dtype(weights[0].aval.dtype).itemsize
         names = [f"model shard {j} ({cluster.specs[per_model[0, j]].name})" for j in range(len(speeds))]
-        if name == HEAD_NAME:
-            features, units = weights[0].aval.shape
-            per_column = (features + 1) * itemsize * (2 + opt)          # weight, gradient, optimizer state
-            what = "head shard of {} classes"
-        else:
-            features, units = weights[0].aval.shape
-            per_column = (features + 1 + weights[2].aval.shape[1]) * itemsize * (2 + opt)
-            what = "MLP shard of {} hidden units"
+        units = weights[0].aval.shape[1]
+        per_column = sum(np.prod(w.aval.shape) / w.aval.shape[d] for w, d in zip(weights, dims)) * itemsize * (2 + opt)
         cols, bal = plan_columns(units, speeds, caps, per_column, names)
         for j, c in enumerate(caps):                                   # every device stores the padded width
             if cols.width * per_column > c:
-                raise PlanError(f"{names[j]} cannot hold the padded {what.format(cols.width)} "
+                raise PlanError(f"{names[j]} cannot hold the padded shard of {cols.width} {kind} "
                                 f"({cols.width * per_column / 2**30:.2f} GiB > {c / 2**30:.2f} GiB); use more devices "
                                 "or hardware_aware=False.")
         batch_axes = tuple(a for a in vd.batch_axes if layout.axis_size((a,)) > 1)
         leaves = [params[w] for w in weights]
+        for leaf, d in zip(leaves, dims):
+            padded[leaf] = (cols, d)
+            specs[leaf] = P(*([None] * d + [axis]))
         if name == HEAD_NAME:
-            (pk, pb) = leaves
-            padded[pk], padded[pb] = (cols, 1), (cols, 0)
-            specs[pk], specs[pb] = P(None, axis), P(axis)
             head = uneven_head(mesh, axis, batch_axes, cols, cap.global_batch)
             overrides[(i,)] = lambda *args, head=head: [head(*args)]
         else:
-            (p1, pb, p2) = leaves
-            padded[p1], padded[pb], padded[p2] = (cols, 1), (cols, 0), (cols, 0)
-            specs[p1], specs[pb], specs[p2] = P(None, axis), P(axis), P(axis)
-            fn = uneven_mlp(mesh, axis, batch_axes, cols, ACTIVATIONS[activation])
-            overrides[(i,)] = lambda x, w1, b1, w2, b2, fn=fn: [fn(x, w1, b1, w2) + b2]
+            block = (functools.partial(attention_heads, causal=causal) if causal is not None else
+                     lambda x, c1, cb, c2, act=ACTIVATIONS[activation]: act(x @ c1 + cb) @ c2)
+            fn = uneven_blocks(mesh, axis, batch_axes, cols, block, dims)
+            overrides[(i,)] = lambda x, *ws, fn=fn: [fn(x, *ws[:-1]) + ws[-1]]
         tg_flops = taskgraph_flops(cap.jaxpr, {(j,): 0 if j == i else 1 for j in range(len(jaxpr.eqns))}, 1)[0]
         even = [units // len(speeds)] * len(speeds)
         reports.append(cost.report([cluster.specs[per_model[0, j]] for j in range(len(speeds))], speeds,
@@ -229,7 +229,6 @@ def uneven_heads(cap, vds, layout, sharding, cluster, optimizer, mesh):
                                    shifted=bal.shifted, flops_per_sample=tg_flops / units,
                                    state_bytes=cols.width * per_column, act_base=0.0, act_per_sample=0.0,
                                    spreads=spreads))
-        kind = "classes" if name == HEAD_NAME else "hidden units"
         reports[-1] = dataclasses.replace(reports[-1], kind=f"{kind} of {cap.param_paths[leaves[0]]} "
                                                             f"(padded to {cols.width})")
     if not overrides:
