@@ -1,0 +1,191 @@
+"""Uneven `split` shards (MLP hidden units, attention heads), measured on the emulated heterogeneous
+cluster (issue 14, Build 4).
+
+What it measures
+    The 2-process cluster of `bench/hetero.py` (one CPU device per process, process i pinned to core
+    i, process 1's core shared with busy loops: near 2:1 with one, near 3:1 with two). One layer under
+    ``wh.split(2)``, its model axis across the two processes, MSE, Adam:
+
+    * mlp:        ``wh.ops.mlp(x, w1, b1, w2, b2)``, the Megatron MLP (hidden units split).
+    * attention:  ``wh.ops.attention(x, ...)``, multi-head self-attention (heads split).
+
+    Two plans of the same step on the calibrated cluster (``calibrate(..., optimizer=)``):
+
+    * even:      ``hardware_aware=False``: each process holds half of the units (GSPMD shardings).
+    * balanced:  hidden units / heads in proportion to the calibrated speeds, per-device chunk loops.
+
+    Both are timed in interleaved blocks on process 0 (each step ends on the loss, which needs both
+    processes); medians. The table prints the measured speedup (median even step / median balanced
+    step) beside the planner's prediction (``plan.balance.predicted_speedup``: the slowest device's
+    compute time under the even shards over the same under the balanced ones). Both plans pay the same
+    all-reduces of the layer's output and input gradient, which the prediction leaves out; the
+    balanced plan also recomputes each block's forward in its backward (the custom VJP keeps no
+    per-block residuals: +1/3 of the layer's FLOPs) and updates the padded buffers, the widest share,
+    on every device, which the prediction leaves out too.
+
+Run from the repo root: ``python bench/hetero_split.py`` (a few minutes; needs >= 2 cores and an
+otherwise idle machine). Writes bench/results/hetero_split.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from hetero import RESULTS, launch_env, run_config  # noqa: E402
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ops", default="mlp,attention", help="layers to measure, comma-separated")
+    ap.add_argument("--batches", default="1024", help="global batches (rows), comma-separated")
+    ap.add_argument("--slowdowns", default="1,2", help="busy loops on process 1's core (1: near 2:1, 2: near 3:1)")
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=4096, help="MLP hidden units")
+    ap.add_argument("--heads", type=int, default=32, help="attention heads (head_dim 32)")
+    ap.add_argument("--seq", type=int, default=16, help="attention sequence length")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--block", type=int, default=3)
+    ap.add_argument("--calib-rows", type=int, default=256)
+    ap.add_argument("--timeout", type=float, default=500)
+    ap.add_argument("--op", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def make_model(args):
+    import jax
+    import jax.numpy as jnp
+
+    import whalex as wh
+
+    k = jax.random.split(jax.random.key(0), 10)
+    d = args.width
+    if args.op == "mlp":
+        h = args.hidden
+        params = {"w1": jax.random.normal(k[0], (d, h)) / d ** 0.5, "b1": jnp.zeros(h),
+                  "w2": jax.random.normal(k[1], (h, d)) / h ** 0.5, "b2": jnp.zeros(d)}
+        batch = {"x": jax.random.normal(k[2], (args.batch, d)), "y": jax.random.normal(k[3], (args.batch, d))}
+
+        def layer(p, x):
+            return wh.ops.mlp(x, p["w1"], p["b1"], p["w2"], p["b2"], "gelu")
+    else:
+        heads, hd = args.heads, 32
+        params = {n: jax.random.normal(k[i], (d, heads, hd)) / d ** 0.5 for i, n in enumerate(("wq", "wk", "wv"))}
+        params.update({f"b{n}": jnp.zeros((heads, hd)) for n in "qkv"})
+        params["wo"] = jax.random.normal(k[4], (heads, hd, d)) / (heads * hd) ** 0.5
+        params["bo"] = jnp.zeros(d)
+        batch = {"x": jax.random.normal(k[5], (args.batch, args.seq, d)),
+                 "y": jax.random.normal(k[6], (args.batch, args.seq, d))}
+
+        def layer(p, x):
+            return wh.ops.attention(x, p["wq"], p["bq"], p["wk"], p["bk"], p["wv"], p["bv"], p["wo"], p["bo"])
+
+    def loss_fn(p, b):
+        with wh.split(2):
+            return jnp.mean((layer(p, b["x"]) - b["y"]) ** 2)
+
+    return loss_fn, params, batch
+
+
+def worker(args):
+    import jax
+    import optax
+
+    import whalex as wh
+    from whalex.balance.calibrate import calibrate
+
+    pid = jax.process_index()
+    assert jax.process_count() == 2 and jax.device_count() == 2, "run through the driver"
+    loss_fn, params, batch = make_model(args)
+    optimizer = optax.adam(1e-3)
+    log = (lambda *a: print(*a, flush=True)) if pid == 0 else (lambda *a: None)
+    small = {k: v[: args.calib_rows] for k, v in batch.items()}
+    cluster = calibrate(wh.Cluster.detect(), loss_fn, params, small, optimizer=optimizer, repeats=9)
+    log(f"calibrated speeds: {[round(s / 1e9, 2) for s in cluster.speeds]}")
+    steps = {"even": wh.parallelize(loss_fn, optimizer, config=wh.Config(hardware_aware=False), cluster=cluster),
+             "balanced": wh.parallelize(loss_fn, optimizer, cluster=cluster)}
+    states = {n: s.init(params, batch) for n, s in steps.items()}
+
+    def run(name):
+        t = time.perf_counter()
+        states[name], m = steps[name](states[name], batch)
+        loss = float(m["loss"])
+        return time.perf_counter() - t, loss
+
+    for name in steps:
+        for _ in range(2):
+            run(name)
+    times = {n: [] for n in steps}
+    losses = {}
+    for r in range(args.rounds):
+        for name in steps:
+            for _ in range(args.block):
+                dt, losses[name] = run(name)
+                times[name].append(dt)
+        log(f"round {r + 1}/{args.rounds}: " + ", ".join(
+            f"{n} {1e3 * statistics.median(v[-args.block:]):.1f} ms" for n, v in times.items()))
+    report = steps["balanced"].plan.balance
+    out = {"speeds": list(cluster.speeds), "times": times, "final_loss": losses,
+           "counts": [d.rows for d in report.devices] if report is not None else None,
+           "predicted_speedup": report.predicted_speedup if report is not None and report.applied else 1.0,
+           "kind": report.kind if report is not None else "even (speeds merged)"}
+    if pid == 0:
+        pathlib.Path(args.worker_out).write_text(json.dumps(out))
+
+
+def summarise(res: dict) -> dict:
+    if "failed" in res:
+        return res
+    med = {n: statistics.median(v) for n, v in res["times"].items()}
+    return {**res, "median_step_s": med, "speedup_actual": med["even"] / med["balanced"]}
+
+
+def main(argv):
+    args = parse(argv)
+    if os.environ.get("WHALEX_PROCESS_ID") is not None:
+        return worker(args)
+    setup = launch_env()
+    if setup is None:
+        return
+    cores, env, load_before = setup
+    t0 = time.perf_counter()
+    runs = []
+    for op in args.ops.split(","):
+        for hogs in [int(x) for x in args.slowdowns.split(",")]:
+            for batch in [int(x) for x in args.batches.split(",")]:
+                res = run_config(args, argv + ["--op", op], hogs, batch, cores, env, script=__file__)
+                runs.append({"op": op, **summarise(res)})
+    print(f"\n2 processes x 1 CPU device, one split(2) layer across them (width {args.width}; MLP hidden "
+          f"{args.hidden}; attention {args.heads} heads x 32, seq {args.seq}), Adam, MSE; medians\n")
+    head = f"{'layer':>9} {'loops':>5} {'batch':>6} {'s0/s1':>6} {'units':>11} {'even ms':>8} {'bal ms':>8} " \
+           f"{'speedup':>8} {'pred':>6}"
+    print(head)
+    print("-" * len(head))
+    for r in runs:
+        if "failed" in r:
+            print(f"{r['op']:>9} {r['hogs']:>5} {r['batch']:>6}  FAILED: {r['failed']}")
+            continue
+        s, med = r["speeds"], r["median_step_s"]
+        units = "/".join(map(str, r["counts"])) if r["counts"] else "even"
+        print(f"{r['op']:>9} {r['hogs']:>5} {r['batch']:>6} {s[0] / s[1]:>6.2f} {units:>11} {1e3 * med['even']:>8.1f} "
+              f"{1e3 * med['balanced']:>8.1f} {r['speedup_actual']:>8.3f} {r['predicted_speedup']:>6.3f}")
+    print(f"\nunits: hidden units / heads per process in the balanced plan; total wall time "
+          f"{time.perf_counter() - t0:.0f} s; load before {load_before:.2f}")
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / "hetero_split.json"
+    path.write_text(json.dumps({"config": {k: v for k, v in vars(args).items() if k not in ("worker_out", "batch", "op")},
+                                "machine": {"platform": platform.platform(), "load_before": load_before},
+                                "runs": runs}, indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
