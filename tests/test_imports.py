@@ -17,12 +17,12 @@ ROOT = Path(__file__).resolve().parents[1] / "whalex"
 # Units (whalex/<pkg>/ packages; top-level modules are their own unit), bottom to top. A unit may
 # import only units on a lower line; units on one line do not import each other.
 LAYERS = (
-    ("whalex.errors", "whalex._compat", "whalex.state", "whalex.ops", "whalex.nnx"),
+    ("whalex.errors", "whalex._compat", "whalex.state", "whalex.nnx"),
     ("whalex.distributed",),          # joins the process group (reads whalex._compat lazily)
     ("whalex.primitives",),           # recording user intent
     ("whalex.mesh",),                 # clusters, device specs, VirtualDevices, meshes
     ("whalex.core",),                 # capture, the jaxpr evaluator, the loss contract: read by all above
-    ("whalex.balance", "whalex.moe"),  # decides loads | MoE layers (the call names live in core)
+    ("whalex.balance", "whalex.moe", "whalex.ops"),  # decides loads | MoE layers, ops (call names live in core)
     ("whalex.memory",),               # ZeRO, remat, precision, offload: functions of specs and policies
     ("whalex.lowering",),             # carries out a plan, decides nothing about balance
     ("whalex.view",),                 # the Plan's text, HTML, pictures, timing: functions of a Plan given to them
