@@ -123,3 +123,22 @@ def test_split_degrees_inside_a_pipeline_must_agree_and_divide(monkeypatch):
     with pytest.raises(wh.PlanError, match=r"split\(3\)"):
         wh.plan(loss_fn, params, batch, config=config)
 
+
+
+def test_padding_a_split_dimension_inside_a_stage_is_refused_by_name(monkeypatch):
+    """A (7, 5) kernel under split(2) inside a pipeline stage would be stored padded; pipelines do not
+    build padded storage, so wh.plan names the parameter, its dimension and the split degree."""
+    class Odd(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(7)(x)
+            with wh.split(2):
+                h = nn.gelu(nn.Dense(5, name="odd")(h))
+            return nn.Dense(WIDTH)(h)
+
+    monkeypatch.setattr(lm_model, "Mlp", Odd)
+    loss_fn, params, batch = lm_model.lm(num_blocks=2, batch=8)
+    config = wh.Config(auto_parallel=True, num_task_graph=2, num_micro_batch=2)
+    with pytest.raises(wh.PlanError, match=r"split\(2\) inside a pipeline stage would pad .*\['odd'\]\['(kernel|bias)'\].*"
+                                           r"which 2 does not divide"):
+        wh.plan(loss_fn, params, batch, config=config)
