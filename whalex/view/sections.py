@@ -161,8 +161,9 @@ def pipeline(plan) -> Section | None:
 
 def balance(plan, report, key: str) -> Section:
     r = report
-    head = (f"hardware-aware balance of the {r.kind} ({'applied' if r.applied else 'not applied: even plan'}; "
-            f"speeds from the {r.source}; unit {r.unit}; Algorithm 1 moved {r.shifted} units for memory):")
+    how = (f"{'applied' if r.applied else 'not applied: even plan'}; speeds from the {r.source}; unit {r.unit}; "
+           f"Algorithm 1 moved {r.shifted} units for memory")
+    head = f"hardware-aware balance of the {r.kind} ({how}):"
     rows = [[str(d.device), d.kind, fmt_speed(d.speed, d.spread), str(d.even_rows), str(d.rows),
              fmt_time(d.time), fmt_bytes(d.memory), fmt_bytes(d.capacity)] for d in r.devices]
     numeric = {"device", "capacity", "even", "balanced", "predicted time", "predicted memory", "memory"}
@@ -172,7 +173,7 @@ def balance(plan, report, key: str) -> Section:
     tail = (f"predicted step compute: even {fmt_time(r.even_time)}, balanced "
             f"{fmt_time(r.balanced_time)} ({r.predicted_speedup:.2f}x)")
     return Section(key, f"Hardware-aware balance of the {r.kind}",
-                   (Line(head), _table(BALANCE_COLUMNS, rows, numeric, units), Line(tail, 1)))
+                   (Line(head, where="text"), Line(how[0].upper() + how[1:] + ".", where="html"), _table(BALANCE_COLUMNS, rows, numeric, units), Line(tail, 1)))
 
 
 def experts(plan) -> Section | None:
