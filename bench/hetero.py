@@ -16,8 +16,8 @@ What it measures
                 replicated, batch ``P('data')``): the plain-JAX reference, an even split.
     * even:     whalex with ``Config(hardware_aware=False)``: the even plan.
     * balanced: whalex on the calibrated cluster: ``calibrate(cluster, loss_fn, params,
-                small_batch, optimizer=optimizer)`` times the user's step (loss, gradient, Adam
-                update) on each process's device at the small batch's rows and at half of them
+                batch, optimizer=optimizer)`` times the user's step (loss, gradient, Adam
+                update) on each process's device at the global batch's rows and at half of them
                 (all-gathered): the time per row gives each speed, the rest each device's fixed
                 time per step, and Algorithm 1 equalises fixed time + rows x time per row.
     * same-even: the balanced program at a near-even split (the cluster declared 1 : 1.01 with
@@ -98,7 +98,8 @@ def parse(argv=None):
                          "cross-entropy (an even GSPMD head)")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (one block of each variant)")
     ap.add_argument("--block", type=int, default=5, help="timed steps per block")
-    ap.add_argument("--calib-rows", type=int, default=512, help="rows of the calibration batch")
+    ap.add_argument("--calib-rows", type=int, default=None,
+                    help="rows of the calibration batch (default: the whole global batch, as a user passes it)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="2-process runs per configuration, interleaved (all configurations, then again): the "
                          "final table gives each configuration's median over its runs")
@@ -220,7 +221,7 @@ def worker(args):
     log = (lambda *a: print(*a, flush=True)) if pid == 0 else (lambda *a: None)
 
     t0 = time.perf_counter()
-    small = {k: v[: args.calib_rows] for k, v in batch.items()}
+    small = {k: v[: args.calib_rows] for k, v in batch.items()} if args.calib_rows else batch
     cluster = calibrate(wh.Cluster.detect(), loss_fn, params, small, optimizer=optimizer, repeats=9)
     speeds = [float(s) for s in cluster.speeds]
     log(f"calibrated speeds (GFLOP/s): {[round(s / 1e9, 2) for s in speeds]}, fixed ms per step "

@@ -2,7 +2,7 @@
 
 One peak FLOP/s per device kind mispredicts real steps (attention vs matmul, memory-bound
 layers, a busy neighbour), so whalex can time the actual work: by default a chain of FP32
-matmuls, or the user's own loss and gradient on a small batch.
+matmuls, or the user's own loss and gradient on a batch.
 
 Timings are noisy, so a calibration a user can trust does three things:
 - it times in interleaved rounds (device 0, 1, ..., n-1, then again), so that load from
@@ -49,6 +49,10 @@ class Measurement:
     speeds: tuple[float, ...]
     spreads: tuple[float, ...]          # relative: 0.05 reads +-5%
     overheads: tuple[float, ...] | None = None
+    # the whole step's speed at the batch's rows and its spread: which devices are alike is decided on
+    # these (one timing, far less noisy than a slope, which is a difference of two timings)
+    step_speeds: tuple[float, ...] | None = None
+    step_spreads: tuple[float, ...] | None = None
 
 
 @functools.lru_cache(maxsize=8)
@@ -122,17 +126,26 @@ def _no_gc():
 
 
 def affine(rows: Sequence[int], times: np.ndarray, work_per_row: float) -> tuple[Measurement, np.ndarray]:
-    """Speeds and fixed times from (round, device, size) timings at two row counts: per round and
-    device, the line through (rows, seconds) gives seconds per row (the slope) and fixed seconds
-    (the intercept, at least 0). Speed = work per row / slope; medians and spreads over the rounds.
-    A slope that noise made non-positive counts the whole time as work (no fixed part)."""
+    """Speeds and fixed times from (round, device, size) timings at two row counts.
+
+    Per device, the line through the median seconds at each row count gives seconds per row (the
+    slope) and fixed seconds (the intercept, at least 0); speed = work per row / slope. Medians
+    first, then the difference: a difference of single timings doubles their noise, and one slow
+    round at either size would move that round's slope a long way. The spread is that of the
+    per-round slopes (what one round would say). A slope that noise made non-positive counts the
+    whole time as work (no fixed part). Also returns the per-round fixed seconds."""
     (r1, r2), t = rows, np.asarray(times, np.float64)
     slope = (t[..., 1] - t[..., 0]) / (r2 - r1)
     ok = slope > 0
     slope = np.where(ok, slope, t[..., 1] / r2)
     fixed = np.where(ok, np.clip(t[..., 1] - slope * r2, 0.0, None), 0.0)
-    m = summarize(work_per_row / slope)
-    return Measurement(m.speeds, m.spreads, tuple(map(float, np.median(fixed, axis=0)))), fixed
+    spreads = summarize(work_per_row / slope).spreads
+    med = np.median(t, axis=0)                                          # (device, size)
+    mslope = (med[:, 1] - med[:, 0]) / (r2 - r1)
+    mok = mslope > 0
+    mslope = np.where(mok, mslope, med[:, 1] / r2)
+    mfixed = np.where(mok, np.clip(med[:, 1] - mslope * r2, 0.0, None), 0.0)
+    return Measurement(tuple(map(float, work_per_row / mslope)), spreads, tuple(map(float, mfixed))), fixed
 
 
 def resolved(rows: Sequence[int], times: np.ndarray) -> np.ndarray:
@@ -200,11 +213,11 @@ def _check(size: int, chain: int, repeats: int, tolerance: float, loss_fn, param
     if not tolerance >= 0:
         raise ValueError(f"tolerance is a relative gap (0.1 for 10%) and cannot be negative, got {tolerance}.")
     if loss_fn is not None and (params is None or batch is None):
-        raise ValueError("calibrate(cluster, loss_fn, params, batch) times the loss on a small batch: pass params "
+        raise ValueError("calibrate(cluster, loss_fn, params, batch) times the loss on a batch: pass params "
                          "and batch with loss_fn (or no loss_fn for the matmul work).")
     if optimizer is not None and loss_fn is None:
         raise ValueError("calibrate(..., optimizer=) times the user's step (loss, gradient and update): pass loss_fn, "
-                         "params and a small batch with it.")
+                         "params and a batch with it.")
     if optimizer is not None and not isinstance(optimizer, optax.GradientTransformation):
         raise ValueError(f"calibrate's optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}.")
 
@@ -261,7 +274,7 @@ def measure(cluster: Cluster, loss_fn: Callable | None = None, params=None, batc
     if two is None:
         return Measurement(tuple(map(float, full[0])), tuple(map(float, full[1])))
     if np.all(full[5] > 0):
-        return Measurement(*(tuple(map(float, r)) for r in full[:3]))
+        return Measurement(*(tuple(map(float, r)) for r in (*full[:3], full[3], full[4])))
     warnings.warn(f"calibrate: at {two[0][0]} and {two[0][1]} rows the step took about as long either way on "
                   f"{int(np.sum(full[5] == 0))} of {cluster.size} devices (its time is nearly all fixed, or the "
                   "timings are noisy), so the per-row time and the fixed time cannot be told apart; every "
@@ -274,16 +287,24 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
               size: int = 384, chain: int = 4, repeats: int = 7, tolerance: float = 0.1) -> Cluster:
     """The cluster with measured speeds (FLOP/s, or relative work/s for a user loss) and their spreads.
 
-    With `loss_fn`, `params` and a small `batch`, times the user's step on each device (value_and_grad,
+    With `loss_fn`, `params` and a `batch`, times the user's step on each device (value_and_grad,
     and the update of `optimizer` when given) at the batch's rows and at half of them: speeds from the
     time per row, and each device's fixed time per step (`Cluster.overhead`), which a balanced plan
     adds to every device's predicted time. Without a loss, a chain of `size`x`size` matmuls. Speeds
     equal within the noise (or within `tolerance`, relative) are merged by `group_speeds`, and so are
-    the fixed times of the merged devices, so identical devices give the even plan.
+    the fixed times of the merged devices, so identical devices give the even plan; with a split
+    into fixed and per-row time, devices are alike when their whole steps at the batch's rows are.
+
+    Pass the batch the step will train on (or one as large): the fixed and per-row times are fitted
+    between half its rows and all of them, which is where the plan's loads lie, and longer timings
+    are less noisy.
     """
     _check(size, chain, repeats, tolerance, loss_fn, params, batch, optimizer)
     m = measure(cluster, loss_fn, params, batch, optimizer=optimizer, size=size, chain=chain, repeats=repeats)
-    groups = speed_groups(m.speeds, m.spreads, tolerance)
+    if m.step_speeds is not None:                       # alike = the whole step takes as long (one timing)
+        groups = speed_groups(m.step_speeds, m.step_spreads, tolerance)
+    else:
+        groups = speed_groups(m.speeds, m.spreads, tolerance)
     speeds, overheads = np.asarray(m.speeds), None if m.overheads is None else np.asarray(m.overheads)
     for g in groups:
         speeds[g] = np.median(speeds[g])
