@@ -11,7 +11,8 @@ import pytest
 import whalex as wh
 from conftest import adam, assert_matches, reference_train, rel_err, whalex_train
 from whalex.balance.layers import granularities
-from whalex.balance.partition import partition
+from whalex.balance.partition import lockstep_time, partition
+from whalex.lowering.schedules import make_schedule
 from whalex.core.capture import capture
 
 VOCAB, WIDTH, LENGTH = 32, 16, 8
@@ -106,6 +107,50 @@ def test_partition_prefers_cheap_boundaries_among_equally_fast_splits():
     assert partition(flops, zeros, zeros, ones, [1e9] * 3) == [0, 2, 4]
     cheap_at_3 = [0.0, 2.0, 2.0, 1.0, 2.0]
     assert partition(flops, zeros, zeros, ones, [1e9] * 3, penalties=cheap_at_3) == [0, 3, 4]
+
+
+def _lockstep(flops, speeds, kinds, starts):
+    ends = list(starts[1:]) + [len(flops)]
+    return lockstep_time([sum(flops[a:b]) for a, b in zip(starts, ends)], speeds, kinds)
+
+
+@pytest.mark.parametrize("ratio", [2.0, 3.0])
+def test_heterogeneous_cut_minimises_the_lockstep_step_time(ratio):
+    # 13 equal layers, 2 stages, 1F1B over 8 micro-batches, the first device `ratio` times faster.
+    # In lockstep ticks the fast stage's backward (3 units a layer) runs beside the slow stage's
+    # forward (1 unit) and the other way round, so the min-max cut (equal totals) is not the fastest
+    # step; every cut is tried by brute force.
+    flops, zeros, speeds = [3.0] * 13, [0.0] * 13, [ratio, 1.0]
+    kinds = make_schedule("1f1b", 2, 8).tables()["kind"]
+    minmax = partition(flops, zeros, zeros, speeds, [1e9] * 2)
+    cut = partition(flops, zeros, zeros, speeds, [1e9] * 2, tick_kinds=kinds)
+    brute = min(range(1, 13), key=lambda x: _lockstep(flops, speeds, kinds, [0, x]))
+    assert cut == [0, brute] and cut != minmax, (cut, minmax, brute)
+    assert _lockstep(flops, speeds, kinds, cut) < 0.9 * _lockstep(flops, speeds, kinds, minmax)
+    # equal speeds: the min-max cut stands
+    assert partition(flops, zeros, zeros, [1.0, 1.0], [1e9] * 2, tick_kinds=kinds) == \
+        partition(flops, zeros, zeros, [1.0, 1.0], [1e9] * 2)
+
+
+def test_lockstep_refinement_keeps_memory_and_never_does_worse():
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        n, k = int(rng.integers(6, 14)), int(rng.integers(2, 5))
+        flops = list(rng.uniform(1, 5, n))
+        speeds = list(rng.uniform(1, 3, k))
+        kinds = make_schedule(("1f1b", "gpipe")[trial % 2], k, 6).tables()["kind"]
+        state, caps = list(rng.uniform(1, 2, n)), [1e9] * k
+        caps[0] = sum(state[:3]) + 0.5                           # the first stage holds at most 3 layers
+        start = partition(flops, state, [0.0] * n, speeds, caps)
+        cut = partition(flops, state, [0.0] * n, speeds, caps, tick_kinds=kinds)
+        assert cut[0] == 0 and all(a < b for a, b in zip(cut, cut[1:])) and cut[1] <= 3
+        assert _lockstep(flops, speeds, kinds, cut) <= _lockstep(flops, speeds, kinds, start) + 1e-9
+        # a local optimum: no single boundary move that fits is faster
+        for j in range(1, k):
+            for pos in range(cut[j - 1] + 1, (cut[j + 1] if j + 1 < k else n)):
+                trial_cut = cut[:j] + [pos] + cut[j + 1:]
+                if trial_cut[1] <= 3:
+                    assert _lockstep(flops, speeds, kinds, trial_cut) >= _lockstep(flops, speeds, kinds, cut) - 1e-9
 
 
 

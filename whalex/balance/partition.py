@@ -21,10 +21,12 @@ from whalex.balance.layers import Unit, cut_penalties, granularities, layer_key,
 from whalex.balance.profile import FlopsCache, group_flops
 from whalex.errors import PlanError
 
-__all__ = ["AutoStages", "Layer", "auto_stages", "layer_key", "partition", "profile_layers", "stage_devices"]
+__all__ = ["AutoStages", "Layer", "auto_stages", "layer_key", "lockstep_time", "partition", "profile_layers",
+           "refine_lockstep", "stage_devices"]
 
 TOLERANCE = 0.10        # a granularity is fine enough when its slowest stage is within 10% of the ideal
 SLACK = 0.05            # otherwise: the coarsest within 5% of the best granularity found
+FORWARD_SHARE = 1 / 3   # a forward task's share of a stage's forward+backward FLOPs (backward: 2 forwards)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,16 +91,33 @@ def _optimizer_factor(optimizer, cap) -> float:
     return sbytes / pbytes if pbytes else 0.0
 
 
+def lockstep_time(stage_flops: Sequence[float], speeds: Sequence[float], tick_kinds) -> float:
+    """Predicted compute time of one step of a pipeline run in lockstep ticks (whalex's SPMD loop:
+    every tick ends on a ppermute, so it lasts as long as its slowest task).
+
+    `tick_kinds[t, s]`: 0 idle, 1 forward, 2 backward (`Schedule.tables()["kind"]`). A backward
+    recomputes its stage's forward from the stashed input, so it costs the stage's forward+backward
+    FLOPs; a forward costs `FORWARD_SHARE` of them. With uneven speeds this, not the slowest stage's
+    total, is what a cut changes: in 1F1B a fast stage's backward runs beside the slow stage's
+    forward and the other way round, so a tick pairs unlike tasks."""
+    per = np.asarray(stage_flops, np.float64) / np.asarray(speeds, np.float64)
+    kinds = np.asarray(tick_kinds)
+    cost = np.where(kinds == 1, per * FORWARD_SHARE, np.where(kinds == 2, per, 0.0))
+    return float(cost.max(axis=1).sum())
+
+
 def partition(flops: Sequence[float], state_bytes: Sequence[float], input_bytes: Sequence[float],
               speeds: Sequence[float], capacities: Sequence[float], micro_batch_in_flight=None,
-              penalties: Sequence[float] | None = None) -> list[int]:
+              penalties: Sequence[float] | None = None, tick_kinds=None) -> list[int]:
     """Split layers 0..n-1 into len(speeds) contiguous non-empty stages.
 
     Minimises the slowest stage's time sum(flops)/speed, subject to each stage's memory
     (state bytes of its layers + its input activations x micro-batches in flight) fitting its
     device's capacity. With `penalties[a]` (the cost of a boundary before layer a), the split with
-    the least total penalty among those reaching that time. Returns the first layer index of each
-    stage. Pure; raises PlanError if no split fits.
+    the least total penalty among those reaching that time. With `tick_kinds` (the schedule) and
+    unequal speeds, the boundaries are then moved one at a time while `lockstep_time` falls
+    (`refine_lockstep`). Returns the first layer index of each stage. Pure; raises PlanError if no
+    split fits.
     """
     n, k = len(flops), len(speeds)
     if k > n:
@@ -141,7 +160,41 @@ def partition(flops: Sequence[float], state_bytes: Sequence[float], input_bytes:
         a = cut[s, b]
         starts.append(int(a))
         b = a
-    return starts[::-1]
+    starts = starts[::-1]
+    if tick_kinds is not None and len(set(speeds)) > 1:
+        fits = lambda s, a, b: pm[b] - pm[a] + inb[a] * in_flight[s] <= capacities[s]   # noqa: E731
+        starts = refine_lockstep(starts, flops, speeds, tick_kinds, fits)
+    return starts
+
+
+def refine_lockstep(starts: Sequence[int], flops: Sequence[float], speeds: Sequence[float], tick_kinds,
+                    fits=lambda s, a, b: True) -> list[int]:
+    """Coordinate descent on the boundaries of a contiguous split: each boundary in turn moves to
+    the position (between its neighbours, every stage non-empty and `fits(stage, first, end)`)
+    that minimises `lockstep_time`, until no move lowers it. The min-max split is the start, so
+    on equal speeds or a schedule without unlike pairs nothing moves."""
+    n, k = len(flops), len(starts)
+    pf = np.concatenate([[0.0], np.cumsum(flops)])
+    cur = list(starts)
+
+    def time(st):
+        ends = list(st[1:]) + [n]
+        if not all(fits(s, a, b) for s, (a, b) in enumerate(zip(st, ends))):
+            return np.inf
+        return lockstep_time([pf[b] - pf[a] for a, b in zip(st, ends)], speeds, tick_kinds)
+
+    best = time(cur)
+    improved = True
+    while improved:
+        improved = False
+        for j in range(1, k):
+            lo, hi = cur[j - 1] + 1, (cur[j + 1] if j + 1 < k else n) - 1
+            for pos in range(lo, hi + 1):
+                trial = cur[:j] + [pos] + cur[j + 1:]
+                t = time(trial)
+                if t < best * (1 - 1e-9):
+                    best, cur, improved = t, trial, True
+    return cur
 
 
 def stage_devices(cluster, num_stages: int, hardware_aware: bool = True) -> list[list[int]]:
@@ -161,14 +214,16 @@ def stage_devices(cluster, num_stages: int, hardware_aware: bool = True) -> list
 
 
 def auto_stages(cap, num_stages: int, cluster, optimizer=None, micro_fraction: float = 1.0,
-                in_flight: Sequence[int] | None = None, hardware_aware: bool = True) -> AutoStages:
+                in_flight: Sequence[int] | None = None, hardware_aware: bool = True,
+                tick_kinds=None) -> AutoStages:
     """Balanced stages for `num_stages` devices per pipeline replica.
 
     Granularities are tried coarse to fine (`balance.layers.granularities`) and the first whose
     best split has its slowest stage within `TOLERANCE` of the ideal is used; if none is, the
     coarsest within `SLACK` of the best one found. `micro_fraction` scales the captured
     (global-batch) activations to one device's micro-batch; `in_flight[s]` is how many
-    micro-batches stage s stashes under the schedule.
+    micro-batches stage s stashes under the schedule; `tick_kinds` (the schedule's kind table) lets a
+    heterogeneous cut minimise the lockstep step time (`refine_lockstep`).
     """
     if num_stages < 2:
         raise PlanError("auto_parallel needs num_task_graph >= 2 stages; set Config(num_task_graph=k).")
@@ -182,7 +237,8 @@ def auto_stages(cap, num_stages: int, cluster, optimizer=None, micro_fraction: f
         flops = [l.flops for l in layers]
         try:
             starts = partition(flops, [l.state_bytes for l in layers], [l.input_bytes * micro_fraction for l in layers],
-                               speeds, caps, in_flight, cut_penalties(cap, gran.units) if gran.fine else None)
+                               speeds, caps, in_flight, cut_penalties(cap, gran.units) if gran.fine else None,
+                               tick_kinds)
         except PlanError as e:
             error = e                       # the finest granularity's reason, if none fits
             continue

@@ -89,7 +89,8 @@ def build_plan(loss_fn: Callable, params, batch, optimizer=None, config=None, cl
         sched = make_schedule(config.schedule, k, m)
         dp = max(cluster.size // (k * model_degree(cap)), 1)
         auto = auto_stages(cap, k, cluster, optimizer, micro_fraction=1.0 / (dp * m),
-                           in_flight=[sched.max_in_flight(s) for s in range(k)], hardware_aware=config.hardware_aware)
+                           in_flight=[sched.max_in_flight(s) for s in range(k)], hardware_aware=config.hardware_aware,
+                           tick_kinds=sched.tables()["kind"])
         stage_of_eqn, stage_layers = list(auto.stage_of_eqn), auto.layers
     else:
         groups = _stage_groups(cap)
