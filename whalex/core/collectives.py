@@ -6,11 +6,19 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def _size(axis) -> int:
+    """Devices along mesh axis `axis` (a name or a tuple of names), inside `shard_map`."""
+    names = axis if isinstance(axis, (tuple, list)) else (axis,)
+    return int(np.prod([jax.lax.axis_size(a) for a in names]))
+
+
 def fused_psum(tree, axis):
     """`lax.psum(tree, axis)` as one all-reduce per dtype: the leaves flattened into one buffer, reduced,
     split back. Backends that run the operands of an all-reduce one by one (gloo on CPU: a fixed cost
     per operand) then pay for one operand, not one per parameter leaf; the sums are the same."""
     leaves, tree_def = jax.tree.flatten(tree)
+    if _size(axis) == 1:
+        return tree
     out = list(leaves)
     for dtype in dict.fromkeys(x.dtype for x in leaves):
         idx = [i for i, x in enumerate(leaves) if x.dtype == dtype]
@@ -30,6 +38,8 @@ def fused_all_gather(xs, axis, dims):
     and each leaf rebuilt by concatenating its blocks on its dimension `d`. A leaf whose `d` is None is
     passed through. Same values, one collective instead of one per leaf (see `fused_psum`)."""
     out = list(xs)
+    if _size(axis) == 1:                 # one device: each leaf is already whole (no copy, no collective)
+        return out
     todo = [i for i, d in enumerate(dims) if d is not None]
     for dtype in dict.fromkeys(xs[i].dtype for i in todo):
         idx = [i for i in todo if xs[i].dtype == dtype]
