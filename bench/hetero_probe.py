@@ -1,0 +1,137 @@
+"""What the emulated heterogeneous cluster's slow process costs, beyond one speed (issue 12).
+
+What it measures
+    The 2-process cluster and the stock Flax MLP of `bench/hetero.py` (process 1's core shared with
+    busy loops), two things per slowdown:
+
+    * curve: each process times the user's local step (loss, gradient, Adam update; calibrate's
+      `time_rounds`, interleaved rounds) at 512 ... 4096 rows and prints milliseconds and
+      microseconds per row. A GPU's time per row is flat past small batches; a process that shares
+      its core with a busy loop gets more than its share for short bursts (the scheduler credits a
+      task that slept), so its time per row grows with the step's length.
+    * sweep: the balanced data-parallel step of whalex with the split moved around the calibrated one
+      (`Cluster.with_speeds` at declared ratios; the calibrated cluster's own split is one of them),
+      timed in interleaved blocks on process 0: which split is fastest in the real step.
+
+Run from the repo root: ``python bench/hetero_probe.py`` (about 5 minutes on an otherwise idle
+machine with >= 2 cores). Writes bench/results/hetero_probe.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import hetero  # noqa: E402
+
+SIZES = (512, 1024, 2048, 3072, 4096)
+FACTORS = (0.85, 0.92, 1.0, 1.1, 1.2)     # the slow process's declared slowdown, relative to the calibrated one
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="4096", help="global batches of the sweep, comma-separated")
+    ap.add_argument("--slowdowns", default="1,2", help="busy loops on process 1's core (1: near 2:1, 2: near 3:1)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--block", type=int, default=4)
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    for k, v in vars(hetero.parse([])).items():      # the model of bench/hetero.py, its defaults
+        if not hasattr(args, k):
+            setattr(args, k, v)
+    return args
+
+
+def worker(args):
+    import jax
+    import numpy as np
+    import optax
+    import whalex as wh
+    from jax.experimental import multihost_utils
+
+    from whalex.balance.calibrate import _loss_work, calibrate, time_rounds
+
+    pid = jax.process_index()
+    loss_fn, params, batch = hetero.make_model(args)
+    optimizer = optax.adam(1e-3)
+    log = (lambda *a: print(*a, flush=True)) if pid == 0 else (lambda *a: None)
+
+    fn, lead, _ = _loss_work(loss_fn, params, optimizer)
+    sets = [(*lead, {k: v[:n] for k, v in batch.items()}) for n in SIZES if n <= args.batch]
+    t = time_rounds(jax.local_devices(), fn, sets, 9)                 # (round, this device, size)
+    mine = np.median(t[:, 0, :], axis=0)
+    curve = np.asarray(multihost_utils.process_allgather(mine)).reshape(2, -1)
+    log("curve ms: " + "; ".join(f"p{p} " + " ".join(f"{n}:{1e3 * c:.1f}" for n, c in zip(SIZES, curve[p]))
+                                 for p in range(2)))
+
+    cluster = calibrate(wh.Cluster.detect(), loss_fn, params, batch, optimizer=optimizer, repeats=9)
+    ratio = cluster.speeds[0] / cluster.speeds[1]
+    steps, states, rows = {}, {}, {}
+    for f in FACTORS:
+        s = wh.parallelize(loss_fn, optimizer, cluster=cluster if f == 1.0 else cluster.with_speeds([ratio * f, 1.0]))
+        steps[f], states[f], rows[f] = s, s.init(params, batch), list(s.plan.batch_sizes)
+
+    def run(f):
+        t0 = time.perf_counter()
+        states[f], m = steps[f](states[f], batch)
+        float(m["loss"])
+        return time.perf_counter() - t0
+
+    for f in FACTORS:
+        run(f)
+        run(f)
+    times = {f: [] for f in FACTORS}
+    for _ in range(args.rounds):
+        for f in FACTORS:
+            times[f] += [run(f) for _ in range(args.block)]
+    out = {"sizes": [n for n in SIZES if n <= args.batch], "curve_s": curve.tolist(), "speed_ratio": ratio,
+           "overhead": list(cluster.overhead or ()),
+           "sweep": [{"factor": f, "rows": rows[f], "median_s": statistics.median(times[f])} for f in FACTORS]}
+    if pid == 0:
+        pathlib.Path(args.worker_out).write_text(json.dumps(out))
+
+
+def main(argv):
+    args = parse(argv)
+    if os.environ.get("WHALEX_PROCESS_ID") is not None:
+        return worker(args)
+    setup = hetero.launch_env()
+    if setup is None:
+        return
+    cores, env, load_before = setup
+    runs = [hetero.run_config(args, argv, hogs, batch, cores, env, script=__file__)
+            for hogs in [int(x) for x in args.slowdowns.split(",")]
+            for batch in [int(x) for x in args.batches.split(",")]]
+    print(f"\nstock Flax MLP {args.depth} x Dense({args.width}), Adam; load before {load_before:.2f}")
+    for r in runs:
+        if "failed" in r:
+            print(f"{r['hogs']} loops, batch {r['batch']}: FAILED {r['failed']}")
+            continue
+        c = r["curve_s"]
+        print(f"\n{r['hogs']} busy loop(s), batch {r['batch']}: local step, ms (us per row)")
+        for p in range(2):
+            print(f"  process {p}: " + "  ".join(f"{n}: {1e3 * t:.1f} ({1e6 * t / n:.0f})" for n, t in zip(r["sizes"], c[p])))
+        print("  slow/fast per size: " + "  ".join(f"{n}: {b / a:.2f}" for n, a, b in zip(r["sizes"], c[0], c[1])))
+        best = min(r["sweep"], key=lambda s: s["median_s"])
+        cal = next(s for s in r["sweep"] if s["factor"] == 1.0)
+        print(f"  calibrated ratio {r['speed_ratio']:.2f}, fixed ms per step {[round(1e3 * o, 1) for o in r['overhead']]}")
+        for s in r["sweep"]:
+            mark = " <- calibrated" if s["factor"] == 1.0 else ""
+            mark += " <- fastest" if s is best else ""
+            print(f"  rows {s['rows'][0]:>5}/{s['rows'][1]:<5} step {1e3 * s['median_s']:7.1f} ms{mark}")
+        print(f"  the calibrated split is {cal['median_s'] / best['median_s'] - 1:+.1%} slower than the fastest")
+    hetero.RESULTS.mkdir(exist_ok=True)
+    path = hetero.RESULTS / "hetero_probe.json"
+    path.write_text(json.dumps({"load_before": load_before, "runs": runs}, indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
