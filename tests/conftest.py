@@ -10,7 +10,12 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import pytest  # noqa: E402
 import tempfile  # noqa: E402
-_d = tempfile.mkdtemp(prefix="whalex-xla-cache-")
+# one compilation cache for the whole run, shared by pytest-xdist's workers (the same programs
+# compile once, not once per worker); a fresh directory per run
+_run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+_d = (os.path.join(tempfile.gettempdir(), f"whalex-xla-cache-{_run}") if _run
+      else tempfile.mkdtemp(prefix="whalex-xla-cache-"))
+os.makedirs(_d, exist_ok=True)
 jax.config.update("jax_compilation_cache_dir", _d)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
