@@ -16,11 +16,12 @@ What it measures
     the same schedule's ticks in lockstep, each device doing its stage's matmuls (forward: one
     [micro-batch, width] x [width, width] per layer, backward with recompute: three) then one
     `ppermute`, for the even and the balanced cut; its speedup shows what the cut buys before the
-    rest of whalex's step (the stage rows' gather, the gradient rows, the optimizer) is paid. The table prints the measured speedup (median even step / median
-    balanced step) beside the planner's prediction: `balance.partition.lockstep_time` of the even cut
-    over that of the balanced cut (the schedule's ticks run in lockstep, each as long as its slowest
-    task; a backward recomputes the forward), the older bottleneck model (the slowest stage's FLOPs
-    / speed, "bneck"), and the ideal for these speeds with layers cut anywhere and no ticks,
+    rest of whalex's step (the stage rows' gather, the gradient rows, the optimizer) is paid. The
+    table prints the measured speedup (median even step / median balanced step) beside the
+    planner's prediction: `balance.partition.lockstep_time` of the even cut over that of the
+    balanced cut (the schedule's ticks run in lockstep, each as long as its slowest task; a
+    backward recomputes the forward), the older bottleneck model (the slowest stage's FLOPs /
+    speed, "bneck"), and the ideal for these speeds with layers cut anywhere and no ticks,
     (s0 + s1) / (2 min(s0, s1)).
 
 Run from the repo root: ``python bench/hetero_pipeline.py`` (a few minutes; needs >= 2 cores and
@@ -74,19 +75,20 @@ def make_model(args):
     return loss_fn, params, batch
 
 
+def stage_speeds(plan) -> list[float]:
+    """Each stage's speed: that of its slowest device."""
+    return [min(plan.cluster.speeds[d] for d in t.devices) for t in plan.task_graphs]
+
+
 def stage_time(plan) -> float:
     """The slowest stage's FLOPs / its device's speed (the bottleneck model, which ignores the ticks)."""
-    speeds = plan.cluster.speeds
-    return max(t.flops / min(speeds[d] for d in t.devices) for t in plan.task_graphs)
+    return max(t.flops / v for t, v in zip(plan.task_graphs, stage_speeds(plan)))
 
 
 def lockstep(plan) -> float:
     """The planner's model: the schedule's ticks in lockstep, each as long as its slowest task."""
     from whalex.balance.partition import lockstep_time
-    speeds = plan.cluster.speeds
-    return lockstep_time([t.flops for t in plan.task_graphs], [min(speeds[d] for d in t.devices)
-                                                               for t in plan.task_graphs],
-                         plan.schedule.tables()["kind"])
+    return lockstep_time([t.flops for t in plan.task_graphs], stage_speeds(plan), plan.schedule.tables()["kind"])
 
 
 def tick_program(kinds, layers, rows: int, width: int):

@@ -153,7 +153,6 @@ def test_lockstep_refinement_keeps_memory_and_never_does_worse():
                     assert _lockstep(flops, speeds, kinds, trial_cut) >= _lockstep(flops, speeds, kinds, cut) - 1e-9
 
 
-
 class CrossBlock(nn.Module):
     """A decoder block: causal self-attention, attention over the encoder's output, MLP."""
 
