@@ -21,6 +21,14 @@ from jax.sharding import PartitionSpec as P
 from whalex.core.collectives import fused_all_gather, fused_psum
 
 
+def pad_to(x, n: int):
+    """The 1-D `x` followed by zeros to length `n`: written into zeros (a memset and a copy) rather than
+    as a pad fusion, which XLA CPU evaluates element by element over all `n`."""
+    if x.shape[0] == n:
+        return x
+    return jnp.concatenate([x, jnp.zeros((n - x.shape[0],), x.dtype)])
+
+
 def spread_dim(shape: Sequence[int], n: int) -> int | None:
     """The largest dimension that `n` divides (None: the leaf stays replicated)."""
     dims = [d for d in range(len(shape)) if shape[d] % n == 0 and shape[d] > 0]
@@ -64,7 +72,7 @@ def gather_row(local: Sequence, dims: Sequence, stage_params: Sequence[Sequence[
     def buffer(entries):
         flat = [part[p].astype(dtype).reshape(-1) for p, _, _ in entries]
         b = jnp.concatenate(flat) if flat else jnp.zeros((0,), dtype)
-        return jnp.pad(b, (0, C - b.shape[0]))
+        return pad_to(b, C)
 
     send = jnp.stack([buffer(entries) for entries in layout])                      # [S, C]: one per destination
     recv = jax.lax.all_to_all(send, stage, 0, 0, tiled=True)                       # [S, C]: one per source
@@ -77,7 +85,7 @@ def gather_row(local: Sequence, dims: Sequence, stage_params: Sequence[Sequence[
                 full[p] = jnp.concatenate([recv[k, off:off + size].reshape(block) for k in range(S)], axis=dims[p])
             flat = [full[p].astype(dtype).reshape(-1) for p in stage_params[t]]
             r = jnp.concatenate(flat) if flat else jnp.zeros((0,), dtype)
-            return jnp.pad(r, (0, width - r.shape[0]))[None]
+            return pad_to(r, width)[None]
         return row
 
     return jax.lax.switch(jax.lax.axis_index(stage), [build(t) for t in range(S)], recv, part)
@@ -103,7 +111,7 @@ def scatter_grads(row, dims: Sequence, stage_params: Sequence[Sequence[int]], sl
                 flat = [jax.lax.slice_in_dim(leaves[p], k * block[dims[p]], (k + 1) * block[dims[p]],
                                              axis=dims[p]).reshape(-1) for p, _, block in layout[t]]
                 b = jnp.concatenate(flat) if flat else jnp.zeros((0,), r.dtype)
-                send.append(jnp.pad(b, (0, C - b.shape[0])))
+                send.append(pad_to(b, C))
             rep = [leaves[p] if p in leaves else jnp.zeros(shapes[p].shape, r.dtype) for p in replicated]
             return jnp.stack(send), rep
         return parts
