@@ -158,9 +158,10 @@ def _add_prefix(acc, x, axis: int):
 
 
 def _tree_switch(index, branches, *operands):
-    """`lax.switch(index, branches, *operands)` as a balanced tree of two-way `lax.cond`s: a large
-    operand threaded through the branches (the gradient accumulator) is updated in place, where XLA
-    CPU's many-way conditional copies it on every call (measured: ~20 ms per tick for 10 MB)."""
+    """`lax.switch(index, branches, *operands)` as a balanced tree of two-way `lax.cond`s. XLA CPU's
+    many-way conditional copied a large operand threaded through its branches (the gradient
+    accumulator) on every call, ~20 ms per tick for 10 MB; through two-way conds the pipeline copies it
+    once per backward tick."""
     if len(branches) == 1:
         return branches[0](*operands)
     mid = len(branches) // 2
@@ -265,37 +266,37 @@ class PipelineProgram(Emitter):
         invars = self.captured.jaxpr.jaxpr.invars
         return [flat[invars[p]] for p in self.cut.params[s]]
 
-    def pack_stage_grads(self, s: int, grads):
-        """The transpose of `unpack_stage`: stage s's leaf gradients into its rows."""
-        W, dtype = self.param_width, self.param_dtype
-        invars = self.captured.jaxpr.jaxpr.invars
-        by_var = {invars[p]: g for p, g in zip(self.cut.params[s], grads)}
-        flat = [by_var[sl.var].reshape(-1).astype(dtype) for sl in self.param_slots[s]]
-        row = jnp.concatenate(flat) if flat else jnp.zeros((0,), dtype)
-        out = (jnp.pad(row, (0, W - row.shape[0])),)
-        if self.three_d:
-            M, parts = self.model_parallel, []
-            for sl, d in self.model_slots[s]:
-                g = by_var[sl.var].astype(dtype).reshape(sl.shape[:d] + (M, sl.shape[d]) + sl.shape[d + 1:])
-                parts.append(jnp.moveaxis(g, d, 0).reshape(M, -1))
-            m = jnp.concatenate(parts, axis=1) if parts else jnp.zeros((M, 0), dtype)
-            out += (jnp.pad(m, ((0, 0), (0, self.model_width - m.shape[1]))),)
-        return out
-
-    def add_stage_grads(self, s: int, acc, grads):
-        """`acc` (the rows of `zero_rows`) plus stage s's leaf gradients, written into the prefix of each
-        row that the stage fills: a narrow stage touches only its own width, not the widest stage's."""
+    def _stage_grad_rows(self, s: int, grads):
+        """Stage s's leaf gradients laid out as its rows, unpadded: the flat row `[w_s]` and, in 3D, the
+        `[model, m_s]` row of the model-split leaves (None without)."""
         dtype = self.param_dtype
         invars = self.captured.jaxpr.jaxpr.invars
         by_var = {invars[p]: g for p, g in zip(self.cut.params[s], grads)}
         flat = [by_var[sl.var].reshape(-1).astype(dtype) for sl in self.param_slots[s]]
-        out = (_add_prefix(acc[0], jnp.concatenate(flat), 0) if flat else acc[0],)
-        if self.three_d:
-            M, parts = self.model_parallel, []
-            for sl, d in self.model_slots[s]:
-                g = by_var[sl.var].astype(dtype).reshape(sl.shape[:d] + (M, sl.shape[d]) + sl.shape[d + 1:])
-                parts.append(jnp.moveaxis(g, d, 0).reshape(M, -1))
-            out += (_add_prefix(acc[1], jnp.concatenate(parts, axis=1), 1) if parts else acc[1],)
+        row = jnp.concatenate(flat) if flat else jnp.zeros((0,), dtype)
+        if not self.three_d:
+            return row, None
+        M, parts = self.model_parallel, []
+        for sl, d in self.model_slots[s]:
+            g = by_var[sl.var].astype(dtype).reshape(sl.shape[:d] + (M, sl.shape[d]) + sl.shape[d + 1:])
+            parts.append(jnp.moveaxis(g, d, 0).reshape(M, -1))
+        return row, (jnp.concatenate(parts, axis=1) if parts else jnp.zeros((M, 0), dtype))
+
+    def pack_stage_grads(self, s: int, grads):
+        """The transpose of `unpack_stage`: stage s's leaf gradients into its rows."""
+        row, m = self._stage_grad_rows(s, grads)
+        out = (jnp.pad(row, (0, self.param_width - row.shape[0])),)
+        if m is not None:
+            out += (jnp.pad(m, ((0, 0), (0, self.model_width - m.shape[1]))),)
+        return out
+
+    def add_stage_grads(self, s: int, acc, grads):
+        """`acc` (the rows of `zero_rows`) plus stage s's leaf gradients, added into the prefix of each
+        row that the stage fills: a narrow stage touches only its own width, not the widest stage's."""
+        row, m = self._stage_grad_rows(s, grads)
+        out = (_add_prefix(acc[0], row, 0),)
+        if m is not None:
+            out += (_add_prefix(acc[1], m, 1),)
         return out
 
     def zero_rows(self):
