@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from whalex import _compat as C
 from whalex.core import part_loss as parts_lib
 from whalex.core.capture import Captured
-from whalex.core.collectives import fused_all_gather
+from whalex.core.collectives import fused_all_gather, fused_psum
 from whalex.core.shardings import opt_state_specs
 from whalex.core.interpret import apply_eqn, make_evaluator
 from whalex.errors import PlanError
@@ -150,18 +150,27 @@ def _pack(values, slots, width):
     return jnp.pad(flat, (0, width - flat.shape[0]))
 
 
-def _add_prefix(acc, x, axis: int):
-    """`acc` with `x` added to its leading `x.shape[axis]` entries on `axis` (in place under XLA)."""
+def _bounds(widths: Sequence[int], total: int) -> tuple[int, ...]:
+    """Segment boundaries of a row of `total` entries cut at every stage's own width `widths`."""
+    return tuple(sorted({0, total, *(w for w in widths if 0 < w < total)}))
+
+
+def _add_segments(segs, x, bounds, axis: int):
+    """The row held as segments (`bounds`) plus `x` on its leading `x.shape[axis]` entries, which end
+    on a boundary: each segment is added whole or passed through, so XLA updates it in place and a
+    narrow stage's backward touches only its own width (a prefix update of one wide row was a copy of
+    the whole row per backward tick inside the tick's conditional)."""
     n = x.shape[axis]
-    head = jax.lax.slice_in_dim(acc, 0, n, axis=axis)
-    return jax.lax.dynamic_update_slice_in_dim(acc, head + x, 0, axis)
+    assert n in bounds, (n, bounds)
+    return tuple(seg + jax.lax.slice_in_dim(x, a, b, axis=axis) if b <= n else seg
+                 for seg, a, b in zip(segs, bounds[:-1], bounds[1:]))
 
 
 def _tree_switch(index, branches, *operands):
     """`lax.switch(index, branches, *operands)` as a balanced tree of two-way `lax.cond`s. XLA CPU's
     many-way conditional copied a large operand threaded through its branches (the gradient
-    accumulator) on every call, ~20 ms per tick for 10 MB; through two-way conds the pipeline copies it
-    once per backward tick."""
+    accumulator) on every call, ~20 ms per tick for 10 MB; through two-way conds, with the accumulator
+    in segments each added whole or passed through (`_add_segments`), it is updated in place."""
     if len(branches) == 1:
         return branches[0](*operands)
     mid = len(branches) // 2
@@ -290,18 +299,31 @@ class PipelineProgram(Emitter):
             out += (jnp.pad(m, ((0, 0), (0, self.model_width - m.shape[1]))),)
         return out
 
+    @functools.cached_property
+    def grad_bounds(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Segment boundaries of the gradient accumulator's rows (flat, model): every stage's width."""
+        flat = _bounds([sum(sl.size for sl in slots) for slots in self.param_slots], self.param_width)
+        model = _bounds([sum(sl.size for sl, _ in e) for e in self.model_slots], self.model_width)
+        return flat, model
+
     def add_stage_grads(self, s: int, acc, grads):
-        """`acc` (the rows of `zero_rows`) plus stage s's leaf gradients, added into the prefix of each
-        row that the stage fills: a narrow stage touches only its own width, not the widest stage's."""
+        """`acc` (the segments of `zero_rows`) plus stage s's leaf gradients, added into the segments the
+        stage fills: a narrow stage touches only its own width, not the widest stage's."""
         row, m = self._stage_grad_rows(s, grads)
-        out = (_add_prefix(acc[0], row, 0),)
+        flat, model = self.grad_bounds
+        out = (_add_segments(acc[0], row, flat, 0),)
         if m is not None:
-            out += (_add_prefix(acc[1], m, 1),)
+            out += (_add_segments(acc[1], m, model, 1),)
         return out
 
     def zero_rows(self):
-        z = (jnp.zeros(self.param_width, self.param_dtype),)
-        return z + ((jnp.zeros((self.model_parallel, self.model_width), self.param_dtype),) if self.three_d else ())
+        """The gradient accumulator: each row as segments (`grad_bounds`)."""
+        flat, model = self.grad_bounds
+        z = (tuple(jnp.zeros(b - a, self.param_dtype) for a, b in zip(flat[:-1], flat[1:])),)
+        if self.three_d:
+            z += (tuple(jnp.zeros((self.model_parallel, b - a), self.param_dtype)
+                        for a, b in zip(model[:-1], model[1:])),)
+        return z
 
     @functools.cached_property
     def param_width(self) -> int:
@@ -774,7 +796,7 @@ class PipelineProgram(Emitter):
                     y, outs, routs = _tree_switch(jnp.where(kind == 1, 1 + s, 0), fwds, params, x, inputs)
                     return y, zero_a, gacc, outs, routs
 
-                # a backward adds into the stage's own prefix of `gacc`, which the other ticks pass through
+                # a backward adds into the stage's own segments of `gacc`, which the other ticks pass through
                 y, dx, gacc, outs, routs = jax.lax.cond(kind == 2, backward, forward, gacc, stash[m % slots],
                                                         gstash[m % gslots])
                 done = (kind == 1) & (s == S - 1)          # the last stage's forward of micro-batch m
@@ -793,6 +815,7 @@ class PipelineProgram(Emitter):
                     self._output_init(), [jnp.zeros((per_replica,) + a.shape[1:], a.dtype) for a in row_avals],
                     jnp.zeros(A, jnp.float32), jnp.zeros(A, jnp.float32))
             (_, _, gacc, oacc, racc, _, _), _ = jax.lax.scan(tick, init, tables)
+            gacc = [jnp.concatenate(segs, axis=-1) if len(segs) > 1 else segs[0] for segs in gacc]
             flat = _unpack_values(self._output_across(oacc, (STAGE, DATA)), oslots)
             gathered = [jax.lax.all_gather(from_last(x, s), DATA, tiled=True) for x in racc]
             outputs = [None] * len(self.output_kinds)
@@ -805,10 +828,10 @@ class PipelineProgram(Emitter):
                 grads = precision_lib.reduce_in(
                     prec, lambda g: zero_lib.scatter_sum([g[None]], specs, zspecs, DATA)[0], gacc[0])
             else:
-                grads = precision_lib.reduce_in(prec, lambda g: jax.lax.psum(g, DATA), gacc[0])[None]
+                grads = precision_lib.reduce_in(prec, lambda g: fused_psum(g, DATA), gacc[0])[None]
             if not three_d:
                 return outs, {"stages": grads}
-            mgrads = precision_lib.reduce_in(prec, lambda g: jax.lax.psum(g, DATA), gacc[1])[None]
+            mgrads = precision_lib.reduce_in(prec, lambda g: fused_psum(g, DATA), gacc[1])[None]
             return outs, {"stages": grads, "model": mgrads}
 
         def from_last(x, s):          # per-example outputs: only the last stage wrote them
