@@ -26,7 +26,14 @@ What it measures
 
 Two global batches by default: 1024 (128-row micro-batches) and 4096 (512-row micro-batches, the
 power of two `bench/hetero.py` uses). Every program here runs with one XLA CPU library call per dot
-(`YNN` below), so that neither cut gets a slow fused kernel the other does not.
+(`YNN` below), so that neither cut gets a slow fused kernel the other does not, and, by default
+(`--allocator cached`), with glibc's allocator keeping freed memory (`CACHED_MALLOC` below): XLA CPU
+allocates an executable's temporaries on every call, and above glibc's mmap threshold (at most 32 MiB)
+each call gets fresh pages from the kernel and faults on every first touch (one program writing a
+46 MB temporary: 17.2 ms per call, 1.15 ms with `CACHED_MALLOC`). A GPU runtime keeps its memory
+pooled, so the emulated devices should too; the slowed process would otherwise pay these faults at a
+third of its core, and a narrow stage pays them for rows sized by the widest stage.
+`--allocator default` measures without it.
 
 Run from the repo root: ``python bench/hetero_pipeline.py`` (about 11 minutes; needs >= 2 cores and
 an otherwise idle machine). Writes bench/results/hetero_pipeline.json. Prints how far the measured
@@ -53,6 +60,9 @@ OUT = 8
 # on 2 simulated devices), which would flatter the balanced cut; one library call per dot for every
 # program timed here
 YNN = "--xla_cpu_experimental_ynn_fusion_type=individual_dot"
+# glibc keeps freed blocks up to 256 MiB in its heap (no mmap per call) and never trims it: both are needed,
+# setting either alone turns off glibc's dynamic threshold and makes small temporaries fault too
+CACHED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
 
 
 def parse(argv=None):
@@ -68,6 +78,9 @@ def parse(argv=None):
     ap.add_argument("--calib-rows", type=int, default=1024,
                     help="rows of the calibration batch (at 4096 the slowed process's calibration outlasts gloo's "
                          "30 s start-up deadline)")
+    ap.add_argument("--allocator", default="cached", choices=("cached", "default"),
+                    help="cached: glibc keeps freed memory (CACHED_MALLOC), as a GPU runtime pools it; default: glibc's "
+                         "own thresholds (every call's large temporaries fault in fresh pages)")
     ap.add_argument("--timeout", type=float, default=500)
     ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
@@ -212,6 +225,8 @@ def main(argv):
         return
     cores, env, load_before = setup
     env["XLA_FLAGS"] = " ".join([env["XLA_FLAGS"], YNN])
+    if args.allocator == "cached":
+        env.update(CACHED_MALLOC)
     t0 = time.perf_counter()
     runs = [summarise(run_config(args, argv, hogs, batch, cores, env, script=__file__))
             for hogs in [int(x) for x in args.slowdowns.split(",")]
@@ -238,12 +253,14 @@ def main(argv):
           "timed in the same run")
     print(f"vs pred: measured speedup / predicted - 1 (target within +-{100 * TOLERANCE:.0f}%); layers: Dense "
           f"layers per stage; total wall time {time.perf_counter() - t0:.0f} s; load before {load_before:.2f}; "
-          f"XLA_FLAGS {env.get('XLA_FLAGS', '')!r}")
+          f"XLA_FLAGS {env.get('XLA_FLAGS', '')!r}; allocator {args.allocator} "
+          f"{ {k: env[k] for k in CACHED_MALLOC if k in env} }")
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / "hetero_pipeline.json"
+    path = RESULTS / ("hetero_pipeline.json" if args.allocator == "cached" else "hetero_pipeline_default_malloc.json")
     path.write_text(json.dumps({"config": {k: v for k, v in vars(args).items() if k not in ("worker_out", "batch")},
                                 "machine": {"platform": platform.platform(), "load_before": load_before,
-                                            "xla_flags": env.get("XLA_FLAGS", "")},
+                                            "xla_flags": env.get("XLA_FLAGS", ""),
+                                            "malloc": {k: env[k] for k in CACHED_MALLOC if k in env}},
                                 "tolerance": TOLERANCE, "runs": runs}, indent=2))
     print(f"wrote {path}")
 
