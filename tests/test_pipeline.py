@@ -242,3 +242,23 @@ def test_split_stage_in_a_pipeline_is_refused_clearly():
             return jnp.mean((jnp.tanh(h @ p["w2"]) @ p["w3"] - b["y"]) ** 2)
     with pytest.raises(wh.PlanError, match="split stages inside a pipeline are not supported"):
         wh.plan(loss_fn, params, batch, adam(), config=wh.Config(num_micro_batch=2))
+
+
+def test_gradient_accumulator_segments_add_each_stage_into_its_own_width():
+    """The accumulator is held as segments cut at every stage's width; a stage's backward adds whole
+    segments of its own width (in place) and passes the rest through: the sum is a prefix add."""
+    from whalex.lowering.pipeline import _add_segments, _bounds
+    bounds = _bounds([10, 3, 7, 10, 0], 12)
+    assert bounds == (0, 3, 7, 10, 12)
+    assert _bounds([5, 5], 5) == (0, 5)
+    rng = np.random.default_rng(0)
+    want = np.zeros((2, 12), np.float32)
+    segs = tuple(jnp.zeros((2, b - a)) for a, b in zip(bounds[:-1], bounds[1:]))
+    for w in (10, 3, 7, 3, 12):
+        x = rng.standard_normal((2, w)).astype(np.float32)
+        want[:, :w] += x
+        segs = _add_segments(segs, jnp.asarray(x), bounds, 1)
+    assert [s.shape[1] for s in segs] == [3, 4, 3, 2]
+    np.testing.assert_allclose(np.concatenate(segs, axis=1), want, rtol=1e-6)
+    with pytest.raises(AssertionError):            # a width that is no stage's: not a boundary
+        _add_segments(segs, jnp.ones((2, 5)), bounds, 1)
