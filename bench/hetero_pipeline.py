@@ -35,7 +35,7 @@ pooled, so the emulated devices should too; the slowed process would otherwise p
 third of its core, and a narrow stage pays them for rows sized by the widest stage.
 `--allocator default` measures without it.
 
-Run from the repo root: ``python bench/hetero_pipeline.py`` (about 11 minutes; needs >= 2 cores and
+Run from the repo root: ``python bench/hetero_pipeline.py`` (about 10 minutes; needs >= 2 cores and
 an otherwise idle machine). Writes bench/results/hetero_pipeline.json. Prints how far the measured
 speedup is from the prediction (the issue asks for within 10%) and never fails the process on it.
 """
