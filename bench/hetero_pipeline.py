@@ -227,6 +227,7 @@ def main(argv):
     env["XLA_FLAGS"] = " ".join([env["XLA_FLAGS"], YNN])
     if args.allocator == "cached":
         env.update(CACHED_MALLOC)
+    malloc = {k: env[k] for k in CACHED_MALLOC if k in env}
     t0 = time.perf_counter()
     runs = [summarise(run_config(args, argv, hogs, batch, cores, env, script=__file__))
             for hogs in [int(x) for x in args.slowdowns.split(",")]
@@ -253,14 +254,13 @@ def main(argv):
           "timed in the same run")
     print(f"vs pred: measured speedup / predicted - 1 (target within +-{100 * TOLERANCE:.0f}%); layers: Dense "
           f"layers per stage; total wall time {time.perf_counter() - t0:.0f} s; load before {load_before:.2f}; "
-          f"XLA_FLAGS {env.get('XLA_FLAGS', '')!r}; allocator {args.allocator} "
-          f"{ {k: env[k] for k in CACHED_MALLOC if k in env} }")
+          f"XLA_FLAGS {env.get('XLA_FLAGS', '')!r}; allocator {args.allocator} {malloc}")
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / ("hetero_pipeline.json" if args.allocator == "cached" else "hetero_pipeline_default_malloc.json")
     path.write_text(json.dumps({"config": {k: v for k, v in vars(args).items() if k not in ("worker_out", "batch")},
                                 "machine": {"platform": platform.platform(), "load_before": load_before,
                                             "xla_flags": env.get("XLA_FLAGS", ""),
-                                            "malloc": {k: env[k] for k in CACHED_MALLOC if k in env}},
+                                            "malloc": malloc},
                                 "tolerance": TOLERANCE, "runs": runs}, indent=2))
     print(f"wrote {path}")
 

@@ -147,7 +147,7 @@ def _from_f32(x, dtype):
 def _pack(values, slots, width):
     parts = [_to_f32(jnp.asarray(v)).reshape(-1) for v in values]
     flat = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.float32)
-    return jnp.pad(flat, (0, width - flat.shape[0]))
+    return stage_rows.pad_to(flat, width)
 
 
 def _bounds(widths: Sequence[int], total: int) -> tuple[int, ...]:
@@ -183,7 +183,7 @@ def _pack_values(values, width):
     """Outputs summed over micro-batches: every value as float32 by value (integers count)."""
     parts = [jnp.asarray(v).astype(jnp.float32).reshape(-1) for v in values]
     flat = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.float32)
-    return jnp.pad(flat, (0, width - flat.shape[0]))
+    return stage_rows.pad_to(flat, width)
 
 
 def _unpack_values(flat, slots):
@@ -294,7 +294,7 @@ class PipelineProgram(Emitter):
     def pack_stage_grads(self, s: int, grads):
         """The transpose of `unpack_stage`: stage s's leaf gradients into its rows."""
         row, m = self._stage_grad_rows(s, grads)
-        out = (jnp.pad(row, (0, self.param_width - row.shape[0])),)
+        out = (stage_rows.pad_to(row, self.param_width),)
         if m is not None:
             out += (jnp.pad(m, ((0, 0), (0, self.model_width - m.shape[1]))),)
         return out
@@ -318,12 +318,10 @@ class PipelineProgram(Emitter):
 
     def zero_rows(self):
         """The gradient accumulator: each row as segments (`grad_bounds`)."""
+        def zeros(bounds, lead=()):
+            return tuple(jnp.zeros(lead + (b - a,), self.param_dtype) for a, b in zip(bounds[:-1], bounds[1:]))
         flat, model = self.grad_bounds
-        z = (tuple(jnp.zeros(b - a, self.param_dtype) for a, b in zip(flat[:-1], flat[1:])),)
-        if self.three_d:
-            z += (tuple(jnp.zeros((self.model_parallel, b - a), self.param_dtype)
-                        for a, b in zip(model[:-1], model[1:])),)
-        return z
+        return (zeros(flat),) + ((zeros(model, (self.model_parallel,)),) if self.three_d else ())
 
     @functools.cached_property
     def param_width(self) -> int:
@@ -345,7 +343,7 @@ class PipelineProgram(Emitter):
         for ps in self.cut.params:
             flat = [jnp.asarray(leaves[p], self.param_dtype).reshape(-1) for p in ps]
             row = jnp.concatenate(flat) if flat else jnp.zeros((0,), self.param_dtype)
-            rows.append(jnp.pad(row, (0, self.param_width - row.shape[0])))
+            rows.append(stage_rows.pad_to(row, self.param_width))
         return {"stages": jnp.stack(rows)}
 
     def pack_rows(self, params):
