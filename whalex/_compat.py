@@ -5,6 +5,10 @@ one of them, this is the only file to change.
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
+import sysconfig
 from typing import Any, Sequence
 
 import jax
@@ -27,11 +31,22 @@ def is_call(eqn: JaxprEqn) -> bool:
         eqn.params.get("jaxpr", eqn.params.get("call_jaxpr")), (ClosedJaxpr, Jaxpr))
 
 
+# Since jax 0.11 `ClosedJaxpr` and `Jaxpr` are one class (a jaxpr carries its consts, and its
+# `.jaxpr` is itself): unwrap through `open_jaxpr`, never by looping on `.jaxpr`.
+UNIFIED_JAXPR = ClosedJaxpr is Jaxpr
+
+
+def open_jaxpr(value: Any) -> tuple[Jaxpr, Sequence[Any]]:
+    """(jaxpr, consts) of a closed or open jaxpr, on every supported JAX."""
+    if UNIFIED_JAXPR:
+        return value, tuple(getattr(value, "consts", ()) or ())
+    if isinstance(value, ClosedJaxpr):
+        return value.jaxpr, value.consts
+    return value, ()
+
+
 def call_jaxpr(eqn: JaxprEqn) -> tuple[Jaxpr, Sequence[Any]]:
-    sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    if isinstance(sub, ClosedJaxpr):
-        return sub.jaxpr, sub.consts
-    return sub, ()
+    return open_jaxpr(eqn.params.get("jaxpr", eqn.params.get("call_jaxpr")))
 
 
 def name_stack(eqn: JaxprEqn) -> str:
@@ -79,8 +94,63 @@ def in_flax_module() -> bool:
     return bool(stack) and stack[-1] is not None
 
 
+# Libraries whose frames are never the user's line; whalex is in the list because an error about a
+# user's model must name the model, not the whalex scope that recorded it.
+LIBRARY_PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax", "whalex", "chex", "numpy", "ml_dtypes")
+
+
+@functools.lru_cache(maxsize=None)
+def _library_dirs() -> tuple[str, ...]:
+    """Directories of the library packages and of the standard library, found by module location
+    (JAX's own filter tests one path prefix, which misses flax in a virtual environment)."""
+    dirs = []
+    for name in LIBRARY_PACKAGES:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        for loc in (getattr(spec, "submodule_search_locations", None) or []):
+            dirs.append(os.path.realpath(loc))
+    paths = sysconfig.get_paths()
+    purelib = {os.path.realpath(paths[k]) for k in ("purelib", "platlib") if k in paths}
+    for key in ("stdlib", "platstdlib"):
+        if key in paths:
+            d = os.path.realpath(paths[key])
+            if d not in purelib:
+                dirs.append(d)
+    return tuple(sorted({d.rstrip(os.sep) + os.sep for d in dirs}))
+
+
+def is_library_file(file_name: str) -> bool:
+    """Whether a frame's file belongs to jax, flax, optax, orbax, whalex or the standard library.
+    The standard library's site-packages (an interpreter without a venv) is not standard library."""
+    if not file_name or file_name.startswith("<"):
+        return True
+    path = os.path.realpath(file_name)
+    for d in _library_dirs():
+        if path.startswith(d):
+            rest = path[len(d):]
+            if rest.startswith(("site-packages" + os.sep, "dist-packages" + os.sep)) and not any(
+                    path.startswith(p) for p in _library_dirs() if p != d):
+                return False        # a user package installed into the interpreter's own site-packages
+            return True
+    return False
+
+
+def user_frame(eqn: JaxprEqn):
+    """The innermost recorded frame outside the libraries (None when none was recorded)."""
+    tb = getattr(eqn.source_info, "traceback", None)
+    for frame in (getattr(tb, "frames", None) or ()):
+        if not is_library_file(frame.file_name):
+            return frame
+    return None
+
+
 def source_line(eqn: JaxprEqn) -> str:
     """'file:line (function)' of the user code that traced an equation."""
+    frame = user_frame(eqn)
+    if frame is not None:
+        return f"{frame.file_name}:{frame.line_num} ({frame.function_name})"
     try:
         return source_info_util.summarize(eqn.source_info)
     except Exception:   # noqa: BLE001 (no traceback recorded)

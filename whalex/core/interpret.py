@@ -129,10 +129,9 @@ def _literal_key(v) -> tuple:
 
 def _jaxpr_key(value, memo: dict) -> tuple:
     """A called jaxpr as `subgraph_key` of all its equations (structural: cheaper than its text)."""
-    if isinstance(value, C.ClosedJaxpr):
-        return _jaxpr_key(value.jaxpr, memo), tuple(map(id, value.consts))
-    return subgraph_key(value, range(len(value.eqns)), [*value.constvars, *value.invars], value.outvars,
-                        set(value.constvars), memo)
+    jaxpr, consts = C.open_jaxpr(value)
+    return subgraph_key(jaxpr, range(len(jaxpr.eqns)), [*jaxpr.constvars, *jaxpr.invars], jaxpr.outvars,
+                        set(jaxpr.constvars), memo), tuple(map(id, consts))
 
 
 def _param_key(value: Any, memo: dict) -> Any:
