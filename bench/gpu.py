@@ -1,0 +1,297 @@
+"""One GPU: whalex against a hand-written `jax.jit` step, and each memory option's peak device memory.
+
+The model is what users train: a GPT-style stock Flax linen model (pre-LN blocks of `nn.LayerNorm`,
+`nn.MultiHeadDotProductAttention` with a causal mask and a GELU MLP; `nn.Embed` and an untied
+`nn.Dense` head), about 170M parameters at the default size, adamw, bf16 compute on fp32 parameters.
+
+    python bench/gpu.py            # on a GPU: every case, each in its own process; writes bench/results/
+    python bench/gpu.py --small    # a tiny model on CPU in seconds (the suite runs this)
+
+Cases:
+- `pair_bf16`, `pair_fp32`: whalex (`amp="bf16"` or fp32) and the hand-written step in one process,
+  interleaved rounds on the same batch: step-time ratio (medians), MFU, first and last loss,
+  parameters after the same updates, whalex's predicted step time and FLOPs beside the measured.
+- `plain`, `plain_remat_block`: the hand-written anchors (no remat, `nn.remat(Block)`).
+- `whalex`, `whalex_remat_full`, `whalex_offload_opt_state`: whalex with one memory option each.
+Memory cases run in their own process, so `memory_stats()["peak_bytes_in_use"]` is that option's
+alone (CPU devices report no memory stats: the figure is then absent).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+SIZES = {
+    "full": dict(vocab=32768, d=1024, heads=16, layers=8, seq=1024, batch=16, steps=10, rounds=3),
+    "small": dict(vocab=256, d=32, heads=2, layers=2, seq=16, batch=4, steps=2, rounds=2),
+}
+PAIRS = ("pair_bf16", "pair_fp32")
+MEMORY = ("plain", "plain_remat_block", "whalex", "whalex_remat_full", "whalex_offload_opt_state")
+WHALEX_CONFIG = {"whalex": {}, "whalex_remat_full": {"remat": "full"},
+                 "whalex_offload_opt_state": {"offload": "opt_state"}}
+
+
+# ---- the model ------------------------------------------------------------------------------------
+
+def gpt(size: dict, remat_block: bool = False):
+    """(loss_fn, bf16 loss_fn, params, batch, training FLOPs per step) of the stock Flax GPT."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    class Block(nn.Module):
+        heads: int
+
+        @nn.compact
+        def __call__(self, x):
+            mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
+            y = nn.LayerNorm()(x)
+            x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads)(y, y, mask=mask)
+            y = nn.LayerNorm()(x)
+            return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(4 * x.shape[-1])(y)))
+
+    class GPT(nn.Module):
+        vocab: int
+        d: int
+        heads: int
+        layers: int
+
+        @nn.compact
+        def __call__(self, tokens):
+            x = nn.Embed(self.vocab, self.d)(tokens)
+            x = x + self.param("pos", nn.initializers.normal(0.02), (tokens.shape[1], self.d)).astype(x.dtype)
+            block = nn.remat(Block) if remat_block else Block
+            for _ in range(self.layers):
+                x = block(self.heads)(x)
+            return nn.Dense(self.vocab)(nn.LayerNorm()(x))
+
+    model = GPT(size["vocab"], size["d"], size["heads"], size["layers"])
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, size["vocab"], (size["batch"], size["seq"] + 1)).astype(np.int32)
+    batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+    params = jax.device_get(model.init(jax.random.key(0), batch["x"][:1])["params"])
+
+    def loss_fn(p, b):
+        logits = model.apply({"params": p}, b["x"]).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+    def bf16_loss_fn(p, b):          # what amp="bf16" does, by hand: bf16 compute, fp32 parameters
+        return loss_fn(jax.tree.map(lambda a: a.astype(jnp.bfloat16), p), b)
+
+    n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
+    tokens_per_step, layers, seq, d = size["batch"] * size["seq"], size["layers"], size["seq"], size["d"]
+    flops = 6 * n_params * tokens_per_step + 12 * layers * seq * d * tokens_per_step   # matmuls + attention
+    return loss_fn, bf16_loss_fn, params, batch, flops
+
+
+def plain_step(loss_fn, optimizer):
+    """The hand-written step: value_and_grad, the optimizer, donated state, one `jax.jit`."""
+    import jax
+    import optax
+
+    def train(state, batch):
+        params, opt_state = state
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), {"loss": loss}
+
+    return jax.jit(lambda p: (p, optimizer.init(p))), jax.jit(train, donate_argnums=0)
+
+
+# ---- measuring ------------------------------------------------------------------------------------
+
+def peak_bytes():
+    import jax
+    return (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+
+
+def timed(fn, state, batch, steps: int):
+    """Seconds per step over `steps` steps run back to back (the way a training loop runs)."""
+    import jax
+    jax.block_until_ready(state)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        state, metrics = fn(state, batch)
+    jax.block_until_ready((state, metrics))
+    return (time.perf_counter() - t0) / steps, state, metrics
+
+
+def peak_flops(device_kind: str, amp: bool) -> float:
+    """The device's peak FLOP/s for the MFU (whalex's spec table; bf16 or fp32)."""
+    from whalex.mesh import specs
+    try:
+        spec = specs.lookup(device_kind)
+    except ValueError:
+        return float("nan")
+    return spec.bf16_flops if amp else spec.fp32_flops
+
+
+def case_pair(size: dict, res: dict, amp: bool):
+    """whalex and the hand-written step in one process, rounds interleaved, the order alternating."""
+    import jax
+    import numpy as np
+    import optax
+    import whalex as wh
+    from whalex.view.timing import predict
+
+    loss_fn, bf16_loss_fn, params, batch, flops = gpt(size)
+    optimizer = optax.adamw(1e-4)
+    pinit, pstep = plain_step(bf16_loss_fn if amp else loss_fn, optimizer)
+    gbatch = jax.device_put(batch)
+    pstate = pinit(jax.device_put(params))
+    pstate, pm = pstep(pstate, gbatch)
+    step = wh.parallelize(loss_fn, optimizer, config=wh.Config(amp="bf16") if amp else None)
+    t0 = time.perf_counter()
+    wstate = step.init(params, batch)
+    res["whalex_init_s"] = time.perf_counter() - t0
+    wstate, wm = step(wstate, gbatch)
+    res["first_loss"] = {"plain": float(pm["loss"]), "whalex": float(wm["loss"])}
+    times = {"plain": [], "whalex": []}
+    for r in range(size["rounds"]):
+        for name in (("plain", "whalex") if r % 2 == 0 else ("whalex", "plain")):
+            if name == "plain":
+                dt, pstate, pm = timed(pstep, pstate, gbatch, size["steps"])
+            else:
+                dt, wstate, wm = timed(step, wstate, gbatch, size["steps"])
+            times[name].append(dt)
+    plain, whalex = statistics.median(times["plain"]), statistics.median(times["whalex"])
+    peak = peak_flops(jax.devices()[0].device_kind, amp)
+    prediction = predict(step.plan)
+    res.update(step_s=times, ratio=whalex / plain, flops_per_step=flops, mfu_plain=flops / plain / peak,
+               mfu_whalex=flops / whalex / peak, last_loss={"plain": float(pm["loss"]), "whalex": float(wm["loss"])},
+               plan_flops=sum(t.flops for t in step.plan.task_graphs), predicted_step_s=prediction.step_time,
+               predicted_basis=prediction.basis, summary=step.plan.summary())
+    rel = jax.tree.map(lambda a, b: float(np.max(np.abs(np.float32(a) - np.float32(b))) / (np.max(np.abs(np.float32(b))) + 1e-30)),
+                       jax.device_get(wstate.params), jax.device_get(pstate[0]))
+    res["max_rel_param_diff"] = max(jax.tree.leaves(rel))
+
+
+def case_memory(size: dict, res: dict, name: str):
+    """One step kind alone in this process: its step time and peak device memory."""
+    import jax
+    import optax
+
+    remat_block = name == "plain_remat_block"
+    loss_fn, bf16_loss_fn, params, batch, flops = gpt(size, remat_block=remat_block)
+    optimizer = optax.adamw(1e-4)
+    gbatch = jax.device_put(batch)
+    if name.startswith("plain"):
+        init, fn = plain_step(bf16_loss_fn, optimizer)
+        state = init(jax.device_put(params))
+    else:
+        import whalex as wh
+        fn = wh.parallelize(loss_fn, optimizer, config=wh.Config(amp="bf16", **WHALEX_CONFIG[name]))
+        state = fn.init(params, batch)
+        res["summary"] = fn.plan.summary()
+        res["predicted_bytes"] = max((m.state + m.activations for m in fn.plan.memory), default=None)
+    state, metrics = fn(state, gbatch)
+    times = []
+    for _ in range(size["rounds"]):
+        dt, state, metrics = timed(fn, state, gbatch, size["steps"])
+        times.append(dt)
+    res.update(step_s=times, median_step_s=statistics.median(times), loss=float(metrics["loss"]),
+               peak_bytes=peak_bytes(), flops_per_step=flops)
+
+
+def run_case(name: str, size: dict, out: str) -> None:
+    """Run one case in this process and write `<out>/<name>.json` (the error, when it fails)."""
+    import jax
+    res = {"case": name, "jax": jax.__version__, "device": jax.devices()[0].device_kind,
+           "platform": jax.devices()[0].platform}
+    t0 = time.perf_counter()
+    try:
+        if name in PAIRS:
+            case_pair(size, res, amp=name == "pair_bf16")
+        else:
+            case_memory(size, res, name)
+        res["ok"] = True
+    except Exception as e:          # noqa: BLE001 (recorded, and the table shows the failure)
+        res.update(ok=False, error="".join(traceback.format_exception(e))[-3000:])
+    res["wall_s"] = time.perf_counter() - t0
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+
+
+# ---- the driver -----------------------------------------------------------------------------------
+
+def gb(n) -> str:
+    return "n/a" if n is None else f"{n / 1e9:.2f} GB"
+
+
+def ms(s) -> str:
+    return "n/a" if s is None else f"{s * 1e3:.1f} ms"
+
+
+def table(results: dict) -> str:
+    """The printed summary: pairs (ratio, MFU, loss) and memory cases (peak, time against plain)."""
+    lines = [f"{'case':28} {'step':>10} {'plain':>10} {'ratio':>7} {'peak':>10}  note"]
+    base = results.get("plain", {}).get("median_step_s")
+    for name, r in results.items():
+        if not r.get("ok"):
+            lines.append(f"{name:28} FAILED: {(r.get('error') or '').strip().splitlines()[-1:]}")
+        elif name in PAIRS:
+            w, p = statistics.median(r["step_s"]["whalex"]), statistics.median(r["step_s"]["plain"])
+            lines.append(f"{name:28} {ms(w):>10} {ms(p):>10} {r['ratio']:>7.3f} {'':>10}  MFU {r['mfu_whalex']:.1%} vs "
+                         f"{r['mfu_plain']:.1%}; first loss {r['first_loss']['whalex']:.4f} vs "
+                         f"{r['first_loss']['plain']:.4f}; predicted {ms(r['predicted_step_s'])}")
+        else:
+            t = r["median_step_s"]
+            ratio = f"{t / base:>7.3f}" if base else f"{'':>7}"
+            lines.append(f"{name:28} {ms(t):>10} {ms(base):>10} {ratio} {gb(r.get('peak_bytes')):>10}  "
+                         f"loss {r['loss']:.4f}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--small", action="store_true", help="a tiny model: runs on CPU in seconds")
+    ap.add_argument("--out", help="the results file (default bench/results/gpu_<device>_jax<version>.json)")
+    ap.add_argument("--cases", nargs="*", default=list(PAIRS + MEMORY), choices=list(PAIRS + MEMORY))
+    ap.add_argument("--case", help=argparse.SUPPRESS)         # a worker: run this one case here
+    ap.add_argument("--workdir", help=argparse.SUPPRESS)
+    ap.add_argument("--timeout", type=float, default=240, help="seconds per case")
+    args = ap.parse_args(argv)
+    size = SIZES["small" if args.small else "full"]
+    if args.case:
+        return run_case(args.case, size, args.workdir)
+    import tempfile
+    work = tempfile.mkdtemp(prefix="whalex-gpu-")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    results = {}
+    for name in args.cases:
+        cmd = [sys.executable, os.path.abspath(__file__), "--case", name, "--workdir", work] + (["--small"] if args.small else [])
+        try:
+            p = subprocess.run(cmd, env=env, timeout=args.timeout, capture_output=True, text=True)
+            tail = (p.stdout + p.stderr)[-2000:]
+        except subprocess.TimeoutExpired:
+            tail = f"timed out after {args.timeout} s"
+        path = os.path.join(work, f"{name}.json")
+        results[name] = json.load(open(path)) if os.path.exists(path) else {"ok": False, "error": tail}
+        print(f"{name}: {'ok' if results[name].get('ok') else 'FAILED'} ({results[name].get('wall_s', 0):.0f} s)", flush=True)
+    first = next((r for r in results.values() if "device" in r), {})
+    record = {"bench": "gpu", "size": "small" if args.small else "full", "model": size, "jax": first.get("jax"),
+              "device": first.get("device"), "platform": first.get("platform"), "cases": results}
+    out = args.out or os.path.join(HERE, "results", "gpu_{}_jax{}.json".format(
+        "".join(c if c.isalnum() else "-" for c in str(first.get("device", "unknown"))).strip("-"), first.get("jax")))
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(record, f, indent=1, default=str)
+    print(f"{first.get('device')} ({first.get('platform')}), jax {first.get('jax')}, model {size}")
+    print(table(results))
+    print(f"wrote {out}")
+    return 0 if all(r.get("ok") for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
