@@ -15,11 +15,11 @@ from whalex.lowering.schedules import render as render_schedule
 from whalex.memory.remat import summary_lines
 from whalex.view.format import fmt_bytes, fmt_devices, fmt_flops, fmt_pct, fmt_speed, fmt_time
 
-TASKGRAPH_COLUMNS = ("TaskGraph", "strategy", "devices/replica", "devices", "nested DP", "params",
+TASKGRAPH_COLUMNS = ("TaskGraph", "strategy", "devices/replica", "device ids", "nested DP", "params",
                      "FLOPs (fwd+bwd)", "comm/device")
 PATTERN_COLUMNS = ("TaskGraph", "unit", "parameter", "pattern", "candidate costs")
 COVERAGE_COLUMNS = ("TaskGraph", "parameter", "shape", "layout", "note")
-MEMORY_COLUMNS = ("devices", "kind", "batch", "params", "grads", "opt state", "activations", "host", "capacity")
+MEMORY_COLUMNS = ("device ids", "kind", "batch", "params", "grads", "opt state", "activations", "host", "capacity")
 BALANCE_COLUMNS = ("device", "kind", "capacity", "even", "balanced", "predicted time", "predicted memory", "memory")
 TRAFFIC_COLUMNS = ("TaskGraph", "collective", "mesh axes", "bytes/device", "why")
 
@@ -132,7 +132,7 @@ def taskgraphs(plan) -> Section:
              fmt_devices(t.devices), str(t.nested_dp), f"{t.num_params:,}", fmt_flops(t.flops),
              fmt_bytes(t.comm_bytes)] for t in plan.task_graphs]
     numeric = {"devices/replica", "nested DP", "params", "FLOPs (fwd+bwd)", "comm/device"}
-    units = {"devices/replica": "devices", "devices": "indices", "nested DP": "replicas", "params": "elements",
+    units = {"devices/replica": "devices", "device ids": "indices", "nested DP": "replicas", "params": "elements",
              "FLOPs (fwd+bwd)": "per step", "comm/device": "per step"}
     return Section("taskgraphs", "TaskGraphs", (_table(TASKGRAPH_COLUMNS, rows, numeric, units),))
 
@@ -238,7 +238,7 @@ def devices(plan) -> Section:
         rows.append([fmt_devices(tuple(x.device for x in ms)), kind, str(b), fmt_bytes(m.params),
                      fmt_bytes(m.grads), fmt_bytes(m.opt_state), fmt_bytes(m.activations),
                      fmt_bytes(m.host), fmt_bytes(m.capacity)])
-    numeric = set(MEMORY_COLUMNS) - {"devices", "kind"}
+    numeric = set(MEMORY_COLUMNS) - {"device ids", "kind"}
     return Section("devices", "Per device: batch rows and memory",
                    (Line("per device:", where="text"),
                     _table(MEMORY_COLUMNS, rows, numeric, {"batch": "rows", "host": "pinned", "capacity": "device"})))
