@@ -66,6 +66,22 @@ def test_html_holds_every_section_of_the_summary(plans, views, kind):
     assert "prefers-color-scheme: dark" in page and "--jp-layout-color0" in page and "wx-num" in page
 
 
+def test_picture_follows_the_page_theme(views):
+    """A light and a dark picture; the page's theme (browser, JupyterLab, VS Code) shows one."""
+    import base64
+    import io
+    import re
+
+    import matplotlib.image
+
+    page = views["hybrid"]
+    found = dict(re.findall(r'<img class="wx-(light|dark)"[^>]*src="data:image/png;base64,([^"]+)"', page))
+    assert set(found) == {"light", "dark"}
+    corner = {t: matplotlib.image.imread(io.BytesIO(base64.b64decode(d)))[2, 2, :3].mean() for t, d in found.items()}
+    assert corner["light"] > 0.9 and corner["dark"] < 0.2                 # the background of each
+    assert 'data-jp-theme-light="false"' in page and "body.vscode-dark .wx-plan img.wx-dark" in page
+
+
 def test_each_kind_shows_its_own_sections(plans, views):
     keys = {name: {s.key for s in plan.sections()} for name, plan in plans.items()}
     assert "pipeline" in keys["pipeline"] and "bubble" in views["pipeline"]

@@ -164,8 +164,7 @@ class Plan:
         return _plot_view().plot(self)
 
     def _repr_html_(self) -> str:
-        plot = _plot_view()
-        return view_html.render(self.sections(), picture_png=plot.png(plot.plot(self)),
+        return view_html.render(self.sections(), pictures=_plot_view().themed_pngs(self),
                                 subtitle=view_sections.mesh_text(self))
 
 

@@ -62,7 +62,17 @@ body.vscode-dark .wx-plan {              /* VS Code notebooks say their theme wi
   border: 1px solid var(--wx-border); padding: 6px 8px; overflow-x: auto; margin: 4px 0; }
 .wx-plan .wx-caption { color: var(--wx-muted); font-size: 12px; }
 .wx-plan th .wx-unit { font-weight: 400; color: var(--wx-muted); font-size: 11px; }
-.wx-plan img { max-width: 100%; height: auto; background: #ffffff; border-radius: 4px; }
+.wx-plan img { max-width: 100%; height: auto; border-radius: 4px; }
+.wx-plan img.wx-dark { display: none; }
+@media (prefers-color-scheme: dark) {
+  .wx-plan img.wx-light { display: none; } .wx-plan img.wx-dark { display: inline; }
+}
+body[data-jp-theme-light="true"] .wx-plan img.wx-light { display: inline; }   /* JupyterLab says its theme */
+body[data-jp-theme-light="true"] .wx-plan img.wx-dark { display: none; }
+body[data-jp-theme-light="false"] .wx-plan img.wx-light, body.vscode-dark .wx-plan img.wx-light { display: none; }
+body[data-jp-theme-light="false"] .wx-plan img.wx-dark, body.vscode-dark .wx-plan img.wx-dark { display: inline; }
+body.vscode-light .wx-plan img.wx-light { display: inline; }
+body.vscode-light .wx-plan img.wx-dark { display: none; }
 """
 
 
@@ -99,8 +109,9 @@ def _count(section: Section) -> str:
     return f' <span class="wx-count">({n} {noun})</span>' if section.collapsed and n else ""
 
 
-def render(sections: tuple[Section, ...], picture_png: bytes | None = None, subtitle: str = "") -> str:
-    """A notebook-ready HTML fragment: every section (titled, long ones folded) and the plan's picture."""
+def render(sections: tuple[Section, ...], pictures: dict[str, bytes] | None = None, subtitle: str = "") -> str:
+    """A notebook-ready HTML fragment: every section (titled, long ones folded) and the plan's picture,
+    `pictures[theme]` a PNG per page theme ("light", "dark"); the page's theme shows one of them."""
     parts = [f"<style>{STYLE}</style>", '<div class="wx-plan">',
              f'<h2>whalex plan <span class="wx-sub">{html.escape(subtitle)}</span></h2>']
     for s in sections:
@@ -110,10 +121,11 @@ def render(sections: tuple[Section, ...], picture_png: bytes | None = None, subt
             continue
         parts.append(f'<details data-section="{html.escape(s.key)}"{"" if s.collapsed else " open"}>'
                      f"<summary>{html.escape(s.title)}{_count(s)}</summary>{body}</details>")
-    if picture_png is not None:
-        data = base64.b64encode(picture_png).decode("ascii")
+    if pictures:
+        imgs = "".join(f'<img class="wx-{theme}" alt="the plan: device mesh, loads, predicted time, memory, '
+                       f'schedule, traffic" src="data:image/png;base64,{base64.b64encode(data).decode("ascii")}">'
+                       for theme, data in pictures.items())
         parts.append('<details data-section="picture" open><summary>Picture: devices, loads, memory'
-                     '</summary><img alt="the plan: device mesh, loads, predicted time, memory, schedule, traffic" '
-                     f'src="data:image/png;base64,{data}"></details>')
+                     f'</summary>{imgs}</details>')
     parts.append("</div>")
     return "\n".join(parts)

@@ -181,7 +181,8 @@ def draw_memory(ax, plan, colors) -> None:
 def draw_schedule(ax, plan) -> None:
     s = plan.schedule
     T, S = s.num_ticks, s.num_stages
-    ax.add_patch(Rectangle((0, 0), T, S, facecolor=IDLE_COLOR, edgecolor="none"))
+    idle = _idle_color()
+    ax.add_patch(Rectangle((0, 0), T, S, facecolor=idle, edgecolor="none"))
     for t, row in enumerate(s.ticks):
         for k, task in enumerate(row):
             if task is None:
@@ -199,7 +200,7 @@ def draw_schedule(ax, plan) -> None:
     ax.set_title(f"Pipeline schedule {s.name}: {S} stages x {s.num_micro_batch} micro-batches, {T} ticks, "
                  f"bubble {s.bubble_fraction:.1%} (numbers: micro-batch)", fontsize=10)
     ax.legend(handles=[Patch(color=FWD_COLOR, label="forward"), Patch(color=BWD_COLOR, label="backward"),
-                       Patch(color=IDLE_COLOR, label="idle")], fontsize=8, loc="upper left",
+                       Patch(color=idle, label="idle")], fontsize=8, loc="upper left",
               bbox_to_anchor=(1.0, 1.0), frameon=False)
     ax.set_label("schedule")
 
@@ -227,6 +228,12 @@ def draw_traffic(ax, plan) -> None:
     ax.invert_yaxis()
     ax.set_xlabel(f"{name} per step and device")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+
+
+def _idle_color() -> str:
+    """Idle ticks: light grey on a light page, dark grey on a dark one (the theme's rcParams)."""
+    import matplotlib
+    return "#2d333b" if matplotlib.colors.to_rgb(matplotlib.rcParams["axes.facecolor"])[0] < 0.5 else IDLE_COLOR
 
 
 def plot(plan, width: float = 12.0) -> Figure:
@@ -257,3 +264,19 @@ def png(fig: Figure, dpi: int = 80) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
     return buf.getvalue()
+
+
+# Text, axes and backgrounds for a dark notebook theme (the data colours stay: they read on both).
+DARK_RC = {"figure.facecolor": "#0d1117", "axes.facecolor": "#0d1117", "savefig.facecolor": "#0d1117",
+           "text.color": "#e6edf3", "axes.labelcolor": "#e6edf3", "axes.edgecolor": "#9198a1",
+           "xtick.color": "#c9d1d9", "ytick.color": "#c9d1d9", "grid.color": "#3d444d",
+           "legend.facecolor": "#151b23", "legend.edgecolor": "#3d444d"}
+
+
+def themed_pngs(plan) -> dict[str, bytes]:
+    """The plan's picture drawn for a light and for a dark page: {"light": png, "dark": png}."""
+    import matplotlib
+    out = {"light": png(plot(plan))}
+    with matplotlib.rc_context(DARK_RC):
+        out["dark"] = png(plot(plan))
+    return out
