@@ -27,7 +27,8 @@ def _compare(loss_fn, params, batch, config, steps=3, cluster=None):
         losses.append(float(metrics["loss"]))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     errs = jax.tree.map(rel_err, step.params(state), ref_params)
-    assert max(jax.tree.leaves(errs)) < 1e-5, errs
+    # 5e-5: Adam on jax 0.12 reassociates to 1.5e-5 on one 13-layer cut; a wrong plan shows 1e-2 or more
+    assert max(jax.tree.leaves(errs)) < 5e-5, errs
     assert max(jax.tree.leaves(jax.tree.map(rel_err, ref_params, params))) > 1e-3   # training moved them
     return step, state
 
