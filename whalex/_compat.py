@@ -21,9 +21,14 @@ Var = jex.Var
 Jaxpr = jex.Jaxpr
 ClosedJaxpr = jex.ClosedJaxpr
 JaxprEqn = jex.JaxprEqn
+DropVar = jex.DropVar
 
 # Primitives whose sub-jaxpr is a plain call (no semantic of its own): whalex looks inside them.
 CALL_PRIMITIVES = ("jit", "pjit", "closed_call", "core_call")
+# `jax.checkpoint` / `nn.remat` (named "remat2" from jax 0.10 through 0.12; older names kept).
+CHECKPOINT_PRIMITIVES = ("remat2", "checkpoint", "remat")
+# Calls with a rule of their own (custom derivatives, rematerialization) around a sub-jaxpr.
+OPAQUE_CALL_PRIMITIVES = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr") + CHECKPOINT_PRIMITIVES
 
 
 def is_call(eqn: JaxprEqn) -> bool:
@@ -177,3 +182,41 @@ def match_varying(*xs: Any) -> list[Any]:
     union = frozenset().union(*axes)
     return [x if a == union else jax.lax.pcast(x, tuple(sorted(union - a)), to="varying")
             for x, a in zip(xs, axes)]
+
+
+
+def sub_jaxprs(eqn: JaxprEqn) -> list[Any]:
+    """The jaxprs an equation's parameters hold (a call's body, cond's branches, a loop's body...),
+    closed or open as JAX stores them (`open_jaxpr` unwraps either)."""
+    out = []
+    for value in eqn.params.values():
+        for item in (value if isinstance(value, (tuple, list)) else (value,)):
+            if isinstance(item, (ClosedJaxpr, Jaxpr)):
+                out.append(item)
+    return out
+
+
+def shard_map_out_specs(eqn: JaxprEqn) -> tuple:
+    """The PartitionSpec of each output of a `shard_map` equation."""
+    return tuple(eqn.params["out_specs"])
+
+
+def scan_counts(eqn: JaxprEqn) -> tuple[int, int]:
+    """(num_consts, num_carry) of a `scan` equation: its inputs are consts, carry, then xs
+    (jax 0.12 describes them by a flat tree `ft_in` instead of two counts)."""
+    if "num_consts" in eqn.params:
+        return int(eqn.params["num_consts"]), int(eqn.params["num_carry"])
+    consts, carry, _ = eqn.params["ft_in"].update(list(eqn.invars)).unpack()
+    return len(list(consts)), len(list(carry))
+
+
+def saved_by_policy(policy: Any, eqn: JaxprEqn) -> bool:
+    """Whether a `jax.checkpoint` policy keeps an equation's outputs for the backward pass (the
+    policy is called as JAX calls it; newer JAX answers with Saveable/Offloadable/Recompute)."""
+    if policy is None:
+        return False
+    try:
+        answer = policy(eqn.primitive, *[v.aval for v in eqn.invars], **eqn.params)
+    except Exception:   # noqa: BLE001 (a policy that cannot judge this equation saves nothing)
+        return False
+    return answer is True or type(answer).__name__ in ("SaveableType", "Offloadable")

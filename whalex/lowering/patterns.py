@@ -41,7 +41,7 @@ gt ge and or not xor square clamp nextafter rem floor ceil round copy copy_p ata
 imag real conj sinh cosh asinh acosh atanh asin acos atan
 """.split())
 REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split())
-OPAQUE_CALLS = frozenset(("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "checkpoint", "remat"))
+OPAQUE_CALLS = frozenset(C.OPAQUE_CALL_PRIMITIVES)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,7 @@ from whalex.planner.common import Request
 
 WAY_OUT = "use wh.Config(hardware_aware=False) (an even batch: the statistic over the whole batch, exact)"
 # higher-order equations whose inner equations map one-to-one onto the equation's inputs
-_CALLS = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "checkpoint", "remat")
+_CALLS = C.OPAQUE_CALL_PRIMITIVES
 _ALONG = {"cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": "axis", "cumlogsumexp": "axis",
           "sort": "dimension"}
 
@@ -192,7 +192,7 @@ def hybrid_plan(req: Request, full, plan: Plan) -> Plan:
     per_row = residual_bytes(full.jaxpr, full.num_params) / b        # activations kept per row (upper bound)
     state = [m.state for m in plan.memory]
     names = [f"device {i} ({s.name})" for i, s in enumerate(cluster.specs)]
-    flops = taskgraph_flops(full.jaxpr, full.assign, len(full.taskgraphs))
+    flops = taskgraph_flops(full.jaxpr, full.assign, len(full.taskgraphs), full.num_params)
     backbone_tgs = {full.assign[(i,)] for i in range(cut)}
     flops_per_sample = sum(f for t, f in enumerate(flops) if t in backbone_tgs) / b
     bal = balance(b // unit, cluster.speeds, [float(s.memory_bytes) for s in cluster.specs], state,
