@@ -1,0 +1,134 @@
+"""Reading compiled HLO text (`jax.stages.Compiled.as_text()`: after the SPMD partitioner, what one
+device runs): its collectives, its computations and their loops.
+
+Text only, no JAX: the tests read which collectives a plan compiles to (tests/hlo.py), and bench/
+reads their bytes (bench/harness.py adds the ring-algorithm estimate of the bytes each device sends).
+
+    for c in collectives(compiled.as_text()):
+        c.kind, c.arrays, c.bytes, c.group       # 'all-reduce', (('f32', (512, 512)),), 1048576.0, 8
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+               "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "token": 0,
+               "f8e4m3fn": 1, "f8e5m2": 1, "s4": 0.5, "u4": 0.5}
+
+# `%name = <result type> op(...)`; the result type is an array type or a (possibly nested) tuple
+_COLLECTIVE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+(" + "|".join(KINDS) +
+                         r")(-start|-done)?\((.*)$")
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+
+Array = tuple  # (dtype name, shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of a compiled program (an async `-start`/`-done` pair counted once)."""
+
+    kind: str                       # one of KINDS
+    arrays: tuple                   # its result arrays, (dtype, shape) each; async: the `-done`'s result
+    is_async: bool
+    group: int | None               # devices in one group; None: every device (`replica_groups={}`)
+    op_name: str                    # the JAX operation it was partitioned from (HLO metadata), or ""
+
+    @property
+    def bytes(self) -> float:
+        """Bytes of its result arrays."""
+        return nbytes(self.arrays)
+
+
+def arrays(type_text: str) -> tuple:
+    """The (dtype, shape) arrays of an HLO type (an array type or a tuple of them)."""
+    return tuple((dt, tuple(int(d) for d in dims.split(",") if d))
+                 for dt, dims in _ARRAY.findall(type_text) if dt in DTYPE_BYTES)
+
+
+def nbytes(arrs) -> float:
+    return float(sum(DTYPE_BYTES[dt] * math.prod(shape) for dt, shape in arrs))
+
+
+def _group(rest: str) -> int | None:
+    """Devices in one group of a collective, from its attributes; None when it spans every device."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", rest)  # mesh['a'=8,'b'=1] {'a'}
+    if m:
+        sizes = dict(re.findall(r"'?([\w.\-]+)'?=(\d+)", m.group(1)))
+        axes = re.findall(r"'?([\w.\-]+)'?", m.group(2))
+        return math.prod(int(sizes[a]) for a in axes) if axes else None
+    m = re.search(r"replica_groups=\[([0-9,]+)\]<=", rest)           # iota form [groups,size]<=[...]
+    if m:
+        return int(m.group(1).split(",")[-1])
+    m = re.search(r"replica_groups=\{(\{[0-9,]*\})", rest)           # explicit {{0,1},{2,3}}
+    if m:
+        ids = [x for x in m.group(1).strip("{}").split(",") if x]
+        return len(ids) or None
+    if re.search(r"source_target_pairs=\{", rest):                   # collective-permute: pairs
+        return 2
+    return None                                                      # replica_groups={}: everyone
+
+
+def _op_name(line: str) -> str:
+    m = _OP_NAME.search(line)
+    return m.group(1) if m else ""
+
+
+def collectives(text: str) -> list[Collective]:
+    """Every collective instruction of HLO text, in program order (an async one where it is done)."""
+    starts, found = {}, []
+    for line in text.splitlines():
+        m = _COLLECTIVE.match(line)
+        if not m:
+            continue
+        name, rtype, kind, suffix, rest = m.groups()
+        if suffix == "-start":
+            starts[name] = (kind, _group(rest))
+        elif suffix == "-done":           # its operand is the -start; its result is the collective's output
+            op = re.match(r"\s*(?:[^%]*\s)?%?([\w.\-]+)", rest)
+            kind, group = starts.pop(op.group(1), (kind, None)) if op else (kind, None)
+            found.append(Collective(kind, arrays(rtype), True, group, _op_name(line)))
+        else:
+            found.append(Collective(kind, arrays(rtype), False, _group(rest), _op_name(line)))
+    # a -start without its -done (not seen in XLA's output): counted, with no result
+    found += [Collective(kind, (), True, group, "") for kind, group in starts.values()]
+    return found
+
+
+def shapes_of(text: str, kind: str) -> list[tuple]:
+    """The shapes (dims sorted, since XLA may transpose) of every result of the collectives of `kind`."""
+    return [tuple(sorted(s)) for c in collectives(text) if c.kind == kind for _, s in c.arrays]
+
+
+def count(text: str, opcode: str) -> int:
+    """Instructions with this opcode (e.g. 'while', 'dot', 'fusion', 'all-reduce-start')."""
+    return len(re.findall(rf"^\s*(?:ROOT\s+)?%[\w.\-]+ = .*? {re.escape(opcode)}\(", text, re.M))
+
+
+def computations(text: str) -> tuple[dict[str, list[str]], str | None]:
+    """({computation name: its instruction lines}, the entry computation's name)."""
+    comps, cur, entry = {}, None, None
+    for line in text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            cur = m.group(1)
+            comps[cur] = []
+            if line.startswith("ENTRY"):
+                entry = cur
+        elif cur is not None:
+            if line.strip() == "}":
+                cur = None
+            else:
+                comps[cur].append(line)
+    return comps, entry
+
+
+def trip_count(line: str) -> int | None:
+    """A while instruction's trip count when XLA knows it."""
+    m = _TRIP.search(line)
+    return int(m.group(1)) if m else None
