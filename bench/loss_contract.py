@@ -29,7 +29,7 @@ How
     (``plan.couplings``); the whalex loss of (a) and (b) at the first step is asserted equal to the
     single-device loss of the same model on the same batch (rtol 1e-5), and the parameters after
     that step to single-device SGD (max |update error| / max |update| < 1e-3; SGD, not Adam, so that
-    a gradient off by a constant factor would show, DESIGN.md section 4).
+    a gradient off by a constant factor would show, docs/architecture.md#testing-and-measuring).
     Then the variants (uneven a/b, micro4 a/b, plain single-device a, and the pre-pass alone, see
     below) are warmed up and timed in interleaved rounds, one call each per round, in a rotating
     order, each call synchronised with ``jax.block_until_ready``; medians are reported, with a

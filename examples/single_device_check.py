@@ -2,8 +2,9 @@
 
     python examples/pipeline_transformer.py --check     # exits 1 with a message when the check fails
 
-The comparison is DESIGN.md's: after a few Adam steps on the same batches, the largest
-max |a - b| / max |b| over parameter leaves (whalex vs one device) must stay within `--check-tol`.
+The comparison is the one of docs/architecture.md#testing-and-measuring: after a few Adam steps
+on the same batches, the largest max |a - b| / max |b| over parameter leaves (whalex vs one
+device) must stay within `--check-tol`.
 A wrong plan (a missing 1/n, a gradient summed twice) shows up as 1e-2 or more; float
 reassociation stays near 1e-6. Adam's eps is 1e-4 here: with eps=1e-8 an element whose true
 gradient is ~1e-9 moves by ~lr on reassociation noise alone, which measures the optimizer, not

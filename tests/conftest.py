@@ -30,7 +30,8 @@ HETERO = ["V100-32GB"] * 4 + ["T4-16GB"] * 4   # a declared heterogeneous cluste
 
 
 def rel_err(a, b) -> float:
-    """max |a-b| / max |b| (DESIGN.md section 4): robust to Adam's noise on near-zero gradients."""
+    """max |a-b| / max |b| (docs/architecture.md#testing-and-measuring): robust to Adam's noise on
+    near-zero gradients."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     scale = np.max(np.abs(b))
     return float(np.max(np.abs(a - b)) / (scale if scale > 0 else 1.0))

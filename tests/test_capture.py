@@ -26,7 +26,8 @@ def test_unannotated_runs_take_the_default_strategy():
 
 
 def test_backward_equations_keep_their_taskgraph():
-    """Scope names survive autodiff (DESIGN.md section 3): backward matmuls map to the same scopes."""
+    """Scope names survive autodiff (docs/architecture.md#jax-and-xla-facts-the-code-relies-on):
+    backward matmuls map to the same scopes."""
     loss_fn, params, batch = flax_model("hybrid", "class")
     grad_jaxpr = jax.make_jaxpr(jax.grad(loss_fn))(params, batch).jaxpr
     dots = [e for e in grad_jaxpr.eqns if e.primitive.name == "dot_general"]

@@ -25,8 +25,9 @@ Facts measured on jax 0.10.2 / flax 0.12.8 (tests/test_nnx_adapter.py):
 - `nnx.merge(graphdef, params, rest)` with States whose Variable objects were made outside the
   `jax.grad` trace (closed over, or passed as a non-differentiated argument, which `jax.grad` does
   not re-flatten) raises `TraceContextError: Cannot mutate BatchStat from a different trace level`;
-  `copy=True` fixes it (DESIGN.md section 3). The adapter rebuilds its States from plain dicts inside
-  the trace, so it would not hit this, and merges with `copy=True` anyway.
+  `copy=True` fixes it (docs/architecture.md#jax-and-xla-facts-the-code-relies-on). The adapter
+  rebuilds its States from plain dicts inside the trace, so it would not hit this, and merges with
+  `copy=True` anyway.
 - The returned model state has the input's tree structure and dtypes: `RngCount` stays uint32,
   `RngKey` stays a `key<fry>` typed key array. A variable the call stored in another dtype is cast
   back (a `jit`/`while_loop` carry must keep its type); a variable removed or reshaped is an error;

@@ -1,7 +1,8 @@
 """Capture: trace `loss_fn` once and group its equations into TaskGraphs by their whalex scope.
 
-A scope's name survives on every equation traced inside it (DESIGN.md section 3). Equations
-outside every scope take the default strategy; each contiguous run of them is one TaskGraph.
+A scope's name survives on every equation traced inside it
+(docs/architecture.md#jax-and-xla-facts-the-code-relies-on). Equations outside every scope take
+the default strategy; each contiguous run of them is one TaskGraph.
 Calls (`jit` equations) are looked into: their equations carry name stacks relative to the call,
 and inherit the call's TaskGraph unless they open a scope of their own.
 """

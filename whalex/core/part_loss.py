@@ -1,4 +1,4 @@
-"""Evaluating a loss in parts with its whole-batch meaning (DESIGN.md section 1).
+"""Evaluating a loss in parts with its whole-batch meaning (docs/architecture.md#the-loss-contract).
 
 `whalex.core.parts.analyse` says what the batch reductions of a loss are; this module carries it
 out for the programs that run the loss on parts of the batch: `PartLoss` (the part jaxpr with

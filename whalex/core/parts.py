@@ -1,4 +1,4 @@
-"""The loss contract for plans that evaluate the loss in parts (DESIGN.md section 1).
+"""The loss contract for plans that evaluate the loss in parts (docs/architecture.md#the-loss-contract).
 
 A loss means its value on the whole global batch. Uneven data parallelism (per-device chunks),
 gradient accumulation (micro-batches) and pipelines (micro-batches per replica) evaluate it on
