@@ -1,4 +1,4 @@
-"""whalex's import structure (DESIGN.md section 2): data flows one way, so imports do too.
+"""whalex's import structure (docs/architecture.md#layers-and-data-flow): data flows one way, so imports do too.
 
 Every module under whalex/ is parsed with `ast` (nothing is imported) into a module import graph;
 the tests fail on a cycle between modules, a cycle between packages, an import that goes up the
