@@ -53,7 +53,7 @@ def profile_layers(cap, optimizer=None, units: Sequence[Unit] | None = None, cac
                    opt_factor: float | None = None) -> list[Layer]:
     """FLOPs and memory of each unit (default: the model's top-level layers)."""
     units = units if units is not None else next(granularities(cap)).units
-    flops = group_flops(cap.jaxpr, [list(u.eqns) for u in units], cache)
+    flops = group_flops(cap.jaxpr, [list(u.eqns) for u in units], cache, cap.num_params)
     jaxpr = cap.jaxpr.jaxpr
     param_index = {v: k for k, v in enumerate(jaxpr.invars[: cap.num_params])}
     factor = _optimizer_factor(optimizer, cap) if opt_factor is None else opt_factor

@@ -1,7 +1,8 @@
-"""Profiling: FLOPs per TaskGraph from XLA's cost analysis, and per-device memory of a plan.
+"""Profiling: FLOPs per TaskGraph counted from the jaxpr, and per-device memory of a plan.
 
-FLOPs are measured, not counted: each TaskGraph's equations are lowered as a function together
-with their backward pass (`jax.vjp`) and `Lowered.cost_analysis()` reports the global FLOPs.
+FLOPs are counted, not measured (`whalex.core.flops`): XLA's cost analysis has no FLOPs on a GPU,
+and lowering each TaskGraph only to ask is slow. The trained parameters are differentiated, the
+loss (a captured jaxpr's first output) is seeded.
 """
 from __future__ import annotations
 
@@ -9,111 +10,48 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.extend
 import numpy as np
 
 from whalex import _compat as C
-from whalex.core.interpret import subgraph_functions, subgraph_key
-
-
-def _flops(lowered) -> float:
-    cost = lowered.cost_analysis()
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0] if cost else {}
-    return float((cost or {}).get("flops", 0.0))
-
-
-def _floating(v) -> bool:
-    return jax.numpy.issubdtype(v.aval.dtype, np.floating)     # numpy says False for bfloat16
-
-
-def _fwd_bwd_flops(fn, avals) -> float:
-    """XLA-counted FLOPs of fn's forward and its vjp w.r.t. the floating arguments."""
-    fl = [k for k, a in enumerate(avals) if jax.numpy.issubdtype(a.dtype, np.floating)]
-
-    def fb(float_args, other_args):
-        def f(*fa):
-            args, it, jt = [], iter(fa), iter(other_args)
-            for k in range(len(avals)):
-                args.append(next(it) if k in fl else next(jt))
-            return [o for o in fn(*args) if jax.numpy.issubdtype(o.dtype, np.floating)]
-        outs, vjp = jax.vjp(f, *float_args)
-        return outs, vjp([jax.numpy.ones_like(o) for o in outs]) if outs and float_args else ()
-
-    sds = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
-    return _flops(jax.jit(fb).lower([sds[k] for k in fl], [s for k, s in enumerate(sds) if k not in fl]))
-
-
-def loop_correction(eqn) -> float:
-    """FLOPs XLA's cost analysis misses for a `scan`: it counts the loop body once, not `length` times."""
-    if eqn.primitive.name != "scan" or eqn.params.get("length", 1) <= 1:
-        return 0.0
-    body = eqn.params["jaxpr"]
-    fn = jax.extend.core.jaxpr_as_fun(body)
-    inner = sum(loop_correction(e) for e in body.jaxpr.eqns)
-    per_step = _fwd_bwd_flops(fn, [v.aval for v in body.jaxpr.invars]) + inner
-    return (eqn.params["length"] - 1) * per_step + inner
+from whalex.core.flops import equation_flops
 
 
 @dataclasses.dataclass(frozen=True)
 class FlopsCache:
-    """Measured FLOPs by `subgraph_key`, shared between calls of `group_flops` on one jaxpr
-    (`memo` holds the keys of called jaxprs)."""
+    """Counts shared between calls of `group_flops` on one jaxpr: `measured` holds each jaxpr's
+    per-equation FLOPs, `memo` the counts of the jaxprs it calls."""
 
     measured: dict = dataclasses.field(default_factory=dict)
     memo: dict = dataclasses.field(default_factory=dict)
 
 
-def taskgraph_flops(closed: C.ClosedJaxpr, assign: dict, num_taskgraphs: int) -> tuple[float, ...]:
-    """Forward + backward FLOPs of each TaskGraph on the global batch (XLA cost analysis, with
-    `scan` bodies counted once per iteration)."""
-    return group_flops(closed, taskgraph_eqns(closed.jaxpr, assign, num_taskgraphs))
+def taskgraph_flops(closed: C.ClosedJaxpr, assign: dict, num_taskgraphs: int,
+                    num_params: int | None = None) -> tuple[float, ...]:
+    """Forward + backward FLOPs of each TaskGraph on the global batch (`group_flops`)."""
+    return group_flops(closed, taskgraph_eqns(C.open_jaxpr(closed)[0], assign, num_taskgraphs), num_params=num_params)
 
 
-def group_flops(closed: C.ClosedJaxpr, groups, cache: FlopsCache | None = None) -> tuple[float, ...]:
-    """Forward + backward FLOPs of each group of top-level equations; groups computing the same
-    function (repeated blocks) are measured once, also across calls sharing `cache`."""
-    jaxpr = closed.jaxpr
-    consts = dict(zip(jaxpr.constvars, closed.consts))
+def group_flops(closed: C.ClosedJaxpr, groups, cache: FlopsCache | None = None,
+                num_params: int | None = None) -> tuple[float, ...]:
+    """Forward + backward FLOPs of each group of top-level equations of a captured loss, when the
+    first `num_params` inputs (default: all) are trained: the floating ones among them are
+    differentiated and the first output, the loss, is seeded."""
     cache = FlopsCache() if cache is None else cache
-    result, measured, memo = [], cache.measured, cache.memo
-    for indices, (inputs, outputs, fn) in zip(groups, subgraph_functions(jaxpr, groups)):
-        if not indices:
-            result.append(0.0)
-            continue
-        key = subgraph_key(jaxpr, indices, inputs, outputs, consts, memo)
-        if key in measured:                 # a repeated block: same function, same FLOPs
-            result.append(measured[key])
-            continue
-        fl_in = [k for k, v in enumerate(inputs) if _floating(v) and v not in consts]
-        fl_out = [k for k, v in enumerate(outputs) if _floating(v)]
-        other = {k: consts[v] for k, v in enumerate(inputs) if v in consts}
+    per_eqn = _eqn_flops(closed, num_params, cache)
+    return tuple(float(sum(per_eqn[i] for i in indices)) for indices in groups)
 
-        def fwd_bwd(float_args, other_args, cotangents, fl_in=fl_in, fl_out=fl_out, fn=fn, n=len(inputs),
-                    const_args=other):
-            def f(*fa):
-                args = [None] * n
-                for k, a in zip(fl_in, fa):
-                    args[k] = a
-                it = iter(other_args)
-                for k in range(n):
-                    if args[k] is None:
-                        args[k] = const_args[k] if k in const_args else next(it)
-                outs = fn(*args)
-                return [outs[k] for k in fl_out]
-            outs, vjp = jax.vjp(f, *float_args)
-            return outs, vjp(list(cotangents)) if fl_out and float_args else ()
 
-        def sds(v):
-            return jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-
-        float_args = [sds(inputs[k]) for k in fl_in]
-        other_args = [sds(v) for k, v in enumerate(inputs) if k not in fl_in and v not in consts]
-        cts = [sds(outputs[k]) for k in fl_out]
-        lowered = jax.jit(fwd_bwd).lower(float_args, other_args, cts)
-        measured[key] = _flops(lowered) + sum(loop_correction(jaxpr.eqns[i]) for i in indices)
-        result.append(measured[key])
-    return tuple(result)
+def _eqn_flops(closed, num_params: int | None, cache: FlopsCache) -> list[float]:
+    """Forward + backward FLOPs of each top-level equation (cached per jaxpr and `num_params`)."""
+    key = (id(closed), num_params)
+    if key not in cache.measured:
+        jaxpr, _ = C.open_jaxpr(closed)
+        n = len(jaxpr.invars) if num_params is None else num_params
+        trained = [k < n for k in range(len(jaxpr.invars))]
+        seeds = [k == 0 for k in range(len(jaxpr.outvars))]
+        counts = equation_flops(jaxpr, trained, seeds, cache.memo)
+        cache.measured[key] = (closed, [f + b for f, b in counts.per_eqn])   # closed kept: its id stays its own
+    return cache.measured[key][1]
 
 
 def taskgraph_eqns(jaxpr, assign: dict, num_taskgraphs: int) -> list[list[int]]:

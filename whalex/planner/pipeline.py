@@ -96,7 +96,7 @@ def pipeline_plan(req: Request, full, stage_of_eqn, per_stage, stage_layers=None
     program = configure_memory(program, config.replace(remat=None), cluster, [(DATA,)] * num_stages)
 
     assign = {(i,): s for i, s in enumerate(stage_of_eqn)}
-    flops = [f * m * dp for f in taskgraph_flops(cap.jaxpr, assign, num_stages)]
+    flops = [f * m * dp for f in taskgraph_flops(cap.jaxpr, assign, num_stages, cap.num_params)]
     invars = cap.jaxpr.jaxpr.invars
     infos, vds = [], []
     labels = stage_labels(full, stage_of_eqn, num_stages)

@@ -77,7 +77,7 @@ def spmd_plan(req: Request, cap, report=None) -> Plan:
                                else [(DATA,)] * len(program.captured.taskgraphs), req.capture)
     report = report or split_report
 
-    flops = [f * m for f in taskgraph_flops(cap.jaxpr, cap.assign, len(cap.taskgraphs))]
+    flops = [f * m for f in taskgraph_flops(cap.jaxpr, cap.assign, len(cap.taskgraphs), cap.num_params)]
     comms = sharding.comms
     if mem.zero_level:
         owner = {cap.param_paths[i]: (r[0] if r else 0) for i, r in enumerate(readers)}
@@ -222,7 +222,8 @@ def uneven_heads(cap, vds, layout, sharding, cluster, optimizer, mesh):
                      lambda x, c1, cb, c2, act=ACTIVATIONS[activation]: act(x @ c1 + cb) @ c2)
             fn = uneven_blocks(mesh, axis, batch_axes, cols, block, dims)
             overrides[(i,)] = lambda x, *ws, fn=fn: [fn(x, *ws[:-1]) + ws[-1]]
-        tg_flops = taskgraph_flops(cap.jaxpr, {(j,): 0 if j == i else 1 for j in range(len(jaxpr.eqns))}, 1)[0]
+        tg_flops = taskgraph_flops(cap.jaxpr, {(j,): 0 if j == i else 1 for j in range(len(jaxpr.eqns))}, 1,
+                                   cap.num_params)[0]
         even = [units // len(speeds)] * len(speeds)
         reports.append(cost.report([cluster.specs[per_model[0, j]] for j in range(len(speeds))], speeds,
                                    cols.counts, even, source=cluster.speed_source, unit=cols.chunk, applied=True,

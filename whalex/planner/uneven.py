@@ -52,7 +52,7 @@ def balance_data_parallel(req: Request, full):
         return (f, *[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in c.jaxpr.jaxpr.invars])
 
     probe = cap_at(min(b, 64))
-    probe_flops = taskgraph_flops(probe.jaxpr, probe.assign, len(probe.taskgraphs))
+    probe_flops = taskgraph_flops(probe.jaxpr, probe.assign, len(probe.taskgraphs), probe.num_params)
     flops_per_sample = sum(probe_flops) / probe.global_batch
     act_base, act_per = cost.activation_model(make)
     invars = probe.jaxpr.jaxpr.invars[: probe.num_params]
