@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import harness
+
+harness.simulate_devices(8)
 
 import argparse
 import contextlib
-import json
 import pathlib
 import platform
 import shutil
@@ -53,9 +53,6 @@ import whalex as wh
 from models import MLP          # bench/models.py: a stock Flax MLP
 
 N_DEV = 8
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-
-
 
 
 def main():
@@ -69,6 +66,7 @@ def main():
     ap.add_argument("--block", type=int, default=20, help="steps per block (a multiple of every interval)")
     ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds (one block per condition each)")
     ap.add_argument("--num-batches", type=int, default=4, help="distinct batches, cycled through")
+    ap.add_argument("--out", default=None, help="the results file (default bench/results/checkpoint.json)")
     args = ap.parse_args()
     assert len(jax.devices()) == N_DEV, jax.devices()
     intervals = [int(k) for k in args.intervals.split(",")]
@@ -98,32 +96,27 @@ def main():
 
     conditions = ["none"] + [f"k={k}" for k in intervals]
     root = pathlib.Path(tempfile.mkdtemp(prefix="whalex-bench-ckpt-"))
-    times = {c: [] for c in conditions}
-    saving = {c: [] for c in conditions}          # per step: did this step start a save
+    saving = {c: [] for c in conditions}          # per timed step: did this step start a save
     waits = {c: [] for c in conditions}
-    counter = [0]
     last_saved = {}                                # condition -> the step of its last save
+    run = {"state": state, "metrics": None, "calls": 0, "step": int(state.step), "record": False}
 
-    def block(state, cond, manager, record):
-        for _ in range(args.block):
-            b = batches[counter[0] % len(batches)]
-            counter[0] += 1
-            s = time.perf_counter()
-            state, metrics = step(state, b)
-            saved = manager.save(step, state) if manager is not None else False
-            jax.block_until_ready((state, metrics["loss"]))
-            elapsed = time.perf_counter() - s
-            if saved:
-                last_saved[cond] = int(state.step)
-            if record:
-                times[cond].append(elapsed)
-                saving[cond].append(bool(saved))
-        if manager is not None:
-            s = time.perf_counter()
-            manager.wait_until_finished()
-            if record:
-                waits[cond].append(time.perf_counter() - s)
-        return state, metrics
+    def one_step(cond):
+        """One step of `cond`, then its manager's save (timed with the step, to block_until_ready)."""
+        b = batches[run["calls"] % len(batches)]
+        run["calls"] += 1
+        run["state"], run["metrics"] = step(run["state"], b)
+        run["step"] += 1
+        saved = managers[cond].save(step, run["state"]) if managers[cond] is not None else False
+        if saved:
+            last_saved[cond] = run["step"]
+        if run["record"]:
+            saving[cond].append(bool(saved))
+        return run["state"], run["metrics"]["loss"]
+
+    def wait(cond, r):               # the write still in flight, timed apart at the end of the block
+        if managers[cond] is not None:
+            waits[cond].append(harness.time_call(managers[cond].wait_until_finished, sync=None)[0])
 
     with contextlib.ExitStack() as stack:
         managers = {"none": None}
@@ -132,17 +125,17 @@ def main():
                 wh.CheckpointManager(root / f"k{k}", max_to_keep=3, save_interval_steps=k))
         # warm-up: compile and a few steps, then one forced save per manager (orbax's first save sets up)
         t0 = time.perf_counter()
-        state, metrics = block(state, "none", None, record=False)
+        harness.interleaved({"none": lambda: one_step("none")}, 0, warmup=args.block)
         for cond in conditions[1:]:
-            managers[cond].save(step, state, force=True)
+            managers[cond].save(step, run["state"], force=True)
             managers[cond].wait_until_finished()
         warm_time = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for r in range(args.rounds):
-            for i in range(len(conditions)):
-                cond = conditions[(r + i) % len(conditions)]
-                state, metrics = block(state, cond, managers[cond], record=True)
-        timed_time = time.perf_counter() - t0
+        run["record"] = True
+        timings = harness.interleaved({c: (lambda c=c: one_step(c)) for c in conditions}, args.rounds,
+                                      block=args.block, order_by="rotate", after_block=wait)
+        timed_time = timings.timed_s
+        times = {c: timings.times(c) for c in conditions}
+        state, metrics = run["state"], run["metrics"]
         kept = {c: managers[c].all_steps() for c in conditions if managers[c] is not None}
         final_step, final_loss = int(state.step), float(metrics["loss"])
         # sanity: the latest checkpoint of the first interval restores, at the step it was saved at
@@ -153,16 +146,16 @@ def main():
     load_end = os.getloadavg()[0]
 
     # ---- report --------------------------------------------------------------------------
-    base = statistics.median(times["none"])
+    base = harness.median(times["none"])
     base_mean = statistics.fmean(times["none"])
     res = {}
     for c in conditions:
         t = times[c]
         save_steps = [x for x, sv in zip(t, saving[c]) if sv]
-        res[c] = {"median_ms": statistics.median(t) * 1e3, "ratio_median": statistics.median(t) / base,
+        res[c] = {"median_ms": harness.median(t) * 1e3, "ratio_median": harness.median(t) / base,
                   "mean_ms": statistics.fmean(t) * 1e3, "ratio_mean": statistics.fmean(t) / base_mean,
-                  "saving_step_median_ms": statistics.median(save_steps) * 1e3 if save_steps else None,
-                  "wait_until_finished_median_ms": statistics.median(waits[c]) * 1e3 if waits[c] else None,
+                  "saving_step_median_ms": harness.median(save_steps) * 1e3 if save_steps else None,
+                  "wait_until_finished_median_ms": harness.median(waits[c]) * 1e3 if waits[c] else None,
                   "wait_until_finished_max_ms": max(waits[c]) * 1e3 if waits[c] else None,
                   "saves_started": sum(saving[c]), "steps_timed": len(t)}
 
@@ -188,7 +181,6 @@ def main():
     print(f"load average (1 min) {load_start:.2f} -> {load_end:.2f}; warm-up {warm_time:.1f}s, timed {timed_time:.1f}s, "
           f"total {time.perf_counter() - t_start:.1f}s")
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
     out = {
         "benchmark": "checkpoint", "devices": N_DEV, "device_kind": "simulated CPU", "cpu_cores": os.cpu_count(),
         "load_average_1min": {"start": load_start, "end": load_end}, "jax": jax.__version__,
@@ -202,8 +194,7 @@ def main():
         "restored_step_matches": restored_ok, "final_step": final_step, "final_loss": final_loss,
         "seconds": {"warm_up": warm_time, "timed": timed_time, "total": time.perf_counter() - t_start},
     }
-    (RESULTS / "checkpoint.json").write_text(json.dumps(out, indent=2))
-    print(f"wrote {RESULTS / 'checkpoint.json'}")
+    print(f"wrote {harness.write_result('checkpoint', out, args.out)}")
 
 
 if __name__ == "__main__":

@@ -21,11 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 import traceback
+
+import harness
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -116,15 +117,17 @@ def peak_bytes():
     return (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
 
 
-def timed(fn, state, batch, steps: int):
-    """Seconds per step over `steps` steps run back to back (the way a training loop runs)."""
-    import jax
-    jax.block_until_ready(state)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        state, metrics = fn(state, batch)
-    jax.block_until_ready((state, metrics))
-    return (time.perf_counter() - t0) / steps, state, metrics
+class Loop:
+    """`steps` steps of `fn` run back to back on one batch (the way a training loop runs), from the
+    state it holds: one call of it is what `harness.interleaved` times."""
+
+    def __init__(self, fn, state, batch, steps: int):
+        self.fn, self.state, self.batch, self.steps, self.metrics = fn, state, batch, steps, None
+
+    def __call__(self):
+        for _ in range(self.steps):
+            self.state, self.metrics = self.fn(self.state, self.batch)
+        return self.state, self.metrics
 
 
 def peak_flops(device_kind: str, amp: bool) -> float:
@@ -157,15 +160,12 @@ def case_pair(size: dict, res: dict, amp: bool):
     res["whalex_init_s"] = time.perf_counter() - t0
     wstate, wm = step(wstate, gbatch)
     res["first_loss"] = {"plain": float(pm["loss"]), "whalex": float(wm["loss"])}
-    times = {"plain": [], "whalex": []}
-    for r in range(size["rounds"]):
-        for name in (("plain", "whalex") if r % 2 == 0 else ("whalex", "plain")):
-            if name == "plain":
-                dt, pstate, pm = timed(pstep, pstate, gbatch, size["steps"])
-            else:
-                dt, wstate, wm = timed(step, wstate, gbatch, size["steps"])
-            times[name].append(dt)
-    plain, whalex = statistics.median(times["plain"]), statistics.median(times["whalex"])
+    loops = {"plain": Loop(pstep, pstate, gbatch, size["steps"]), "whalex": Loop(step, wstate, gbatch, size["steps"])}
+    t = harness.interleaved(loops, size["rounds"])             # rounds alternate the order
+    times = {n: [dt / size["steps"] for dt in t.times(n)] for n in loops}
+    pstate, pm = loops["plain"].state, loops["plain"].metrics
+    wstate, wm = loops["whalex"].state, loops["whalex"].metrics
+    plain, whalex = harness.median(times["plain"]), harness.median(times["whalex"])
     peak = peak_flops(jax.devices()[0].device_kind, amp)
     prediction = predict(step.plan)
     res.update(step_s=times, ratio=whalex / plain, flops_per_step=flops, mfu_plain=flops / plain / peak,
@@ -196,11 +196,9 @@ def case_memory(size: dict, res: dict, name: str):
         res["summary"] = fn.plan.summary()
         res["predicted_bytes"] = max((m.state + m.activations for m in fn.plan.memory), default=None)
     state, metrics = fn(state, gbatch)
-    times = []
-    for _ in range(size["rounds"]):
-        dt, state, metrics = timed(fn, state, gbatch, size["steps"])
-        times.append(dt)
-    res.update(step_s=times, median_step_s=statistics.median(times), loss=float(metrics["loss"]),
+    loop = Loop(fn, state, gbatch, size["steps"])
+    times = [dt / size["steps"] for dt in harness.interleaved({name: loop}, size["rounds"]).times(name)]
+    res.update(step_s=times, median_step_s=harness.median(times), loss=float(loop.metrics["loss"]),
                peak_bytes=peak_bytes(), flops_per_step=flops)
 
 
@@ -241,7 +239,7 @@ def table(results: dict) -> str:
         if not r.get("ok"):
             lines.append(f"{name:28} FAILED: {(r.get('error') or '').strip().splitlines()[-1:]}")
         elif name in PAIRS:
-            w, p = statistics.median(r["step_s"]["whalex"]), statistics.median(r["step_s"]["plain"])
+            w, p = harness.median(r["step_s"]["whalex"]), harness.median(r["step_s"]["plain"])
             lines.append(f"{name:28} {ms(w):>10} {ms(p):>10} {r['ratio']:>7.3f} {'':>10}  MFU {r['mfu_whalex']:.1%} vs "
                          f"{r['mfu_plain']:.1%}; first loss {r['first_loss']['whalex']:.4f} vs "
                          f"{r['first_loss']['plain']:.4f}; predicted {ms(r['predicted_step_s'])}")
@@ -282,11 +280,8 @@ def main(argv=None):
     first = next((r for r in results.values() if "device" in r), {})
     record = {"bench": "gpu", "size": "small" if args.small else "full", "model": size, "jax": first.get("jax"),
               "device": first.get("device"), "platform": first.get("platform"), "cases": results}
-    out = args.out or os.path.join(HERE, "results", "gpu_{}_jax{}.json".format(
-        "".join(c if c.isalnum() else "-" for c in str(first.get("device", "unknown"))).strip("-"), first.get("jax")))
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(record, f, indent=1, default=str)
+    device = "".join(c if c.isalnum() else "-" for c in str(first.get("device", "unknown"))).strip("-")
+    out = harness.write_result(f"gpu_{device}_jax{first.get('jax')}", record, args.out, indent=1, default=str)
     print(f"{first.get('device')} ({first.get('platform')}), jax {first.get('jax')}, model {size}")
     print(table(results))
     print(f"wrote {out}")

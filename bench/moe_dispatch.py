@@ -25,7 +25,7 @@ What it measures
 The numbers (per training step, per device: the SPMD program is per device)
     * collectives: every all-reduce / all-gather / reduce-scatter / all-to-all / collective-permute
       in the COMPILED HLO (``Compiled.as_text()``, after the SPMD partitioner), counted by kind;
-      parsed with ``bench/comm_volume.py``'s ``parse_collectives`` (async start/done counted once).
+      parsed by ``whalex.core.hlo`` through ``bench/harness.py`` (async start/done counted once).
     * HLO bytes: the sum of the collectives' RESULT shapes (product(shape) * itemsize), the
       headline number; ring bytes: a ring-algorithm estimate of the bytes each device sends.
     * step time: the median of ``--steps`` individually timed steps per variant, each ended with
@@ -47,17 +47,14 @@ from __future__ import annotations
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import harness
+
+harness.simulate_devices(8)
 
 import argparse
-import json
 import math
-import pathlib
 import platform
 import re
-import statistics
-import sys
 import time
 from typing import Any
 
@@ -72,11 +69,7 @@ import whalex as wh
 from whalex.moe.dispatch import feed_forward
 from whalex.moe.layer import COLLECTION
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from comm_volume import _INSTR, COLLECTIVES, parse_collectives  # noqa: E402  (the HLO collective parser)
-
 N_DEV = 8
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 EXPERT_PARAMS = ("w_in", "b_in", "w_out", "b_out")
 AUX_WEIGHT, Z_WEIGHT = 1e-2, 1e-3
 TOL = 1e-5
@@ -166,43 +159,30 @@ def is_expert_path(path) -> bool:
     return any(getattr(k, "key", None) in EXPERT_PARAMS for k in path)
 
 
-def _sources(hlo: str) -> list[str]:
-    """The jax op each collective was partitioned from (HLO metadata op_name), in parse_collectives' order."""
-    out = []
-    for line in hlo.splitlines():
-        m = _INSTR.match(line)
-        if m and m.group(4) != "-start":
-            op = re.search(r'op_name="([^"]*)"', line)
-            name = op.group(1) if op else "?"
-            if ":" in name:             # XLA combined several collectives into one (a tuple result)
-                name = f"{name.count(':') + 1} combined ops ({m.group(3)} combiner)"
-            out.append(re.sub(r"^jit\([^)]*\)/", "", name))
-    return out
+def _source(op_name: str, kind: str) -> str:
+    """The jax op a collective was partitioned from (HLO metadata op_name)."""
+    name = op_name or "?"
+    if ":" in name:             # XLA combined several collectives into one (a tuple result)
+        name = f"{name.count(':') + 1} combined ops ({kind} combiner)"
+    return re.sub(r"^jit\([^)]*\)/", "", name)
 
 
 def summarise(hlo: str, param_shapes: set) -> dict:
-    colls = parse_collectives(hlo, N_DEV)
-    srcs = _sources(hlo)
-    if len(srcs) != len(colls):
-        srcs = ["?"] * len(colls)
-    by_kind = {k: {"count": 0, "bytes": 0.0, "ring_bytes": 0.0} for k in COLLECTIVES}
-    grad_sync = 0.0
-    for c in colls:
-        by_kind[c["kind"]]["count"] += 1
-        by_kind[c["kind"]]["bytes"] += c["bytes"]
-        by_kind[c["kind"]]["ring_bytes"] += c["ring_bytes"]
-        grad_sync += sum(DTYPE_BYTES_F32 * int(np.prod(s)) for _, s in c["arrays"]
-                         if tuple(sorted(s)) in param_shapes)
+    colls = harness.collectives(hlo, N_DEV)
+    by_kind = harness.by_kind(colls)
+    grad_sync = sum(DTYPE_BYTES_F32 * int(np.prod(s)) for c in colls for _, s in c["arrays"]
+                    if tuple(sorted(s)) in param_shapes)
     return {
         "hlo_bytes": sum(c["bytes"] for c in colls),
         "ring_bytes": sum(c["ring_bytes"] for c in colls),
         "param_shaped_bytes": grad_sync,
         "count": len(colls),
-        "by_kind": {k: v for k, v in by_kind.items() if v["count"]},
-        "has_all_to_all": by_kind["all-to-all"]["count"] > 0,
-        "collectives": [{"kind": c["kind"], "async": c["async"], "group": c["group"], "source": src,
+        "by_kind": by_kind,
+        "has_all_to_all": "all-to-all" in by_kind,
+        "collectives": [{"kind": c["kind"], "async": c["async"], "group": c["group"],
+                         "source": _source(c["op_name"], c["kind"]),
                          "result": " ".join(f"{dt}{list(s)}" for dt, s in c["arrays"]), "bytes": c["bytes"]}
-                        for c, src in zip(colls, srcs)],
+                        for c in colls],
     }
 
 
@@ -244,6 +224,7 @@ def main():
     ap.add_argument("--steps", type=int, default=40, help="timed steps per variant")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per variant before timing")
     ap.add_argument("--dump-hlo", action="store_true", help="also write both compiled HLO texts")
+    ap.add_argument("--out", default=None, help="the results file (default bench/results/moe_dispatch.json)")
     args = ap.parse_args()
     assert len(jax.devices()) == N_DEV, jax.devices()
     if args.batch % N_DEV or args.experts % N_DEV:
@@ -337,38 +318,26 @@ def main():
     assert moved > 1e-4, "the step did not move the parameters; the comparison would be vacuous"
     first_loss = float(bl)
 
-    # ---- warm up, then timed, interleaved ---------------------------------------------------
+    # ---- warm up, then timed, interleaved (A B, B A, ...) --------------------------------------
     sides = {"whalex": [w_step, wstate], "gspmd": [b_step, bstate]}
     counter = {"whalex": 1, "gspmd": 1}
+    last = {}
 
     def run(side):
         fn, state = sides[side]
         b = placed[counter[side] % len(placed)]
         counter[side] += 1
-        s = time.perf_counter()
-        state, loss = fn(state, b)
-        jax.block_until_ready((state, loss))
-        sides[side][1] = state
-        return time.perf_counter() - s, loss
+        sides[side][1], last[side] = fn(state, b)
+        return sides[side][1], last[side]
 
-    t0 = time.perf_counter()
-    for _ in range(args.warmup):
-        for side in sides:
-            run(side)
-    warm_time = time.perf_counter() - t0
-    times = {"whalex": [], "gspmd": []}
-    last = {}
-    t0 = time.perf_counter()
-    for r in range(args.steps):
-        for side in (("whalex", "gspmd") if r % 2 == 0 else ("gspmd", "whalex")):
-            dt, last[side] = run(side)
-            times[side].append(dt)
-    timed_time = time.perf_counter() - t0
+    timings = harness.interleaved({s: (lambda s=s: run(s)) for s in sides}, args.steps, warmup=args.warmup)
+    times = {s: timings.times(s) for s in sides}
+    warm_time, timed_time = timings.warmup_s, timings.timed_s
     final_loss_diff = abs(float(last["whalex"]) - float(last["gspmd"]))
 
     # ---- collectives -----------------------------------------------------------------------
     coll = {"whalex": summarise(a_hlo, param_shapes), "gspmd": summarise(b_hlo, param_shapes)}
-    med = {s: statistics.median(t) for s, t in times.items()}
+    med = {s: harness.median(t) for s, t in times.items()}
     bytes_ratio = coll["gspmd"]["hlo_bytes"] / coll["whalex"]["hlo_bytes"]
     ring_ratio = coll["gspmd"]["ring_bytes"] / coll["whalex"]["ring_bytes"]
     time_ratio = med["gspmd"] / med["whalex"]
@@ -418,10 +387,10 @@ def main():
           f"{warm_time:.1f}s, timed {timed_time:.1f}s; final |dloss| after {counter['whalex']} steps each "
           f"{final_loss_diff:.1e}; total {time.perf_counter() - t_all:.0f}s)")
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
     if args.dump_hlo:
-        (RESULTS / "moe_dispatch_whalex.hlo.txt").write_text(a_hlo)
-        (RESULTS / "moe_dispatch_gspmd.hlo.txt").write_text(b_hlo)
+        harness.RESULTS.mkdir(parents=True, exist_ok=True)
+        (harness.RESULTS / "moe_dispatch_whalex.hlo.txt").write_text(a_hlo)
+        (harness.RESULTS / "moe_dispatch_gspmd.hlo.txt").write_text(b_hlo)
     out = {
         "benchmark": "moe_dispatch", "devices": N_DEV, "device_kind": "simulated CPU", "cpu_cores": os.cpu_count(),
         "jax": jax.__version__,
@@ -447,8 +416,7 @@ def main():
         "gspmd_has_all_to_all": coll["gspmd"]["has_all_to_all"],
         "total_wall_s": time.perf_counter() - t_all,
     }
-    (RESULTS / "moe_dispatch.json").write_text(json.dumps(out, indent=2))
-    print(f"wrote {RESULTS / 'moe_dispatch.json'}")
+    print(f"wrote {harness.write_result('moe_dispatch', out, args.out)}")
 
 
 if __name__ == "__main__":

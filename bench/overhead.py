@@ -41,13 +41,12 @@ from __future__ import annotations
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+import harness
+
+harness.simulate_devices(8)
 
 import argparse
-import json
-import pathlib
 import platform
-import statistics
 import time
 
 import jax
@@ -58,12 +57,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import whalex as wh
 from models import MLP          # bench/models.py: a stock Flax MLP
+from whalex.core.hlo import KINDS
 
 N_DEV = 8
 TARGET = 1.02
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-
-
 
 
 class Pair:
@@ -131,11 +128,9 @@ class Pair:
 
     def collectives(self):
         """Collectives in both compiled programs (sanity: the same communication)."""
-        kinds = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-
         def count(txt):
-            return {k: sum(1 for line in txt.splitlines() if f" {k}(" in line or f" {k}-start(" in line)
-                    for k in kinds}
+            kinds = harness.by_kind(harness.collectives(txt, N_DEV))
+            return {k: kinds[k]["count"] if k in kinds else 0 for k in KINDS}
 
         return {"whalex": count(self.wstep.plan.lowered().compile().as_text()),
                 "plain": count(self.plain_jit.lower(self.pstate, self.batches["placed"][0]).compile().as_text())}
@@ -149,39 +144,26 @@ class Pair:
 
 
 def timed(pair, mode, rounds, block, host_only):
-    """Per-step seconds of both sides in interleaved blocks: ({side: [block of wall times per round]},
-    the same for the calling thread's CPU time, which other processes on the machine disturb less)."""
-    wall, cpu = {"whalex": [], "plain": []}, {"whalex": [], "plain": []}
-    for r in range(rounds):
-        for side in (("whalex", "plain") if r % 2 == 0 else ("plain", "whalex")):
-            ws, cs = [], []
-            for _ in range(block):
-                s, c = time.perf_counter(), time.thread_time()
-                out = pair.call(side, mode)
-                if not host_only:
-                    jax.block_until_ready(out)
-                ws.append(time.perf_counter() - s)
-                cs.append(time.thread_time() - c)
-                jax.block_until_ready(out)
-            wall[side].append(ws)
-            cpu[side].append(cs)
-    return wall, cpu
+    """Per-step seconds of both sides in interleaved blocks, the order alternating: ({side: [block of
+    wall times per round]}, the same for the calling thread's CPU time, which other processes on the
+    machine disturb less). `host_only`: each call timed until it returns, blocked on afterwards."""
+    t = harness.interleaved({side: (lambda side=side: pair.call(side, mode)) for side in ("whalex", "plain")},
+                            rounds, block=block, sync_timed=not host_only, cpu_clock=time.thread_time)
+    return t.wall, t.cpu
 
 
 def summarise(times, rng, n_boot=2000):
     """Medians (us), their ratio, per-round ratio quartiles and a bootstrap 95% interval of the ratio."""
     w, p = np.asarray(times["whalex"]), np.asarray(times["plain"])     # (rounds, block)
     per_round = np.median(w, axis=1) / np.median(p, axis=1)
-    idx = rng.integers(0, len(w), (n_boot, len(w)))                    # resample whole rounds
-    boot = np.median(w[idx].reshape(n_boot, -1), axis=1) / np.median(p[idx].reshape(n_boot, -1), axis=1)
+    ci = harness.bootstrap_ratio(w, p, rng, n_boot)                    # resample whole rounds
     wm, pm = float(np.median(w)), float(np.median(p))
     return {"whalex_median_us": wm * 1e6, "plain_median_us": pm * 1e6, "ratio": wm / pm,
             "difference_us": (wm - pm) * 1e6,
             "whalex_min_us": float(w.min()) * 1e6, "plain_min_us": float(p.min()) * 1e6,
             "per_round_ratio_quartiles": [float(q) for q in np.percentile(per_round, [25, 50, 75])],
             "per_round_ratio_range": [float(per_round.min()), float(per_round.max())],
-            "ratio_ci95": [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))],
-            "steps_timed_each": int(w.size)}
+            "ratio_ci95": ci, "steps_timed_each": int(w.size)}
 
 
 def main():
@@ -196,6 +178,7 @@ def main():
     ap.add_argument("--block", type=int, default=10, help="steps per block")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--tiny-rounds", type=int, default=40, help="interleaved rounds of the host-side timing")
+    ap.add_argument("--out", default=None, help="the results file (default bench/results/overhead.json)")
     args = ap.parse_args()
     assert len(jax.devices()) == N_DEV, jax.devices()
     rng = np.random.default_rng(0)
@@ -261,7 +244,6 @@ def main():
     print(f"(setup: whalex plan+init {pair.wh_setup:.2f}s, plain {pair.plain_setup:.2f}s; warm-up {warm_time:.1f}s, "
           f"timed {timed_time:.1f}s)")
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
     out = {
         "benchmark": "overhead", "devices": N_DEV, "device_kind": "simulated CPU", "cpu_cores": os.cpu_count(),
         "jax": jax.__version__, "load_average_start": list(load_start), "load_average_end": list(load_end),
@@ -280,8 +262,7 @@ def main():
         "steps_each": steps_each, "final_loss_whalex": wl, "final_loss_plain": pl,
         "loss_abs_diff": loss_diff, "max_rel_param_err": param_err,
     }
-    (RESULTS / "overhead.json").write_text(json.dumps(out, indent=2))
-    print(f"wrote {RESULTS / 'overhead.json'}")
+    print(f"wrote {harness.write_result('overhead', out, args.out)}")
 
 
 if __name__ == "__main__":

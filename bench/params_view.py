@@ -23,15 +23,13 @@ from __future__ import annotations
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import harness
+
+harness.simulate_devices(8)
 
 import argparse
 import dataclasses
-import json
-import pathlib
 import platform
-import statistics
 import time
 
 import flax.linen as nn
@@ -42,10 +40,6 @@ import optax
 import whalex as wh
 from models import MLP          # bench/models.py: a stock Flax MLP
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-
-
-
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -55,6 +49,7 @@ def main():
     ap.add_argument("--classes", type=int, default=256)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--out", default=None, help="the results file (default bench/results/params_view.json)")
     args = ap.parse_args()
     t_start = time.perf_counter()
 
@@ -85,29 +80,24 @@ def main():
                 leaves[p] = buf[s, slot.offset:slot.offset + slot.size].reshape(slot.shape)
         return jax.tree.unflatten(jax.tree.structure(params), leaves)
 
-    def timed(fn, *args):
-        s = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        return time.perf_counter() - s
-
     reads = {"view": lambda st: st.params, "view+host": lambda st: jax.device_get(st.params), "by hand": by_hand}
-    names = list(reads)
-    times = {c: [] for c in ["step"] + names}
-    state = pstate
-    for r in range(args.repeats + 3):            # 3 warm-up repeats: compile the step and the unpack
-        s = time.perf_counter()
-        state, m = pipe(state, placed)
-        jax.block_until_ready((state, m["loss"]))
-        dt = {"step": time.perf_counter() - s}
-        for i in range(len(names)):
-            c = names[(r + i) % len(names)]
-            fresh = jax.tree.map(lambda x: x + 0, state.stored_params) if i else state.stored_params
-            dt[c] = timed(reads[c], dataclasses.replace(state, stored_params=jax.block_until_ready(fresh)))
-        if r >= 3:
-            for c, t in dt.items():
-                times[c].append(t)
+    run = {"state": pstate}
+
+    def one_step():
+        run["state"], m = pipe(run["state"], placed)
+        return run["state"], m["loss"]
+
+    def fresh():                  # untimed: this step's state on fresh arrays (no host copy cached yet)
+        stored = jax.block_until_ready(jax.tree.map(lambda x: x + 0, run["state"].stored_params))
+        return (dataclasses.replace(run["state"], stored_params=stored),)
+
+    # each repeat: one step, then the reads in rotating order; 3 warm-up calls each compile the step and the unpack
+    timings = harness.interleaved({"step": one_step, **reads}, args.repeats, warmup=3, setup=dict.fromkeys(reads, fresh),
+                                  order_by=lambda names, r: ["step"] + harness.order(names[1:], r, "rotate"))
+    times = {c: timings.times(c) for c in ["step", *reads]}
+    state = run["state"]
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), by_hand(state))
-    med = {c: statistics.median(t) * 1e3 for c, t in times.items()}
+    med = {c: harness.median(t) * 1e3 for c, t in times.items()}
     ratios = {"view / step": med["view"] / med["step"], "view+host / by hand": med["view+host"] / med["by hand"]}
 
     print(f"state.params view benchmark: 8 simulated CPU devices ({platform.processor() or platform.machine()}, "
@@ -123,10 +113,10 @@ def main():
     for k, v in ratios.items():
         print(f"  {k:<24} {v:6.3f}")
     print(f"\ntotal {time.perf_counter() - t_start:.1f}s")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "params_view.json").write_text(json.dumps(
-        {"args": vars(args), "n_params": n_params, "median_ms": med, "ratios": ratios,
-         "jax": jax.__version__, "cpu_count": os.cpu_count()}, indent=2))
+    path = harness.write_result("params_view", {
+        "args": {k: v for k, v in vars(args).items() if k != "out"}, "n_params": n_params, "median_ms": med,
+        "ratios": ratios, "jax": jax.__version__, "cpu_count": os.cpu_count()}, args.out)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -24,16 +24,11 @@ Run: ``python bench/pipeline_3d.py`` (about 2 minutes on 2 cores). Writes bench/
 """
 from __future__ import annotations
 
-import os
-import sys
+import harness
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+harness.simulate_devices(8)
 
 import argparse
-import json
-import pathlib
-import re
 import time
 
 import flax.linen as nn
@@ -41,11 +36,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import whalex as wh  # noqa: E402
-from comm_volume import parse_collectives  # noqa: E402
+import whalex as wh
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 KEYS = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes")
 
 
@@ -79,64 +71,6 @@ def make_lm(vocab: int, width: int, heads: int, blocks: int, split: bool):
     return LM()
 
 
-# ------------------------------------------------------------------------------ HLO loop counting
-
-_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
-_CALLS = re.compile(r"(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-
-
-def computations(hlo: str) -> tuple[dict, str]:
-    comps, cur, entry = {}, None, None
-    for line in hlo.splitlines():
-        m = _COMP.match(line)
-        if m:
-            cur = m.group(1)
-            comps[cur] = []
-            if line.startswith("ENTRY"):
-                entry = cur
-            continue
-        if cur is not None:
-            if line.strip() == "}":
-                cur = None
-            else:
-                comps[cur].append(line)
-    return comps, entry
-
-
-def collective_bytes(hlo: str, num_devices: int) -> dict:
-    """Ring bytes each device sends per step: straight-line collectives, and those in loops times the
-    trip count (a conditional: its largest branch)."""
-    comps, entry = computations(hlo)
-
-    def cost(name: str, seen=()) -> tuple[float, float]:      # (straight-line bytes, loop bytes)
-        if name in seen or name not in comps:
-            return 0.0, 0.0
-        lines = comps[name]
-        own = sum(c["ring_bytes"] for c in parse_collectives("\n".join(lines), num_devices))
-        straight, looped = own, 0.0
-        for line in lines:
-            trip = _TRIP.search(line)
-            for kind, callee in _CALLS.findall(line):
-                if kind == "condition":
-                    continue
-                s, lp = cost(callee, seen + (name,))
-                if kind == "body":
-                    looped += (s + lp) * (int(trip.group(1)) if trip else 1)
-                else:
-                    straight, looped = straight + s, looped + lp
-            b = _BRANCHES.search(line)
-            if b:
-                branches = [cost(x.strip().lstrip("%"), seen + (name,)) for x in b.group(1).split(",")]
-                s, lp = max(branches, key=sum)
-                straight, looped = straight + s, looped + lp
-        return straight, looped
-
-    s, lp = cost(entry)
-    return {"straight_line": s, "in_loops": lp, "total": s + lp}
-
-
 # ------------------------------------------------------------------------------------ the plans
 
 def measure(name, loss_fn, params, batch, config):
@@ -147,7 +81,7 @@ def measure(name, loss_fn, params, batch, config):
     mem = {k: int(getattr(m, k)) for k in KEYS}
     mem["peak"] = mem["argument_size_in_bytes"] + mem["output_size_in_bytes"] + mem["temp_size_in_bytes"] \
         - mem["alias_size_in_bytes"]
-    comm = collective_bytes(compiled.as_text(), 8)
+    comm = harness.looped_ring_bytes(compiled.as_text(), 8)
     mesh = " x ".join(f"{a}={n}" for a, n in zip(plan.layout.axis_names, plan.layout.axis_sizes))
     return {"plan": name, "mesh": mesh, "memory": mem, "collectives": comm,
             "predicted_comm": plan.predicted_comm_bytes, "seconds": time.perf_counter() - t0}
@@ -162,6 +96,7 @@ def main():
     ap.add_argument("--length", type=int, default=32)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--micro", type=int, default=4, help="micro-batches of the pipelines")
+    ap.add_argument("--out", default=None, help="the results file (default bench/results/pipeline_3d.json)")
     args = ap.parse_args()
     tokens = jax.random.randint(jax.random.key(0), (args.batch, args.length + 1), 0, args.vocab)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
@@ -200,10 +135,9 @@ def main():
     print("coll = ring bytes each device sends per step, read from the compiled HLO (loops times their trip "
           "count; a per-tick switch counts its largest branch: an upper bound for the pipelines); predicted = "
           "plan.predicted_comm_bytes")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "pipeline_3d.json").write_text(json.dumps({"config": vars(args), "params": int(n_params),
-                                                          "rows": rows}, indent=2))
-    print(f"wrote {RESULTS / 'pipeline_3d.json'}")
+    config = {k: v for k, v in vars(args).items() if k != "out"}
+    path = harness.write_result("pipeline_3d", {"config": config, "params": int(n_params), "rows": rows}, args.out)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

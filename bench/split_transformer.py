@@ -19,36 +19,27 @@ What it measures
     block backward (the input gradients of the attention and of the MLP, which the LayerNorms'
     parameters need): 4L all-reduces. With separate q, k, v kernels XLA's CPU pipeline all-reduces
     the three input gradients apart (the hand-written plain-JAX step alike); a fused kernel has one.
-    Step times are medians of ``--steps`` interleaved steps, printed as a ratio; on simulated CPU
-    devices they say little about a GPU.
+    Step times are medians of ``--steps`` interleaved rounds (the order alternating), printed as a
+    ratio; on simulated CPU devices they say little about a GPU.
 
 Run: ``python bench/split_transformer.py`` (about a minute). Writes bench/results/split_transformer.json.
 """
 from __future__ import annotations
 
-import os
-import sys
+import harness
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+harness.simulate_devices(8)
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import pathlib  # noqa: E402
-import time  # noqa: E402
+import argparse
 
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import whalex as wh  # noqa: E402
-from comm_volume import parse_collectives  # noqa: E402
-
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+import whalex as wh
 
 
 class FusedAttention(nn.Module):
@@ -108,20 +99,8 @@ def megatron_spec(path: str, ndim: int) -> P:
 
 
 def ring_bytes(text: str) -> tuple[float, dict]:
-    found = parse_collectives(text, 8)
-    kinds: dict = {}
-    for c in found:
-        kinds[c["kind"]] = kinds.get(c["kind"], 0) + 1
-    return sum(c["ring_bytes"] for c in found), kinds
-
-
-def median_time(fn, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    found = harness.collectives(text, 8)
+    return sum(c["ring_bytes"] for c in found), {k: v["count"] for k, v in harness.by_kind(found).items()}
 
 
 def run_variant(args, fused: bool) -> dict:
@@ -166,22 +145,18 @@ def run_variant(args, fused: bool) -> dict:
         pholder["p"], pholder["o"], loss = plain_jit(pholder["p"], pholder["o"], pb)
         return loss
 
-    whalex_step(), plain_step()                       # compile and warm up
-    t_whalex, t_plain = [], []
-    for _ in range(args.steps):                       # interleaved, so load hits both alike
-        t_whalex.append(median_time(whalex_step, 1))
-        t_plain.append(median_time(plain_step, 1))
+    # compile and warm up, then interleaved rounds (the order alternating), so load hits both alike
+    times = harness.interleaved({"whalex": whalex_step, "plain": plain_step}, args.steps, warmup=1)
+    t_whalex, t_plain = harness.median(times.times("whalex")), harness.median(times.times("plain"))
     act = b * s * w * 4
     minimum = 4 * L * 2 * (n - 1) / n * act
     wb, wk = ring_bytes(whalex_text)
     pb_, pk = ring_bytes(plain_text)
     return {"attention": "fused qkv" if fused else "flax MultiHeadDotProductAttention",
             "megatron_minimum_bytes": minimum, "all_reduces": 4 * L, "activation_bytes": act,
-            "whalex": {"bytes": wb, "collectives": wk, "ratio_to_minimum": wb / minimum,
-                       "step_s": float(np.median(t_whalex))},
-            "plain": {"bytes": pb_, "collectives": pk, "ratio_to_minimum": pb_ / minimum,
-                      "step_s": float(np.median(t_plain))},
-            "bytes_ratio": wb / pb_, "time_ratio": float(np.median(t_whalex) / np.median(t_plain))}
+            "whalex": {"bytes": wb, "collectives": wk, "ratio_to_minimum": wb / minimum, "step_s": t_whalex},
+            "plain": {"bytes": pb_, "collectives": pk, "ratio_to_minimum": pb_ / minimum, "step_s": t_plain},
+            "bytes_ratio": wb / pb_, "time_ratio": t_whalex / t_plain}
 
 
 def main():
@@ -192,6 +167,7 @@ def main():
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--blocks", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--out", default=None, help="the results file (default bench/results/split_transformer.json)")
     args = p.parse_args()
     results = [run_variant(args, fused) for fused in (False, True)]
     print(f"{args.blocks} pre-LN blocks, batch {args.batch} x seq {args.seq} x width {args.width}, {args.heads} heads, "
@@ -206,8 +182,8 @@ def main():
             print(f"{r['attention']:<36} {name:<8} {x['bytes'] / 2**20:>15.3f} {x['ratio_to_minimum']:>11.4f} "
                   f"{x['step_s'] * 1e3:>8.1f}  {x['collectives']}")
         print(f"{'':<36} whalex / plain: bytes {r['bytes_ratio']:.4f}, step time (median) {r['time_ratio']:.3f}")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "split_transformer.json").write_text(json.dumps({"config": vars(args), "results": results}, indent=2))
+    config = {k: v for k, v in vars(args).items() if k != "out"}
+    print(f"wrote {harness.write_result('split_transformer', {'config': config, 'results': results}, args.out)}")
 
 
 if __name__ == "__main__":

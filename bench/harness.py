@@ -1,0 +1,332 @@
+"""What every bench shares: simulated devices, interleaved timing, medians and bootstrap intervals,
+collective bytes from compiled HLO, the two-process runs on an emulated heterogeneous cluster, and
+the results files.
+
+A bench is run as ``python bench/<name>.py``, so this directory is on ``sys.path`` and the benches
+read this module as ``import harness`` (as they read bench/models.py). It stays out of the whalex
+package: results files, busy loops and bootstraps are the benches' business, not the library's. The
+HLO parser it builds on is the package's (``whalex.core.hlo``), which the tests read too.
+
+This module imports neither JAX nor whalex (which imports JAX) at the top, but where a function first
+needs them: a bench calls ``harness.simulate_devices(8)`` before JAX is imported, and the driver of the
+two-process runs never imports JAX.
+
+Timing (``interleaved``): the compared programs run in rounds, one block of calls of each per round,
+their order changing from round to round so that machine drift hits all of them alike; each call is
+timed to ``jax.block_until_ready`` of what it returns (or to whatever ``sync`` the bench passes).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+
+
+# ------------------------------------------------------------------------------- before JAX
+
+def simulate_devices(n: int) -> None:
+    """`n` simulated CPU devices: call before JAX is imported (it sets the environment JAX reads)."""
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}").strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+# ------------------------------------------------------------------------------- timing
+
+def block_until_ready(x):
+    """`jax.block_until_ready`."""
+    import jax
+    return jax.block_until_ready(x)
+
+
+def order(names: list, r: int, how) -> list:
+    """The order of round `r`: 'fixed'; 'alternate' (reversed every other round); 'rotate' (round r
+    starts at name r mod n); 'rotate-alternate' (rotated, and reversed every n rounds); or a function
+    (names, r) -> names."""
+    n = len(names)
+    if callable(how):
+        return list(how(names, r))
+    if how == "fixed":
+        return list(names)
+    if how == "alternate":
+        return list(names) if r % 2 == 0 else list(names)[::-1]
+    k = r % n
+    rotated = list(names[k:]) + list(names[:k])
+    if how == "rotate":
+        return rotated
+    if how == "rotate-alternate":
+        return rotated[::-1] if (r // n) % 2 else rotated
+    raise ValueError(f"unknown order {how!r}")
+
+
+def time_call(fn: Callable, *args, sync: Callable | None = block_until_ready, sync_timed: bool = True,
+              cpu_clock: Callable | None = None):
+    """(wall seconds, CPU seconds or None, result) of one call `fn(*args)`, timed up to `sync` of its
+    result (`sync_timed=False`: up to its return, then synced untimed; `sync=None`: no sync)."""
+    c0 = cpu_clock() if cpu_clock else None
+    t0 = time.perf_counter()
+    out = fn(*args)
+    if sync is not None and sync_timed:
+        sync(out)
+    wall = time.perf_counter() - t0
+    cpu = cpu_clock() - c0 if cpu_clock else None
+    if sync is not None and not sync_timed:
+        sync(out)
+    return wall, cpu, out
+
+
+@dataclasses.dataclass
+class Timings:
+    """Seconds of each name's calls: `wall[name]` one list per block (round) it ran in; `cpu` likewise
+    when a CPU clock was given."""
+
+    wall: dict
+    cpu: dict
+    warmup_s: float = 0.0
+    timed_s: float = 0.0
+
+    def times(self, name) -> list[float]:
+        """Every call's wall seconds, in the order they ran."""
+        return [t for b in self.wall[name] for t in b]
+
+    def cpu_times(self, name) -> list[float]:
+        return [t for b in self.cpu[name] for t in b]
+
+    def median(self, name) -> float:
+        return median(self.times(name))
+
+    def blocks(self, name) -> np.ndarray:
+        """(rounds, calls per block) array of wall seconds."""
+        return np.asarray(self.wall[name])
+
+
+def interleaved(calls: dict, rounds: int, *, block: int = 1, warmup: int = 0, order_by="alternate",
+                sync: Callable | None = block_until_ready, sync_timed: bool = True, cpu_clock: Callable | None = None,
+                setup: dict | None = None, select: Callable | None = None,
+                after_block: Callable | None = None, on_round: Callable | None = None) -> Timings:
+    """Time `calls` ({name: fn()}) in interleaved rounds: `warmup` untimed calls of each first, then
+    `rounds` rounds of one block of `block` calls of each, in `order(names, r, order_by)`.
+
+    setup:        {name: fn() -> args}, run untimed before each call, whose arguments it returns
+    select:       r -> the names that run in round r (default: all)
+    after_block:  (name, r) -> None, run untimed after each timed block
+    on_round:     (r, Timings) -> None, after each round (progress lines)
+    """
+    setup = setup or {}
+    names = list(calls)
+    wall = {n: [] for n in names}
+    cpu = {n: [] for n in names} if cpu_clock else {}
+    out = Timings(wall, cpu)
+
+    def one(name):
+        args = setup[name]() if name in setup else ()
+        return time_call(calls[name], *args, sync=sync, sync_timed=sync_timed, cpu_clock=cpu_clock)
+
+    t0 = time.perf_counter()
+    for name in names:
+        for _ in range(warmup):
+            one(name)
+    out.warmup_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for r in range(rounds):
+        for name in order(select(r) if select else names, r, order_by):
+            ws, cs = [], []
+            for _ in range(block):
+                w, c, _ = one(name)
+                ws.append(w)
+                cs.append(c)
+            wall[name].append(ws)
+            if cpu_clock:
+                cpu[name].append(cs)
+            if after_block:
+                after_block(name, r)
+        if on_round:
+            on_round(r, out)
+    out.timed_s = time.perf_counter() - t0
+    return out
+
+
+def median(xs) -> float:
+    return float(statistics.median(xs))
+
+
+def bootstrap_ratio(a, b, rng: np.random.Generator, n_boot: int = 2000) -> list[float]:
+    """95% interval of median(a) / median(b) by the bootstrap: rows (calls, or rounds of calls when
+    2-D) resampled with replacement, the same rows for `a` and `b` (they ran side by side)."""
+    a, b = np.asarray(a), np.asarray(b)
+    idx = rng.integers(0, len(a), (n_boot, len(a)))
+    boot = np.median(a[idx].reshape(n_boot, -1), axis=1) / np.median(b[idx].reshape(n_boot, -1), axis=1)
+    return [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))]
+
+
+# ------------------------------------------------------------------------------- collectives in HLO
+
+def ring_bytes(kind: str, size: float, n: int) -> float:
+    """Bytes one device sends for a collective whose RESULT is `size` bytes over `n` devices, with ring
+    algorithms: all-reduce 2(n-1)/n S, all-gather (n-1)/n S, reduce-scatter (n-1) S (its result is one
+    shard), all-to-all (n-1)/n S, collective-permute S."""
+    if n <= 1:
+        return 0.0
+    return {"all-reduce": 2 * (n - 1) / n * size, "all-gather": (n - 1) / n * size,
+            "reduce-scatter": (n - 1) * size, "all-to-all": (n - 1) / n * size,
+            "collective-permute": size}[kind]
+
+
+def collectives(text: str, num_devices: int) -> list[dict]:
+    """Every collective of compiled HLO text (`whalex.core.hlo.collectives`) as a record: kind, async,
+    result arrays, group size, bytes of the result, ring bytes sent per device, and its JAX source."""
+    from whalex.core import hlo
+
+    out = []
+    for c in hlo.collectives(text):
+        n = c.group or num_devices
+        out.append({"kind": c.kind, "async": c.is_async, "arrays": [list(a) for a in c.arrays], "group": n,
+                    "bytes": c.bytes, "ring_bytes": ring_bytes(c.kind, c.bytes, n), "op_name": c.op_name})
+    return out
+
+
+def by_kind(colls: list[dict]) -> dict:
+    """{kind: {count, bytes, ring_bytes}} over the kinds present."""
+    from whalex.core import hlo
+
+    out = {}
+    for c in colls:
+        k = out.setdefault(c["kind"], {"count": 0, "bytes": 0.0, "ring_bytes": 0.0})
+        k["count"] += 1
+        k["bytes"] += c["bytes"]
+        k["ring_bytes"] += c["ring_bytes"]
+    return {k: out[k] for k in hlo.KINDS if k in out}
+
+
+def looped_ring_bytes(text: str, num_devices: int) -> dict:
+    """Ring bytes each device sends per step: straight-line collectives, and those in loops times the
+    trip count (a conditional: its largest branch)."""
+    from whalex.core import hlo
+
+    comps, entry = hlo.computations(text)
+    calls = re.compile(r"(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
+    branches = re.compile(r"branch_computations=\{([^}]*)\}")
+
+    def cost(name: str, seen=()) -> tuple[float, float]:      # (straight-line bytes, loop bytes)
+        if name in seen or name not in comps:
+            return 0.0, 0.0
+        lines = comps[name]
+        straight = sum(c["ring_bytes"] for c in collectives("\n".join(lines), num_devices))
+        looped = 0.0
+        for line in lines:
+            for kind, callee in calls.findall(line):
+                if kind == "condition":
+                    continue
+                s, lp = cost(callee, seen + (name,))
+                if kind == "body":
+                    looped += (s + lp) * (hlo.trip_count(line) or 1)
+                else:
+                    straight, looped = straight + s, looped + lp
+            b = branches.search(line)
+            if b:
+                s, lp = max((cost(x.strip().lstrip("%"), seen + (name,)) for x in b.group(1).split(",")), key=sum)
+                straight, looped = straight + s, looped + lp
+        return straight, looped
+
+    s, lp = cost(entry)
+    return {"straight_line": s, "in_loops": lp, "total": s + lp}
+
+
+# ------------------------------------------------------------------------------- two-process runs
+
+def is_worker() -> bool:
+    """Whether this process is one of the workers `python -m whalex.launch` started."""
+    return os.environ.get("WHALEX_PROCESS_ID") is not None
+
+
+def process0_log(pid: int):
+    """print(..., flush=True) on process 0, nothing elsewhere."""
+    return (lambda *a: print(*a, flush=True)) if pid == 0 else (lambda *a: None)
+
+
+def busy_loop(core: int) -> subprocess.Popen:
+    """`while True: pass` pinned to `core`; it also dies with this process (PR_SET_PDEATHSIG)."""
+    code = (f"import ctypes, os, signal\n"
+            f"ctypes.CDLL(None).prctl(1, signal.SIGKILL)\n"
+            f"os.sched_setaffinity(0, {{{core}}})\n"
+            f"while True:\n    pass\n")
+    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL)
+
+
+def launch_env():
+    """(cores, environment, load average) for the 2-process runs; None (and a SKIP line) without 2 cores."""
+    from whalex.launch import available_cores
+
+    cores = available_cores()
+    if len(cores) < 2:
+        print(f"SKIP: needs 2 CPU cores to pin two processes, this process may use {cores}")
+        return None
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=1"])
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    load_before = os.getloadavg()[0]
+    if load_before > 1.0:
+        print(f"WARNING: load average {load_before:.2f} before the run: other work on this machine competes with "
+              "both processes and makes the calibration and the timings noisy", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))       # run the `finally` blocks on SIGTERM too
+    return cores, env, load_before
+
+
+def run_config(args, argv, hogs: int, batch: int, cores, env, script: str) -> dict:
+    """One 2-process run of `script`'s worker (`python -m whalex.launch -n 2 script argv --batch batch
+    --worker-out FILE`, `args.timeout` seconds at most) with `hogs` busy loops on process 1's core: the
+    JSON the worker wrote, with `hogs` and `batch`, or a `failed` record."""
+    loops = []
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = pathlib.Path(tmp) / "worker.json"
+        cmd = [sys.executable, "-m", "whalex.launch", "-n", "2", "--timeout", str(args.timeout),
+               str(pathlib.Path(script).resolve()), *argv, "--batch", str(batch), "--worker-out", str(out_path)]
+        try:
+            loops = [busy_loop(cores[1]) for _ in range(hogs)]
+            print(f"\n=== {hogs} busy loop(s) on core {cores[1]}, batch {batch} ===", flush=True)
+            rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
+        finally:
+            for hog in loops:
+                hog.kill()
+                hog.wait()
+        if rc != 0 or not out_path.exists():
+            return {"hogs": hogs, "batch": batch, "failed": f"the 2-process run exited with status {rc}"}
+        return {"hogs": hogs, "batch": batch, **json.loads(out_path.read_text())}
+
+
+# ------------------------------------------------------------------------------- results
+
+def write_result(name: str, record: Any, out: str | os.PathLike | None = None, indent: int = 2,
+                 default: Callable | None = None, newline: bool = False) -> pathlib.Path:
+    """Write `record` as JSON to `out`, by default bench/results/<name>.json (`name` is the bench's
+    name, or `<bench>_<variant>`); returns the path."""
+    path = pathlib.Path(out) if out else RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=indent, default=default) + ("\n" if newline else ""))
+    return path
+
+
+def load_example(name: str):
+    """The module examples/<name>.py, loaded from its file."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
