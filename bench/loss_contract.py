@@ -61,14 +61,13 @@ from __future__ import annotations
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+import harness
+
+harness.simulate_devices(8)
 
 import argparse
-import json
-import pathlib
 import platform
 import re
-import statistics
 import time
 
 import flax.linen as nn
@@ -79,6 +78,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import whalex as wh
+from whalex.core import hlo
 from whalex.core import part_loss as parts_lib
 from whalex.memory.remat import program_evaluator
 
@@ -87,7 +87,6 @@ TARGET = 0.02
 HETERO = ["V100-32GB"] * 4 + ["T4-16GB"] * 4
 PREPASS = "normaliser (global pre-pass)"
 LOSSES = ("a", "b")
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
 # ----------------------------------------------------------------------------------- the model
@@ -153,26 +152,18 @@ def losses(model):
 def hlo_summary(compiled) -> dict:
     """Counts in the compiled (partitioned, optimised) HLO of one device's program."""
     txt = compiled.as_text()
-    ops = lambda name: len(re.findall(rf"^\s*(?:ROOT )?%[\w.\-]+ = .*? {name}\(", txt, re.M))  # noqa: E731
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return {"while": ops("while"), "dot": ops("dot"), "all-reduce": ops("all-reduce") + ops("all-reduce-start"),
-            "fusion": ops("fusion"), "flops": float(cost.get("flops", -1)) if cost else -1.0,
+    return {"while": hlo.count(txt, "while"), "dot": hlo.count(txt, "dot"),
+            "all-reduce": hlo.count(txt, "all-reduce") + hlo.count(txt, "all-reduce-start"),
+            "fusion": hlo.count(txt, "fusion"), "flops": float(cost.get("flops", -1)) if cost else -1.0,
             "hlo_lines": txt.count("\n")}
 
 
 def while_bodies(compiled) -> list[dict]:
     """Per while loop: trip count if known, and the dots/fusions its body computation holds
     (called computations, fusions included, followed transitively)."""
-    txt = compiled.as_text()
-    comps, name = {}, None
-    for line in txt.splitlines():
-        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
-        if m:
-            name = m.group(1)
-            comps[name] = []
-        elif name is not None:
-            comps[name].append(line)
+    comps, _ = hlo.computations(compiled.as_text())
     calls = {c: set(re.findall(r"(?:calls|body|condition|to_apply|branch_computations)=\{?%?([\w.\-]+)", "\n".join(ls)))
              for c, ls in comps.items()}
 
@@ -190,13 +181,11 @@ def while_bodies(compiled) -> list[dict]:
             m = re.search(r" while\(.*body=%?([\w.\-]+)", line)
             if not m:
                 continue
-            body = closure(m.group(1), set())
-            lines = [x for b in body for x in comps[b]]
-            trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-            out.append({"body": m.group(1), "trip_count": int(trip.group(1)) if trip else None,
-                        "dots": sum(1 for x in lines if re.search(r" dot\(", x)),
-                        "all_reduces": sum(1 for x in lines if re.search(r" all-reduce(?:-start)?\(", x)),
-                        "instructions": sum(1 for x in lines if " = " in x)})
+            body = "\n".join(x for b in closure(m.group(1), set()) for x in comps[b])
+            out.append({"body": m.group(1), "trip_count": hlo.trip_count(line),
+                        "dots": hlo.count(body, "dot"),
+                        "all_reduces": hlo.count(body, "all-reduce") + hlo.count(body, "all-reduce-start"),
+                        "instructions": sum(1 for x in body.splitlines() if " = " in x)})
     return out
 
 
@@ -281,11 +270,8 @@ def prepass_alone(program):
 
 def paired_stats(a, b, rng, n_boot=2000):
     """Median of the per-round ratios a/b and a bootstrap 95% interval of the ratio of medians."""
-    a, b = np.asarray(a), np.asarray(b)
-    idx = rng.integers(0, len(a), (n_boot, len(a)))
-    boot = np.median(a[idx], axis=1) / np.median(b[idx], axis=1)
-    return {"paired_ratio_median": float(np.median(a / b)),
-            "ratio_ci95": [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))]}
+    return {"paired_ratio_median": float(np.median(np.asarray(a) / np.asarray(b))),
+            "ratio_ci95": harness.bootstrap_ratio(a, b, rng, n_boot)}
 
 
 def rel_update_error(p0, got, ref) -> float:
@@ -311,6 +297,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=80, help="interleaved rounds, 'program' mode")
     ap.add_argument("--step-rounds", type=int, default=20, help="interleaved rounds, 'step' mode")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--out", default=None, help="the results file (default bench/results/loss_contract.json)")
     args = ap.parse_args()
     assert len(jax.devices()) == N_DEV, jax.devices()
     t_start = time.perf_counter()
@@ -385,57 +372,43 @@ def main():
                                 "while_loops": while_bodies(c)}
     setup_time = time.perf_counter() - t0
 
-    # ---- warm-up (every call path) -----------------------------------------------------------
+    # ---- every call path, warmed up, then timed --------------------------------------------------
     def call(name, mode):
+        """One call of `name` in `mode`; returns what to block on."""
         nonlocal pstate
         if name == "plain/a":
             pstate, loss = plain_jit(pstate, dev_batch0 if mode == "program" else host_batch)
-            jax.block_until_ready((pstate, loss))
-        elif name.endswith("/prepass") or name.endswith("/null"):
+            return pstate, loss
+        if name.endswith("/prepass") or name.endswith("/null"):
             x = alone[name.split("/")[0]]
-            jax.block_until_ready(x[name.split("/")[1]](*x["args"]))
+            return x[name.split("/")[1]](*x["args"])
+        v = variants[name]
+        if mode == "program":
+            v["state"], m = v["prog"](v["state"], v["placed"])
         else:
-            v = variants[name]
-            if mode == "program":
-                v["state"], m = v["prog"](v["state"], v["placed"])
-            else:
-                v["state"], m = v["step"](v["state"], host_batch)
-            jax.block_until_ready((v["state"], m))
+            v["state"], m = v["step"](v["state"], host_batch)
+        return v["state"], m
 
     for x in alone.values():          # the steps donate their state: pass the pre-pass a copy
         x["args"] = (jax.tree.map(lambda a: jnp.array(a, copy=True), x["args"][0]), x["args"][1])
     names = {"program": list(variants) + ["plain/a"] + [f"{p}/{k}" for p in alone for k in ("prepass", "null")],
              "step": list(variants) + ["plain/a"]}
     modes = {"program": args.rounds, "step": args.step_rounds}
-    t0 = time.perf_counter()
-    for mode in modes:
-        for name in names[mode]:
-            for _ in range(args.warmup):
-                call(name, mode)
-    warm_time = time.perf_counter() - t0
-
-    # ---- timed: interleaved rounds (one call per variant), rotating and alternating order --------
-    times = {mode: {n: [] for n in names[mode]} for mode in modes}
-    cpu = {mode: {n: [] for n in names[mode]} for mode in modes}     # CPU seconds of this process (all threads)
+    # interleaved rounds, one call per variant, each round of one mode (the modes mixed in time), the
+    # order rotating and reversed every len(names) rounds; the process's CPU time (all threads) too
     schedule = [m for m, n in modes.items() for _ in range(n)]
-    schedule = [schedule[i] for i in np.random.default_rng(1).permutation(len(schedule))]   # modes mixed in time
-    t0 = time.perf_counter()
-    for r, mode in enumerate(schedule):
-        ns = names[mode]
-        k = r % len(ns)
-        order = ns[k:] + ns[:k]
-        if (r // len(ns)) % 2:
-            order = order[::-1]
-        for name in order:
-            c, s = time.process_time(), time.perf_counter()
-            call(name, mode)
-            times[mode][name].append(time.perf_counter() - s)
-            cpu[mode][name].append(time.process_time() - c)
-    timed_time = time.perf_counter() - t0
+    schedule = [schedule[i] for i in np.random.default_rng(1).permutation(len(schedule))]
+    calls = {(mode, n): (lambda n=n, mode=mode: call(n, mode)) for mode in modes for n in names[mode]}
+    timings = harness.interleaved(calls, len(schedule), warmup=args.warmup, order_by="rotate-alternate",
+                                  select=lambda r: [(schedule[r], n) for n in names[schedule[r]]],
+                                  cpu_clock=time.process_time)
+    times = {mode: {n: timings.times((mode, n)) for n in names[mode]} for mode in modes}
+    cpu = {mode: {n: timings.cpu_times((mode, n)) for n in names[mode]} for mode in modes}
+    warm_time, timed_time = timings.warmup_s, timings.timed_s
 
     # ---- report ---------------------------------------------------------------------------------
     rng = np.random.default_rng(2)
-    med = {mode: {n: statistics.median(ts) * 1e3 for n, ts in times[mode].items()} for mode in modes}
+    med = {mode: {n: harness.median(ts) * 1e3 for n, ts in times[mode].items()} for mode in modes}
     rows = {}
     for mode in modes:
         for pname in plans:
@@ -446,8 +419,8 @@ def main():
                 "a_median_ms": a, "b_median_ms": b, "ratio": a / b, "overhead_pct": (a / b - 1) * 100,
                 **paired_stats(t["a"], t["b"], rng),
                 "min_ms": {l: min(t[l]) * 1e3 for l in LOSSES},
-                "cpu_median_ms": {l: statistics.median(u[l]) * 1e3 for l in LOSSES},
-                "cpu_ratio": statistics.median(u["a"]) / statistics.median(u["b"]),
+                "cpu_median_ms": {l: harness.median(u[l]) * 1e3 for l in LOSSES},
+                "cpu_ratio": harness.median(u["a"]) / harness.median(u["b"]),
                 "cpu_ratio_ci95": paired_stats(u["a"], u["b"], rng)["ratio_ci95"],
                 "plain_single_device_a_ms": med[mode]["plain/a"],
                 "calls_timed_each": len(t["a"])}
@@ -516,7 +489,6 @@ def main():
     total = time.perf_counter() - t_start
     print(f"(setup + checks {setup_time:.1f}s, warm-up {warm_time:.1f}s, timed {timed_time:.1f}s, total {total:.1f}s)")
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
     out = {
         "benchmark": "loss_contract", "devices": N_DEV, "device_kind": "simulated CPU", "cpu_cores": os.cpu_count(),
         "load_average_1min": {"start": load_start, "end": os.getloadavg()[0]}, "jax": jax.__version__,
@@ -537,8 +509,7 @@ def main():
         "target_overhead_pct": TARGET * 100, "verdicts": verdicts, "verdict_mode": "program",
         "times": {"setup_s": setup_time, "warmup_s": warm_time, "timed_s": timed_time, "total_s": total},
     }
-    (RESULTS / "loss_contract.json").write_text(json.dumps(out, indent=2))
-    print(f"wrote {RESULTS / 'loss_contract.json'}")
+    print(f"wrote {harness.write_result('loss_contract', out, args.out)}")
 
 
 def loop_text(loops) -> str:
