@@ -248,7 +248,7 @@ def test_split_stage_in_a_pipeline_is_refused_clearly():
 def test_gradient_accumulator_segments_add_each_stage_into_its_own_width():
     """The accumulator is held as segments cut at every stage's width; a stage's backward adds whole
     segments of its own width (in place) and passes the rest through: the sum is a prefix add."""
-    from whalex.lowering.pipeline import _add_segments, _bounds
+    from whalex.lowering.pipeline.packing import add_segments as _add_segments, bounds as _bounds
     bounds = _bounds([10, 3, 7, 10, 0], 12)
     assert bounds == (0, 3, 7, 10, 12)
     assert _bounds([5, 5], 5) == (0, 5)

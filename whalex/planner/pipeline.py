@@ -12,13 +12,14 @@ from whalex.balance.profile import taskgraph_flops
 from whalex.core.comm import Comm
 from whalex.errors import PlanError
 from whalex.lowering.patterns import plan_shardings
-from whalex.lowering.pipeline import DATA, MODEL, STAGE, PipelineProgram, cut_stages
+from whalex.lowering.pipeline import DATA, MODEL, STAGE, PipelineProgram
 from whalex.lowering.schedules import make_schedule
 from whalex.memory import MemoryOptions, plan_memory
 from whalex.memory.remat import configure as configure_memory
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
 from whalex.plan import Plan, TaskGraphInfo
 from whalex.planner.common import Request, loss_parts
+from whalex.planner.stage_cut import cut_stages
 from whalex.primitives.scopes import Strategy
 
 

@@ -1,0 +1,142 @@
+"""The stages as branches of a tick: each stage's forward and backward on flat messages, and the idle
+branch of a tick with no work.
+
+A forward maps (stage params, stage input, inputs) to (message out, part outputs, per-example outputs);
+a backward recomputes the forward from the stashed stage input and maps (gradient rows, stage params,
+stage input, output cotangent, inputs) to (message back, gradient rows plus this micro-batch's). The
+last stage's backward starts from the cotangent vector of the part outputs (dH/dR, times the loss
+scale) instead of a message. `inputs` is (this micro-batch's batch rows, extra leaves, micro-batch).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from whalex import _compat as C
+from whalex.core.capture import Captured
+from whalex.core.interpret import apply_eqn
+from whalex.lowering.pipeline.cut import StageCut
+from whalex.lowering.pipeline.outputs import PartOutputs
+from whalex.lowering.pipeline.packing import Slot, layout, pack, pack_values, unpack
+from whalex.lowering.pipeline.rows import ParamRows
+from whalex.lowering.stage_batch import StageBatchLayout
+
+
+def stage_fn(cap: Captured, cut: StageCut, s: int, constraints=None):
+    """f_s(params_s leaves, live_in values, (batch leaves, extra leaves), overrides) -> live_out values
+    (the last stage: the part outputs of the loss contract), with `live_in` and `live_out`."""
+    jaxpr = cap.jaxpr.jaxpr
+    consts = dict(zip(jaxpr.constvars, cap.jaxpr.consts))
+    live_in, live_out = cut.live_in(s), cut.live_out(s, jaxpr.outvars)
+    param_vars = [jaxpr.invars[p] for p in cut.params[s]]
+    input_vars = jaxpr.invars[cap.num_params:]
+    eqns = [(i, jaxpr.eqns[i]) for i in cut.eqns[s]]
+    constraints = dict(constraints or {})
+    cpaths = [c[0] for c in constraints]
+
+    def fn(params_s, live, inputs, overrides):
+        env = dict(consts)
+        env.update(zip(param_vars, params_s))
+        env.update((v, x) for v, x in zip(input_vars, inputs) if x is not None)
+        env.update(zip(live_in, live))
+        prefixes = {p[:k] for p in list(overrides) + cpaths for k in range(1, len(p) + 1)}
+        for i, eqn in eqns:
+            env.update(zip(eqn.outvars, apply_eqn(eqn, (i,), [C.read(env, v) for v in eqn.invars], overrides,
+                                                  prefixes, constraints)))
+        return [C.read(env, v) for v in live_out]
+
+    return fn, live_in, live_out
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """Stage `index` as branches of the tick's switch."""
+
+    index: int
+    fn: Callable                    # `stage_fn`
+    in_slots: tuple[Slot, ...]      # its input message
+    out_slots: tuple[Slot, ...]     # its output message (not the last stage)
+    last: bool
+    rows: ParamRows
+    outputs: PartOutputs
+    batch: StageBatchLayout
+    width: int                      # the message width
+
+    def stage_inputs(self, inputs) -> list:
+        """This stage's batch leaves (None: not held), then the extra leaves."""
+        return self.batch.unpack(inputs[0], self.index) + list(inputs[1])
+
+    def forward(self, overrides: Callable, params, x, inputs):
+        """(message out, part outputs, per-example outputs) of one micro-batch."""
+        outs = self.fn(self.rows.unpack_stage(self.index, params), unpack(x, self.in_slots), self.stage_inputs(inputs),
+                       overrides(inputs[2]))
+        _, O = self.outputs.slots
+        if self.last:
+            return jnp.zeros(self.width, jnp.float32), pack_values([outs[k] for k in self.outputs.values], O), \
+                [outs[k] for k in self.outputs.rows]
+        return pack(outs, self.width), jnp.zeros(O, jnp.float32), self.outputs.no_rows()
+
+    def backward(self, overrides: Callable, cot, gacc, params, x, ct, inputs):
+        """(message back, `gacc` plus this micro-batch's gradient rows), the forward recomputed from `x`."""
+        live = unpack(x, self.in_slots)
+        diff = [k for k, sl in enumerate(self.in_slots) if jnp.issubdtype(sl.dtype, jnp.floating)]
+        ovr = overrides(inputs[2])
+        ins = self.stage_inputs(inputs)
+        values = self.outputs.values
+
+        def f(p, dl):
+            full = list(live)
+            for k, v in zip(diff, dl):
+                full[k] = v
+            outs = self.fn(p, full, ins, ovr)
+            return [outs[k] for k in values] if self.last else outs
+
+        outs, vjp = jax.vjp(f, self.rows.unpack_stage(self.index, params), [live[k] for k in diff])
+        cts = unpack(cot, self.outputs.slots[0]) if self.last else unpack(ct, self.out_slots)
+        cts = [c.astype(o.dtype) if jnp.issubdtype(o.dtype, jnp.floating)
+               else np.zeros(o.shape, jax.dtypes.float0) for c, o in zip(cts, outs)]
+        dp, dl = vjp(cts)
+        full = [jnp.zeros(sl.shape, jnp.float32) for sl in self.in_slots]
+        for k, g in zip(diff, dl):
+            full[k] = g
+        return pack(full, self.width), self.rows.add_stage_grads(self.index, gacc, dp)
+
+
+def idle(width: int, outputs: PartOutputs, params, x, inputs):
+    """The forward branch of a tick with no work: zeros shaped like a forward's results."""
+    return jnp.zeros(width, jnp.float32), jnp.zeros(outputs.slots[1], jnp.float32), outputs.no_rows()
+
+
+def make_stages(cap: Captured, cut: StageCut, constraints: Any, rows: ParamRows, outputs: PartOutputs,
+                batch: StageBatchLayout, width: int) -> tuple[Stage, ...]:
+    """Every stage of `cut` as a `Stage`."""
+    stages = []
+    for s in range(cut.num_stages):
+        fn, live_in, live_out = stage_fn(cap, cut, s, constraints)
+        stages.append(Stage(s, fn, tuple(layout(live_in)[0]), tuple(layout(live_out)[0]), s == cut.num_stages - 1,
+                            rows, outputs, batch, width))
+    return tuple(stages)
+
+
+class Branches(NamedTuple):
+    """What a tick may run on a device, for `packing.tree_switch`."""
+
+    forward: list           # forward 0 is idle, forward 1 + s is stage s's
+    backward: list          # stage s's backward
+    zero_message: Any       # the message a branch that sends none returns
+    zero_outputs: Any       # the part outputs a branch that computes none returns
+
+
+def branches(stages, overrides: Callable, cot) -> Branches:
+    """The branches of one step. `overrides(m)`: the loss contract's overrides of micro-batch m; `cot`:
+    the cotangent vector of the part outputs."""
+    first = stages[0]
+    fwds = [functools.partial(idle, first.width, first.outputs)]
+    fwds += [functools.partial(st.forward, overrides) for st in stages]
+    bwds = [functools.partial(st.backward, overrides, cot) for st in stages]
+    return Branches(fwds, bwds, jnp.zeros(first.width, jnp.float32), jnp.zeros(first.outputs.slots[1], jnp.float32))

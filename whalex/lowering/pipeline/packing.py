@@ -1,0 +1,121 @@
+"""Values in flat float32 buffers: the messages between stages, the stash, the part outputs, and the
+gradient accumulator held as segments.
+
+A message carries any stage boundary in one `[width]` float32 row: floats are cast, booleans become
+0/1 and integers are bit-cast through int32, so `unpack(pack(...))` is exact. Part outputs summed over
+micro-batches are cast by value instead (`pack_values`): an integer count adds up.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from whalex.lowering.stage_rows import pad_to
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """Where one value sits in a flat buffer."""
+
+    var: Any
+    offset: int
+    shape: tuple
+    dtype: Any
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+def layout(vars_: Sequence[Any]) -> tuple[list[Slot], int]:
+    """The slots of `vars_` one after another, and the width they fill."""
+    slots, off = [], 0
+    for v in vars_:
+        slot = Slot(v, off, tuple(v.aval.shape), v.aval.dtype)
+        slots.append(slot)
+        off += slot.size
+    return slots, off
+
+
+def to_f32(x):
+    """`x` as float32 entries: floats cast, booleans 0/1, integers bit-cast through int32."""
+    if x.dtype == jnp.float32:
+        return x
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return x.astype(jnp.float32)
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.float32)
+    return jax.lax.bitcast_convert_type(x.astype(jnp.int32), jnp.float32)
+
+
+def from_f32(x, dtype):
+    """The inverse of `to_f32`."""
+    if dtype == jnp.float32:
+        return x
+    if jnp.issubdtype(dtype, jnp.floating):
+        return x.astype(dtype)
+    if dtype == jnp.bool_:
+        return x > 0.5
+    return jax.lax.bitcast_convert_type(x, jnp.int32).astype(dtype)
+
+
+def pack(values, width: int):
+    """`values` (in their slots' order) as one `[width]` message (`to_f32`, zero padded)."""
+    parts = [to_f32(jnp.asarray(v)).reshape(-1) for v in values]
+    flat = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.float32)
+    return pad_to(flat, width)
+
+
+def unpack(flat, slots: Sequence[Slot]) -> list:
+    """The values of a message, by their slots."""
+    return [from_f32(flat[s.offset:s.offset + s.size].reshape(s.shape), s.dtype) for s in slots]
+
+
+def pack_values(values, width: int):
+    """Outputs summed over micro-batches: every value as float32 by value (integers count)."""
+    parts = [jnp.asarray(v).astype(jnp.float32).reshape(-1) for v in values]
+    flat = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.float32)
+    return pad_to(flat, width)
+
+
+def unpack_values(flat, slots: Sequence[Slot]) -> list:
+    """The inverse of `pack_values`."""
+    return [flat[s.offset:s.offset + s.size].reshape(s.shape).astype(s.dtype) for s in slots]
+
+
+def bounds(widths: Sequence[int], total: int) -> tuple[int, ...]:
+    """Segment boundaries of a row of `total` entries cut at every stage's own width `widths`."""
+    return tuple(sorted({0, total, *(w for w in widths if 0 < w < total)}))
+
+
+def add_segments(segs, x, bounds: Sequence[int], axis: int):
+    """The row held as segments (`bounds`) plus `x` on its leading `x.shape[axis]` entries, which end
+    on a boundary: each segment is added whole or passed through, so XLA updates it in place and a
+    narrow stage's backward touches only its own width (a prefix update of one wide row was a copy of
+    the whole row per backward tick inside the tick's conditional)."""
+    n = x.shape[axis]
+    assert n in bounds, (n, bounds)
+    return tuple(seg + jax.lax.slice_in_dim(x, a, b, axis=axis) if b <= n else seg
+                 for seg, a, b in zip(segs, bounds[:-1], bounds[1:]))
+
+
+def join_segments(segs):
+    """The row from its segments."""
+    return jnp.concatenate(segs, axis=-1) if len(segs) > 1 else segs[0]
+
+
+def tree_switch(index, branches, *operands):
+    """`lax.switch(index, branches, *operands)` as a balanced tree of two-way `lax.cond`s. XLA CPU's
+    many-way conditional copied a large operand threaded through its branches (the gradient
+    accumulator) on every call; through two-way conds, with the accumulator in segments each added
+    whole or passed through (`add_segments`), it is updated in place."""
+    if len(branches) == 1:
+        return branches[0](*operands)
+    mid = len(branches) // 2
+    return jax.lax.cond(index < mid,
+                        lambda *ops: tree_switch(index, branches[:mid], *ops),
+                        lambda *ops: tree_switch(index - mid, branches[mid:], *ops), *operands)
