@@ -64,6 +64,8 @@ import time
 
 import numpy as np
 
+from whalex.core.comm import result_ring_bytes
+
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 PAPER_REDUCTION = 89.7
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -109,11 +111,7 @@ def _group_size(rest: str, num_devices: int) -> int:
 
 
 def _ring_bytes(kind: str, size: float, n: int) -> float:
-    if n <= 1:
-        return 0.0
-    return {"all-reduce": 2 * (n - 1) / n * size, "all-gather": (n - 1) / n * size,
-            "reduce-scatter": (n - 1) * size, "all-to-all": (n - 1) / n * size,
-            "collective-permute": size}[kind]
+    return result_ring_bytes(kind, size, n)
 
 
 def parse_collectives(hlo: str, num_devices: int) -> list[dict]:

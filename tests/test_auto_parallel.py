@@ -12,7 +12,7 @@ import whalex as wh
 from conftest import adam, assert_matches, reference_train, rel_err, whalex_train
 from whalex.balance.layers import granularities
 from whalex.balance.partition import lockstep_time, partition
-from whalex.lowering.schedules import make_schedule
+from whalex.core.schedules import make_schedule
 from whalex.core.capture import capture
 
 VOCAB, WIDTH, LENGTH = 32, 16, 8

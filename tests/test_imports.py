@@ -39,6 +39,10 @@ FORBIDDEN = {
         "lowering carries out a plan and decides nothing about balance; the planner hands balance's decisions down",
     ("whalex.lowering", "whalex.moe"):
         "the MoE call names the sharding patterns recognise live in whalex.core.names",
+    ("whalex.plan", "whalex.lowering"):
+        "a Plan holds plain records (whalex.core.sharding_plan, whalex.core.schedules), never lowering's types",
+    ("whalex.view", "whalex.lowering"):
+        "the view reads only the Plan and the plain records it holds",
 }
 
 # Imports inside a function that are allowed: optional dependencies, by top-level name...
@@ -226,10 +230,26 @@ def test_imports_go_down_the_layers():
              for ua, bs in sorted(_unit_edges(edges).items()) for ub, (a, b) in sorted(bs.items())
              if rank[ub] >= rank[ua]]
     assert not wrong, "imports that do not go down the layers:\n" + "\n".join(wrong)
-    units = _unit_edges(edges)
-    banned = [f"{ua} -> {ub}: {units[ua][ub][0]} imports {units[ua][ub][1]} at {_where(edges, *units[ua][ub])} "
-              f"({why})" for (ua, ub), why in FORBIDDEN.items() if ub in units.get(ua, {})]
+    banned = _forbidden(edges)
     assert not banned, "forbidden imports:\n" + "\n".join(banned)
+
+
+def _forbidden(edges) -> list[str]:
+    """The imports between units that FORBIDDEN names, with where they are and why not."""
+    units = _unit_edges(edges)
+    return [f"{ua} -> {ub}: {units[ua][ub][0]} imports {units[ua][ub][1]} at {_where(edges, *units[ua][ub])} "
+            f"({why})" for (ua, ub), why in FORBIDDEN.items() if ub in units.get(ua, {})]
+
+
+@pytest.mark.parametrize("importer, imported", [
+    ("whalex.plan", "whalex.lowering.step"),
+    ("whalex.view.sections", "whalex.lowering.schedules"),
+])
+def test_plan_and_view_importing_lowering_is_found(importer, imported):
+    """A Plan holds plain records and the view reads only the Plan: an import of lowering by either fails."""
+    _, edges, _, _ = _graph()
+    edges = {**edges, importer: {**edges[importer], imported: ("whalex/x.py", 1)}}
+    assert any(line.startswith(f"{_unit(importer)} -> whalex.lowering:") for line in _forbidden(edges))
 
 
 def test_no_import_inside_a_function():

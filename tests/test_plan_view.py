@@ -13,7 +13,7 @@ import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 import whalex as wh
-from whalex.lowering.schedules import make_schedule, render
+from whalex.core.schedules import make_schedule, render
 from whalex.view import StepTiming
 from whalex.view.sections import Line, Pre, Table
 from whalex.view import plot as plot_view

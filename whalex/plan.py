@@ -8,7 +8,7 @@ import jax
 
 from whalex.balance.profile import DeviceMemory
 from whalex.core.comm import Comm
-from whalex.lowering.patterns import Coverage, PatternChoice
+from whalex.core.sharding_plan import Coverage, PatternChoice
 from whalex.mesh.cluster import Cluster
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
 from whalex.primitives.config import Config

@@ -15,7 +15,7 @@ from whalex.core import part_loss as parts_lib
 from whalex.core.capture import Captured
 from whalex.lowering.emit import Emitter
 from whalex.lowering.padding import EvenPadding
-from whalex.lowering.patterns import ShardingPlan
+from whalex.core.sharding_plan import ShardingPlan
 from whalex.memory import precision as precision_lib
 from whalex.memory.precision import value_and_grad as scaled_value_and_grad
 from whalex.memory.remat import program_evaluator

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from whalex.core.comm import Comm
+from whalex.core.comm import Comm, ring_bytes
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -102,7 +102,7 @@ def comms(planned: Sequence, level: int, sharded: Mapping[str, tuple[float, int,
         out.append(c)
     for path, (nbytes, n, axes) in sharded.items():
         when = "new parameters after the sharded update" if level < 3 else "parameters before their use"
-        out.append(Comm(taskgraph_of[path], "all-gather", tuple(axes), (n - 1) / n * nbytes,
+        out.append(Comm(taskgraph_of[path], "all-gather", tuple(axes), ring_bytes("all-gather", nbytes, n),
                         f"zero {level}: {when} {path}"))
     return tuple(out)
 

@@ -15,7 +15,7 @@ from typing import Callable
 
 from whalex.balance.partition import auto_stages
 from whalex.errors import PlanError
-from whalex.lowering.schedules import make_schedule
+from whalex.core.schedules import make_schedule
 from whalex.memory.precision import amp_loss
 from whalex.plan import Plan
 from whalex.planner.common import Request, check_optimizer, refuse_unbuilt, resolve

@@ -9,11 +9,11 @@ import numpy as np
 
 from whalex.balance.partition import layer_key, stage_devices
 from whalex.balance.profile import taskgraph_flops
-from whalex.core.comm import Comm
+from whalex.core.comm import Comm, ring_bytes
 from whalex.errors import PlanError
-from whalex.lowering.patterns import plan_shardings
+from whalex.planner.patterns import plan_shardings
 from whalex.lowering.pipeline import DATA, MODEL, STAGE, PipelineProgram
-from whalex.lowering.schedules import make_schedule
+from whalex.core.schedules import make_schedule
 from whalex.memory import MemoryOptions, plan_memory
 from whalex.memory.remat import configure as configure_memory
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
@@ -120,24 +120,25 @@ def pipeline_plan(req: Request, full, stage_of_eqn, per_stage, stage_layers=None
     level = mem.zero_level
     total = sum(int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize for v in invars[:cap.num_params])
     for s in range(num_stages):          # whalex/lowering/stage_rows.py: the state spread over every device
-        comms.append(Comm(s, "all-gather", (DATA,), (dp - 1) / dp * total / num_stages,
+        comms.append(Comm(s, "all-gather", (DATA,), ring_bytes("all-gather", total, dp) / num_stages,
                           "1/stages of every stored parameter over the replicas"))
-        comms.append(Comm(s, "all-to-all", (STAGE,), (num_stages - 1) / num_stages * grad_bytes,
+        comms.append(Comm(s, "all-to-all", (STAGE,), ring_bytes("all-to-all", grad_bytes, num_stages),
                           "the stage's parameter blocks to it"))
-        comms.append(Comm(s, "all-to-all", (STAGE,), (num_stages - 1) / num_stages * grad_bytes,
+        comms.append(Comm(s, "all-to-all", (STAGE,), ring_bytes("all-to-all", grad_bytes, num_stages),
                           "its gradient blocks back to the spread state (tied parameters summed over their stages)"))
         if dp > 1 and level >= 2:
-            comms.append(Comm(s, "reduce-scatter", (DATA,), (dp - 1) / dp * grad_bytes,
+            comms.append(Comm(s, "reduce-scatter", (DATA,), ring_bytes("reduce-scatter", grad_bytes, dp),
                               f"gradient sync over replicas (zero {level})"))
         elif dp > 1:
-            comms.append(Comm(s, "all-reduce", (DATA,), 2.0 * (dp - 1) / dp * grad_bytes, "gradient sync over replicas"))
+            comms.append(Comm(s, "all-reduce", (DATA,), ring_bytes("all-reduce", grad_bytes, dp),
+                              "gradient sync over replicas"))
         if dp > 1 and level >= 3:
-            comms.append(Comm(s, "all-gather", (DATA,), (dp - 1) / dp * grad_bytes,
+            comms.append(Comm(s, "all-gather", (DATA,), ring_bytes("all-gather", grad_bytes, dp),
                               f"zero {level}: stage parameters over replicas"))
         sends = (s < num_stages - 1) + (s > 0)
         if sends:
-            comms.append(Comm(s, "collective-permute", (STAGE,), float(schedule.num_ticks * sends *
-                                                                      program.message_width * 4),
+            comms.append(Comm(s, "collective-permute", (STAGE,), ring_bytes(
+                "collective-permute", schedule.num_ticks * sends * program.message_width * 4, num_stages),
                               "activations to the next stage, gradients to the previous (every tick)"))
     if sharding is not None:                 # the split layers' collectives over `model`, per micro-batch
         comms += split_comms(sharding, cap, stage_of_eqn, m)

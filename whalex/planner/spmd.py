@@ -19,7 +19,7 @@ from whalex.core.part_loss import PartLoss
 from whalex.core.parts import analyse
 from whalex.errors import PlanError
 from whalex.lowering.padding import EvenPadding
-from whalex.lowering.patterns import plan_shardings
+from whalex.planner.patterns import plan_shardings
 from whalex.lowering.step import Program
 from whalex.lowering.uneven import UnevenProgram
 from whalex.lowering.uneven_split import UnevenColumns, uneven_blocks, uneven_head

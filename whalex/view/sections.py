@@ -11,7 +11,7 @@ import dataclasses
 
 from jax.sharding import PartitionSpec as P
 
-from whalex.lowering.schedules import render as render_schedule
+from whalex.core.schedules import render as render_schedule
 from whalex.memory.remat import summary_lines
 from whalex.view.format import fmt_bytes, fmt_devices, fmt_flops, fmt_pct, fmt_speed, fmt_time
 
