@@ -161,6 +161,12 @@ def interleaved(calls: dict, rounds: int, *, block: int = 1, warmup: int = 0, or
     return out
 
 
+def progress(log: Callable, rounds: int) -> Callable:
+    """An `on_round` for `interleaved` that logs each name's median of the round, in ms."""
+    return lambda r, t: log(f"round {r + 1}/{rounds}: " + ", ".join(
+        f"{n} {1e3 * median(blocks[-1]):.1f} ms" for n, blocks in t.wall.items() if blocks))
+
+
 def median(xs) -> float:
     return float(statistics.median(xs))
 
@@ -309,6 +315,12 @@ def run_config(args, argv, hogs: int, batch: int, cores, env, script: str) -> di
         if rc != 0 or not out_path.exists():
             return {"hogs": hogs, "batch": batch, "failed": f"the 2-process run exited with status {rc}"}
         return {"hogs": hogs, "batch": batch, **json.loads(out_path.read_text())}
+
+
+def write_worker_result(path: str, record: dict, pid: int) -> None:
+    """A worker's half of `run_config`: process 0 writes its record where the driver reads it."""
+    if pid == 0:
+        pathlib.Path(path).write_text(json.dumps(record))
 
 
 # ------------------------------------------------------------------------------- results

@@ -65,20 +65,14 @@ on FAIL. ``--slowdowns 0`` runs without a busy loop (a control: the planner shou
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import pathlib
 import platform
-import signal
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
+import harness
+
 TARGET = 0.95
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def parse(argv=None):
@@ -104,6 +98,8 @@ def parse(argv=None):
                     help="2-process runs per configuration, interleaved (all configurations, then again): the "
                          "final table gives each configuration's median over its runs")
     ap.add_argument("--timeout", type=float, default=400, help="seconds before one run is stopped")
+    ap.add_argument("--out", default=None, help="the results file (default bench/results/hetero.json, "
+                                                "hetero_hybrid.json with --model hybrid)")
     ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)      # worker: this run's batch
     ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -218,7 +214,7 @@ def worker(args):
     assert jax.process_count() == 2 and jax.device_count() == 2, "run through the driver: python bench/hetero.py"
     loss_fn, params, batch = make_model(args)
     optimizer = optax.adam(1e-3)
-    log = (lambda *a: print(*a, flush=True)) if pid == 0 else (lambda *a: None)
+    log = harness.process0_log(pid)
 
     t0 = time.perf_counter()
     small = {k: v[: args.calib_rows] for k, v in batch.items()} if args.calib_rows else batch
@@ -255,32 +251,30 @@ def worker(args):
               "same-even": same.init(params, batch)}
     steps = {"even": even, "balanced": bal, "same-even": same}
 
+    losses = {}
+
     def run(name):
         nonlocal plain_state
-        t = time.perf_counter()
         if name == "plain":
             plain_state, loss = plain_jit(plain_state, place_global(batch, batch_sh))
         else:
             states[name], m = steps[name](states[name], batch)
             loss = m["loss"]
-        loss = float(loss)                     # waits for the step, incl. the cross-process all-reduce
-        return time.perf_counter() - t, loss
+        losses[name] = float(loss)             # waits for the step, incl. the cross-process all-reduce
+        return losses[name]
 
     names = ("plain", "even", "same-even", "balanced")
-    t0 = time.perf_counter()
-    for name in names:                         # compile and warm up
-        for _ in range(2):
-            run(name)
-    log(f"compiled and warmed up in {time.perf_counter() - t0:.1f} s")
-    times = {n: [] for n in names}
-    losses = {}
-    for r in range(args.rounds):
-        for name in names:
-            for _ in range(args.block):
-                dt, losses[name] = run(name)
-                times[name].append(dt)
-        log(f"round {r + 1}/{args.rounds}: " + ", ".join(
-            f"{n} {1e3 * statistics.median(times[n][-args.block:]):.1f} ms" for n in names))
+    progress = harness.progress(log, args.rounds)
+
+    def on_round(r, t):
+        if r == 0:
+            log(f"compiled and warmed up in {t.warmup_s:.1f} s")
+        progress(r, t)
+
+    # compiled and warmed up, then interleaved blocks in a fixed order (plain, even, same-even, balanced, ...)
+    timings = harness.interleaved({n: (lambda n=n: run(n)) for n in names}, args.rounds, block=args.block,
+                                  warmup=2, order_by="fixed", sync=None, on_round=on_round)
+    times = {n: timings.times(n) for n in names}
 
     # speeds again at the end: did the slowdown stay put while we measured?
     again = calibrate(wh.Cluster.detect(), loss_fn, params, small, optimizer=optimizer, repeats=9)
@@ -301,70 +295,18 @@ def worker(args):
         "balance_kind": rep_bal.kind if rep_bal is not None else None,
         "times": times, "final_loss": losses, "flops_per_step": flops_per_step(args),
     }
-    if pid == 0:
-        pathlib.Path(args.worker_out).write_text(json.dumps(out))
+    harness.write_worker_result(args.worker_out, out, pid)
 
 
 # ------------------------------------------------------------------------------------- driver
 
-def busy_loop(core: int) -> subprocess.Popen:
-    """`while True: pass` pinned to `core`; it also dies with this process (PR_SET_PDEATHSIG)."""
-    code = (f"import ctypes, os, signal\n"
-            f"ctypes.CDLL(None).prctl(1, signal.SIGKILL)\n"
-            f"os.sched_setaffinity(0, {{{core}}})\n"
-            f"while True:\n    pass\n")
-    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL)
-
-
-def run_config(args, argv, hogs: int, batch: int, cores, env, script: str = __file__) -> dict:
-    """One 2-process run of `script`'s worker with `hogs` busy loops on process 1's core at global
-    batch `batch`."""
-    loops = []
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = pathlib.Path(tmp) / "worker.json"
-        cmd = [sys.executable, "-m", "whalex.launch", "-n", "2", "--timeout", str(args.timeout),
-               str(pathlib.Path(script).resolve()), *argv, "--batch", str(batch), "--worker-out", str(out_path)]
-        try:
-            loops = [busy_loop(cores[1]) for _ in range(hogs)]
-            print(f"\n=== {hogs} busy loop(s) on core {cores[1]}, batch {batch} ===", flush=True)
-            rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
-        finally:
-            for hog in loops:
-                hog.kill()
-                hog.wait()
-        if rc != 0 or not out_path.exists():
-            return {"hogs": hogs, "batch": batch, "failed": f"the 2-process run exited with status {rc}"}
-        return {"hogs": hogs, "batch": batch, **json.loads(out_path.read_text())}
-
-
-def launch_env():
-    """(cores, environment, load average) for the 2-process runs; None (and a SKIP line) without 2 cores."""
-    from whalex.launch import available_cores
-
-    cores = available_cores()
-    if len(cores) < 2:
-        print(f"SKIP: needs 2 CPU cores to pin two processes, this process may use {cores}")
-        return None
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=1"])
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
-    load_before = os.getloadavg()[0]
-    if load_before > 1.0:
-        print(f"WARNING: load average {load_before:.2f} before the run: other work on this machine competes with "
-              "both processes and makes the calibration and the timings noisy", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))       # run the `finally` blocks on SIGTERM too
-    return cores, env, load_before
-
-
 def driver(args, argv):
-    setup = launch_env()
+    setup = harness.launch_env()
     if setup is None:
         return
     cores, env, load_before = setup
     t0 = time.perf_counter()
-    runs = [run_config(args, argv, hogs, batch, cores, env)
+    runs = [harness.run_config(args, argv, hogs, batch, cores, env, __file__)
             for _ in range(args.repeats)
             for hogs in [int(x) for x in args.slowdowns.split(",")]
             for batch in [int(x) for x in args.batches.split(",")]]
@@ -396,7 +338,7 @@ def summarise(res: dict) -> dict:
     if "failed" in res:
         return res
     s = [(a + b) / 2 for a, b in zip(res["speeds"], res["speeds_after"])]
-    med = {n: statistics.median(v) for n, v in res["times"].items()}
+    med = {n: harness.median(v) for n, v in res["times"].items()}
     actual = med["even"] / med["balanced"]
     out = {k: res[k] for k in ("hogs", "batch", "speeds", "speeds_after", "overheads", "overheads_after", "rows_even", "rows_balanced",
                                "local_rows_balanced", "balance_applied", "balance_unit", "predicted_speedup",
@@ -451,14 +393,12 @@ def report(args, runs, wall, load_before):
     print(f"total wall time {wall:.0f} s; 1-min load average before the run {load_before:.2f}")
     medians = over_runs(rows) if args.repeats > 1 else []
     out = {
-        "config": {k: v for k, v in vars(args).items() if k not in ("worker_out", "timeout", "batch")},
+        "config": {k: v for k, v in vars(args).items() if k not in ("worker_out", "timeout", "batch", "out")},
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "cores": sorted(os.sched_getaffinity(0)), "loadavg_before": load_before},
         "target": TARGET, "runs": rows, "medians": medians, "wall_s": wall,
     }
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / ("hetero.json" if args.model == "mlp" else f"hetero_{args.model}.json")
-    path.write_text(json.dumps(out, indent=2))
+    path = harness.write_result("hetero" if args.model == "mlp" else f"hetero_{args.model}", out, args.out)
     print(f"wrote {path}")
 
 
@@ -478,7 +418,7 @@ def over_runs(rows) -> list[dict]:
         if not ok:
             print(f"{hogs:>5} {batch:>6}  every run failed")
             continue
-        m = {k: statistics.median(r[k] for r in ok) for k in ("speed_ratio", "speedup_actual", "speedup_ideal",
+        m = {k: harness.median([r[k] for r in ok]) for k in ("speed_ratio", "speedup_actual", "speedup_ideal",
                                                                "efficiency")}
         verdict = "PASS" if m["efficiency"] >= TARGET else "FAIL"
         each = " ".join(f"{r['efficiency']:.3f}" for r in ok)
@@ -500,7 +440,7 @@ def describe(args) -> str:
 if __name__ == "__main__":
     argv = sys.argv[1:]
     a = parse(argv)
-    if os.environ.get("WHALEX_PROCESS_ID") is not None:
+    if harness.is_worker():
         worker(a)
     else:
         driver(a, argv)

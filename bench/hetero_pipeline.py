@@ -42,16 +42,11 @@ speedup is from the prediction (the issue asks for within 10%) and never fails t
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import pathlib
 import platform
-import statistics
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from hetero import RESULTS, launch_env, run_config  # noqa: E402
+import harness
 
 TOLERANCE = 0.10
 OUT = 8
@@ -82,6 +77,8 @@ def parse(argv=None):
                     help="cached: glibc keeps freed memory (CACHED_MALLOC), as a GPU runtime pools it; default: glibc's "
                          "own thresholds (every call's large temporaries fault in fresh pages)")
     ap.add_argument("--timeout", type=float, default=500)
+    ap.add_argument("--out", default=None, help="the results file (default bench/results/hetero_pipeline.json, "
+                                                "hetero_pipeline_default_malloc.json with --allocator default)")
     ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -154,7 +151,7 @@ def worker(args):
     assert jax.process_count() == 2 and jax.device_count() == 2, "run through the driver"
     loss_fn, params, batch = make_model(args)
     optimizer = optax.adam(1e-3)
-    log = (lambda *a: print(*a, flush=True)) if pid == 0 else (lambda *a: None)
+    log = harness.process0_log(pid)
     small = {k: v[: args.calib_rows] for k, v in batch.items()} if args.calib_rows else batch
     cluster = calibrate(wh.Cluster.detect(), loss_fn, params, small, optimizer=optimizer, repeats=9)
     log(f"calibrated speeds (GFLOP/s): {[round(s / 1e9, 2) for s in cluster.speeds]}")
@@ -167,27 +164,18 @@ def worker(args):
     ticks = {f"ticks {n}": tick_program(kinds, [len(x) for x in s.plan.stage_layers], args.batch // args.micro,
                                         args.width) for n, s in steps.items()}
 
-    def run(name):
-        t = time.perf_counter()
-        if name in ticks:
-            ticks[name]()
-            return time.perf_counter() - t, None
-        states[name], m = steps[name](states[name], batch)
-        loss = float(m["loss"])
-        return time.perf_counter() - t, loss
-
-    for name in [*steps, *ticks]:
-        for _ in range(2):
-            run(name)
-    times = {n: [] for n in [*steps, *ticks]}
     losses = {}
-    for r in range(args.rounds):
-        for name in times:
-            for _ in range(args.block):
-                dt, losses[name] = run(name)
-                times[name].append(dt)
-        log(f"round {r + 1}/{args.rounds}: " + ", ".join(
-            f"{n} {1e3 * statistics.median(v[-args.block:]):.1f} ms" for n, v in times.items()))
+
+    def run(name):
+        if name in ticks:
+            return ticks[name]()
+        states[name], m = steps[name](states[name], batch)
+        losses[name] = float(m["loss"])
+        return losses[name]
+
+    timings = harness.interleaved({n: (lambda n=n: run(n)) for n in [*steps, *ticks]}, args.rounds, block=args.block,
+                                  warmup=2, order_by="fixed", sync=None, on_round=harness.progress(log, args.rounds))
+    times = {n: timings.times(n) for n in [*steps, *ticks]}
     after = calibrate(wh.Cluster.detect(), loss_fn, params, small, optimizer=optimizer, repeats=9)
     plans = {n: s.plan for n, s in steps.items()}
     out = {
@@ -197,17 +185,16 @@ def worker(args):
         "stage_layers": {n: [list(x) for x in p.stage_layers] for n, p in plans.items()},
         "predicted_speedup": lockstep(plans["even"]) / lockstep(plans["balanced"]),
         "predicted_speedup_bottleneck": stage_time(plans["even"]) / stage_time(plans["balanced"]),
-        "times": times, "final_loss": {n: v for n, v in losses.items() if v is not None},
+        "times": times, "final_loss": losses,
     }
-    if pid == 0:
-        pathlib.Path(args.worker_out).write_text(json.dumps(out))
+    harness.write_worker_result(args.worker_out, out, pid)
 
 
 def summarise(res: dict) -> dict:
     if "failed" in res:
         return res
     s = [(a + b) / 2 for a, b in zip(res["speeds"], res["speeds_after"])]
-    med = {n: statistics.median(v) for n, v in res["times"].items()}
+    med = {n: harness.median(v) for n, v in res["times"].items()}
     actual = med["even"] / med["balanced"]
     pred = res["predicted_speedup"]
     return {**res, "speeds_mean": s, "median_step_s": med, "speedup_actual": actual,
@@ -218,9 +205,9 @@ def summarise(res: dict) -> dict:
 
 def main(argv):
     args = parse(argv)
-    if os.environ.get("WHALEX_PROCESS_ID") is not None:
+    if harness.is_worker():
         return worker(args)
-    setup = launch_env()
+    setup = harness.launch_env()
     if setup is None:
         return
     cores, env, load_before = setup
@@ -229,7 +216,7 @@ def main(argv):
         env.update(CACHED_MALLOC)
     malloc = {k: env[k] for k in CACHED_MALLOC if k in env}
     t0 = time.perf_counter()
-    runs = [summarise(run_config(args, argv, hogs, batch, cores, env, script=__file__))
+    runs = [summarise(harness.run_config(args, argv, hogs, batch, cores, env, __file__))
             for hogs in [int(x) for x in args.slowdowns.split(",")]
             for batch in [int(x) for x in args.batches.split(",")]]
     print(f"\n2 processes x 1 CPU device, one stage each; stock Flax MLP {args.depth} x Dense({args.width}) + "
@@ -255,13 +242,12 @@ def main(argv):
     print(f"vs pred: measured speedup / predicted - 1 (target within +-{100 * TOLERANCE:.0f}%); layers: Dense "
           f"layers per stage; total wall time {time.perf_counter() - t0:.0f} s; load before {load_before:.2f}; "
           f"XLA_FLAGS {env.get('XLA_FLAGS', '')!r}; allocator {args.allocator} {malloc}")
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / ("hetero_pipeline.json" if args.allocator == "cached" else "hetero_pipeline_default_malloc.json")
-    path.write_text(json.dumps({"config": {k: v for k, v in vars(args).items() if k not in ("worker_out", "batch")},
-                                "machine": {"platform": platform.platform(), "load_before": load_before,
-                                            "xla_flags": env.get("XLA_FLAGS", ""),
-                                            "malloc": malloc},
-                                "tolerance": TOLERANCE, "runs": runs}, indent=2))
+    path = harness.write_result(
+        "hetero_pipeline" if args.allocator == "cached" else "hetero_pipeline_default_malloc",
+        {"config": {k: v for k, v in vars(args).items() if k not in ("worker_out", "batch", "out")},
+         "machine": {"platform": platform.platform(), "load_before": load_before,
+                     "xla_flags": env.get("XLA_FLAGS", ""), "malloc": malloc},
+         "tolerance": TOLERANCE, "runs": runs}, args.out)
     print(f"wrote {path}")
 
 

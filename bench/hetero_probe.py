@@ -19,15 +19,10 @@ machine with >= 2 cores). Writes bench/results/hetero_probe.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import pathlib
-import statistics
 import sys
-import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import hetero  # noqa: E402
+import harness
+import hetero                 # bench/hetero.py: its model and defaults
 
 SIZES = (512, 1024, 2048, 3072, 4096)
 FACTORS = (0.85, 0.92, 1.0, 1.1, 1.2)     # the slow process's declared slowdown, relative to the calibrated one
@@ -40,6 +35,7 @@ def parse(argv=None):
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--block", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--out", default=None, help="the results file (default bench/results/hetero_probe.json)")
     ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -61,7 +57,7 @@ def worker(args):
     pid = jax.process_index()
     loss_fn, params, batch = hetero.make_model(args)
     optimizer = optax.adam(1e-3)
-    log = (lambda *a: print(*a, flush=True)) if pid == 0 else (lambda *a: None)
+    log = harness.process0_log(pid)
 
     fn, lead, _ = _loss_work(loss_fn, params, optimizer)
     sets = [(*lead, {k: v[:n] for k, v in batch.items()}) for n in SIZES if n <= args.batch]
@@ -79,34 +75,27 @@ def worker(args):
         steps[f], states[f], rows[f] = s, s.init(params, batch), list(s.plan.batch_sizes)
 
     def run(f):
-        t0 = time.perf_counter()
         states[f], m = steps[f](states[f], batch)
-        float(m["loss"])
-        return time.perf_counter() - t0
+        return float(m["loss"])                # waits for the step on both processes
 
-    for f in FACTORS:
-        run(f)
-        run(f)
-    times = {f: [] for f in FACTORS}
-    for _ in range(args.rounds):
-        for f in FACTORS:
-            times[f] += [run(f) for _ in range(args.block)]
+    timings = harness.interleaved({f: (lambda f=f: run(f)) for f in FACTORS}, args.rounds, block=args.block,
+                                  warmup=2, order_by="fixed", sync=None)
+    times = {f: timings.times(f) for f in FACTORS}
     out = {"sizes": [n for n in SIZES if n <= args.batch], "curve_s": curve.tolist(), "speed_ratio": ratio,
            "overhead": list(cluster.overhead or ()),
-           "sweep": [{"factor": f, "rows": rows[f], "median_s": statistics.median(times[f])} for f in FACTORS]}
-    if pid == 0:
-        pathlib.Path(args.worker_out).write_text(json.dumps(out))
+           "sweep": [{"factor": f, "rows": rows[f], "median_s": harness.median(times[f])} for f in FACTORS]}
+    harness.write_worker_result(args.worker_out, out, pid)
 
 
 def main(argv):
     args = parse(argv)
-    if os.environ.get("WHALEX_PROCESS_ID") is not None:
+    if harness.is_worker():
         return worker(args)
-    setup = hetero.launch_env()
+    setup = harness.launch_env()
     if setup is None:
         return
     cores, env, load_before = setup
-    runs = [hetero.run_config(args, argv, hogs, batch, cores, env, script=__file__)
+    runs = [harness.run_config(args, argv, hogs, batch, cores, env, __file__)
             for hogs in [int(x) for x in args.slowdowns.split(",")]
             for batch in [int(x) for x in args.batches.split(",")]]
     print(f"\nstock Flax MLP {args.depth} x Dense({args.width}), Adam; load before {load_before:.2f}")
@@ -127,10 +116,7 @@ def main(argv):
             mark += " <- fastest" if s is best else ""
             print(f"  rows {s['rows'][0]:>5}/{s['rows'][1]:<5} step {1e3 * s['median_s']:7.1f} ms{mark}")
         print(f"  the calibrated split is {cal['median_s'] / best['median_s'] - 1:+.1%} slower than the fastest")
-    hetero.RESULTS.mkdir(exist_ok=True)
-    path = hetero.RESULTS / "hetero_probe.json"
-    path.write_text(json.dumps({"load_before": load_before, "runs": runs}, indent=2))
-    print(f"wrote {path}")
+    print(f"wrote {harness.write_result('hetero_probe', {'load_before': load_before, 'runs': runs}, args.out)}")
 
 
 if __name__ == "__main__":

@@ -29,16 +29,11 @@ otherwise idle machine). Writes bench/results/hetero_split.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import pathlib
 import platform
-import statistics
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from hetero import RESULTS, launch_env, run_config  # noqa: E402
+import harness
 
 
 def parse(argv=None):
@@ -54,6 +49,7 @@ def parse(argv=None):
     ap.add_argument("--block", type=int, default=3)
     ap.add_argument("--calib-rows", type=int, default=256)
     ap.add_argument("--timeout", type=float, default=500)
+    ap.add_argument("--out", default=None, help="the results file (default bench/results/hetero_split.json)")
     ap.add_argument("--op", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
@@ -106,7 +102,7 @@ def worker(args):
     assert jax.process_count() == 2 and jax.device_count() == 2, "run through the driver"
     loss_fn, params, batch = make_model(args)
     optimizer = optax.adam(1e-3)
-    log = (lambda *a: print(*a, flush=True)) if pid == 0 else (lambda *a: None)
+    log = harness.process0_log(pid)
     small = {k: v[: args.calib_rows] for k, v in batch.items()}
     cluster = calibrate(wh.Cluster.detect(), loss_fn, params, small, optimizer=optimizer, repeats=9)
     log(f"calibrated speeds: {[round(s / 1e9, 2) for s in cluster.speeds]}")
@@ -114,45 +110,36 @@ def worker(args):
              "balanced": wh.parallelize(loss_fn, optimizer, cluster=cluster)}
     states = {n: s.init(params, batch) for n, s in steps.items()}
 
-    def run(name):
-        t = time.perf_counter()
-        states[name], m = steps[name](states[name], batch)
-        loss = float(m["loss"])
-        return time.perf_counter() - t, loss
-
-    for name in steps:
-        for _ in range(2):
-            run(name)
-    times = {n: [] for n in steps}
     losses = {}
-    for r in range(args.rounds):
-        for name in steps:
-            for _ in range(args.block):
-                dt, losses[name] = run(name)
-                times[name].append(dt)
-        log(f"round {r + 1}/{args.rounds}: " + ", ".join(
-            f"{n} {1e3 * statistics.median(v[-args.block:]):.1f} ms" for n, v in times.items()))
+
+    def run(name):
+        states[name], m = steps[name](states[name], batch)
+        losses[name] = float(m["loss"])
+        return losses[name]
+
+    timings = harness.interleaved({n: (lambda n=n: run(n)) for n in steps}, args.rounds, block=args.block,
+                                  warmup=2, order_by="fixed", sync=None, on_round=harness.progress(log, args.rounds))
+    times = {n: timings.times(n) for n in steps}
     report = steps["balanced"].plan.balance
     out = {"speeds": list(cluster.speeds), "times": times, "final_loss": losses,
            "counts": [d.rows for d in report.devices] if report is not None else None,
            "predicted_speedup": report.predicted_speedup if report is not None and report.applied else 1.0,
            "kind": report.kind if report is not None else "even (speeds merged)"}
-    if pid == 0:
-        pathlib.Path(args.worker_out).write_text(json.dumps(out))
+    harness.write_worker_result(args.worker_out, out, pid)
 
 
 def summarise(res: dict) -> dict:
     if "failed" in res:
         return res
-    med = {n: statistics.median(v) for n, v in res["times"].items()}
+    med = {n: harness.median(v) for n, v in res["times"].items()}
     return {**res, "median_step_s": med, "speedup_actual": med["even"] / med["balanced"]}
 
 
 def main(argv):
     args = parse(argv)
-    if os.environ.get("WHALEX_PROCESS_ID") is not None:
+    if harness.is_worker():
         return worker(args)
-    setup = launch_env()
+    setup = harness.launch_env()
     if setup is None:
         return
     cores, env, load_before = setup
@@ -161,7 +148,7 @@ def main(argv):
     for op in args.ops.split(","):
         for hogs in [int(x) for x in args.slowdowns.split(",")]:
             for batch in [int(x) for x in args.batches.split(",")]:
-                res = run_config(args, argv + ["--op", op], hogs, batch, cores, env, script=__file__)
+                res = harness.run_config(args, argv + ["--op", op], hogs, batch, cores, env, __file__)
                 runs.append({"op": op, **summarise(res)})
     print(f"\n2 processes x 1 CPU device, one split(2) layer across them (width {args.width}; MLP hidden "
           f"{args.hidden}; attention {args.heads} heads x 32, seq {args.seq}), Adam, MSE; medians\n")
@@ -179,11 +166,10 @@ def main(argv):
               f"{1e3 * med['balanced']:>8.1f} {r['speedup_actual']:>8.3f} {r['predicted_speedup']:>6.3f}")
     print(f"\nunits: hidden units / heads per process in the balanced plan; total wall time "
           f"{time.perf_counter() - t0:.0f} s; load before {load_before:.2f}")
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / "hetero_split.json"
-    path.write_text(json.dumps({"config": {k: v for k, v in vars(args).items() if k not in ("worker_out", "batch", "op")},
-                                "machine": {"platform": platform.platform(), "load_before": load_before},
-                                "runs": runs}, indent=2))
+    path = harness.write_result(
+        "hetero_split", {"config": {k: v for k, v in vars(args).items() if k not in ("worker_out", "batch", "op", "out")},
+                         "machine": {"platform": platform.platform(), "load_before": load_before},
+                         "runs": runs}, args.out)
     print(f"wrote {path}")
 
 
