@@ -251,6 +251,15 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def write(results: dict, size: dict, args) -> tuple[dict, str]:
+    """The record so far, written to --out or bench/results/gpu_<device>_jax<version>.json."""
+    first = next((r for r in results.values() if "device" in r), {})
+    record = {"bench": "gpu", "size": "small" if args.small else "full", "model": size, "jax": first.get("jax"),
+              "device": first.get("device"), "platform": first.get("platform"), "cases": results}
+    device = "".join(c if c.isalnum() else "-" for c in str(first.get("device", "unknown"))).strip("-")
+    return first, harness.write_result(f"gpu_{device}_jax{first.get('jax')}", record, args.out, indent=1, default=str)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="a tiny model: runs on CPU in seconds")
@@ -277,11 +286,7 @@ def main(argv=None):
         path = os.path.join(work, f"{name}.json")
         results[name] = json.load(open(path)) if os.path.exists(path) else {"ok": False, "error": tail}
         print(f"{name}: {'ok' if results[name].get('ok') else 'FAILED'} ({results[name].get('wall_s', 0):.0f} s)", flush=True)
-    first = next((r for r in results.values() if "device" in r), {})
-    record = {"bench": "gpu", "size": "small" if args.small else "full", "model": size, "jax": first.get("jax"),
-              "device": first.get("device"), "platform": first.get("platform"), "cases": results}
-    device = "".join(c if c.isalnum() else "-" for c in str(first.get("device", "unknown"))).strip("-")
-    out = harness.write_result(f"gpu_{device}_jax{first.get('jax')}", record, args.out, indent=1, default=str)
+        first, out = write(results, size, args)          # after every case: a time-out keeps what finished
     print(f"{first.get('device')} ({first.get('platform')}), jax {first.get('jax')}, model {size}")
     print(table(results))
     print(f"wrote {out}")
