@@ -35,6 +35,8 @@ import numpy as np
 import optax
 from jax.experimental import multihost_utils
 
+from whalex import _compat as C
+from whalex.core.flops import training_flops
 from whalex.mesh.cluster import Cluster
 
 IQR_TO_STD = 1.349           # the interquartile range of a normal sample, in units of its sigma
@@ -65,10 +67,13 @@ def _matmul_work(n: int, chain: int):
     return jax.jit(f), 2.0 * n ** 3 * chain
 
 
-def _flops(fn, *args) -> float:
-    cost = fn.lower(*args).cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return float((cost or {}).get("flops", 0.0))
+def _flops(loss_fn, params, batch) -> float:
+    """Forward + backward FLOPs of the loss and its gradient at `batch`, counted from its jaxpr
+    (XLA's cost analysis has none on a GPU)."""
+    jaxpr, _ = C.open_jaxpr(C.make_jaxpr(loss_fn, params, batch))
+    n = len(jax.tree.leaves(params))
+    return training_flops(jaxpr, [k < n for k in range(len(jaxpr.invars))],
+                          [k == 0 for k in range(len(jaxpr.outvars))])
 
 
 def _loss_work(loss_fn, params, optimizer):
@@ -76,7 +81,7 @@ def _loss_work(loss_fn, params, optimizer):
     batch: value_and_grad, then (with an optimizer) the update applied, as every device of a
     data-parallel step runs it."""
     grad = jax.jit(jax.value_and_grad(loss_fn))
-    flops = functools.partial(_flops, grad, params)
+    flops = functools.partial(_flops, loss_fn, params)
     if optimizer is None:
         return grad, (params,), flops
 
