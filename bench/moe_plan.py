@@ -12,7 +12,7 @@ the sharded StableHLO of one Adam training step, and prints per configuration:
 - the time taken to build the model's abstract parameters (`jax.eval_shape(model.init)`: the
   caller's side), to plan (`wh.plan` + `memory_fit`) and to lower (each is asserted < 60 s; issue
   12 aims at plan + lower of the 10T model under 5 s on a 2-core machine);
-- FLOPs per step (forward + backward, global and per device, from XLA's cost analysis);
+- FLOPs per step (forward + backward, global and per device, counted from the jaxpr);
 - per-device memory from `whalex.balance.fit.memory_fit`: parameters, gradients, Adam state, and
   activations (the residuals each TaskGraph's backward keeps: an upper bound, since XLA fuses some
   of them away; the last table compares it with XLA's compiled temp memory on a small model run
