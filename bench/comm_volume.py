@@ -49,95 +49,19 @@ from __future__ import annotations
 import os
 import sys
 
+import harness
+
 if "--worker" in sys.argv:   # the device count must be fixed before jax is imported
-    _n = int(sys.argv[sys.argv.index("--worker") + 1])
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={_n}").strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    harness.simulate_devices(int(sys.argv[sys.argv.index("--worker") + 1]))
 
 import argparse
 import json
-import pathlib
-import re
 import subprocess
 import time
 
 import numpy as np
 
-from whalex.core.comm import result_ring_bytes
-
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 PAPER_REDUCTION = 89.7
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-               "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "token": 0,
-               "f8e4m3fn": 1, "f8e5m2": 1, "s4": 0.5, "u4": 0.5}
-
-# `%name = <result type> op(...)`; the result type is an array type or a (possibly nested) tuple.
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+(" + "|".join(COLLECTIVES) +
-                    r")(-start|-done)?\((.*)$")
-_ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
-
-
-def _arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
-    out = []
-    for dt, dims in _ARRAY.findall(type_text):
-        if dt in DTYPE_BYTES:
-            out.append((dt, tuple(int(d) for d in dims.split(",") if d)))
-    return out
-
-
-def _nbytes(arrays) -> float:
-    return float(sum(DTYPE_BYTES[dt] * int(np.prod(shape)) for dt, shape in arrays))
-
-
-def _group_size(rest: str, num_devices: int) -> int:
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", rest)  # mesh['a'=8,'b'=1] {'a'}
-    if m:
-        sizes = dict(re.findall(r"'?([\w.\-]+)'?=(\d+)", m.group(1)))
-        axes = re.findall(r"'?([\w.\-]+)'?", m.group(2))
-        return int(np.prod([int(sizes[a]) for a in axes])) if axes else num_devices
-    m = re.search(r"replica_groups=\[([0-9,]+)\]<=", rest)          # iota form [groups,size]<=[...]
-    if m:
-        return int(m.group(1).split(",")[-1])
-    m = re.search(r"replica_groups=\{(\{[0-9,]*\})", rest)          # explicit {{0,1},{2,3}}
-    if m:
-        ids = [x for x in m.group(1).strip("{}").split(",") if x]
-        return len(ids) if ids else num_devices
-    m = re.search(r"source_target_pairs=\{([^}]*(?:\},\{[^}]*)*)\}", rest)
-    if m:
-        return 2
-    return num_devices                                             # replica_groups={} = everyone
-
-
-def _ring_bytes(kind: str, size: float, n: int) -> float:
-    return result_ring_bytes(kind, size, n)
-
-
-def parse_collectives(hlo: str, num_devices: int) -> list[dict]:
-    """Every collective in compiled HLO text: kind, result arrays, bytes, group size, async or not."""
-    starts, found = {}, []
-    for line in hlo.splitlines():
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        name, rtype, kind, suffix, rest = m.groups()
-        if suffix == "-start":
-            starts[name] = (kind, _group_size(rest, num_devices))
-            continue
-        if suffix == "-done":      # its operand is the -start; its result is the collective's output
-            op = re.match(r"\s*(?:[^%]*\s)?%?([\w.\-]+)", rest)
-            kind, n = starts.pop(op.group(1), (kind, num_devices)) if op else (kind, num_devices)
-            found.append({"kind": kind, "async": True, "arrays": _arrays(rtype), "group": n})
-            continue
-        found.append({"kind": kind, "async": False, "arrays": _arrays(rtype),
-                      "group": _group_size(rest, num_devices)})
-    for name, (kind, n) in starts.items():   # a -start without a -done: should not happen
-        found.append({"kind": kind, "async": True, "arrays": [], "group": n, "unmatched_start": name})
-    for c in found:
-        c["bytes"] = _nbytes(c["arrays"])
-        c["ring_bytes"] = _ring_bytes(c["kind"], c["bytes"], c["group"])
-    return found
 
 
 # ------------------------------------------------------------------------------------------
@@ -150,6 +74,7 @@ def worker(args) -> dict:
     import optax
 
     import whalex as wh
+    from whalex.core.hlo import nbytes
 
     n = args.worker
     assert len(jax.devices()) == n, (len(jax.devices()), n)
@@ -200,17 +125,11 @@ def worker(args) -> dict:
         t1 = time.perf_counter()
         hlo = lowered.compile().as_text()
         t2 = time.perf_counter()
-        colls = parse_collectives(hlo, n)
-        by_kind = {k: {"count": 0, "bytes": 0.0, "ring_bytes": 0.0} for k in COLLECTIVES}
-        grad_sync = 0.0
+        colls = harness.collectives(hlo, n)
         param_dims = {tuple(sorted(s)) for s in param_shapes}
-        for c in colls:
-            by_kind[c["kind"]]["count"] += 1
-            by_kind[c["kind"]]["bytes"] += c["bytes"]
-            by_kind[c["kind"]]["ring_bytes"] += c["ring_bytes"]
-            # a gradient leaves as a parameter-shaped result (XLA may transpose it, and may turn
-            # an all-reduce into a locally sharded gradient + all-gather, so any kind counts)
-            grad_sync += _nbytes([a for a in c["arrays"] if tuple(sorted(a[1])) in param_dims])
+        # a gradient leaves as a parameter-shaped result (XLA may transpose it, and may turn
+        # an all-reduce into a locally sharded gradient + all-gather, so any kind counts)
+        grad_sync = sum(nbytes([a for a in c["arrays"] if tuple(sorted(a[1])) in param_dims]) for c in colls)
         out["modes"][mode] = {
             "strategies": [t.strategy for t in plan.task_graphs],
             "param_specs": {k: str(v) for k, v in plan.param_specs.items()},
@@ -223,15 +142,15 @@ def worker(args) -> dict:
             "grad_sync_ambiguous": any(batch in s for s in param_shapes),
             "ring_bytes": sum(c["ring_bytes"] for c in colls),
             "whalex_predicted_bytes": float(plan.predicted_comm_bytes),
-            "by_kind": {k: v for k, v in by_kind.items() if v["count"]},
+            "by_kind": harness.by_kind(colls),
             "collectives": [{"kind": c["kind"], "async": c["async"], "group": c["group"],
                              "result": " ".join(f"{dt}{list(s)}" for dt, s in c["arrays"]),
                              "bytes": c["bytes"]} for c in colls],
             "plan_lower_s": t1 - t0, "compile_s": t2 - t1,
         }
         if args.dump_hlo:
-            RESULTS.mkdir(parents=True, exist_ok=True)
-            (RESULTS / f"comm_volume_{mode}_n{n}.hlo.txt").write_text(hlo)
+            harness.RESULTS.mkdir(parents=True, exist_ok=True)
+            (harness.RESULTS / f"comm_volume_{mode}_n{n}.hlo.txt").write_text(hlo)
         del hlo, lowered, plan
     return out
 
@@ -256,6 +175,7 @@ def main():
     ap.add_argument("--per-device-batch", type=int, default=4, help="global batch = this * N")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per N")
     ap.add_argument("--dump-hlo", action="store_true", help="also write the compiled HLO texts")
+    ap.add_argument("--out", default=None, help="the results file (default bench/results/comm_volume.json)")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -336,7 +256,6 @@ def main():
     if args.classes != 100_000:
         print(f"NOTE: run with --classes {args.classes}, not the paper's 100000.")
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
     out = {"benchmark": "comm_volume", "what": "bytes of collective results per training step per device, parsed "
            "from compiled HLO (Compiled.as_text()); ring_bytes = ring-algorithm estimate of bytes sent per "
            "device; grad_sync_bytes = collective results whose shape is a parameter's (possibly transposed) "
@@ -357,8 +276,8 @@ def main():
                     for r in results],
            "details": results, "failures": {str(k): v for k, v in failures.items()},
            "total_wall_s": time.perf_counter() - t_all}
-    (RESULTS / "comm_volume.json").write_text(json.dumps(out, indent=2))
-    print(f"wrote {RESULTS / 'comm_volume.json'} (total {out['total_wall_s']:.0f}s)")
+    path = harness.write_result("comm_volume", out, args.out)
+    print(f"wrote {path} (total {out['total_wall_s']:.0f}s)")
 
 
 if __name__ == "__main__":

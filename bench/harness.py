@@ -182,27 +182,18 @@ def bootstrap_ratio(a, b, rng: np.random.Generator, n_boot: int = 2000) -> list[
 
 # ------------------------------------------------------------------------------- collectives in HLO
 
-def ring_bytes(kind: str, size: float, n: int) -> float:
-    """Bytes one device sends for a collective whose RESULT is `size` bytes over `n` devices, with ring
-    algorithms: all-reduce 2(n-1)/n S, all-gather (n-1)/n S, reduce-scatter (n-1) S (its result is one
-    shard), all-to-all (n-1)/n S, collective-permute S."""
-    if n <= 1:
-        return 0.0
-    return {"all-reduce": 2 * (n - 1) / n * size, "all-gather": (n - 1) / n * size,
-            "reduce-scatter": (n - 1) * size, "all-to-all": (n - 1) / n * size,
-            "collective-permute": size}[kind]
-
-
 def collectives(text: str, num_devices: int) -> list[dict]:
     """Every collective of compiled HLO text (`whalex.core.hlo.collectives`) as a record: kind, async,
-    result arrays, group size, bytes of the result, ring bytes sent per device, and its JAX source."""
+    result arrays, group size (`num_devices` when it spans all), bytes of the result, bytes each device
+    sends (`whalex.core.comm.result_ring_bytes`: ring algorithms), and the JAX operation it came from."""
     from whalex.core import hlo
+    from whalex.core.comm import result_ring_bytes
 
     out = []
     for c in hlo.collectives(text):
         n = c.group or num_devices
         out.append({"kind": c.kind, "async": c.is_async, "arrays": [list(a) for a in c.arrays], "group": n,
-                    "bytes": c.bytes, "ring_bytes": ring_bytes(c.kind, c.bytes, n), "op_name": c.op_name})
+                    "bytes": c.bytes, "ring_bytes": result_ring_bytes(c.kind, c.bytes, n), "op_name": c.op_name})
     return out
 
 

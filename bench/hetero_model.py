@@ -72,9 +72,7 @@ Run from the repo root: ``python bench/hetero_model.py`` (about 2 minutes on 2 C
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import pathlib
 import platform
 import time
 
@@ -84,10 +82,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import harness
 import whalex as wh
 from whalex.balance.algorithm import balance as algorithm1
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 DP_KINDS = ["V100-32GB"] * 8 + ["P100-16GB"] * 8
 PP_KINDS = ["V100-32GB"] * 4 + ["P100-16GB"] * 4
 S = jax.ShapeDtypeStruct
@@ -483,6 +481,7 @@ def main():
     ap.add_argument("--only", default="", help=f"comma list of {', '.join([*DP_SETUPS, *PP_SETUPS])}")
     ap.add_argument("--micro-batches", type=int, default=8, help="pipeline micro-batches M")
     ap.add_argument("--stages", type=int, default=4, help="pipeline stages")
+    ap.add_argument("--out", default=None, help="the results file (default bench/results/hetero_model.json)")
     args = ap.parse_args()
     only = [s for s in args.only.split(",") if s]
     unknown = set(only) - set(DP_SETUPS) - set(PP_SETUPS)
@@ -550,12 +549,10 @@ def main():
                   f"{r['predicted_speedup_fine']:.3f}x with (M-1)*max + sum")
     print(f"total wall time {total:.1f} s")
 
-    RESULTS.mkdir(exist_ok=True)
     out = {"bench": "hetero_model", "jax": jax.__version__, "machine": platform.platform(),
            "cpu_count": os.cpu_count(), "micro_batches": args.micro_batches, "stages": args.stages,
            "dp_cluster": DP_KINDS, "pp_cluster": PP_KINDS, "total_seconds": total, "rows": rows}
-    path = RESULTS / "hetero_model.json"
-    path.write_text(json.dumps(out, indent=1, default=float))
+    path = harness.write_result("hetero_model", out, args.out, indent=1, default=float)
     print(f"wrote {path}")
 
 

@@ -56,11 +56,11 @@ from __future__ import annotations
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import harness
+
+harness.simulate_devices(8)
 
 import argparse
-import json
 import pathlib
 import platform
 import time
@@ -75,7 +75,6 @@ import whalex as wh
 from whalex.errors import PlanError
 
 N_DEV = 8
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 KEYS = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes")
 
 
@@ -206,6 +205,7 @@ def main():
     ap.add_argument("--batch", type=int, default=8, help="global batch (sequences); 1 per device")
     ap.add_argument("--budget-fraction", type=float, default=0.9,
                     help="remat auto's memory_budget as a fraction of the baseline's device total")
+    ap.add_argument("--out", default=None, help="the results file (default bench/results/memory.json)")
     args = ap.parse_args()
     assert len(jax.devices()) == N_DEV, jax.devices()
     t_start = time.perf_counter()
@@ -284,7 +284,6 @@ def main():
 
     elapsed = time.perf_counter() - t_start
     print(f"\n{len(rows)} whalex plans + 1 plain compile in {elapsed:.1f} s")
-    RESULTS.mkdir(exist_ok=True)
     out = {
         "benchmark": "memory",
         "devices": N_DEV, "device_kind": "simulated CPU", "cpu_cores": os.cpu_count(), "jax": jax.__version__,
@@ -298,8 +297,7 @@ def main():
         "plain_jax": plain, "rows": rows, "zero1_opt_state_ratio": opt_ratio, "zero3_params_ratio": param_ratio,
         "checks": checks, "seconds": elapsed,
     }
-    path = RESULTS / "memory.json"
-    path.write_text(json.dumps(out, indent=2, default=str) + "\n")
+    path = harness.write_result("memory", out, args.out, default=str, newline=True)
     print(f"wrote {path.relative_to(pathlib.Path.cwd()) if path.is_relative_to(pathlib.Path.cwd()) else path}")
     assert checks["ZeRO-1 optimizer state per device is 1/8 of the baseline (within the replicated step count)"], \
         opt_ratio

@@ -40,27 +40,21 @@ Writes bench/results/moe_plan.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import pathlib
-import sys
 import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "examples"))
+import harness
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
+harness.simulate_devices(8)
 
-import whalex as wh  # noqa: E402
-from whalex.balance.fit import memory_fit  # noqa: E402
-from moe_transformer import MoETransformer, make_loss  # noqa: E402
+import jax
+import jax.numpy as jnp
+import optax
 
-RESULTS = ROOT / "bench" / "results"
+import whalex as wh
+from whalex.balance.fit import memory_fit
+
+moe_transformer = harness.load_example("moe_transformer")      # examples/moe_transformer.py
+MoETransformer, make_loss = moe_transformer.MoETransformer, moe_transformer.make_loss
 COMMON = dict(d_model=1024, heads=16, layers=24, vocab=32000, seq=512, top_k=2, capacity=1.25)
 CONFIGS = {
     "100b": dict(gpus=128, experts=512, hidden=4096),
@@ -133,6 +127,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--no-calibrate", action="store_true", help="skip the small-model check of the estimate")
+    p.add_argument("--out", default=None, help="the results file (default bench/results/moe_plan.json)")
     args = p.parse_args(argv)
     rows = [plan_one(name) for name in args.configs]
     print(f"M6-MoE-style plans on abstract V100-32GB clusters (Example 5: default replicate, experts split), "
@@ -173,8 +168,7 @@ def main(argv=None) -> dict:
         print(f"activation estimate vs XLA compiled temp memory (small MoE model, 8 CPU devices): "
               f"{cal['estimate'] / 2**20:.2f} MiB vs {cal['xla_temp'] / 2**20:.2f} MiB "
               f"(estimate / XLA = {cal['ratio']:.2f}: the estimate counts unfused residuals, an upper bound)")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "moe_plan.json").write_text(json.dumps(out, indent=2))
+    print(f"wrote {harness.write_result('moe_plan', out, args.out)}")
     return out
 
 

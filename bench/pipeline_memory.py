@@ -67,11 +67,11 @@ from __future__ import annotations
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import harness
+
+harness.simulate_devices(8)
 
 import argparse
-import json
 import pathlib
 import platform
 import time
@@ -85,7 +85,6 @@ import whalex as wh
 
 N_DEV = 8
 STAGES = 4
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 KEYS = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes")
 
 
@@ -224,6 +223,7 @@ def main():
     ap.add_argument("--features", type=int, default=64)
     ap.add_argument("--classes", type=int, default=16)
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[8, 16, 32])
+    ap.add_argument("--out", default=None, help="the results file (default bench/results/pipeline_memory.json)")
     args = ap.parse_args()
     assert len(jax.devices()) == N_DEV, jax.devices()
     Ms = sorted(set(args.micro_batches))
@@ -360,7 +360,6 @@ def main():
     elapsed = time.perf_counter() - t_start
     print(f"\n{len(rows)} pipeline plans x 2 compiles + {1 + 2 * len(Ms)} plain compiles in {elapsed:.1f} s")
 
-    RESULTS.mkdir(exist_ok=True)
     out = {
         "benchmark": "pipeline_memory",
         "devices": N_DEV, "device_kind": "simulated CPU", "stages": STAGES, "data_parallel": N_DEV // STAGES,
@@ -379,8 +378,7 @@ def main():
         "checks": checks,
         "seconds": elapsed,
     }
-    path = RESULTS / "pipeline_memory.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
+    path = harness.write_result("pipeline_memory", out, args.out, newline=True)
     print(f"wrote {path.relative_to(pathlib.Path.cwd()) if path.is_relative_to(pathlib.Path.cwd()) else path}")
 
 

@@ -2,7 +2,7 @@
 device runs): its collectives, its computations and their loops.
 
 Text only, no JAX: the tests read which collectives a plan compiles to (tests/hlo.py), and bench/
-reads their bytes (bench/harness.py adds the ring-algorithm estimate of the bytes each device sends).
+reads their bytes (bench/harness.py adds the bytes each device sends, `whalex.core.comm.result_ring_bytes`).
 
     for c in collectives(compiled.as_text()):
         c.kind, c.arrays, c.bytes, c.group       # 'all-reduce', (('f32', (512, 512)),), 1048576.0, 8
@@ -13,7 +13,8 @@ import dataclasses
 import math
 import re
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+from whalex.core.comm import KINDS
+
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "token": 0,
                "f8e4m3fn": 1, "f8e5m2": 1, "s4": 0.5, "u4": 0.5}
@@ -33,7 +34,7 @@ Array = tuple  # (dtype name, shape)
 class Collective:
     """One collective of a compiled program (an async `-start`/`-done` pair counted once)."""
 
-    kind: str                       # one of KINDS
+    kind: str                       # one of KINDS (whalex.core.comm)
     arrays: tuple                   # its result arrays, (dtype, shape) each; async: the `-done`'s result
     is_async: bool
     group: int | None               # devices in one group; None: every device (`replica_groups={}`)
