@@ -2,10 +2,12 @@
 collective bytes from compiled HLO, the two-process runs on an emulated heterogeneous cluster, and
 the results files.
 
-A bench is run as ``python bench/<name>.py``, so this directory is on ``sys.path`` and the benches
-read this module as ``import harness`` (as they read bench/models.py). It stays out of the whalex
-package: results files, busy loops and bootstraps are the benches' business, not the library's. The
-HLO parser it builds on is the package's (``whalex.core.hlo``), which the tests read too.
+A bench is run as ``python bench/<name>.py``: Python puts the script's directory first on its module
+search path, so the benches read this module as ``import harness``, as they read bench/models.py. It
+stays out of the whalex package: results files, busy loops and bootstraps are the benches' business,
+not the library's. The HLO parser it builds on is the package's (``whalex.core.hlo``), which the
+tests read too, and the bytes a collective sends are priced by ``whalex.core.comm``, as the planner
+prices them.
 
 This module imports neither JAX nor whalex (which imports JAX) at the top, but where a function first
 needs them: a bench calls ``harness.simulate_devices(8)`` before JAX is imported, and the driver of the
@@ -109,10 +111,6 @@ class Timings:
 
     def median(self, name) -> float:
         return median(self.times(name))
-
-    def blocks(self, name) -> np.ndarray:
-        """(rounds, calls per block) array of wall seconds."""
-        return np.asarray(self.wall[name])
 
 
 def interleaved(calls: dict, rounds: int, *, block: int = 1, warmup: int = 0, order_by="alternate",

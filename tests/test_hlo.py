@@ -68,3 +68,46 @@ def test_argmax_over_split_classes_does_not_gather_logits():
     text = step.plan.lowered().compile().as_text()
     gathered = shapes_of(text, "all-gather") + shapes_of(text, "all-to-all")
     assert tuple(sorted((B, CLASSES))) not in gathered and tuple(sorted((B // 8, CLASSES))) not in gathered
+
+
+_TEXT = """HloModule jit_step, entry_computation_layout={(f32[8,16]{1,0})->f32[64,16]{1,0}}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(f32[] %a, f32[] %b)
+}
+
+%body (c: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  %c = (s32[], f32[8,16]{1,0}) parameter(0)
+  %x = f32[8,16]{1,0} get-tuple-element((s32[], f32[8,16]{1,0}) %c), index=1
+  %ar.1 = f32[8,16]{1,0} all-reduce(f32[8,16]{1,0} %x), replica_groups=mesh['data'=2,'model'=4] {'model'}, to_apply=%add
+  ROOT %t = (s32[], f32[8,16]{1,0}) tuple(s32[] %i, f32[8,16]{1,0} %ar.1)
+}
+
+ENTRY %main.9 (p: f32[8,16]) -> f32[64,16] {
+  %p = f32[8,16]{1,0} parameter(0)
+  %ar = f32[8,16]{1,0} all-reduce(f32[8,16]{1,0} %p), replica_groups=[2,4]<=[8], to_apply=%add, metadata={op_name="jit(step)/psum"}
+  %w = (s32[], f32[8,16]{1,0}) while((s32[], f32[8,16]{1,0}) %init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  %cp = bf16[8,16]{1,0} collective-permute(bf16[8,16]{1,0} %h), source_target_pairs={{0,1},{1,0}}
+  %ags = (f32[8,16]{1,0}, f32[64,16]{1,0}) all-gather-start(f32[8,16]{1,0} %ar), replica_groups={}, dimensions={0}
+  ROOT %agd = f32[64,16]{1,0} all-gather-done((f32[8,16]{1,0}, f32[64,16]{1,0}) %ags), metadata={op_name="jit(step)/all_gather"}
+}
+"""
+
+
+def test_the_parser_reads_groups_async_pairs_and_loops():
+    """whalex.core.hlo on text in the forms XLA prints (CPU compiles no async collectives: this covers them)."""
+    from whalex.core import hlo
+
+    found = hlo.collectives(_TEXT)
+    assert [(c.kind, c.is_async, c.group) for c in found] == [
+        ("all-reduce", False, 4), ("all-reduce", False, 4), ("collective-permute", False, 2), ("all-gather", True, None)]
+    assert found[-1].arrays == (("f32", (64, 16)),) and found[-1].bytes == 64 * 16 * 4      # the -done's result
+    assert found[1].op_name == "jit(step)/psum" and found[2].bytes == 8 * 16 * 2
+    assert shapes_of(_TEXT, "all-gather") == [(16, 64)]
+    assert collectives(_TEXT)[0] == ("all-reduce", [("f32", (8, 16))])                     # tests/hlo.py's form
+    comps, entry = hlo.computations(_TEXT)
+    assert entry == "main.9" and set(comps) == {"add", "body", "main.9"} and len(comps["body"]) == 4
+    assert [hlo.trip_count(line) for line in comps["main.9"] if " while(" in line] == [4]
+    assert hlo.count(_TEXT, "all-reduce") == 2 and hlo.count(_TEXT, "all-gather-start") == 1
