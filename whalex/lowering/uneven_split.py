@@ -6,16 +6,21 @@ common `width` so the weight is one evenly sharded buffer `[features, devices * 
 `chunk`-column blocks (per-device work proportional to its real shard; trip counts differ, so no
 collective runs inside a loop), then the softmax statistics are combined with `pmax`/`psum` over
 the model axis, never gathering logits. A `custom_vjp` gives the backward pass the same shape:
-chunk loops for the weight gradient and the input gradient, then one `psum`.
+chunk loops for the weight gradient and the input gradient, then one `psum`. `uneven_blocks` does
+the same for MLPs and attention (hidden units, heads). The planner hands its decisions down as data,
+`UnevenCall`s; `uneven_overrides` builds the functions that replace those equations.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
+
+from whalex.ops import ACTIVATIONS, attention_heads
 
 NEG = -1e30
 
@@ -190,3 +195,40 @@ def uneven_blocks(mesh, model_axis: str, batch_axes: tuple, layout: UnevenColumn
 
     run.defvjp(fwd, bwd)
     return run
+
+
+@dataclasses.dataclass(frozen=True)
+class UnevenCall:
+    """The planner's decision for one call it runs uneven over a heterogeneous model axis: the
+    softmax cross-entropy head (`kind="head"`), an MLP ("mlp", with its activation) or causal or
+    full attention ("attention"); lowering builds the function (`uneven_overrides`)."""
+
+    path: tuple                  # the call's equation path
+    kind: str                    # head | mlp | attention
+    axis: str                    # the model axis
+    batch_axes: tuple            # the data-parallel axes the batch is split over
+    columns: UnevenColumns       # classes, hidden units or heads per device
+    dims: tuple[int, ...] = ()   # per weight, the dim its units lie on (mlp, attention)
+    activation: str = ""         # mlp
+    causal: bool = False         # attention
+    global_batch: int = 0        # head: the loss is a mean over it
+
+
+def _mlp_block(x, c1, cb, c2, act):
+    return act(x @ c1 + cb) @ c2
+
+
+def _override(call: UnevenCall, mesh):
+    """The function of the call's inputs that replaces its equation (outputs as a list)."""
+    if call.kind == "head":
+        head = uneven_head(mesh, call.axis, call.batch_axes, call.columns, call.global_batch)
+        return lambda *args: [head(*args)]
+    block = (functools.partial(attention_heads, causal=call.causal) if call.kind == "attention" else
+             functools.partial(_mlp_block, act=ACTIVATIONS[call.activation]))
+    fn = uneven_blocks(mesh, call.axis, call.batch_axes, call.columns, block, call.dims)
+    return lambda x, *ws: [fn(x, *ws[:-1]) + ws[-1]]        # the output bias, whole, added once
+
+
+def uneven_overrides(calls, mesh) -> dict:
+    """path -> function for every UnevenCall: the evaluator's overrides."""
+    return {call.path: _override(call, mesh) for call in calls}

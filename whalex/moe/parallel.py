@@ -36,3 +36,19 @@ def expert_parallel(mesh, token_axes: Sequence[str], expert_axes: Sequence[str],
 
     return jax.shard_map(local, mesh=mesh, in_specs=(tokens, experts_, experts_, experts_, experts_),
                          out_specs=tokens, check_vma=True)
+
+
+def expert_overrides(calls, mesh) -> dict:
+    """The planner's ExpertCalls -> their expert-parallel shard_maps, as the evaluator's overrides
+    (path -> function of the call's inputs); calls with the same axes and activation share one
+    function (so their blocks can be evaluated once)."""
+    fns: dict = {}
+
+    def override(call):
+        key = (call.token_axes, call.expert_axes, call.activation)
+        if key not in fns:
+            fn = expert_parallel(mesh, *key)
+            fns[key] = lambda *args: [fn(*args)]
+        return fns[key]
+
+    return {call.path: override(call) for call in calls}

@@ -5,7 +5,6 @@ data parallelism as explicit collectives."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Sequence
 
 import numpy as np
@@ -22,13 +21,13 @@ from whalex.lowering.padding import EvenPadding
 from whalex.planner.patterns import plan_shardings
 from whalex.lowering.step import Program
 from whalex.lowering.uneven import UnevenProgram
-from whalex.lowering.uneven_split import UnevenColumns, uneven_blocks, uneven_head
+from whalex.lowering.uneven_split import UnevenCall, UnevenColumns, uneven_overrides
 from whalex.memory import MemoryOptions, plan_memory, residual_bytes, zero, zero_sharded
 from whalex.memory.remat import configure as configure_memory
 from whalex.mesh.virtual import DATA, mesh_layout, virtual_devices
-from whalex.moe.parallel import expert_parallel
+from whalex.moe.parallel import expert_overrides
 from whalex.core.names import parse_attention_name, parse_mlp_name
-from whalex.ops import ACTIVATIONS, HEAD_NAME, attention_heads
+from whalex.ops import HEAD_NAME
 from whalex.plan import Plan
 from whalex.planner.common import Request, loss_parts, taskgraph_infos
 
@@ -54,9 +53,10 @@ def spmd_plan(req: Request, cap, report=None) -> Plan:
     overrides, split_report = None, None
     padded = {leaf: (EvenPadding(cap.jaxpr.jaxpr.invars[leaf].aval.shape[d], k), d) for leaf, d, k in sharding.padding}
     if config.hardware_aware and m == 1:
-        found = uneven_heads(cap, vds, layout, sharding, cluster, optimizer, mesh)
+        found = uneven_heads(cap, vds, layout, sharding, cluster, optimizer)
         if found is not None:
-            overrides, head_padded, sharding, split_report = found
+            calls, head_padded, sharding, split_report = found
+            overrides = uneven_overrides(calls, mesh)
             padded.update(head_padded)
     padded = padded or None
     if sharding.experts:
@@ -127,21 +127,6 @@ def zero_data_parallel(req: Request, full, m, mesh, mem):
     return UnevenProgram(cap, mesh, req.optimizer, req.cluster.platform, (m * unit,) * n, unit, b, mem, parts=parts)
 
 
-def expert_overrides(calls, mesh) -> dict:
-    """MoE experts calls under split -> their expert-parallel shard_map (all-to-all dispatch); calls
-    with the same axes and activation share one function (so their blocks can be evaluated once)."""
-    fns: dict = {}
-
-    def override(call):
-        key = (call.token_axes, call.expert_axes, call.activation)
-        if key not in fns:
-            fn = expert_parallel(mesh, *key)
-            fns[key] = lambda *args: [fn(*args)]
-        return fns[key]
-
-    return {call.path: override(call) for call in calls}
-
-
 def plan_columns(classes: int, speeds: Sequence[float], capacities: Sequence[float],
                  bytes_per_column: float, names: Sequence[str]):
     """Algorithm 1 over the class dimension: (UnevenColumns, Balance). `chunk` divides `classes`."""
@@ -171,13 +156,13 @@ def _model_shards(vd, layout, cluster):
     return axis, per_model, speeds, spreads, caps
 
 
-def uneven_heads(cap, vds, layout, sharding, cluster, optimizer, mesh):
+def uneven_heads(cap, vds, layout, sharding, cluster, optimizer):
     """Uneven shards under split on a heterogeneous model axis, for `wh.ops.softmax_cross_entropy_head`
-    (classes) and `wh.ops.mlp` (hidden units): (overrides, padded, sharding, report), or None when
-    the even plan applies."""
+    (classes), `wh.ops.mlp` (hidden units) and `wh.ops.attention` (heads): (the UnevenCalls,
+    padded, sharding, report), or None when the even plan applies."""
     jaxpr = cap.jaxpr.jaxpr
     params = {v: i for i, v in enumerate(jaxpr.invars[: cap.num_params])}
-    overrides, padded, specs, reports = {}, {}, list(sharding.param_specs), []
+    calls, padded, specs, reports = [], {}, list(sharding.param_specs), []
     opt = 2.0 if optimizer is not None else 0.0
     for i, eqn in enumerate(jaxpr.eqns):
         name = str(eqn.params.get("name", "")) if C.is_call(eqn) else ""
@@ -215,13 +200,11 @@ def uneven_heads(cap, vds, layout, sharding, cluster, optimizer, mesh):
             padded[leaf] = (cols, d)
             specs[leaf] = P(*([None] * d + [axis]))
         if name == HEAD_NAME:
-            head = uneven_head(mesh, axis, batch_axes, cols, cap.global_batch)
-            overrides[(i,)] = lambda *args, head=head: [head(*args)]
+            calls.append(UnevenCall((i,), "head", axis, batch_axes, cols, global_batch=cap.global_batch))
+        elif causal is not None:
+            calls.append(UnevenCall((i,), "attention", axis, batch_axes, cols, dims, causal=causal))
         else:
-            block = (functools.partial(attention_heads, causal=causal) if causal is not None else
-                     lambda x, c1, cb, c2, act=ACTIVATIONS[activation]: act(x @ c1 + cb) @ c2)
-            fn = uneven_blocks(mesh, axis, batch_axes, cols, block, dims)
-            overrides[(i,)] = lambda x, *ws, fn=fn: [fn(x, *ws[:-1]) + ws[-1]]
+            calls.append(UnevenCall((i,), "mlp", axis, batch_axes, cols, dims, activation=activation))
         tg_flops = taskgraph_flops(cap.jaxpr, {(j,): 0 if j == i else 1 for j in range(len(jaxpr.eqns))}, 1,
                                    cap.num_params)[0]
         even = [units // len(speeds)] * len(speeds)
@@ -232,6 +215,6 @@ def uneven_heads(cap, vds, layout, sharding, cluster, optimizer, mesh):
                                    spreads=spreads))
         reports[-1] = dataclasses.replace(reports[-1], kind=f"{kind} of {cap.param_paths[leaves[0]]} "
                                                             f"(padded to {cols.width})")
-    if not overrides:
+    if not calls:
         return None
-    return overrides, padded, dataclasses.replace(sharding, param_specs=tuple(specs)), reports[0]
+    return tuple(calls), padded, dataclasses.replace(sharding, param_specs=tuple(specs)), reports[0]
