@@ -91,8 +91,9 @@ def gpt(size: dict, remat_block: bool = False):
         return loss_fn(jax.tree.map(lambda a: a.astype(jnp.bfloat16), p), b)
 
     n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
+    n_dense = n_params - size["vocab"] * size["d"]           # the embedding table is a gather, not a matmul
     tokens_per_step, layers, seq, d = size["batch"] * size["seq"], size["layers"], size["seq"], size["d"]
-    flops = 6 * n_params * tokens_per_step + 12 * layers * seq * d * tokens_per_step   # matmuls + attention
+    flops = 6 * n_dense * tokens_per_step + 12 * layers * seq * d * tokens_per_step   # matmuls + attention
     return loss_fn, bf16_loss_fn, params, batch, flops
 
 
@@ -130,14 +131,14 @@ class Loop:
         return self.state, self.metrics
 
 
-def peak_flops(device_kind: str, amp: bool) -> float:
-    """The device's peak FLOP/s for the MFU (whalex's spec table; bf16 or fp32)."""
+def peak_flops(device_kind: str) -> float:
+    """The device's dense bf16 peak FLOP/s (whalex's spec table), the MFU's denominator for every
+    precision (XLA runs fp32 matmuls on tensor cores too: TF32 by default on GPUs)."""
     from whalex.mesh import specs
     try:
-        spec = specs.lookup(device_kind)
+        return specs.lookup(device_kind).bf16_flops
     except ValueError:
         return float("nan")
-    return spec.bf16_flops if amp else spec.fp32_flops
 
 
 def case_pair(size: dict, res: dict, amp: bool):
@@ -166,15 +167,26 @@ def case_pair(size: dict, res: dict, amp: bool):
     pstate, pm = loops["plain"].state, loops["plain"].metrics
     wstate, wm = loops["whalex"].state, loops["whalex"].metrics
     plain, whalex = harness.median(times["plain"]), harness.median(times["whalex"])
-    peak = peak_flops(jax.devices()[0].device_kind, amp)
+    peak = peak_flops(jax.devices()[0].device_kind)
     prediction = predict(step.plan)
     res.update(step_s=times, ratio=whalex / plain, flops_per_step=flops, mfu_plain=flops / plain / peak,
                mfu_whalex=flops / whalex / peak, last_loss={"plain": float(pm["loss"]), "whalex": float(wm["loss"])},
                plan_flops=sum(t.flops for t in step.plan.task_graphs), predicted_step_s=prediction.step_time,
                predicted_basis=prediction.basis, summary=step.plan.summary())
-    rel = jax.tree.map(lambda a, b: float(np.max(np.abs(np.float32(a) - np.float32(b))) / (np.max(np.abs(np.float32(b))) + 1e-30)),
-                       jax.device_get(wstate.params), jax.device_get(pstate[0]))
-    res["max_rel_param_diff"] = max(jax.tree.leaves(rel))
+    res.update(param_diff(jax.device_get(wstate.params), jax.device_get(pstate[0])))
+
+
+def param_diff(a, b) -> dict:
+    """How far two parameter trees are apart: relative L2 of the whole tree, and the worst leaf
+    (max |a-b| / max |b|) among leaves of scale above 1e-3 (a near-zero leaf, such as an attention
+    key bias whose gradient is exactly zero, would measure only float noise)."""
+    import jax
+    import numpy as np
+    pairs = [(np.float64(x), np.float64(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
+    num = sum(float(np.sum((x - y) ** 2)) for x, y in pairs)
+    den = sum(float(np.sum(y ** 2)) for _, y in pairs)
+    leaves = [float(np.max(np.abs(x - y)) / np.max(np.abs(y))) for x, y in pairs if np.max(np.abs(y)) > 1e-3]
+    return {"param_rel_l2": (num / den) ** 0.5 if den else 0.0, "max_rel_param_diff": max(leaves, default=0.0)}
 
 
 def case_memory(size: dict, res: dict, name: str):
@@ -195,6 +207,9 @@ def case_memory(size: dict, res: dict, name: str):
         state = fn.init(params, batch)
         res["summary"] = fn.plan.summary()
         res["predicted_bytes"] = max((m.state + m.activations for m in fn.plan.memory), default=None)
+        m = fn.plan.compiled_memory()           # XLA's figure for the same step: args + outputs + temp - alias
+        res["compiled_bytes"] = (m.get("argument_size_in_bytes", 0) + m.get("output_size_in_bytes", 0)
+                                 + m.get("temp_size_in_bytes", 0) - m.get("alias_size_in_bytes", 0))
     state, metrics = fn(state, gbatch)
     loop = Loop(fn, state, gbatch, size["steps"])
     times = [dt / size["steps"] for dt in harness.interleaved({name: loop}, size["rounds"]).times(name)]
@@ -246,8 +261,10 @@ def table(results: dict) -> str:
         else:
             t = r["median_step_s"]
             ratio = f"{t / base:>7.3f}" if base else f"{'':>7}"
+            plan = (f"; plan predicts {gb(r['predicted_bytes'])}, XLA compiled {gb(r.get('compiled_bytes'))}"
+                    if r.get("predicted_bytes") is not None else "")
             lines.append(f"{name:28} {ms(t):>10} {ms(base):>10} {ratio} {gb(r.get('peak_bytes')):>10}  "
-                         f"loss {r['loss']:.4f}")
+                         f"loss {r['loss']:.4f}{plan}")
     return "\n".join(lines)
 
 

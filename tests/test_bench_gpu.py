@@ -24,5 +24,5 @@ def test_gpu_bench_small_runs_every_case(tmp_path):
     assert pair["first_loss"]["whalex"] == pair["first_loss"]["plain"]       # the same model, maths and batch
     assert pair["max_rel_param_diff"] < 1e-2                                # bf16 compute on both sides
     assert pair["plan_flops"] > 0 and pair["predicted_step_s"] > 0
-    assert 0.5 < pair["plan_flops"] / pair["flops_per_step"] < 2            # the jaxpr count vs 6ND + attention
+    assert 0.9 < pair["plan_flops"] / pair["flops_per_step"] < 1.1          # the jaxpr count vs 6ND + attention
     assert "ratio" in p.stdout and "pair_bf16" in p.stdout

@@ -73,3 +73,17 @@ def test_gpt_trains_as_one_device(optimizer, config):
     step, _ = assert_matches(loss_fn, params, batch, steps=3, optimizer=optimizer, tol=1e-4, config=config)
     flops = sum(t.flops for t in step.plan.task_graphs)
     assert flops > 0                                            # the cost model sees the model's work
+
+
+def test_predicted_step_time_counts_at_the_precision_of_the_step():
+    """On a GPU kind the prediction is the jaxpr FLOPs over the spec speed: FP32, or bf16 under amp."""
+    from whalex.mesh.specs import lookup
+    from whalex.view.timing import predict
+    params, batch = problem()
+    cluster = wh.Cluster.abstract(kinds=["H100-80GB"])
+    spec = lookup("H100-80GB")
+    for amp, speed in ((None, spec.fp32_flops), ("bf16", spec.bf16_flops)):
+        plan = wh.plan(loss_fn, params, batch, optax.sgd(0.1), config=wh.Config(amp=amp), cluster=cluster)
+        flops = sum(t.flops for t in plan.task_graphs)
+        assert flops > 0
+        assert predict(plan).step_time == pytest.approx(flops / speed, rel=1e-9)

@@ -132,6 +132,13 @@ class Cluster:
         """FLOP/s per device: calibrated if measured, else the spec table's FP32 peak."""
         return self.measured if self.measured is not None else tuple(s.fp32_flops for s in self.specs)
 
+    def compute_speeds(self, amp: str | None = None) -> tuple[float, ...]:
+        """FLOP/s per device for a step computing in `amp` ("bf16"/"fp16": the spec table's tensor-core
+        peak; None: its FP32 peak); calibrated speeds were measured on the step itself and stand as they are."""
+        if self.measured is not None or amp not in ("bf16", "fp16"):
+            return self.speeds
+        return tuple(s.bf16_flops for s in self.specs)
+
     @property
     def speed_source(self) -> str:
         return "calibrated" if self.measured is not None else "spec table"

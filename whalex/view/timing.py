@@ -6,9 +6,10 @@
 
 The prediction is the plan's cost model of compute only: on a heterogeneous plan the balance
 report's per-device time (fixed time + rows x FLOPs per row / speed), otherwise each device's even
-share of the plan's FLOPs (XLA cost analysis) over its speed (the spec table's peak FP32 FLOP/s, or
-calibrated speeds), stretched by the pipeline bubble. Collectives, launches and memory traffic are
-not in it, so measured / predicted says how far a real step is from the compute bound.
+share of the plan's FLOPs (counted from the jaxpr) over its speed (the spec table's peak FP32 FLOP/s,
+its bf16 tensor-core peak under amp, or calibrated speeds), stretched by the pipeline bubble.
+Collectives, launches and memory traffic are not in it, so measured / predicted says how far a real
+step is from the compute bound.
 """
 from __future__ import annotations
 
@@ -35,21 +36,26 @@ class Prediction:
 
 
 def predict(plan) -> Prediction:
-    """Per-device predicted compute time of one step, from the plan's own cost model."""
+    """Per-device predicted compute time of one step, from the plan's own cost model, at the speed of
+    the precision the step computes in (`Config.amp`)."""
+    used = len(plan.memory) or None                                   # the devices the plan uses
+    fp32 = plan.cluster.speeds[:used]
+    speeds = plan.cluster.compute_speeds(plan.config.amp)[:used]
+    precision = f" ({plan.config.amp} peak)" if speeds != fp32 else ""
     reports = [r for r in (plan.balance, plan.head_balance) if r is not None]
     if reports and len({len(r.devices) for r in reports}) == 1:
         times = [0.0] * len(reports[0].devices)
         even = [0.0] * len(reports[0].devices)
         for r in reports:                   # hybrid: the batch's report counts the backbone, the head's the head
             for i, d in enumerate(r.devices):
-                times[i] += d.time if r.applied else d.even_time
-                even[i] += d.even_time
-        return Prediction(tuple(times), "balance cost model: fixed time + load x FLOPs per unit / device speed",
-                          tuple(even) if any(r.applied for r in reports) else None)
-    speeds = plan.cluster.speeds[: len(plan.memory) or None]         # the devices the plan uses
+                scale = fp32[i] / speeds[i] if i < len(speeds) else 1.0   # the reports count at FP32 speed
+                times[i] += d.overhead + ((d.time if r.applied else d.even_time) - d.overhead) * scale
+                even[i] += d.overhead + (d.even_time - d.overhead) * scale
+        return Prediction(tuple(times), "balance cost model: fixed time + load x FLOPs per unit / device speed"
+                          + precision, tuple(even) if any(r.applied for r in reports) else None)
     flops = sum(t.flops for t in plan.task_graphs) / max(len(speeds), 1)
     stretch = 1.0
-    basis = "even share of the plan's FLOPs / device speed"
+    basis = "even share of the plan's FLOPs / device speed" + precision
     if plan.schedule is not None:
         stretch = 1.0 / max(1.0 - plan.schedule.bubble_fraction, 1e-9)
         basis += f", / (1 - pipeline bubble {fmt_pct(plan.schedule.bubble_fraction)})"
