@@ -48,51 +48,7 @@ import jax
 import numpy as np
 
 from whalex import _compat as C
-
-# Forward: 0 FLOPs (data movement, collectives, bookkeeping; their transposes are data movement too).
-_MOVE = frozenset({
-    "reshape", "transpose", "squeeze", "expand_dims", "slice", "dynamic_slice", "dynamic_update_slice",
-    "concatenate", "pad", "rev", "iota", "copy", "copy_p", "device_put", "sharding_constraint", "mesh_cast",
-    "reshard", "pcast", "pvary", "psum", "pmax", "pmin", "ppermute", "all_gather", "all_to_all",
-    "psum_scatter", "reduce_scatter", "axis_index", "pbroadcast", "psum_invariant", "bitcast_convert_type",
-    "stop_gradient", "optimization_barrier", "name", "random_wrap", "random_unwrap", "top_k", "split",
-    "scatter", "empty", "broadcast"})
-# Forward: 0 FLOPs (XLA counts transcendental functions apart from FLOPs).
-_TRANSCENDENTAL = frozenset({
-    "exp", "log", "tanh", "sin", "cos", "tan", "sqrt", "rsqrt", "cbrt", "pow", "atan2", "expm1", "log1p",
-    "erf", "atan", "asin", "acos", "sinh", "cosh", "atanh", "acosh", "lgamma", "digamma", "igamma",
-    "igammac", "polygamma", "zeta", "bessel_i0e", "bessel_i1e", "random_gamma_grad",
-    "regularized_incomplete_beta"})
-# Forward FLOPs per output element where not 1 (XLA expands these into arithmetic).
-_FWD = {"logistic": 3.0, "erfc": 62.0, "erf_inv": 37.0, "asinh": 11.0, "nextafter": 24.0,
-        "random_bits": 29.0, "threefry2x32": 14.5, "random_split": 28.0, "random_fold_in": 37.0}
-# Backward FLOPs per output element, per differentiated operand (JVP + transpose rules).
-_BWD_UNARY = {
-    "neg": 1, "exp": 1, "log": 1, "tanh": 4, "logistic": 3, "sqrt": 2, "rsqrt": 3, "cbrt": 4, "erf": 24,
-    "erfc": 24, "erf_inv": 3, "sin": 1, "cos": 2, "tan": 3, "atan": 3, "asinh": 10, "expm1": 1, "log1p": 2,
-    "exp2": 2, "abs": 5, "square": 2, "convert_element_type": 1, "reduce_precision": 1, "real": 1,
-    "imag": 1, "conj": 1}
-_BWD_OPERANDS = {
-    "add": (0, 0), "add_any": (0, 0), "sub": (0, 1), "mul": (1, 1), "div": (1, 5), "max": (5, 5),
-    "min": (5, 5), "pow": (3, 4), "atan2": (5, 6), "rem": (0, 8), "clamp": (2, 4, 2)}
-_REDUCE = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-                     "reduce_xor", "argmax", "argmin"})
-_BWD_REDUCE = {"reduce_max": 4, "reduce_min": 4, "reduce_prod": 4}      # per input element
-_CUMULATIVE = {"cumsum": 1, "cumprod": 3, "cummax": 3, "cummin": 3, "cumlogsumexp": 3}  # backward per element
-# Outputs never differentiated (zero derivative, or not numbers).
-_NONDIFF = frozenset({
-    "sign", "floor", "ceil", "round", "nextafter", "is_finite", "argmax", "argmin", "iota", "stop_gradient",
-    "random_bits", "random_seed", "random_split", "random_fold_in", "random_wrap", "random_unwrap",
-    "threefry2x32", "rng_bit_generator", "rng_uniform", "population_count", "clz", "axis_index"})
-_REMAT = frozenset(C.CHECKPOINT_PRIMITIVES)
-# Linear in their differentiated operands: the backward reads no forward value (but indices).
-_LINEAR = frozenset({"add", "add_any", "sub", "neg", "reduce_sum", "convert_element_type", "cumsum",
-                     "reduce_precision", "real", "imag", "conj", "select_n", "gather", "scatter-add",
-                     "scatter_add"})
-# Their backward reads their output (exp's cotangent is g * exp(x)).
-_USES_OUTPUT = frozenset({"exp", "exp2", "tanh", "logistic", "sqrt", "rsqrt", "cbrt", "expm1", "reduce_max",
-                          "reduce_min", "max", "min", "cumprod", "cummax", "cummin", "cumlogsumexp", "sort"})
-
+from whalex.core import flop_rules as R
 
 @dataclasses.dataclass(frozen=True)
 class Counts:
@@ -247,7 +203,7 @@ def _shards(eqn) -> int:
 
 def _eqn_active(eqn, ains: tuple, memo: dict) -> tuple:
     name = eqn.primitive.name
-    if name in _NONDIFF:
+    if name in R.NONDIFF:
         return (False,) * len(eqn.outvars)
     if name == "scan":
         outs = _scan_flow(eqn, ains, None, memo)[2]
@@ -334,11 +290,11 @@ def _eqn_fwd(eqn, memo: dict) -> float:
         shape = eqn.invars[0].aval.shape
         return 2.0 * out * float(math.prod(int(shape[d]) for d in lc))
     if name == "conv_general_dilated":
-        return _conv_flops(eqn)
+        return R.conv_flops(eqn)
     if name == "scan":
         return eqn.params["length"] * _fwd_total(C.open_jaxpr(eqn.params["jaxpr"])[0], memo)
     if name == "while":
-        trips = _trip_count(eqn) or 1
+        trips = R.trip_count(eqn) or 1
         return trips * (_fwd_total(C.open_jaxpr(eqn.params["cond_jaxpr"])[0], memo)
                         + _fwd_total(C.open_jaxpr(eqn.params["body_jaxpr"])[0], memo))
     if name == "cond":
@@ -349,15 +305,15 @@ def _eqn_fwd(eqn, memo: dict) -> float:
     subs = _jaxprs_in(eqn)
     if subs:
         return sum(_fwd_total(C.open_jaxpr(s)[0], memo) for s in subs)
-    if name in _MOVE or name in _TRANSCENDENTAL or name in ("broadcast_in_dim", "gather"):
+    if name in R.MOVE or name in R.TRANSCENDENTAL or name in ("broadcast_in_dim", "gather"):
         return 0.0
-    if name in _REDUCE:
+    if name in R.REDUCE:
         per = 9.0 if name in ("argmax", "argmin") else 1.0     # a variadic (value, index) comparison
         return per * max(0.0, _size(eqn.invars[0]) - out)
-    if name in _CUMULATIVE:
+    if name in R.CUMULATIVE:
         return out
     if name == "integer_pow":
-        return out * _pow_muls(int(eqn.params["y"]))
+        return out * R.pow_muls(int(eqn.params["y"]))
     if name == "sort":
         length = eqn.invars[0].aval.shape[eqn.params["dimension"]] if eqn.invars[0].aval.shape else 1
         return out * math.ceil(math.log2(max(int(length), 1))) if length > 1 else 0.0
@@ -365,8 +321,8 @@ def _eqn_fwd(eqn, memo: dict) -> float:
                 "scatter-max", "scatter_max"):
         return _size(eqn.invars[2]) if len(eqn.invars) > 2 else out
     if name == "random_bits":
-        return out * _FWD[name] * max(1, int(eqn.params.get("bit_width", 32)) // 32)
-    return out * _FWD.get(name, 1.0)
+        return out * R.FWD[name] * max(1, int(eqn.params.get("bit_width", 32)) // 32)
+    return out * R.FWD.get(name, 1.0)
 
 
 def _eqn_bwd(eqn, ains: tuple, lout: tuple, memo: dict) -> float:
@@ -381,40 +337,40 @@ def _eqn_bwd(eqn, ains: tuple, lout: tuple, memo: dict) -> float:
         return eqn.params["length"] * (_counts(body, din, seeds, memo).backward + accumulate)
     if name == "while":
         body, din, _, _, seeds = _while_flow(eqn, ains, lout, memo)
-        return (_trip_count(eqn) or 1) * _counts(body, din, seeds, memo).backward
+        return (R.trip_count(eqn) or 1) * _counts(body, din, seeds, memo).backward
     if name == "cond":
         return max(_counts(C.open_jaxpr(b)[0], ains[1:], lout, memo).backward for b in eqn.params["branches"])
     sub = _sub(eqn)
     if sub is not None and name == "custom_jvp_call" and _is_relu(sub):
         return 2.0 * out                                    # its rule: select(x > 0, g, 0)
     if sub is not None:
-        recompute = _recompute(sub, ains, lout, eqn.params.get("policy"), memo) if name in _REMAT else 0.0
+        recompute = _recompute(sub, ains, lout, eqn.params.get("policy"), memo) if name in R.REMAT else 0.0
         return _shards(eqn) * (_counts(sub, ains, lout, memo).backward + recompute)
     if _jaxprs_in(eqn):
         return 2.0 * _eqn_fwd(eqn, memo)
-    if name in _MOVE or name in ("reduce_sum", "scatter-add", "scatter_add"):
+    if name in R.MOVE or name in ("reduce_sum", "scatter-add", "scatter_add"):
         return 0.0
     if name == "broadcast_in_dim":
         return max(0.0, out - _size(eqn.invars[0]))         # the transpose sums over the new axes
     if name == "gather":
         return out if ains[0] else 0.0                      # scatter-add of the cotangent
-    if name in _BWD_REDUCE:
-        return _BWD_REDUCE[name] * _size(eqn.invars[0])
-    if name in _CUMULATIVE:
-        return _CUMULATIVE[name] * out
+    if name in R.BWD_REDUCE:
+        return R.BWD_REDUCE[name] * _size(eqn.invars[0])
+    if name in R.CUMULATIVE:
+        return R.CUMULATIVE[name] * out
     if name == "sort":
         return out
     if name == "integer_pow":
-        return out * (_pow_muls(int(eqn.params["y"]) - 1) + 2)
-    if name in _BWD_UNARY:
-        return out * _BWD_UNARY[name]
+        return out * (R.pow_muls(int(eqn.params["y"]) - 1) + 2)
+    if name in R.BWD_UNARY:
+        return out * R.BWD_UNARY[name]
     if name == "div" and ains[1]:       # -g * x at the output's size, y ** -2 at y's
         return (out if ains[0] else 0.0) + 3 * out + 2 * _size(eqn.invars[1]) + max(0.0, out - _size(eqn.invars[1])) \
             + (max(0.0, out - _size(eqn.invars[0])) if ains[0] else 0.0)
     if name == "select_n":
         per = (0,) + (1,) * (len(ains) - 1)
     else:
-        per = _BWD_OPERANDS.get(name, (1,) * len(ains))
+        per = R.BWD_OPERANDS.get(name, (1,) * len(ains))
     # an operand broadcast along size-1 dimensions gets its cotangent summed back to its shape
     return sum(out * c + max(0.0, out - _size(v)) for c, a, v in zip(per, ains, eqn.invars) if a)
 
@@ -425,7 +381,7 @@ def _is_relu(jaxpr) -> bool:
         jaxpr = _sub(jaxpr.eqns[0])
     if len(jaxpr.eqns) != 1 or jaxpr.eqns[0].primitive.name != "max":
         return False
-    return any(not _var(v) and _literal(v) == 0 for v in jaxpr.eqns[0].invars)
+    return any(not _var(v) and R.literal(v) == 0 for v in jaxpr.eqns[0].invars)
 
 
 def _fwd_total(jaxpr, memo: dict) -> float:
@@ -458,99 +414,12 @@ def _residuals(eqn, ains: tuple) -> list:
         return [ins[1 - k] for k in (0, 1) if ains[k] and _var(ins[1 - k])]
     if name == "mul":
         return [ins[1 - k] for k in (0, 1) if ains[k] and _var(ins[1 - k])]
-    if name in _LINEAR or name == "broadcast_in_dim" or name in _MOVE:
+    if name in R.LINEAR or name == "broadcast_in_dim" or name in R.MOVE:
         return [v for v in ins if _var(v) and not _inexact(v)]          # indices, predicates
-    if name in _USES_OUTPUT:
+    if name in R.USES_OUTPUT:
         return outs + [v for v in ins if _var(v)]
     if _sub(eqn) is not None or _jaxprs_in(eqn):
         return outs + [v for v in ins if _var(v)]                       # a call runs again whole
     return [v for v in ins if _var(v)]
 
 
-def _pow_muls(y: int) -> float:
-    """Multiplications (and the division of a negative power) XLA counts for x ** y."""
-    k = abs(y)
-    muls = (k.bit_length() - 1) + bin(k).count("1") - 1 if k else 0
-    return float(max(muls, 0) + (1 if y < 0 else 0))
-
-
-def _conv_flops(eqn) -> float:
-    """2 x multiply-adds of a convolution at valid kernel positions (XLA's HandleConvolution)."""
-    p = eqn.params
-    lhs, rhs, out = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape, eqn.outvars[0].aval.shape
-    dn = p["dimension_numbers"]
-    lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
-    valid = 1.0
-    for k in range(len(lhs_spec) - 2):
-        size_in, size_k, size_out = lhs[lhs_spec[k + 2]], rhs[rhs_spec[k + 2]], out[out_spec[k + 2]]
-        stride, (lo, _) = p["window_strides"][k], p["padding"][k]
-        base, window = p["lhs_dilation"][k], p["rhs_dilation"][k]
-        o = np.arange(int(size_out))[:, None]
-        kk = np.arange(int(size_k))[None, :]
-        undilated = o * stride - lo + kk * window
-        ok = (undilated % base == 0) & (undilated // base >= 0) & (undilated // base < size_in)
-        valid *= float(ok.sum())
-    fma = (lhs[lhs_spec[1]] / p["feature_group_count"]) * rhs[rhs_spec[0]] * (lhs[lhs_spec[0]] / p["batch_group_count"])
-    return 2.0 * float(fma) * valid
-
-
-def _trip_count(eqn) -> int | None:
-    """The static trip count of a while loop `for i in range(start, bound, step)`-shaped: a carried
-    counter from a literal, moved by a literal, compared with a literal (or a literal carried
-    unchanged or passed as a cond constant); None for any other loop."""
-    cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-    cond, _ = C.open_jaxpr(eqn.params["cond_jaxpr"])
-    body, _ = C.open_jaxpr(eqn.params["body_jaxpr"])
-    init = eqn.invars[cn + bn:]
-    if len(cond.eqns) != 1 or cond.eqns[0].primitive.name not in ("lt", "le", "gt", "ge"):
-        return None
-    cmp = cond.eqns[0]
-    if cond.outvars[0] is not cmp.outvars[0]:
-        return None
-    flip = {"lt": "gt", "gt": "lt", "le": "ge", "ge": "le"}
-    a, b, op = cmp.invars[0], cmp.invars[1], cmp.primitive.name
-    if not (_var(a) and a in cond.invars[cn:]):
-        a, b, op = b, a, flip[op]
-    if not (_var(a) and a in cond.invars[cn:]):
-        return None
-    j = cond.invars.index(a) - cn
-    start, bound, step = _literal(init[j]), _static(b, cond, cn, eqn, body, bn), _step(body, bn, j)
-    if start is None or bound is None or not step:
-        return None
-    span = {"lt": bound - start, "le": bound - start + (1 if step > 0 else -1),
-            "gt": bound - start, "ge": bound - start + (1 if step > 0 else -1)}[op]
-    if (op in ("lt", "le")) != (step > 0):
-        return None
-    return max(0, math.ceil(span / step))
-
-
-def _literal(v):
-    return np.asarray(v.val).item() if isinstance(v, C.Literal) and np.ndim(v.val) == 0 else None
-
-
-def _static(v, cond, cn: int, eqn, body, bn: int):
-    """The value of a cond input known before the loop runs, or None."""
-    if not _var(v):
-        return _literal(v)
-    k = cond.invars.index(v) if v in cond.invars else -1
-    if k < 0:
-        return None
-    if k < cn:
-        return _literal(eqn.invars[k])
-    j = k - cn
-    passed = body.outvars[j] is body.invars[bn + j]
-    return _literal(eqn.invars[cn + bn + j]) if passed else None
-
-
-def _step(body, bn: int, j: int):
-    """The literal a loop's body adds to carry `j` (negative for a subtraction), or None."""
-    out, carried = body.outvars[j], body.invars[bn + j]
-    for e in body.eqns:
-        if e.outvars[0] is out and e.primitive.name in ("add", "sub"):
-            x, y = e.invars
-            if x is carried and not _var(y):
-                lit = _literal(y)
-                return None if lit is None else (lit if e.primitive.name == "add" else -lit)
-            if y is carried and not _var(x) and e.primitive.name == "add":
-                return _literal(x)
-    return None
