@@ -22,14 +22,16 @@ class Segment:
     outputs: tuple         # Vars defined here and read later (or returned)
 
 
-def segments(cap) -> tuple[Segment, ...]:
-    """Maximal runs of consecutive top-level equations that belong to one TaskGraph."""
+def segments(cap, cuts: Sequence[int] = ()) -> tuple[Segment, ...]:
+    """Maximal runs of consecutive top-level equations that belong to one TaskGraph, also cut before
+    each equation index in `cuts` (the model's layers, for remat per layer)."""
     jaxpr = cap.jaxpr.jaxpr
     eqns = jaxpr.eqns
+    cut = set(cuts)
     runs: list[list[int]] = []
     for i in range(len(eqns)):
         tg = cap.assign[(i,)]
-        if runs and cap.assign[(runs[-1][0],)] == tg:
+        if runs and cap.assign[(runs[-1][0],)] == tg and i not in cut:
             runs[-1].append(i)
         else:
             runs.append([i])

@@ -241,7 +241,7 @@ def _batch_major(v, dep: set, batch: int) -> bool:
     return v in dep and bool(v.aval.shape) and v.aval.shape[0] == batch
 
 
-def comm_segments(cap, segs, prec: Precision, overrides: dict | None, axis_sizes: dict) -> dict:
+def comm_segments(cap, segs, prec: Precision, overrides: dict | None, axis_sizes: dict, cuts=()) -> dict:
     """{segment index: (manual axes, why not)}: the segments that run data-parallel in a shard_map.
 
     A segment qualifies when its TaskGraph's batch is sharded (over axes of size > 1), the loss
@@ -264,7 +264,7 @@ def comm_segments(cap, segs, prec: Precision, overrides: dict | None, axis_sizes
             why = NOT_SHARDED
         elif n not in prec.local:
             why = f"the batch of {b} does not divide over {n} devices"
-        elif _shape(segments(prec.local[n])) != _shape(segs):
+        elif _shape(segments(prec.local[n], cuts)) != _shape(segs):
             why = "the loss traces differently at the per-device batch"
         elif any(seg.start <= i < seg.stop for i in overridden):
             why = "an equation of it is replaced (uneven head or experts)"

@@ -33,6 +33,7 @@ from whalex.core.blocks import block_evaluator
 from whalex.core.segments import Segment, run_segments, segment_function, segments
 from whalex.errors import PlanError
 from whalex.memory import precision as pr
+from whalex.memory.layers import find_layers
 from whalex.memory.precision import Precision, describe, local_captures
 
 COMM = "whalex_comm"            # values at collective points: always saved
@@ -123,6 +124,7 @@ class RematPlan:
 
     levels: tuple            # per TaskGraph: None | "full" | a jax.checkpoint_policies name
     mode: Any = None         # Config.remat as given ("full", a policy name, "auto", or None)
+    layers: Any = None       # whalex.memory.layers.Layers: remat applies per layer within a TaskGraph
     offload: bool = False    # offload="activations"
     budget: float | None = None      # remat="auto": the per-device budget in bytes
     baseline: float | None = None    # remat="auto": compiled bytes without remat
@@ -132,15 +134,27 @@ class RematPlan:
     def active(self) -> bool:
         return self.offload or any(level is not None for level in self.levels)
 
+    @property
+    def cuts(self) -> tuple[int, ...]:
+        """Top-level equations where a remat segment starts besides TaskGraph boundaries (layers)."""
+        return self.layers.cuts if self.layers is not None else ()
+
     def describe(self) -> str:
         parts = [f"TG{i} {level or 'none'}" for i, level in enumerate(self.levels)]
         line = f"remat ({self.mode}): " + ", ".join(parts) if self.mode is not None else ""
+        if line and self.layers is not None and len(self.layers.names) > 1:
+            line += (f", per layer ({len(self.layers.names)} layers found at module depth {self.layers.depth}: "
+                     f"{_names(self.layers.names)})")
         if self.budget is not None:
             line += (f"; budget {_mib(self.budget)}/device, compiled {_mib(self.baseline)} without remat -> "
                      f"{_mib(self.compiled)} (XLA memory_analysis of the donated step)")
         if self.offload:
             line = (line + "; " if line else "") + "activations at TaskGraph boundaries offloaded to pinned_host"
         return line
+
+
+def _names(names, shown: int = 4) -> str:
+    return ", ".join(names) if len(names) <= shown + 1 else ", ".join(names[:shown]) + f", ... {names[-1]}"
 
 
 def _mib(n) -> str:
@@ -176,7 +190,7 @@ def compiled_bytes(program) -> float:
     return float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
 
 
-def choose(program, num_taskgraphs: int, budget: float, offload: bool = False, log=None) -> RematPlan:
+def choose(program, num_taskgraphs: int, budget: float, offload: bool = False, log=None, layers=None) -> RematPlan:
     """remat="auto": per TaskGraph None, DOTS or "full", measured on the compiled step, so that
     arguments + temp fit `budget`; a PlanError when even full remat everywhere does not fit."""
     cache: dict = {}
@@ -184,7 +198,7 @@ def choose(program, num_taskgraphs: int, budget: float, offload: bool = False, l
     def measure(levels) -> float:
         levels = tuple(levels)
         if levels not in cache:
-            plan = RematPlan(levels, "auto", offload)
+            plan = RematPlan(levels, "auto", layers, offload)
             cache[levels] = compiled_bytes(dataclasses.replace(program, remat=plan))
             if log is not None:
                 log.append((levels, cache[levels]))
@@ -194,7 +208,7 @@ def choose(program, num_taskgraphs: int, budget: float, offload: bool = False, l
     base = measure(none)
 
     def done(levels):
-        return RematPlan(tuple(levels), "auto", offload, budget, base, measure(levels))
+        return RematPlan(tuple(levels), "auto", layers, offload, budget, base, measure(levels))
 
     if base <= budget:
         return done(none)
@@ -237,10 +251,10 @@ def program_evaluator(cap, constraints: dict, mesh, overrides: dict | None, plan
         return block_evaluator(cap, constraints, mesh, overrides), None
     plan = plan if remat_on else RematPlan((None,) * len(cap.taskgraphs))
     split = {t.index for t in cap.taskgraphs if t.strategy.kind == "split"}
-    segs = segments(cap)
-    manual = pr.comm_segments(cap, segs, prec, overrides, dict(mesh.shape)) if comm_on else {}
+    segs = segments(cap, plan.cuts)
+    manual = pr.comm_segments(cap, segs, prec, overrides, dict(mesh.shape), plan.cuts) if comm_on else {}
     tagged = comm_overrides(cap, constraints, mesh, split, overrides) if remat_on else overrides
-    local_segs = {n: segments(c) for n, c in (prec.local.items() if comm_on else ())}
+    local_segs = {n: segments(c, plan.cuts) for n, c in (prec.local.items() if comm_on else ())}
     parts = []
     for k, seg in enumerate(segs):
         axes, _ = manual.get(k, ((), None))
@@ -282,8 +296,10 @@ def configure(program, config, cluster, batch_axes=(), recapture: Callable | Non
     if mode is None and not offload:
         return program
     n = len(program.captured.taskgraphs)
+    layers = find_layers(program.captured)
     if mode is None:                 # what is offloaded are the values remat saves: boundaries, collectives
-        return dataclasses.replace(program, remat=RematPlan(("full",) * n, "full, for offload='activations'", True))
+        return dataclasses.replace(program, remat=RematPlan(("full",) * n, "full, for offload='activations'", layers,
+                                                            True))
     if mode == "auto":
         if cluster.is_abstract:
             raise PlanError("remat='auto' measures the compiled step's memory and needs real devices; on an "
@@ -291,9 +307,9 @@ def configure(program, config, cluster, batch_axes=(), recapture: Callable | Non
         budget = config.memory_budget
         if budget is None:
             budget = min(float(s.memory_bytes) for s in cluster.specs[: program.mesh.size])
-        plan = choose(program, n, float(budget), offload)
+        plan = choose(program, n, float(budget), offload, layers=layers)
     else:
-        plan = RematPlan((mode,) * n, mode, offload)
+        plan = RematPlan((mode,) * n, mode, layers, offload)
     return dataclasses.replace(program, remat=plan)
 
 

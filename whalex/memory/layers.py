@@ -1,0 +1,64 @@
+"""The model's layers, for rematerialization per layer: found in the captured program, no annotation.
+
+A layer is a contiguous run of top-level equations under one module path (Flax's name stack,
+`GPT/Block_3`). The depth is the one at which the model repeats itself most: the module paths whose
+equations compute the same function (equal `subgraph_key`, e.g. the blocks of a transformer) cover
+the most equations there, or the shallowest depth that covers within `COVERAGE` of that most (a
+block's sub-layers repeat as much as the blocks do: the blocks are the layers); depth 2 (the top
+module's children) stands when nothing repeats. A remat segment is then a layer within one TaskGraph: `layer_cuts`
+gives the equations where a new one starts, and `whalex.core.segments.segments` cuts there too.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from whalex.balance.layers import BASE_DEPTH, name_parts, split_layers
+from whalex.core.interpret import subgraph_function, subgraph_key
+
+
+COVERAGE = 0.9
+
+
+@dataclasses.dataclass(frozen=True)
+class Layers:
+    """The layers found: their module paths and first equations, and the depth that named them."""
+
+    depth: int
+    names: tuple[str, ...]
+    starts: tuple[int, ...]          # the first top-level equation of each layer, ascending
+    repeated: int                    # equations in layers that share their function with another
+
+    @property
+    def cuts(self) -> tuple[int, ...]:
+        return self.starts[1:]
+
+
+def find_layers(cap) -> Layers:
+    """The layering at the depth where repeated layers cover the most equations (see module doc)."""
+    jaxpr = cap.jaxpr.jaxpr
+    deepest = max((len(name_parts(e)) for e in jaxpr.eqns), default=0)
+    memo: dict = {}
+    found = []
+    for depth in range(BASE_DEPTH, max(deepest, BASE_DEPTH) + 1):
+        units = [u for u in split_layers(cap, depth) if u.eqns]
+        found.append(Layers(depth, tuple("/".join(u.key) or "(unnamed)" for u in units),
+                            tuple(u.eqns[0] for u in units), _repeated_equations(cap, units, memo)))
+    most = max(layers.repeated for layers in found)
+    return next(layers for layers in found if layers.repeated >= COVERAGE * most)
+
+
+def _repeated_equations(cap, units, memo: dict) -> int:
+    """Equations in contiguous units whose function another unit computes too."""
+    jaxpr = cap.jaxpr.jaxpr
+    consts = set(jaxpr.constvars)
+    keys = []
+    for u in units:
+        contiguous = list(u.eqns) == list(range(u.eqns[0], u.eqns[-1] + 1))
+        if not contiguous or len(u.eqns) < 2:
+            keys.append(None)
+            continue
+        inputs, outputs, _ = subgraph_function(jaxpr, u.eqns)
+        keys.append(subgraph_key(jaxpr, u.eqns, inputs, outputs, consts, memo))
+    counts = collections.Counter(k for k in keys if k is not None)
+    return sum(len(u.eqns) for u, k in zip(units, keys) if k is not None and counts[k] > 1)
