@@ -64,11 +64,12 @@ def step_inputs(state: TrainState) -> tuple[list, Any]:
 
 
 def make_train_step(value_and_grad: Callable, optimizer, has_aux: bool, shard_update: Callable | None = None,
-                    view: ParamView | None = None) -> Callable:
+                    view: ParamView | None = None, fetch_opt_state: Callable | None = None) -> Callable:
     """(state, batch) -> (state, metrics): gradients, then the optax update.
 
     `shard_update(params, grads) -> (params, grads)` lays both out for the update (ZeRO: each
-    device updates only its shard)."""
+    device updates only its shard); `fetch_opt_state(opt_state, grads)` brings an offloaded
+    optimizer state to the device once the gradients are there."""
 
     def step(state: TrainState, batch):
         extra, rng = step_inputs(state)
@@ -76,7 +77,8 @@ def make_train_step(value_and_grad: Callable, optimizer, has_aux: bool, shard_up
         params = state.stored_params
         if shard_update is not None:
             params, grads = shard_update(params, grads)
-        updates, opt_state = optimizer.update(grads, state.opt_state, params)
+        opt_state = state.opt_state if fetch_opt_state is None else fetch_opt_state(state.opt_state, grads)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         metrics = {"loss": value}
         if has_aux:
@@ -190,9 +192,15 @@ class Emitter:
         compute = self.compute_shardings()
         if opts.offloads("params"):
             state = state.replace(stored_params=offload.fetch(state.stored_params, compute.stored_params))
-        if opts.offloads("opt_state") and state.opt_state is not None:
-            state = state.replace(opt_state=offload.fetch(state.opt_state, compute.opt_state))
-        return state
+        return state                 # the optimizer state is fetched at the update (`_fetch_opt_state`)
+
+    def _fetch_opt_state(self) -> Callable | None:
+        """offload="opt_state": (opt_state, grads) -> the state in device memory, each leaf moved
+        once its gradient is computed (whalex.memory.offload.fetch_when_ready)."""
+        if not self.memory_options.offloads("opt_state"):
+            return None
+        compute = self.compute_shardings().opt_state
+        return lambda opt_state, grads: offload.fetch_when_ready(opt_state, compute, grads)
 
     def _shard_update(self):
         """ZeRO 1/2: (params, grads) -> the same on each device's shard (3: already sharded)."""
@@ -219,7 +227,8 @@ class Emitter:
 
     def train_step(self) -> Callable:
         def build(value_and_grad):
-            return make_train_step(value_and_grad, self.optimizer, self.has_aux, self._shard_update(), self.param_view)
+            return make_train_step(value_and_grad, self.optimizer, self.has_aux, self._shard_update(), self.param_view,
+                                   self._fetch_opt_state())
 
         prec = getattr(self, "precision", None)
         if prec is not None and prec.scaled:     # fp16: dynamic loss scaling, non-finite steps skipped

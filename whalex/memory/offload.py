@@ -34,3 +34,33 @@ def on_device(shardings):
 def fetch(tree, shardings):
     """Inside a jitted step: `tree` (stored on the host) moved to device memory, same layout."""
     return jax.device_put(tree, on_device(shardings))
+
+
+def fetch_when_ready(opt_state, shardings, grads):
+    """Inside a jitted step: the offloaded optimizer state moved to device memory leaf by leaf, each
+    leaf once the gradient it updates is computed (the leaf whose key path ends with that gradient's
+    path and has its shape; any other leaf once every gradient is).
+
+    Each move reads an `optimization_barrier` shared with its gradient, so XLA cannot start it before
+    the backward pass has made that gradient: the state does not sit in device memory through the
+    backward pass, and the moves of the last layers' state overlap the backward of the first."""
+    grad_leaves = jax.tree_util.tree_flatten_with_path(grads)[0]
+    by_path = {tuple(path): g for path, g in grad_leaves}
+    flat, tree = jax.tree_util.tree_flatten_with_path(opt_state)
+    targets = jax.tree.leaves(on_device(shardings))
+    gate = [g for _, g in grad_leaves]
+    out = []
+    for (path, leaf), target in zip(flat, targets):
+        grad = _matching_grad(tuple(path), leaf, by_path)
+        ready = jax.lax.optimization_barrier((leaf, grad if grad is not None else gate))[0]
+        out.append(jax.device_put(ready, target))
+    return jax.tree.unflatten(jax.tree.structure(opt_state), out)
+
+
+def _matching_grad(path: tuple, leaf, by_path: dict):
+    """The gradient whose key path is a suffix of `path` and whose shape is the leaf's, or None."""
+    for k in range(len(path)):
+        g = by_path.get(path[k:])
+        if g is not None and getattr(g, "shape", None) == getattr(leaf, "shape", None):
+            return g
+    return None
