@@ -184,7 +184,6 @@ def match_varying(*xs: Any) -> list[Any]:
             for x, a in zip(xs, axes)]
 
 
-
 def sub_jaxprs(eqn: JaxprEqn) -> list[Any]:
     """The jaxprs an equation's parameters hold (a call's body, cond's branches, a loop's body...),
     closed or open as JAX stores them (`open_jaxpr` unwraps either)."""
@@ -199,6 +198,17 @@ def sub_jaxprs(eqn: JaxprEqn) -> list[Any]:
 def shard_map_out_specs(eqn: JaxprEqn) -> tuple:
     """The PartitionSpec of each output of a `shard_map` equation."""
     return tuple(eqn.params["out_specs"])
+
+
+def shard_map_in_specs(eqn: JaxprEqn) -> tuple:
+    """The PartitionSpec each operand of a `shard_map` equation is split by."""
+    return tuple(eqn.params["in_specs"])
+
+
+# Whether XLA lets a conditional's branch update an operand that dies at the conditional in place
+# (a pipeline tick adding into its gradient accumulator). XLA in jaxlib 0.10.2 copies the operand
+# first; 0.12.0.1 shares the buffer (both measured on CPU, whalex/memory/peak.py).
+CONDITIONAL_UPDATES_IN_PLACE = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 12)
 
 
 def scan_counts(eqn: JaxprEqn) -> tuple[int, int]:

@@ -164,7 +164,10 @@ class Step:
             _check_not_donated(jax.tree.leaves(state))
             state, p, jitted = self._resolve(state, batch)
         self._last = p
-        state, metrics = jitted(state, p.place_batch(batch))
+        batch = p.place_batch(batch)
+        if not p.step_compiled:                    # first call: compile ahead (the call reuses it) and keep
+            p.record_step_memory(jitted.lower(state, batch).compile().memory_analysis())   # XLA's figures
+        state, metrics = jitted(state, batch)
         self._last_call = _LastCall(weakref.ref(state), batch_tree, batch_signature, p, jitted)
         return state, metrics
 

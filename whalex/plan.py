@@ -9,6 +9,7 @@ import jax
 from whalex.balance.profile import DeviceMemory
 from whalex.core.comm import Comm
 from whalex.core.sharding_plan import Coverage, PatternChoice
+from whalex.memory.peak import Peak, compiled_peak
 from whalex.mesh.cluster import Cluster
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
 from whalex.primitives.config import Config
@@ -60,6 +61,8 @@ class Plan:
     head_balance: Any = None                  # the split head's class shards when `balance` is the batch's (hybrid)
     coverage: tuple[Coverage, ...] = ()       # every parameter a split TaskGraph reads, and its layout
     batch_couplings: Any = dataclasses.field(default=(), repr=False, compare=False)   # lines, or a function of none
+    # the step's predicted per-device memory (a Peak), or a function of none finding it (one trace of the step)
+    predicted_peak: Any = dataclasses.field(default=None, repr=False, compare=False)
     _cache: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -90,6 +93,46 @@ class Plan:
                 "argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
                 "alias_size_in_bytes", "generated_code_size_in_bytes") if hasattr(m, k)}
         return dict(self._cache["memory"])
+
+    # -- the step's memory: predicted, and XLA's once compiled ------------------------------------
+    def predicted_memory(self) -> Peak | None:
+        """Predicted per-device memory of the training step as it runs, state donated (a `Peak`:
+        arguments, outputs, temporaries, total), from a replay of the step's jaxpr; found when first
+        asked (one trace of the step), no compilation, so abstract clusters have it too."""
+        if "predicted" not in self._cache:
+            p = self.predicted_peak
+            self._cache["predicted"] = p() if callable(p) else p
+        return self._cache["predicted"]
+
+    @property
+    def compiled_step_memory(self) -> Peak | None:
+        """XLA's per-device figures for the training step as `wh.parallelize` runs it (arguments,
+        outputs less those written into the donated state, temp), once it has been compiled: by its
+        first call, or by `step_memory()`. None before."""
+        return self._cache.get("step_memory")
+
+    @property
+    def step_compiled(self) -> bool:
+        """Whether the step has been compiled and its memory analysis kept (`record_step_memory`)."""
+        return "step_memory" in self._cache
+
+    def record_step_memory(self, memory_analysis) -> None:
+        """Keep XLA's memory analysis of the compiled step (the step records it on its first call;
+        None where a backend has none)."""
+        self._cache["step_memory"] = compiled_peak(memory_analysis) if memory_analysis is not None else None
+
+    def step_memory(self) -> Peak:
+        """XLA's per-device figures for the training step as it runs (state donated), compiling it
+        if no step has yet (needs real devices)."""
+        if not self.step_compiled:
+            if self.cluster.is_abstract:
+                raise ValueError("step_memory() compiles the step and needs real devices; on an abstract cluster use "
+                                 "plan.predicted_memory().")
+            p = self.program
+            step = p.jitted(donate=p.optimizer is not None)
+            self.record_step_memory(step.trace(*p.abstract_args()).lower(lowering_platforms=(p.platform,))
+                                    .compile().memory_analysis())
+        return self.compiled_step_memory
 
     @property
     def mesh(self):

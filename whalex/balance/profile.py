@@ -85,8 +85,9 @@ class DeviceMemory:
     grads: float
     opt_state: float
     capacity: float
-    # forward values kept for the backward (model estimate): bytes, or a function of none that finds
-    # them (a trace of the whole model's backward, run when `activations` is first read)
+    # everything else the device holds at the step's predicted peak (activations, the batch,
+    # temporaries): bytes, or a function of none that finds them (whalex.memory.with_peak: one
+    # trace of the step, run when `activations` is first read)
     activation_estimate: Any = dataclasses.field(default=0.0, repr=False, compare=False)
     host: float = 0.0            # bytes kept in pinned host memory between steps
     shares: tuple[Share, ...] = ()

@@ -113,6 +113,17 @@ def plan_memory(program, device_specs, activations=0.0):
                  for i, (s, a) in enumerate(zip(device_specs, acts)))
 
 
+def with_peak(memory, peak) -> tuple:
+    """`memory` whose activations are the rest of the predicted per-device peak: what the step holds
+    at its peak beside params, gradients and optimizer state (activations, the batch, temporaries).
+    `peak` is a function of none giving the step's `Peak` (called when activations are first read)."""
+    return tuple(dataclasses.replace(d, activation_estimate=functools.partial(_rest, peak, d.state)) for d in memory)
+
+
+def _rest(peak, state: float) -> float:
+    return max(peak().total - state, 0.0)
+
+
 def zero_sharded(program, paths) -> dict:
     """path -> (bytes per device as planned, ZeRO degree, ZeRO axes) for each stored leaf ZeRO
     divides."""

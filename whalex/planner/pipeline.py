@@ -14,7 +14,8 @@ from whalex.errors import PlanError
 from whalex.planner.patterns import plan_shardings
 from whalex.lowering.pipeline import DATA, MODEL, STAGE, PipelineProgram
 from whalex.core.schedules import make_schedule
-from whalex.memory import MemoryOptions, plan_memory
+from whalex.memory import MemoryOptions, plan_memory, with_peak
+from whalex.memory.peak import peak_function
 from whalex.memory.remat import configure as configure_memory
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
 from whalex.plan import Plan, TaskGraphInfo
@@ -110,12 +111,12 @@ def pipeline_plan(req: Request, full, stage_of_eqn, per_stage, stage_layers=None
         msg = 0.0                      # filled in from the plan's collectives below
         infos.append(TaskGraphInfo(s, f"stage {s}: {labels[s]}", True, mp, groups[0], dp, len(cut.eqns[s]),
                                    sum(sizes), float(nbytes), flops[s], float(msg)))
-    stash = (schedule.slots + schedule.grad_slots) * program.message_width * 4      # stashed stage inputs
     grad_bytes = program.param_width * np.dtype(program.param_dtype).itemsize
     # the state is stored spread over every device; while computing, a device also holds its stage's
     # gathered parameter row and the row's gradient accumulator
-    memory = tuple(dataclasses.replace(d, params=d.params + grad_bytes, grads=d.grads + grad_bytes)
-                   for d in plan_memory(program, cluster.specs[: layout.size], float(stash)))
+    peak = peak_function(program)
+    memory = with_peak([dataclasses.replace(d, params=d.params + grad_bytes, grads=d.grads + grad_bytes)
+                        for d in plan_memory(program, cluster.specs[: layout.size])], peak)
     comms = []
     level = mem.zero_level
     total = sum(int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize for v in invars[:cap.num_params])
@@ -148,7 +149,7 @@ def pipeline_plan(req: Request, full, stage_of_eqn, per_stage, stage_layers=None
                 param_specs=dict(zip(cap.param_paths, program.param_spec_list())),
                 patterns=sharding.choices if sharding is not None else (), comms=tuple(comms),
                 coverage=sharding.coverage if sharding is not None else (),
-                memory=memory,
+                memory=memory, predicted_peak=peak,
                 program=program, schedule=schedule, batch_couplings=tuple(parts.sem.lines()),
                 stage_layers=tuple(stage_layers) if stage_layers is not None else
                 tuple(stage_layer_names(full, stage_of_eqn, s) for s in range(num_stages)))

@@ -22,7 +22,8 @@ from whalex.planner.patterns import plan_shardings
 from whalex.lowering.step import Program
 from whalex.lowering.uneven import UnevenProgram
 from whalex.lowering.uneven_split import UnevenCall, UnevenColumns, uneven_overrides
-from whalex.memory import MemoryOptions, plan_memory, residual_bytes, zero, zero_sharded
+from whalex.memory import MemoryOptions, plan_memory, with_peak, zero, zero_sharded
+from whalex.memory.peak import peak_function
 from whalex.memory.remat import configure as configure_memory
 from whalex.mesh.virtual import DATA, mesh_layout, virtual_devices
 from whalex.moe.parallel import expert_overrides
@@ -84,8 +85,8 @@ def spmd_plan(req: Request, cap, report=None) -> Plan:
         comms = zero.comms(comms, mem.zero_level, zero_sharded(program, cap.param_paths), owner)
     infos = taskgraph_infos(cap, vds, flops, [sum(c.bytes for c in comms if c.taskgraph == t.index) * m
                                               for t in cap.taskgraphs])
-    memory = plan_memory(program, cluster.specs[: layout.size],       # activations: one more trace, when asked
-                         lambda: residual_bytes(cap.jaxpr, cap.num_params) / layout.size)
+    peak = peak_function(program)                    # one trace of the step, when asked
+    memory = with_peak(plan_memory(program, cluster.specs[: layout.size]), peak)
     first = vds[cap.assign[(0,)]] if cap.assign else vds[0]
     per_device = full.global_batch // layout.axis_size(first.batch_axes)
     parts = getattr(program, "parts", None)
@@ -94,7 +95,8 @@ def spmd_plan(req: Request, cap, report=None) -> Plan:
     return Plan(cluster=cluster, config=config, layout=layout, task_graphs=tuple(infos), virtual_devices=vds,
                 batch_sizes=(per_device,) * layout.size, global_batch=full.global_batch,
                 param_specs=dict(zip(cap.param_paths, sharding.param_specs)), patterns=sharding.choices,
-                coverage=sharding.coverage, comms=comms, memory=memory, program=program, balance=report, batch_couplings=couplings)
+                coverage=sharding.coverage, comms=comms, memory=memory, program=program, balance=report, batch_couplings=couplings,
+                predicted_peak=peak)
 
 
 def whole_batch_couplings(req: Request, full) -> tuple[str, ...]:

@@ -16,7 +16,8 @@ from whalex.balance.profile import taskgraph_flops
 from whalex.core.interpret import make_evaluator
 from whalex.errors import PlanError
 from whalex.lowering.uneven import DATA, UnevenProgram
-from whalex.memory import MemoryOptions, account, plan_memory, residual_bytes
+from whalex.memory import MemoryOptions, account, plan_memory, with_peak
+from whalex.memory.peak import peak_function
 from whalex.memory.remat import configure as configure_memory
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
 from whalex.plan import Plan
@@ -98,11 +99,12 @@ def balance_data_parallel(req: Request, full):
     flops = [f * b / probe.global_batch for f in probe_flops]
     vds = tuple(VirtualDevice(t.index, t.strategy, k, (tuple(range(k)),), (), (DATA,)) for t in cap.taskgraphs)
     infos = taskgraph_infos(cap, vds, flops, [0.0] * len(vds))
-    memory = plan_memory(program, cluster.specs, residual_bytes(cap.jaxpr, cap.num_params))  # one chunk live
+    peak = peak_function(program)
+    memory = with_peak(plan_memory(program, cluster.specs), peak)
     plan = Plan(cluster=cluster, config=config, layout=MeshLayout((DATA,), (k,)), task_graphs=tuple(infos),
                 virtual_devices=vds, batch_sizes=tuple(rows), global_batch=b,
                 param_specs={p: P() for p in cap.param_paths}, patterns=(), comms=(), memory=memory,
-                program=program, balance=report, batch_couplings=tuple(program.parts.sem.lines()))
+                program=program, balance=report, batch_couplings=tuple(program.parts.sem.lines()), predicted_peak=peak)
     return report, plan
 
 

@@ -19,7 +19,8 @@ TASKGRAPH_COLUMNS = ("TaskGraph", "strategy", "devices/replica", "device ids", "
                      "FLOPs (fwd+bwd)", "comm/device")
 PATTERN_COLUMNS = ("TaskGraph", "unit", "parameter", "pattern", "candidate costs")
 COVERAGE_COLUMNS = ("TaskGraph", "parameter", "shape", "layout", "note")
-MEMORY_COLUMNS = ("device ids", "kind", "batch", "params", "grads", "opt state", "activations", "host", "capacity")
+MEMORY_COLUMNS = ("device ids", "kind", "batch", "params", "grads", "opt state", "activations", "host", "peak",
+                  "capacity")
 BALANCE_COLUMNS = ("device", "kind", "capacity", "even", "balanced", "predicted time", "predicted memory", "memory")
 TRAFFIC_COLUMNS = ("TaskGraph", "collective", "mesh axes", "bytes/device", "why")
 
@@ -228,6 +229,7 @@ def coverage(plan) -> Section | None:
 
 
 def devices(plan) -> Section:
+    peak = plan.predicted_memory()
     rows = []
     groups: dict = {}
     for m, b in zip(plan.memory, plan.batch_sizes):
@@ -237,11 +239,32 @@ def devices(plan) -> Section:
         m = ms[0]
         rows.append([fmt_devices(tuple(x.device for x in ms)), kind, str(b), fmt_bytes(m.params),
                      fmt_bytes(m.grads), fmt_bytes(m.opt_state), fmt_bytes(m.activations),
-                     fmt_bytes(m.host), fmt_bytes(m.capacity)])
+                     fmt_bytes(m.host), fmt_bytes(peak.total) if peak is not None else "-", fmt_bytes(m.capacity)])
     numeric = set(MEMORY_COLUMNS) - {"device ids", "kind"}
     return Section("devices", "Per device: batch rows and memory",
                    (Line("per device:", where="text"),
-                    _table(MEMORY_COLUMNS, rows, numeric, {"batch": "rows", "host": "pinned", "capacity": "device"})))
+                    _table(MEMORY_COLUMNS, rows, numeric, {"batch": "rows", "host": "pinned", "peak": "predicted",
+                                                           "capacity": "device"}),
+                    *_lines(peak_lines(plan))))
+
+
+def peak_lines(plan) -> list[str]:
+    """The predicted per-device peak of the step, and XLA's figure once the step has been compiled."""
+    peak, xla = plan.predicted_memory(), plan.compiled_step_memory
+    if peak is None:
+        return []
+
+    def parts(p, temp: str) -> str:
+        return (f"{fmt_bytes(p.total)} = arguments {fmt_bytes(p.arguments)} + outputs {fmt_bytes(p.outputs)} + "
+                f"{temp} {fmt_bytes(p.temp)}")
+
+    lines = [f"predicted peak per device: {parts(peak, 'temporaries')} (buffers live at once in a replay of the step's "
+             "jaxpr; activations: the peak less params, grads and optimizer state)"]
+    if xla is not None:
+        off = peak.total / xla.total - 1 if xla.total else 0.0
+        lines.append(f"  XLA's compiled step: {parts(xla, 'temp')} (memory_analysis, outputs written into the donated "
+                     f"state left out); predicted {'+' if off >= 0 else '-'}{fmt_pct(abs(off))}")
+    return lines
 
 
 def host_lines(plan) -> list[str]:
