@@ -41,11 +41,23 @@ def find_layers(cap) -> Layers:
     memo: dict = {}
     found = []
     for depth in range(BASE_DEPTH, max(deepest, BASE_DEPTH) + 1):
-        units = [u for u in split_layers(cap, depth) if u.eqns]
+        units = _named(split_layers(cap, depth))
         found.append(Layers(depth, tuple("/".join(u.key) or "(unnamed)" for u in units),
                             tuple(u.eqns[0] for u in units), _repeated_equations(cap, units, memo)))
-    most = max(layers.repeated for layers in found)
-    return next(layers for layers in found if layers.repeated >= COVERAGE * most)
+    most = max((layers.repeated for layers in found), default=0)
+    return next((layers for layers in found if layers.repeated >= COVERAGE * most), Layers(BASE_DEPTH, (), (), 0))
+
+
+def _named(units) -> list:
+    """Units with a module path; an unnamed run joins the layer before it (a model of plain functions
+    has no layers to cut: remat stays per TaskGraph)."""
+    out: list = []
+    for u in units:
+        if u.key or not out:
+            out.append(u)
+        else:
+            out[-1] = dataclasses.replace(out[-1], eqns=out[-1].eqns + u.eqns)
+    return [u for u in out if u.eqns and u.key]
 
 
 def _repeated_equations(cap, units, memo: dict) -> int:
