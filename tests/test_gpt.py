@@ -42,10 +42,10 @@ def loss_fn(params, batch):
     return (ce * batch["w"]).sum() / jnp.maximum(batch["w"].sum(), 1.0)
 
 
-def problem():
+def problem(rows=B):
     rng = np.random.default_rng(0)
-    tokens = rng.integers(0, VOCAB, (B, SEQ + 1)).astype(np.int32)
-    lengths = rng.integers(0, SEQ + 1, B)
+    tokens = rng.integers(0, VOCAB, (rows, SEQ + 1)).astype(np.int32)
+    lengths = rng.integers(0, SEQ + 1, rows)
     lengths[:3] = 0                                    # rows that are all padding
     w = (np.arange(SEQ)[None] < lengths[:, None]).astype(np.float32)
     batch = {"x": tokens[:, :-1], "y": tokens[:, 1:], "w": w}

@@ -71,16 +71,22 @@ def account(params: float, opt_state: float, params_zero: float, opt_zero: float
 def residual_bytes(closed, num_params: int) -> float:
     """Bytes of the forward values the backward keeps (the vjp's residuals, minus the inputs) for
     one evaluation of the captured loss: the model's activation memory, found by tracing only."""
-    fn = jaxpr_as_fun(closed)
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
-    floating = [k for k in range(num_params) if jax.numpy.issubdtype(avals[k].dtype, jax.numpy.floating)]
+    avals = [v.aval for v in closed.jaxpr.invars]
+    return vjp_residual_bytes(lambda *args: jaxpr_as_fun(closed)(*args)[0], avals, range(num_params))
+
+
+def vjp_residual_bytes(fn, avals, diff) -> float:
+    """Bytes of what `jax.vjp` of `fn(*args)` with respect to the floating args at positions `diff`
+    keeps for the backward pass, besides the args themselves (traced with `jax.eval_shape`)."""
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+    floating = [k for k in diff if jax.numpy.issubdtype(avals[k].dtype, jax.numpy.floating)]
 
     def residuals(*args):
         def f(*ps):
             full = list(args)
             for k, p in zip(floating, ps):
                 full[k] = p
-            return fn(*full)[0]
+            return fn(*full)
         _, vjp = jax.vjp(f, *[args[k] for k in floating])
         inputs = {id(a) for a in args}
         return [r for r in jax.tree.leaves(vjp) if id(r) not in inputs]

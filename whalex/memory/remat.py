@@ -20,6 +20,7 @@ same segmentation: each in a shard_map, with remat inside it.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any, Callable
 
@@ -32,6 +33,7 @@ from whalex import _compat as C
 from whalex.core.blocks import block_evaluator
 from whalex.core.segments import Segment, run_segments, segment_function, segments
 from whalex.errors import PlanError
+from whalex.memory import plan_memory, vjp_residual_bytes as residual_bytes
 from whalex.memory import precision as pr
 from whalex.memory.layers import find_layers
 from whalex.memory.precision import Precision, describe, local_captures
@@ -120,34 +122,50 @@ def offload_policy():
 # ----------------------------------------------------------------------------------- the plan
 @dataclasses.dataclass(frozen=True)
 class RematPlan:
-    """What each TaskGraph recomputes, and whether boundary activations are offloaded."""
+    """What each remat segment recomputes (a layer within a TaskGraph), and whether boundary
+    activations are offloaded."""
 
     levels: tuple            # per TaskGraph: None | "full" | a jax.checkpoint_policies name
     mode: Any = None         # Config.remat as given ("full", a policy name, "auto", or None)
     layers: Any = None       # whalex.memory.layers.Layers: remat applies per layer within a TaskGraph
     offload: bool = False    # offload="activations"
     budget: float | None = None      # remat="auto": the per-device budget in bytes
-    baseline: float | None = None    # remat="auto": compiled bytes without remat
-    compiled: float | None = None    # remat="auto": compiled bytes of the chosen plan
+    segment_levels: tuple | None = None   # remat="auto": per segment (layer), overriding `levels`
+    saved: float | None = None       # bytes per device JAX keeps for the backward pass with this remat
+    baseline: float | None = None    # the same without remat
+    state: float | None = None       # remat="auto": the per-device state the budget also holds
 
     @property
     def active(self) -> bool:
-        return self.offload or any(level is not None for level in self.levels)
+        return self.offload or any(level is not None for level in self.levels + (self.segment_levels or ()))
 
     @property
     def cuts(self) -> tuple[int, ...]:
         """Top-level equations where a remat segment starts besides TaskGraph boundaries (layers)."""
         return self.layers.cuts if self.layers is not None else ()
 
+    def level(self, index: int, seg: Segment):
+        """The level of segment `index` (its own under remat="auto", else its TaskGraph's)."""
+        if self.segment_levels is not None and index < len(self.segment_levels):
+            return self.segment_levels[index]
+        return self.levels[seg.taskgraph] if seg.taskgraph < len(self.levels) else None
+
     def describe(self) -> str:
-        parts = [f"TG{i} {level or 'none'}" for i, level in enumerate(self.levels)]
-        line = f"remat ({self.mode}): " + ", ".join(parts) if self.mode is not None else ""
+        if self.segment_levels is not None:
+            counts = collections.Counter(level or "none" for level in self.segment_levels)
+            parts = [f"{n} x {level}" for level, n in counts.items()]
+            line = f"remat ({self.mode}): per layer " + ", ".join(parts) + f" of {len(self.segment_levels)} layers"
+        else:
+            parts = [f"TG{i} {level or 'none'}" for i, level in enumerate(self.levels)]
+            line = f"remat ({self.mode}): " + ", ".join(parts) if self.mode is not None else ""
         if line and self.layers is not None and len(self.layers.names) > 1:
             line += (f", per layer ({len(self.layers.names)} layers found at module depth {self.layers.depth}: "
                      f"{_names(self.layers.names)})")
+        if line and self.saved is not None and self.baseline:
+            line += (f"; saved for the backward pass {_mib(self.saved)}/device, {_mib(self.baseline)} without remat "
+                     f"({self.saved / self.baseline:.0%}, as JAX counts residuals)")
         if self.budget is not None:
-            line += (f"; budget {_mib(self.budget)}/device, compiled {_mib(self.baseline)} without remat -> "
-                     f"{_mib(self.compiled)} (XLA memory_analysis of the donated step)")
+            line += f"; budget {_mib(self.budget)}/device with {_mib(self.state or 0)} of state"
         if self.offload:
             line = (line + "; " if line else "") + "activations at TaskGraph boundaries offloaded to pinned_host"
         return line
@@ -161,9 +179,9 @@ def _mib(n) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def remat_segment(plan: RematPlan, seg: Segment, fn: Callable) -> Callable:
-    """fn under its TaskGraph's checkpoint policy; outputs tagged BOUNDARY when offloading."""
-    level = plan.levels[seg.taskgraph] if seg.taskgraph < len(plan.levels) else None
+def remat_segment(plan: RematPlan, index: int, seg: Segment, fn: Callable) -> Callable:
+    """fn under its segment's checkpoint policy; outputs tagged BOUNDARY when offloading."""
+    level = plan.level(index, seg)
     inner = jax.checkpoint(fn, policy=level_policy(level, plan.offload)) if level is not None else fn
     if not plan.offload:
         return inner
@@ -181,62 +199,74 @@ def with_offload(plan: RematPlan | None, evaluate: Callable) -> Callable:
     return jax.checkpoint(evaluate, policy=offload_policy())
 
 
-def compiled_bytes(program) -> float:
-    """Device bytes of the compiled training step as it runs (state donated): arguments + outputs
-    + temp - aliased outputs, from XLA's memory_analysis. (Without donation XLA parks gradients in
-    the separate output buffers and reports a temp that hides them.)"""
-    step = program.jitted(donate=program.optimizer is not None)
-    m = step.trace(*program.abstract_args()).lower(lowering_platforms=(program.platform,)).compile().memory_analysis()
-    return float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+def saved_bytes(cap, plan: RematPlan | None) -> float:
+    """Bytes JAX keeps for the backward pass of one evaluation of the captured loss (global batch)
+    under `plan`'s remat: the residuals of its vjp with respect to the parameters, as JAX counts them
+    (the same on every backend; XLA's CPU compiler drops remat's barriers, so its compiled figure
+    cannot show what remat saves)."""
+    evaluate = program_evaluator(cap, {}, None, None, plan)[0]
+    return residual_bytes(lambda *args: evaluate(*args)[0], [v.aval for v in cap.jaxpr.jaxpr.invars],
+                          range(cap.num_params))
 
 
-def choose(program, num_taskgraphs: int, budget: float, offload: bool = False, log=None, layers=None) -> RematPlan:
-    """remat="auto": per TaskGraph None, DOTS or "full", measured on the compiled step, so that
-    arguments + temp fit `budget`; a PlanError when even full remat everywhere does not fit."""
-    cache: dict = {}
+def choose(cap, layers, num_taskgraphs: int, budget: float, state: float, replicas: int,
+           offload: bool = False) -> RematPlan:
+    """remat="auto": per layer none, DOTS or "full" so that state + saved residuals per device fit
+    `budget`, recomputing as little as it can: the layers that keep the most are rematerialized first,
+    as few as fit (a bisection over their count), then the lighter DOTS policy where it still fits.
+    A PlanError when even full remat of every layer does not fit."""
+    segs = segments(cap, layers.cuts if layers is not None else ())
+    count = len(segs)
 
-    def measure(levels) -> float:
-        levels = tuple(levels)
-        if levels not in cache:
-            plan = RematPlan(levels, "auto", layers, offload)
-            cache[levels] = compiled_bytes(dataclasses.replace(program, remat=plan))
-            if log is not None:
-                log.append((levels, cache[levels]))
-        return cache[levels]
+    def plan_of(levels) -> RematPlan:
+        return RematPlan((None,) * num_taskgraphs, "auto", layers, offload, budget, tuple(levels), state=state)
 
-    none = (None,) * num_taskgraphs
-    base = measure(none)
+    def used(levels) -> float:
+        return state + saved_bytes(cap, plan_of(levels)) / replicas
+
+    base = saved_bytes(cap, plan_of((None,) * count)) / replicas
 
     def done(levels):
-        return RematPlan(tuple(levels), "auto", layers, offload, budget, base, measure(levels))
+        return dataclasses.replace(plan_of(levels), saved=used(levels) - state, baseline=base)
 
-    if base <= budget:
-        return done(none)
-    full = ("full",) * num_taskgraphs
-    if measure(full) > budget:
+    if state + base <= budget:
+        return done((None,) * count)
+    everything = used(("full",) * count)
+    if everything > budget:
         raise PlanError(
-            f"remat='auto' cannot fit the step in memory_budget={budget / 2**20:.2f} MiB per device: it needs "
-            f"{base / 2**20:.2f} MiB without remat and still {measure(full) / 2**20:.2f} MiB with full remat of "
-            "every TaskGraph (XLA memory_analysis of the donated step: arguments + outputs + temp - aliased). "
-            "Raise memory_budget, use more devices, "
-            "zero_level or offload, or a smaller batch.")
-    saving = {t: base - measure(tuple("full" if k == t else None for k in range(num_taskgraphs)))
-              for t in range(num_taskgraphs)}
-    order = sorted(range(num_taskgraphs), key=lambda t: -saving[t])
-    levels = list(none)
-    for t in order:
-        levels[t] = "full"
-        if measure(levels) <= budget:
-            break
-    chosen = [t for t in order if levels[t] == "full"]
-    for t in reversed(chosen):                     # recompute less where the budget allows
-        for lighter in (None, DOTS):
-            trial = list(levels)
-            trial[t] = lighter
-            if measure(trial) <= budget:
-                levels = trial
-                break
+            f"remat='auto' cannot fit the step in memory_budget={_mib(budget)} per device: the state takes "
+            f"{_mib(state)} and the backward pass keeps {_mib(base)} without remat and still "
+            f"{_mib(everything - state)} with full remat of every layer (residuals as JAX counts them). Raise "
+            "memory_budget, use more devices, zero_level or offload, or a smaller batch.")
+    order = sorted(range(count), key=lambda k: -_segment_saved(cap, segs[k]))
+    lo, hi = 1, count                  # the fewest layers, largest first, whose full remat fits
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if used(_levels(count, order[:mid], "full")) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    levels = _levels(count, order[:lo], "full")
+    lighter = _levels(count, order[:lo], DOTS)
+    if used(lighter) <= budget:
+        levels = lighter
     return done(levels)
+
+
+def _levels(count: int, chosen, level) -> tuple:
+    picked = set(chosen)
+    return tuple(level if k in picked else None for k in range(count))
+
+
+def _segment_saved(cap, seg: Segment) -> float:
+    """What one segment's backward keeps of its own values (what its full remat can save)."""
+    fn = segment_function(cap, seg, {}, None, None)
+    floating = [k for k, v in enumerate(seg.inputs) if jax.numpy.issubdtype(v.aval.dtype, jax.numpy.floating)]
+    if not floating:
+        return 0.0
+    return residual_bytes(lambda *args: sum(jax.numpy.sum(o) for o in fn(*args)
+                                            if jax.numpy.issubdtype(o.dtype, jax.numpy.floating)),
+                          [v.aval for v in seg.inputs], floating)
 
 
 # ----------------------------------------------------------------------------------- composition
@@ -265,10 +295,10 @@ def program_evaluator(cap, constraints: dict, mesh, overrides: dict | None, plan
                                  axes, tuple(mesh.axis_names))
             inner = mesh.abstract_mesh.update_axis_types({a: AxisType.Manual for a in axes})   # as seen inside
             ovr = comm_overrides(local, cons, inner, split, None) if remat_on else None
-            fn = remat_segment(plan, lseg, segment_function(local, lseg, cons, inner, ovr))
+            fn = remat_segment(plan, k, lseg, segment_function(local, lseg, cons, inner, ovr))
             fn = pr.manual_segment(seg, axes, mesh, cap, prec.comm_dtype)(fn)
         else:
-            fn = remat_segment(plan, seg, segment_function(cap, seg, constraints, mesh, tagged))
+            fn = remat_segment(plan, k, seg, segment_function(cap, seg, constraints, mesh, tagged))
         parts.append((seg, fn))
     report = None
     if comm_on:
@@ -295,22 +325,31 @@ def configure(program, config, cluster, batch_axes=(), recapture: Callable | Non
     mode = config.remat
     if mode is None and not offload:
         return program
-    n = len(program.captured.taskgraphs)
-    layers = find_layers(program.captured)
+    cap = program.captured
+    n = len(cap.taskgraphs)
+    layers = find_layers(cap)
+    replicas = max(1, program.mesh.size // max(1, _model_devices(program)))
     if mode is None:                 # what is offloaded are the values remat saves: boundaries, collectives
         return dataclasses.replace(program, remat=RematPlan(("full",) * n, "full, for offload='activations'", layers,
                                                             True))
     if mode == "auto":
-        if cluster.is_abstract:
-            raise PlanError("remat='auto' measures the compiled step's memory and needs real devices; on an "
-                            "abstract cluster use remat='full' or a jax.checkpoint_policies name.")
         budget = config.memory_budget
         if budget is None:
             budget = min(float(s.memory_bytes) for s in cluster.specs[: program.mesh.size])
-        plan = choose(program, n, float(budget), offload, layers=layers)
+        state = max(m.state for m in plan_memory(program, cluster.specs[: program.mesh.size]))
+        plan = choose(cap, layers, n, float(budget), state, replicas, offload)
     else:
         plan = RematPlan((mode,) * n, mode, layers, offload)
+        plan = dataclasses.replace(plan, saved=saved_bytes(cap, plan) / replicas,
+                                   baseline=saved_bytes(cap, None) / replicas)
     return dataclasses.replace(program, remat=plan)
+
+
+def _model_devices(program) -> int:
+    """Devices one replica of the model spans (the mesh's non-data axes): the residuals of the
+    global batch are shared by the data-parallel replicas."""
+    shape = dict(program.mesh.shape)
+    return int(np.prod([size for name, size in shape.items() if name != "data"])) if shape else 1
 
 
 def summary_lines(program) -> list[str]:
