@@ -24,6 +24,7 @@ from whalex.planner import build_plan
 from whalex.planner.common import check_optimizer
 from whalex.primitives.config import Config
 from whalex.state import TrainState
+from whalex.validate import check_placeable
 
 
 def plan(loss_fn: Callable, params, batch, optimizer=None, config=None, cluster=None,
@@ -124,6 +125,7 @@ class Step:
         `params` may be a Flax NNX module (`model.train()` first): loss_fn is then loss_fn(model, batch);
         its nnx.Params are trained, every other variable (BatchStat, RngState...) is model state, and
         `step.model(state)` gives the module back."""
+        check_placeable(params=params, model_state=model_state, rng=rng)     # before anything is planned or placed
         p, params, model_state = self._prepare(params, example_batch, model_state, rng)
         return self._adopt(p.program.init_state(params, model_state, rng), params, example_batch)
 
@@ -192,15 +194,9 @@ class Step:
         return state, p, self._jitted[self._key(state.stored_params, batch)]
 
     def _relayout(self, state: TrainState, p: Plan) -> TrainState:
-        """`state` in the storage layout of plan `p` (a new batch shape can re-plan a padded head)."""
-        if state.view is p.program.param_view:
-            return state
-        old = next((q for q in self._plans.values() if q.program.param_view is state.view), None)
-        if old is None:
-            raise PlanError("this state was made by another step (its parameters are stored in that plan's layout: "
-                            f"{state.view.layout}); use the step that made it, or save it with wh.CheckpointManager "
-                            "and restore it under this step.")
-        return p.program.place_caller_state(old.program.caller_state(state), rng=state.rng)
+        """`state` in the storage layout of plan `p`: as it is, or re-laid out as a checkpoint restore would
+        when another plan (a new batch shape can re-plan a padded head) or another step made it."""
+        return state if p.program.holds(state) else p.program.adopt_state(state)
 
     def params(self, state: TrainState):
         """The parameters of `state` as the caller's pytree (unpacks padded uneven shards)."""

@@ -27,6 +27,19 @@ from whalex.state import TrainState
 __all__ = ["CheckpointManager"]
 
 
+def _check_step(method: str, step, rest: str) -> None:
+    """`step` is the whalex Step: refuse orbax's argument order (a step number first) by name."""
+    if isinstance(step, Step):
+        return
+    if isinstance(step, int):            # orbax's CheckpointManager.save(step_number, ...)
+        got = f"the step number {step}" + (" (orbax's order); whalex saves at state.step, so no number is passed"
+                                           if method == "save" else f"; pass it as at={step}")
+    else:
+        got = f"a {type(step).__name__}"
+    raise PlanError(f"manager.{method}(step, {rest}) takes the whalex Step first (step = wh.parallelize(...)), "
+                    f"got {got}. Call manager.{method}(step, {rest}).")
+
+
 class CheckpointManager:
     """Save and restore whalex training states, whatever plan saved or restores them.
 
@@ -49,6 +62,7 @@ class CheckpointManager:
     def save(self, step: Step, state: TrainState, force: bool = False) -> bool:
         """Save `state` (at `state.step`) in the caller's layout; returns whether a save was started.
         Asynchronous: the arrays are copied before it returns, the files written in the background."""
+        _check_step("save", step, "state")
         if not isinstance(state, TrainState):
             raise PlanError("manager.save(step, state) takes the wh.TrainState the step returned.")
         tree = step.plan.program.caller_state(state)
@@ -63,6 +77,7 @@ class CheckpointManager:
 
         `params` (arrays, jax.ShapeDtypeStructs, or an NNX module) and `model_state` / `rng` only give
         the structure, shapes and dtypes; their values are not used."""
+        _check_step("restore", step, "params, example_batch, at=None")
         at = self.latest_step() if at is None else at
         if at is None:
             raise PlanError(f"no checkpoint in {self.directory}; start with step.init(params, batch).")

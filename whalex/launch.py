@@ -61,6 +61,7 @@ import threading
 import time
 
 from whalex.distributed import ADDRESS, HEARTBEAT, NUM_PROCESSES, PROCESS_ID, RESTART_COUNT
+from whalex.errors import ConfigError
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -229,6 +230,30 @@ def _run_once(n, command, sets, base, host, attempt, hb_dir, heartbeat_timeout, 
     return outcome
 
 
+def argument_error(n: int, restarts: int = 0, min_processes: int | None = None,
+                   heartbeat_timeout: float | None = None, startup_grace: float = 300.0, grace: float = 5.0,
+                   timeout: float | None = None, cores_per_process: int | None = None) -> str | None:
+    """What is wrong with the launcher's arguments (one sentence naming the flag), or None. One check for
+    `launch()` (a ConfigError) and the command line (argparse's usage line and exit status 2)."""
+    if n < 1:
+        return f"-n/--nproc must be >= 1 (the number of processes), got {n}"
+    if restarts < 0:
+        return f"--restarts must be >= 0, got {restarts}"
+    if min_processes is not None and not 1 <= min_processes <= n:
+        return f"--min-processes must be in [1, {n}] (at most -n), got {min_processes}"
+    if heartbeat_timeout is not None and heartbeat_timeout <= 0:
+        return f"--heartbeat-timeout must be > 0 seconds, got {heartbeat_timeout:g}"
+    if startup_grace <= 0:
+        return f"--startup-grace must be > 0 seconds, got {startup_grace:g}"
+    if grace < 0:
+        return f"--grace must be >= 0 seconds, got {grace:g}"
+    if timeout is not None and timeout <= 0:
+        return f"--timeout must be > 0 seconds, got {timeout:g}"
+    if cores_per_process is not None and cores_per_process < 1:
+        return f"--cores-per-process must be >= 1, got {cores_per_process}"
+    return None
+
+
 def launch(n: int, command: list[str], cores_per_process: int | None = None, pin: bool = True,
            timeout: float | None = None, host: str = "127.0.0.1", env: dict | None = None,
            stdout=None, stderr=None, restarts: int = 0, heartbeat_timeout: float | None = None,
@@ -241,17 +266,11 @@ def launch(n: int, command: list[str], cores_per_process: int | None = None, pin
     coordinator port. Restart k after k failures runs `max(min_processes, n - k)` processes
     (`min_processes` defaults to n: the same size every time). `timeout` bounds the whole run.
     """
-    if n < 1:
-        raise ValueError(f"-n must be >= 1, got {n}.")
-    if restarts < 0:
-        raise ValueError(f"--restarts must be >= 0, got {restarts}.")
+    problem = argument_error(n, restarts, min_processes, heartbeat_timeout, startup_grace, grace, timeout,
+                             cores_per_process)
+    if problem:
+        raise ConfigError(problem)
     min_processes = n if min_processes is None else min_processes
-    if not 1 <= min_processes <= n:
-        raise ValueError(f"--min-processes must be in [1, {n}], got {min_processes}.")
-    if heartbeat_timeout is not None and heartbeat_timeout <= 0:
-        raise ValueError(f"--heartbeat-timeout must be > 0, got {heartbeat_timeout}.")
-    if startup_grace <= 0 or grace < 0:
-        raise ValueError("--startup-grace must be > 0 and --grace >= 0.")
     stdout = stdout or sys.stdout
     stderr = stderr or sys.stderr
     base = dict(os.environ if env is None else env)
@@ -339,6 +358,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("script", help="the Python script every process runs")
     ap.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     a = ap.parse_args(argv)
+    problem = argument_error(a.nproc, a.restarts, a.min_processes, a.heartbeat_timeout, a.startup_grace, a.grace,
+                             a.timeout, a.cores_per_process)
+    if problem is None and not os.path.isfile(a.script):
+        problem = f"script {a.script!r} not found (the Python file every process runs)"
+    if problem:
+        ap.error(problem)            # the usage line and the problem on stderr, exit status 2, no traceback
     return launch(a.nproc, [sys.executable, a.script, *a.args], a.cores_per_process, not a.no_pin, a.timeout,
                   a.host, restarts=a.restarts, heartbeat_timeout=a.heartbeat_timeout,
                   startup_grace=a.startup_grace, min_processes=a.min_processes, grace=a.grace)

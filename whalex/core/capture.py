@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from whalex import _compat as C
+from whalex import validate
 from whalex.errors import PlanError
 from whalex.primitives.config import DEFAULTS
 from whalex.primitives.scopes import Strategy, parse_scope, recording_default
@@ -102,21 +103,8 @@ def _walk(jaxpr, frame):
 
 
 def global_batch_size(batch) -> int:
-    leaves = jax.tree.leaves(batch)
-    if not leaves:
-        raise PlanError("the batch has no arrays; pass a pytree of arrays whose leading dimension is the batch.")
-    sizes = set()
-    for leaf in leaves:
-        shape = np.shape(leaf)
-        if not shape:
-            raise PlanError(
-                f"a batch leaf is a scalar (shape {shape}); every batch array needs a leading batch dimension.")
-        sizes.add(shape[0])
-    if len(sizes) != 1:
-        raise PlanError(
-            f"batch arrays disagree on the leading (batch) dimension: {sorted(sizes)}; give every leaf "
-            "the same global batch size.")
-    return sizes.pop()
+    """The leading dimension every batch leaf shares (each leaf checked: an array, not a scalar)."""
+    return validate.batch_size(batch)
 
 
 def capture(loss_fn: Callable, params, batch, *, has_aux: bool = False,
@@ -132,6 +120,7 @@ def capture(loss_fn: Callable, params, batch, *, has_aux: bool = False,
     n, nb, ns = len(flat_params), len(flat_batch), len(flat_state)
     aux_box: list = []
     _check_state(params, model_state)
+    validate.check_params(params)
 
     def flat_loss(*leaves):
         p = jax.tree.unflatten(params_tree, leaves[:n])
@@ -154,6 +143,7 @@ def capture(loss_fn: Callable, params, batch, *, has_aux: bool = False,
                                     "(loss, (new_model_state, aux)).")
                 rest, aux = rest
                 out = (out, aux)
+            validate.check_outputs("new_model_state", rest)
             new_leaves, new_tree = jax.tree.flatten(rest)
             if new_tree != state_tree:
                 raise PlanError(f"loss_fn returned a new model state whose structure differs from model_state:\n"
@@ -164,6 +154,7 @@ def capture(loss_fn: Callable, params, batch, *, has_aux: bool = False,
             if not (isinstance(out, tuple) and len(out) == 2):
                 raise PlanError("has_aux=True but loss_fn did not return a (loss, aux) pair.")
             loss, aux = out
+            validate.check_outputs("aux", aux)
             aux_leaves, aux_tree = jax.tree.flatten(aux)
             aux_box.append((aux_tree, len(aux_leaves)))
             return (loss, *aux_leaves, *new_state)

@@ -91,6 +91,57 @@ def make_train_step(value_and_grad: Callable, optimizer, has_aux: bool, shard_up
     return step
 
 
+def _placed_as(array, sharding) -> bool:
+    have = getattr(array, "sharding", None)
+    return have is not None and (have == sharding or have.is_equivalent_to(sharding, array.ndim))
+
+
+def _caller_tree(state: TrainState) -> dict:
+    """A state's values in the caller's layout, as a checkpoint holds them (`Emitter.caller_state`), read
+    through the state's own parameter view: its per-parameter optimizer subtrees are unpacked like the
+    parameters. Offloaded leaves are brought to device memory first."""
+    state = jax.tree.map(lambda a: jax.device_put(a, offload.on_device(a.sharding))
+                         if getattr(getattr(a, "sharding", None), "memory_kind", None) not in (None, offload.DEVICE)
+                         else a, state)
+    params, opt_state = state.stored_params, state.opt_state
+    if state.view is not None:
+        stored = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
+        params, opt_state = state.view.unpack(params), map_param_trees(opt_state, stored, state.view.unpack)
+    out = {"params": params, "opt_state": opt_state, "step": state.step}
+    if state.model_state is not None:
+        out["model_state"] = state.model_state
+    if state.rng is not None:
+        rng = state.rng
+        out["rng"] = jax.random.key_data(rng) if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng
+    if state.loss_scale is not None:
+        out["loss_scale"] = {f.name: getattr(state.loss_scale, f.name) for f in dataclasses.fields(state.loss_scale)}
+    return out
+
+
+def _check_same(name: str, given, target) -> None:
+    """A PlanError naming what of `given` (a state's field in the caller's layout) differs from this plan's
+    `target` (presence, leaf count, the first leaf's shape or dtype): another optimizer or other inputs."""
+    fix = ("; use the step that made this state, or start this one from its parameters: "
+           "step.init(state.params, batch)")
+    if given is None and target is None:
+        return
+    if given is None or target is None:
+        has, wants = ("no", "one") if given is None else ("one", "no")
+        raise PlanError(f"this state was made by another step: it has {has} {name} and this step's plan has {wants}"
+                        + fix + ".")
+    flat, tree = jax.tree_util.tree_flatten_with_path(target)
+    leaves = jax.tree.leaves(given)
+    if len(leaves) != len(flat):
+        raise PlanError(f"this state was made by another step: its {name} has {len(leaves)} arrays and this step's "
+                        f"plan expects {len(flat)} ({'another optimizer' if name == 'opt_state' else 'other ' + name})"
+                        + fix + ".")
+    for (path, t), leaf in zip(flat, leaves):
+        if np.shape(leaf) != t.shape or leaf.dtype != t.dtype:
+            raise PlanError(f"this state was made by another step: its {name}{jax.tree_util.keystr(path)} is "
+                            f"{leaf.dtype}{list(np.shape(leaf))} and this step's plan expects {t.dtype}{list(t.shape)}"
+                            + fix + ".")
+
+
 class Emitter:
     """Mixin: needs `mesh`, `optimizer`, `platform`, `param_shapes()`, `param_spec_list()`,
     `param_shardings`, `batch_shapes()`, `batch_shardings`, `value_and_grad()`, `has_aux`."""
@@ -316,6 +367,44 @@ class Emitter:
         return TrainState(stored_params=params, opt_state=opt_state, step=step,
                           loss_scale=self._loss_scale(lambda x: jax.device_put(x, shardings.step)),
                           model_state=model_state, rng=rng, view=self.param_view)
+
+    # -- a state made by another plan or step -------------------------------------------------------
+    @functools.cached_property
+    def _state_sharding_tree(self):
+        """(tree structure, leaf shardings) of the state as this plan stores it between steps."""
+        leaves, tree = jax.tree.flatten(self.state_shardings())
+        return tree, leaves
+
+    def holds(self, state: TrainState) -> bool:
+        """Whether `state` is stored as this plan stores it: its parameter view, its structure and every
+        leaf on this plan's sharding (what the jitted step accepts as it is)."""
+        tree, shardings = self._state_sharding_tree
+        leaves, given = jax.tree.flatten(state)
+        if state.view is not self.param_view or given != tree:
+            return False
+        return all(_placed_as(a, s) for a, s in zip(leaves, shardings))
+
+    def adopt_state(self, state: TrainState) -> TrainState:
+        """`state`, made by another plan or step of the same parameters (another mesh, sharding, ZeRO level
+        or parameter layout), placed per this plan as a checkpoint restore would place it: read in the
+        caller's layout, moved onto this plan's mesh, converted to its storage. Values are moved, never
+        recomputed, so training goes on exactly; `state` itself is copied, not aliased (the step donates
+        what it is given, and the other step's state stays usable)."""
+        expected = self.abstract_args()[0]
+        for name in ("model_state", "rng"):
+            _check_same(name, getattr(state, name), getattr(expected, name))
+        tree = _caller_tree(state)
+        targets = self.caller_targets(state.model_state, state.rng)
+        for name in ("params", "opt_state"):
+            _check_same(name, tree[name], targets[name])
+        shardings = jax.tree.map(lambda t: t.sharding, targets)
+        if "loss_scale" in tree:                 # amp="fp16": replicated scalars, like the step counter
+            shardings["loss_scale"] = jax.tree.map(lambda _: shardings["step"], tree["loss_scale"])
+        placed = jax.device_put({k: tree[k] for k in shardings}, shardings)
+        # copied: a device_put onto another set of devices reuses the source's buffers on the devices both
+        # meshes share (even with may_alias=False), and the step would then donate the other step's arrays
+        placed = jax.tree.map(lambda a: jnp.array(a, copy=True), placed)
+        return self.place_caller_state(placed, rng=state.rng)
 
     # -- the caller's layout (checkpoints): no packing, padding or ZeRO shards --------------------------
     def caller_param_shapes(self):

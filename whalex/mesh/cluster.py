@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Iterable
 from typing import Any, Sequence
 
 import jax
@@ -11,6 +12,18 @@ import jax
 from whalex.distributed import maybe_initialize
 from whalex.errors import ClusterError
 from whalex.mesh.specs import DeviceSpec, lookup, parse_bytes
+
+
+def _kind_list(kinds, where: str, n: int = 8) -> list:
+    """`kinds` as a list, one kind per device; a lone kind (a string, a DeviceSpec) is refused with the
+    list it was likely meant to be."""
+    if isinstance(kinds, (str, DeviceSpec)) or not isinstance(kinds, Iterable):
+        one = kinds.name if isinstance(kinds, DeviceSpec) else kinds
+        raise ClusterError(f"{where}(kinds={one!r}): kinds is a list with one device kind per device, not "
+                           f"{'one kind' if isinstance(kinds, (str, DeviceSpec)) else 'a ' + type(kinds).__name__}; "
+                           f"write kinds=[{one!r}] * {n} for {n} such devices, or e.g. "
+                           "kinds=['V100-32GB'] * 4 + ['T4-16GB'] * 4.")
+    return list(kinds)
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -41,7 +54,7 @@ class Cluster:
         available = list(devices) if devices is not None else list(jax.devices())
         if kinds is None:
             kinds = [d.device_kind for d in available]
-        kinds = list(kinds)
+        kinds = _kind_list(kinds, "Cluster", len(available))
         if not kinds:
             raise ClusterError("a Cluster needs at least one device kind.")
         if len(kinds) > len(available):
@@ -77,7 +90,7 @@ class Cluster:
         """Kinds only, no devices: enough to plan and lower, not to run. Nodes (host RAM, devices
         per node) are declared, or each kind's typical node from the spec table."""
         obj = object.__new__(cls)
-        kinds = list(kinds)
+        kinds = _kind_list(kinds, "Cluster.abstract")
         if not kinds:
             raise ClusterError("Cluster.abstract needs at least one device kind.")
         specs = tuple(lookup(k) for k in kinds)
