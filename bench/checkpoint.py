@@ -90,8 +90,8 @@ def main():
 
     step = wh.parallelize(loss_fn, optax.adam(1e-3))
     state = step.init(params, host_batches[0])
-    batches = [jax.device_put(b, step.plan.program.batch_shardings) for b in host_batches]
-    tree = step.plan.program.caller_state(state)
+    batches = [jax.device_put(b, step.plan.batch_shardings) for b in host_batches]
+    tree = step.plan.caller_state(state)
     ckpt_bytes = sum(x.nbytes for x in jax.tree.leaves(tree))
 
     conditions = ["none"] + [f"k={k}" for k in intervals]

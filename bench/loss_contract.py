@@ -43,9 +43,9 @@ How
       plan's host-side batch layout and transfer, identical for a and b).
 
     On 2 shared cores the end-to-end a/b interval is several percent wide, wider than the 2%
-    target, so the pre-pass is also timed alone: ``whalex.core.parts.prepass`` with the plan's
-    PartLoss, the same loop over parts and the same combine over devices, as its own jitted
-    program, beside a null program on the same inputs (the cost of a call). The whole call is an
+    target, so the pre-pass is also timed alone (``plan.prepass()``: ``whalex.core.part_loss.prepass``
+    with the plan's PartLoss, the program's own loop over parts and the same combine over devices,
+    as its own jitted program), beside a null program on the same inputs (the cost of a call). The whole call is an
     upper bound of what the pre-pass adds to a step. The compiled HLO of every program is
     summarised (while loops with their dots and all-reduces, XLA's FLOP estimate): a pre-pass that
     kept model computation would show there.
@@ -75,12 +75,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 import whalex as wh
 from whalex.core import hlo
-from whalex.core import part_loss as parts_lib
-from whalex.memory.remat import program_evaluator
 
 N_DEV = 8
 TARGET = 0.02
@@ -189,83 +186,6 @@ def while_bodies(compiled) -> list[dict]:
     return out
 
 
-# ----------------------------------------------------------------------------------- the pre-pass alone
-
-def prepass_alone(program):
-    """A jitted program running only the plan's pre-pass: `whalex.core.parts.prepass` with the
-    plan's PartLoss, over the same parts (the chunk loop of the uneven program, the micro-batch scan
-    of gradient accumulation, evaluated at once with vmap) and the same combine over devices, returning the normalisers. It
-    uses the uneven program's own loops (`UnevenProgram.parts_driver`) and mirrors the micro-batch scan of step.py.
-    Also returns a null program (same inputs and shardings, returns one parameter element, no
-    collective) for the cost of a call."""
-    pl = program.parts
-    mesh = program.mesh
-    if hasattr(program, "parts_driver"):              # UnevenProgram: per-device chunk loop, psum after it
-        def evaluator_for(c, overrides):
-            return program_evaluator(c, {}, mesh, overrides, program.remat)[0]
-
-        def across(values, kinds):
-            return parts_lib.across_devices(values, kinds, "data")
-
-        def body(params, batch):
-            loop, map_parts = program.parts_driver(jax.tree.leaves(batch))   # the program's own loops
-            given = parts_lib.prepass(pl, evaluator_for, loop, across, jax.tree.leaves(params), [],
-                                      map_parts=map_parts)
-            return [v for vals in given.values() for v in vals]
-
-        def null_body(params, batch):           # no collective: a replicated parameter's element
-            return [jax.tree.leaves(params)[0].ravel()[0]]
-
-        wrap = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(),  # noqa: E731
-                                               check_vma=False))
-        return wrap(body), wrap(null_body)
-    # Program with num_micro_batch > 1: a scan over micro-batches in one GSPMD program
-    m, specs = program.num_micro_batch, program.sharding.batch_specs
-
-    def shards(spec):
-        axes = spec[0] if len(spec) else None
-        axes = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
-        return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-
-    dp = max([shards(s) for s in specs] + [1])
-
-    def evaluator_for(c, overrides):
-        return program_evaluator(c, program.sharding.constraints, mesh, {**(program.overrides or {}), **overrides},
-                                 program.remat, None)[0]
-
-    def split(x, spec):
-        b = x.shape[0]
-        y = x.reshape((dp, m, b // (dp * m)) + x.shape[1:]).swapaxes(0, 1).reshape((m, b // m) + x.shape[1:])
-        return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, *spec)))
-
-    def fn(params, batch):
-        leaves = jax.tree.leaves(batch)
-        micro = [split(x, s) for x, s in zip(leaves, specs)]
-        b = leaves[0].shape[0]
-        c = b // (dp * m)
-
-        def loop(f, init):
-            def step_(acc, xs):
-                k, mb = xs
-                return f(mb, tuple((j * (b // dp) + k * c, c) for j in range(dp)), acc), None
-            return jax.lax.scan(step_, init, (jnp.arange(m), micro))[0]
-
-        def map_parts(g, kinds):                # as the program: every micro-batch at once (vmap)
-            def one(k, mb):
-                return g(mb, tuple((j * (b // dp) + k * c, c) for j in range(dp)))
-            return jax.vmap(one)(jnp.arange(m), micro)
-
-        given = parts_lib.prepass(pl, evaluator_for, loop, lambda v, k: v, jax.tree.leaves(params), [],
-                                  map_parts=map_parts)
-        return [v for vals in given.values() for v in vals]
-
-    def null_fn(params, batch):
-        return [jax.tree.leaves(params)[0].ravel()[0]]
-
-    ins = (program.param_shardings, program.batch_shardings)
-    return jax.jit(fn, in_shardings=ins), jax.jit(null_fn, in_shardings=ins)
-
-
 # ----------------------------------------------------------------------------------- main
 
 def paired_stats(a, b, rng, n_boot=2000):
@@ -363,7 +283,7 @@ def main():
                             "hlo": hlo_summary(compiled), "while_loops": while_bodies(compiled)}
             variants[name] = {"step": step, "state": state, "prog": prog, "placed": placed}
             if has_prepass:                                           # the same pre-pass as its own program
-                pre, null = prepass_alone(plan.program)
+                pre, null = plan.prepass()          # the same pre-pass as its own program, and a null one
                 pargs = (state.stored_params, placed)
                 got = float(pre(*pargs)[0])
                 assert got == real_tokens, (name, got, real_tokens)   # the normaliser: sum(w) over the global batch

@@ -136,10 +136,9 @@ def row(name: str, config: wh.Config, loss_fn, params, batch, optimizer) -> dict
     except PlanError as e:
         return {"name": name, "built": False, "reason": str(e)}
     mem = {k: int(v) for k, v in plan.compiled_memory().items() if k in KEYS}
-    prog = plan.program                     # the step as wh.parallelize runs it: the state is donated
-    compiled = prog.jitted(donate=True).trace(*prog.abstract_args()).lower(lowering_platforms=(prog.platform,)).compile()
+    compiled = plan.lowered(donate=True).compile()      # the step as wh.parallelize runs it: the state is donated
     donated = {k: int(getattr(compiled.memory_analysis(), k)) for k in KEYS}
-    state, placed_batch = plan.program.abstract_args()
+    state, placed_batch = plan.abstract_args()
     split = {"params": shard_bytes(state.stored_params), "opt_state": shard_bytes(state.opt_state),
              "batch": shard_bytes(placed_batch), "step": shard_bytes(state.step),
              "host": shard_bytes(state, "pinned_host")}
@@ -153,7 +152,7 @@ def row(name: str, config: wh.Config, loss_fn, params, batch, optimizer) -> dict
             "planned": {"params": plan.memory[0].params, "grads": plan.memory[0].grads,
                         "opt_state": plan.memory[0].opt_state, "activations": plan.memory[0].activations,
                         "host": plan.memory[0].host},
-            "program": type(plan.program).__name__, "seconds": time.perf_counter() - t0}
+            "program": plan.program_kind, "seconds": time.perf_counter() - t0}
 
 
 def peak(m: dict, host: int, donated: bool) -> int:

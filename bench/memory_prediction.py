@@ -122,10 +122,10 @@ def measure(name: str, build, config: dict) -> dict:
     t2 = time.perf_counter()
     compiled = plan.step_memory()
     t3 = time.perf_counter()
-    cap = plan.program.captured
+    cap = plan.captured
     state = plan.memory[0].state
     old = residual_bytes(cap.jaxpr, cap.num_params) * cap.global_batch / plan.global_batch / plan.layout.size
-    return {"case": name, "config": config, "program": type(plan.program).__name__,
+    return {"case": name, "config": config, "program": plan.program_kind,
             "predicted": vars(predicted) | {"total": predicted.total},
             "compiled": vars(compiled) | {"total": compiled.total},
             "ratio": predicted.total / compiled.total,

@@ -10,10 +10,10 @@ from `jax.eval_shape(model.init)`, batch as `jax.ShapeDtypeStruct`s: nothing is 
 the sharded StableHLO of one Adam training step, and prints per configuration:
 
 - the time taken to build the model's abstract parameters (`jax.eval_shape(model.init)`: the
-  caller's side), to plan (`wh.plan` + `memory_fit`) and to lower (each is asserted < 60 s; issue
+  caller's side), to plan (`wh.plan` + `plan.memory_fit()`) and to lower (each is asserted < 60 s; issue
   12 aims at plan + lower of the 10T model under 5 s on a 2-core machine);
 - FLOPs per step (forward + backward, global and per device, counted from the jaxpr);
-- per-device memory from `whalex.balance.fit.memory_fit`: parameters, gradients, Adam state, and
+- per-device memory from `plan.memory_fit()` (`whalex.balance.fit`): parameters, gradients, Adam state, and
   activations (the residuals each TaskGraph's backward keeps: an upper bound, since XLA fuses some
   of them away; the last table compares it with XLA's compiled temp memory on a small model run
   on 8 simulated CPU devices), whether it fits a 32 GB V100, and the options that would make it fit;
@@ -51,7 +51,6 @@ import jax.numpy as jnp
 import optax
 
 import whalex as wh
-from whalex.balance.fit import memory_fit
 
 moe_transformer = harness.load_example("moe_transformer")      # examples/moe_transformer.py
 MoETransformer, make_loss = moe_transformer.MoETransformer, moe_transformer.make_loss
@@ -86,10 +85,10 @@ def plan_one(name: str) -> dict:
     text = plan.lower()
     t_lower = time.perf_counter() - t1
     t2 = time.perf_counter()
-    fit = memory_fit(plan)
+    fit = plan.memory_fit()
     t_fit = time.perf_counter() - t2
     flops = sum(t.flops for t in plan.task_graphs)
-    [experts_tg] = {e.experts_per_device for e in plan.program.sharding.experts}
+    [experts_tg] = {e.experts_per_device for e in plan.experts}
     assert f"mhlo.num_partitions = {c['gpus']}" in text
     assert t_plan + t_fit < 60 and t_lower < 60, (t_plan, t_fit, t_lower)
     node = cluster.nodes[0]
@@ -118,7 +117,7 @@ def calibrate() -> dict:
     model, loss_fn, params, batch = build(c, 32)
     params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params)
     plan = wh.plan(loss_fn, params, batch, optimizer=optax.adam(1e-4), has_aux=True)
-    est = memory_fit(plan).plain.activations
+    est = plan.memory_fit().plain.activations
     temp = plan.compiled_memory().get("temp_size_in_bytes", 0.0)
     return {"estimate": est, "xla_temp": temp, "ratio": est / temp if temp else float("nan")}
 

@@ -16,23 +16,22 @@ What it measures
     and the step itself for scale. Reported: median ms of each; ratios view/step and
     view+host / by hand.
 
-Run from the repo root: ``python bench/params_view.py`` (about a minute on 2 CPU cores).
-Writes bench/results/params_view.json.
+Since issue 13 pipelines store the caller's pytree (no stage buffers to unpack): the script checks
+that and exits with a note. bench/results/params_view.json keeps the figures of the packed storage;
+the timing code (which read the packed buffer by the pipeline's parameter offsets) is in this file's
+git history.
+
+Run from the repo root: ``python bench/params_view.py``.
 """
 from __future__ import annotations
 
-import os
 
 import harness
 
 harness.simulate_devices(8)
 
 import argparse
-import dataclasses
-import platform
-import time
 
-import flax.linen as nn
 import jax
 import numpy as np
 import optax
@@ -51,14 +50,12 @@ def main():
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--out", default=None, help="the results file (default bench/results/params_view.json)")
     args = ap.parse_args()
-    t_start = time.perf_counter()
 
     model = MLP(args.width, args.depth, args.classes)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((args.batch, args.features), dtype=np.float32)
     batch = {"x": x, "y": rng.integers(0, args.classes, args.batch).astype(np.int32)}
     params = model.init(jax.random.key(0), x[:1])["params"]
-    n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
 
     def loss_fn(p, b):
         return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, b["x"]), b["y"]).mean()
@@ -69,55 +66,8 @@ def main():
     if pstate.view is None:
         raise SystemExit("pipelines store the caller's pytree since issue 13 (no stage buffers to unpack): "
                          "nothing to measure; bench/results/params_view.json keeps the figures of the packed storage.")
-    placed = pipe.plan.place_batch(batch)
-    prog = pipe.plan.program
-
-    def by_hand(state):           # what a user would write against the packed buffer
-        buf = jax.device_get(state.stored_params)["stages"]
-        leaves = [None] * len(jax.tree.leaves(params))
-        for s, (ps, slots) in enumerate(zip(prog.cut.params, prog.param_slots)):
-            for p, slot in zip(ps, slots):
-                leaves[p] = buf[s, slot.offset:slot.offset + slot.size].reshape(slot.shape)
-        return jax.tree.unflatten(jax.tree.structure(params), leaves)
-
-    reads = {"view": lambda st: st.params, "view+host": lambda st: jax.device_get(st.params), "by hand": by_hand}
-    run = {"state": pstate}
-
-    def one_step():
-        run["state"], m = pipe(run["state"], placed)
-        return run["state"], m["loss"]
-
-    def fresh():                  # untimed: this step's state on fresh arrays (no host copy cached yet)
-        stored = jax.block_until_ready(jax.tree.map(lambda x: x + 0, run["state"].stored_params))
-        return (dataclasses.replace(run["state"], stored_params=stored),)
-
-    # each repeat: one step, then the reads in rotating order; 3 warm-up calls each compile the step and the unpack
-    timings = harness.interleaved({"step": one_step, **reads}, args.repeats, warmup=3, setup=dict.fromkeys(reads, fresh),
-                                  order_by=lambda names, r: ["step"] + harness.order(names[1:], r, "rotate"))
-    times = {c: timings.times(c) for c in ["step", *reads]}
-    state = run["state"]
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), by_hand(state))
-    med = {c: harness.median(t) * 1e3 for c, t in times.items()}
-    ratios = {"view / step": med["view"] / med["step"], "view+host / by hand": med["view+host"] / med["by hand"]}
-
-    print(f"state.params view benchmark: 8 simulated CPU devices ({platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cores), jax {jax.__version__}")
-    print(f"model: Flax MLP {args.features} -> {args.depth} x Dense({args.width}) -> {args.classes}, {n_params:,} "
-          f"params ({n_params * 4 / 2**20:.1f} MiB), Adam; pipeline {pipe.plan.layout.axis_sizes} "
-          f"(stages x replicas), 4 micro-batches; global batch {args.batch}; {args.repeats} interleaved repeats")
-    print()
-    print(f"  {'what':<12} {'median ms':>9}")
-    for c in times:
-        print(f"  {c:<12} {med[c]:>9.3f}")
-    print()
-    for k, v in ratios.items():
-        print(f"  {k:<24} {v:6.3f}")
-    print(f"\ntotal {time.perf_counter() - t_start:.1f}s")
-    path = harness.write_result("params_view", {
-        "args": {k: v for k, v in vars(args).items() if k != "out"}, "n_params": n_params, "median_ms": med,
-        "ratios": ratios, "jax": jax.__version__, "cpu_count": os.cpu_count()}, args.out)
-    print(f"wrote {path}")
-
+    raise SystemExit(f"this pipeline stores its parameters as {pstate.view.layout}: the packed stage buffers this "
+                     "bench timed by hand are gone (see its docstring).")
 
 if __name__ == "__main__":
     main()

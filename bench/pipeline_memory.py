@@ -144,13 +144,11 @@ def pipeline_row(loss_fn, params, args, M: int, schedule: str, optimizer, cluste
     assert plan.schedule is not None and plan.layout.axis_sizes == (dp, STAGES), plan.layout
     public = with_peak({k: int(v) for k, v in plan.compiled_memory().items() if k in KEYS})
     # the step as wh.parallelize runs it: the TrainState is donated (outputs may alias inputs)
-    prog = plan.program
-    donated = mem_dict(prog.jitted(donate=True).trace(*prog.abstract_args())
-                       .lower(lowering_platforms=(prog.platform,)).compile())
+    donated = mem_dict(plan.lowered(donate=True).compile())
     sched = plan.schedule
-    stash = (sched.slots + sched.grad_slots) * prog.message_width * 4   # forward + gradient stash, f32
-    layout = prog.batch_layout
-    batch_bytes = layout.device_bytes(dp)                  # what each device holds (padded stage row)
+    buffers = plan.stage_buffers()
+    stash = (sched.slots + sched.grad_slots) * buffers.message_width * 4   # forward + gradient stash, f32
+    batch_bytes = buffers.batch_bytes                      # what each device holds (padded stage row)
     return {
         "schedule": schedule, "M": M, "micro_batch": args.micro, "data_parallel": dp,
         "global_batch": plan.global_batch, "slots": sched.slots, "ticks": sched.num_ticks,
@@ -158,10 +156,10 @@ def pipeline_row(loss_fn, params, args, M: int, schedule: str, optimizer, cluste
         "max_in_flight": [sched.max_in_flight(s) for s in range(STAGES)],
         "max_grads_waiting": grads_waiting(sched),
         "batch_bytes_per_device": batch_bytes,
-        "batch_bytes_per_device_before": layout.whole_bytes(dp),     # the replica's whole batch (before Build 6)
-        "batch_bytes_read_per_stage": [layout.stage_bytes(s, dp) for s in range(STAGES)],
-        "batch_leaves_per_stage": [[sl.leaf for sl in layout.stages[s]] for s in range(STAGES)],
-        "message_width_floats": prog.message_width, "param_width_floats": prog.param_width,
+        "batch_bytes_per_device_before": buffers.whole_batch_bytes,    # the replica's whole batch (before Build 6)
+        "batch_bytes_read_per_stage": list(buffers.stage_batch_bytes),
+        "batch_leaves_per_stage": [list(leaves) for leaves in buffers.stage_batch_leaves],
+        "message_width_floats": buffers.message_width, "param_width_floats": buffers.param_width,
         "predicted_stash_bytes": stash,
         "memory": public, "memory_donated": donated,
         "activation_bytes": public["temp_size_in_bytes"],

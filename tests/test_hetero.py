@@ -48,15 +48,13 @@ def test_every_sample_counts_exactly_once():
     cluster = wh.Cluster(kinds=HETERO)
     plan = wh.plan(loss_fn, params, batch, None, cluster=cluster)
     assert len(set(plan.batch_sizes)) > 1 and sum(plan.batch_sizes) == B
-    program = plan.program
-    padded = program.pad_batch(batch)
-    x = padded["onehot"].copy()
-    real = np.zeros(x.shape[0], bool)
-    for i, (a, b) in enumerate(program.row_ranges()):
-        real[i * program.block:i * program.block + (b - a)] = True
-    x[~real] = np.nan                                                  # poison every padding row
-    placed = jax.device_put({"onehot": x}, program.batch_shardings)
-    loss, grads = program.jitted()(jax.device_put(params, program.param_shardings), placed)
+    block = max(plan.batch_sizes)                                      # each device's padded block of rows
+    x = np.full((len(plan.batch_sizes) * block, B), np.nan, np.float32)  # poison every padding row
+    for i, (a, b) in enumerate(plan.device_rows()):
+        x[i * block:i * block + (b - a)] = np.asarray(batch["onehot"])[a:b]
+    assert x.shape == plan.batch_shapes()["onehot"].shape
+    placed = jax.device_put({"onehot": x}, plan.batch_shardings)
+    loss, grads = plan.jitted()(jax.device_put(params, plan.param_shardings), placed)
     np.testing.assert_allclose(np.asarray(grads["w"]), np.full(B, 1.0 / B), rtol=1e-6)
     assert np.isfinite(float(loss))
     # and the rows each device owns tile the batch exactly once

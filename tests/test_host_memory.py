@@ -7,7 +7,6 @@ import optax
 import pytest
 
 import whalex as wh
-from whalex.balance.fit import memory_fit
 from whalex.balance.profile import taskgraph_flops, taskgraph_eqns
 from whalex.core.interpret import subgraph_functions, subgraph_key
 from whalex.errors import ClusterError
@@ -60,7 +59,7 @@ def test_nodes_and_host_memory_of_clusters():
 @pytest.fixture(scope="module")
 def ladder():
     """The footprints of the ladder on a device that holds everything (the numbers the tests size against)."""
-    return memory_fit(_plan(wh.Cluster.abstract(["V100-32GB"] * N)))
+    return _plan(wh.Cluster.abstract(["V100-32GB"] * N)).memory_fit()
 
 
 def _tight(ladder, host_per_device):
@@ -74,7 +73,7 @@ def _tight(ladder, host_per_device):
 
 def test_memory_fit_names_host_memory_as_the_limit(ladder):
     cluster, needed = _tight(ladder, host_per_device=1.0)         # 1 byte of RAM per device
-    fit = memory_fit(_plan(cluster))
+    fit = _plan(cluster).memory_fit()
     assert fit.host_capacity == 1.0 and needed > 1.0
     assert not fit.fits and fit.needs is None and fit.limit == "host memory"
     step = next(s for s in fit.ladder if s.option == "offload opt_state")
@@ -84,12 +83,12 @@ def test_memory_fit_names_host_memory_as_the_limit(ladder):
 
 def test_memory_fit_with_enough_host_memory(ladder):
     cluster, needed = _tight(ladder, host_per_device=float(GiB))
-    fit = memory_fit(_plan(cluster))
+    fit = _plan(cluster).memory_fit()
     assert fit.needs is not None and fit.needs[-1] == "offload opt_state" and fit.limit is None
     assert fit.verdict().startswith("fits with ") and needed <= fit.host_capacity
     # device memory short even with everything offloaded: device memory is named
     tiny = wh.DeviceSpec("tiny", 1e12, 1e12, 1, 1e11)
-    fit = memory_fit(_plan(wh.Cluster.abstract([tiny] * N, host_memory="1TB")))
+    fit = _plan(wh.Cluster.abstract([tiny] * N, host_memory="1TB")).memory_fit()
     assert fit.needs is None and fit.limit == "device memory" and "device memory is the limit" in fit.verdict()
 
 
@@ -105,7 +104,7 @@ def test_plan_summary_checks_offload_against_host_memory_and_still_lowers():
 
 
 def test_repeated_blocks_are_measured_once_with_the_same_result():
-    cap = _plan(wh.Cluster.abstract(["V100-32GB"] * N)).program.captured
+    cap = _plan(wh.Cluster.abstract(["V100-32GB"] * N)).captured
     jaxpr = cap.jaxpr.jaxpr
     groups = taskgraph_eqns(jaxpr, cap.assign, len(cap.taskgraphs))
     keys = [subgraph_key(jaxpr, g, i, o) for g, (i, o, _) in zip(groups, subgraph_functions(jaxpr, groups))]
@@ -131,6 +130,6 @@ def test_planning_a_deep_model_on_many_abstract_devices_stays_fast():
 
     t0 = time.perf_counter()
     plan = wh.plan(loss, params, batch, optimizer=optax.adam(1e-3), cluster=cluster)
-    memory_fit(plan)
+    plan.memory_fit()
     assert "mhlo.num_partitions = 512" in plan.lower()
     assert time.perf_counter() - t0 < 60          # ~0.7 s here, half of measuring each of its 25 TaskGraphs

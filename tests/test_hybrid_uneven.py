@@ -20,7 +20,7 @@ def _check_rows(plan, b):
     assert len(set(plan.batch_sizes)) > 1 and rows.sum() == b
     speeds = np.asarray(plan.cluster.speeds)
     assert np.all(np.abs(rows - b * speeds / speeds.sum()) <= plan.balance.unit)   # proportional within the grain
-    assert type(plan.program).__name__ == "HybridProgram"
+    assert plan.program_kind == "HybridProgram"
     assert APPLIED in plan.summary()
 
 
@@ -109,7 +109,7 @@ def test_batch_statistics_in_the_backbone_are_refused():
 def test_options_not_lowered_keep_the_even_batch_and_say_so():
     loss_fn, params, batch = _head_model()
     plan = wh.plan(loss_fn, params, batch, adam(), config=wh.Config(zero_level=1), cluster=wh.Cluster(kinds=HETERO))
-    assert len(set(plan.batch_sizes)) == 1 and type(plan.program).__name__ == "Program"
+    assert len(set(plan.batch_sizes)) == 1 and plan.program_kind == "Program"
     assert "the batch stays even over the replicate TaskGraphs: zero_level=1" in plan.summary()
     plan = wh.plan(loss_fn, params, batch, adam(), config=wh.Config(hardware_aware=False),
                    cluster=wh.Cluster(kinds=HETERO))

@@ -212,4 +212,4 @@ def test_samples_coupled_across_the_batch_are_refused_in_parts():
     with pytest.raises(wh.PlanError, match="mixes samples"):
         wh.plan(contrastive, lm_params(), lm_batch(), optax.sgd(0.1), config=wh.Config(num_micro_batch=4))
     plan = wh.plan(contrastive, lm_params(), lm_batch(), optax.sgd(0.1))     # the whole batch at once: fine
-    assert plan.program is not None
+    assert plan.program_kind == "Program"

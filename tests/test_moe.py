@@ -143,17 +143,17 @@ CASES = {
 def test_expert_parallel_matches_single_device(case):
     loss_fn, params, batch = _problem(**CASES[case])
     plan = wh.plan(loss_fn, params, batch, has_aux=True)
-    [call] = plan.program.sharding.experts
+    [call] = plan.experts
     assert call.experts_per_device == CASES[case]["experts"] // CASES[case]["split"]
-    ps = jax.device_put(params, plan.program.param_shardings)
+    ps = jax.device_put(params, plan.param_shardings)
     placed = plan.place_batch(batch)
-    (loss, (aux, _)) = jax.jit(plan.program.loss())(ps, (placed, []))
+    (loss, aux, _), _ = jax.jit(plan.value_and_grad())(ps, placed)
     ref_loss, ref_aux = loss_fn(params, batch)
     assert rel_err(aux["out"], ref_aux["out"]) < 1e-5
     assert abs(float(aux["aux_loss"]) - float(ref_aux["aux_loss"])) < 1e-5 * float(ref_aux["aux_loss"])
     assert abs(float(aux["z_loss"]) - float(ref_aux["z_loss"])) < 1e-5 * float(ref_aux["z_loss"])
     assert abs(float(loss) - float(ref_loss)) < 1e-5 * float(ref_loss)
-    _, grads = plan.program.jitted()(ps, placed)
+    _, grads = plan.jitted()(ps, placed)
     ref_grads = jax.grad(lambda p, b: loss_fn(p, b)[0])(params, batch)
     errs = jax.tree.map(rel_err, grads, ref_grads)
     assert max(jax.tree.leaves(errs)) < 1e-5, errs
@@ -239,7 +239,6 @@ def test_moe_transformer_example_trains_and_matches_single_device():
 
 def test_giant_style_plan_on_an_abstract_cluster_memory_and_lowering():
     """Example 5 planned for 64 abstract V100s from shapes only; memory model checked by hand."""
-    from whalex.balance.fit import memory_fit
     import optax
     e, n, d, h, seq = 128, 64, 64, 256, 32
     model = Block(experts=e, split=n, k=2, capacity_factor=1.25)
@@ -253,11 +252,11 @@ def test_giant_style_plan_on_an_abstract_cluster_memory_and_lowering():
 
     plan = wh.plan(loss_fn, params, batch, optimizer=optax.adam(1e-3),
                    cluster=wh.Cluster.abstract(kinds=["V100-32GB"] * n))
-    [call] = plan.program.sharding.experts
+    [call] = plan.experts
     assert call.experts_per_device == e // n
     text = plan.lower()
     assert "all_to_all" in text and f"mhlo.num_partitions = {n}" in text
-    fit = memory_fit(plan)
+    fit = plan.memory_fit()
     leaves = jax.tree_util.tree_leaves_with_path(params)
     expert = sum(x.size for p, x in leaves if x.shape[:1] == (e,)) * 4
     rest = sum(x.size for p, x in leaves if x.shape[:1] != (e,)) * 4
@@ -267,11 +266,11 @@ def test_giant_style_plan_on_an_abstract_cluster_memory_and_lowering():
     # the plain footprint is the model's, whatever memory options the plan itself uses
     opts = wh.plan(loss_fn, params, batch, optimizer=optax.adam(1e-3), config=wh.Config(zero_level=1, offload="opt_state"),
                    cluster=wh.Cluster.abstract(kinds=["V100-32GB"] * n))
-    assert memory_fit(opts).plain == fit.plain
+    assert opts.memory_fit().plain == fit.plain
     # on a (made-up) tiny device the ladder says what it would take
     # on a (made-up) small device the ladder says what it would take; activations dominate here
     small = wh.Cluster.abstract(kinds=[wh.DeviceSpec("tiny", 1e12, 1e12, int(0.6 * fit.plain.device_total), 1e11)] * n)
-    tight = memory_fit(wh.plan(loss_fn, params, batch, optimizer=optax.adam(1e-3), cluster=small))
+    tight = wh.plan(loss_fn, params, batch, optimizer=optax.adam(1e-3), cluster=small).memory_fit()
     assert not tight.fits and tight.needs is not None and "remat" in tight.needs
     last = next(s for s in tight.ladder if s.option == tight.needs[-1])
     assert last.fits and last.footprint.device_total <= tight.capacity

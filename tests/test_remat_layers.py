@@ -61,7 +61,7 @@ def test_full_remat_of_an_unannotated_model_saves_like_nn_remat_per_block():
     at most 1.10x the same fraction of the hand-written nn.remat(Block) model."""
     params, batch = problem()
     hand = _saved(_hand_loss, params, batch) / _saved(loss_fn, params, batch)
-    r = wh.plan(loss_fn, params, batch, optax.sgd(0.1), config=wh.Config(remat="full")).program.remat
+    r = wh.plan(loss_fn, params, batch, optax.sgd(0.1), config=wh.Config(remat="full")).remat
     assert r.saved / r.baseline <= 1.10 * hand, (r.saved / r.baseline, hand)
     assert 0 < r.saved < r.baseline
     assert "saved for the backward pass" in wh.plan(loss_fn, params, batch, optax.sgd(0.1),
@@ -74,10 +74,10 @@ def test_auto_remat_fits_half_the_no_remat_step_and_trains_as_one_device(optimiz
     keeps, as JAX counts it: true on CPU too), choosing per layer. A batch of 256 rows: activations,
     not the state, fill the step (as in the models remat is for)."""
     params, batch = problem(rows=256)
-    probe = wh.plan(loss_fn, params, batch, optimizer, config=wh.Config(remat="auto")).program.remat
+    probe = wh.plan(loss_fn, params, batch, optimizer, config=wh.Config(remat="auto")).remat
     whole = probe.state + probe.baseline
     config = wh.Config(remat="auto", memory_budget=0.5 * whole)
     step, _ = assert_matches(loss_fn, params, batch, steps=3, optimizer=optimizer, tol=1e-4, config=config)
-    r = step.plan.program.remat
+    r = step.plan.remat
     assert r.state + r.saved <= 0.5 * whole < r.state + r.baseline
     assert len(r.segment_levels) == len(r.layers.names) and any(r.segment_levels)

@@ -110,7 +110,7 @@ class Step:
                 raise PlanError("an abstract cluster can plan and lower but not run; use wh.plan(...) with it, "
                                 "or Cluster.detect() / Cluster(kinds=...) to train.")
             self._plans[key] = p
-            self._jitted[key] = p.program.jitted()
+            self._jitted[key] = p.jitted()
             self._last_call = None
         self._last = self._plans[key]
         return self._plans[key]
@@ -127,7 +127,7 @@ class Step:
         `step.model(state)` gives the module back."""
         check_placeable(params=params, model_state=model_state, rng=rng)     # before anything is planned or placed
         p, params, model_state = self._prepare(params, example_batch, model_state, rng)
-        return self._adopt(p.program.init_state(params, model_state, rng), params, example_batch)
+        return self._adopt(p.init_state(params, model_state, rng), params, example_batch)
 
     def _prepare(self, params, example_batch, model_state=None, rng=None):
         """Plan for these shapes without placing anything: (plan, params, model_state), an NNX module
@@ -183,7 +183,7 @@ class Step:
         if isinstance(batch, StageBatch):         # placed by a pipeline plan's place_batch: that plan
             shapes = _signature(jax.tree.leaves(batch))
             for k, q in self._plans.items():
-                if q.schedule is not None and _signature(jax.tree.leaves(q.program.batch_shapes())) == shapes:
+                if q.schedule is not None and _signature(jax.tree.leaves(q.batch_shapes())) == shapes:
                     return self._relayout(state, q), q, self._jitted[k]
         if self._last is not None and self._last.schedule is not None:
             raise PlanError("the batch shapes differ from the ones this pipeline was planned for; call "
@@ -196,7 +196,7 @@ class Step:
     def _relayout(self, state: TrainState, p: Plan) -> TrainState:
         """`state` in the storage layout of plan `p`: as it is, or re-laid out as a checkpoint restore would
         when another plan (a new batch shape can re-plan a padded head) or another step made it."""
-        return state if p.program.holds(state) else p.program.adopt_state(state)
+        return state if p.holds(state) else p.adopt_state(state)
 
     def params(self, state: TrainState):
         """The parameters of `state` as the caller's pytree (unpacks padded uneven shards)."""

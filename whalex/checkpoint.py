@@ -6,11 +6,11 @@ One layout on disk for every plan, the caller's: a pytree
      "step": int32, "model_state": ..., "rng": <key data>, "loss_scale": ...}   (last three if present)
 
 Pipeline stage buffers, padded uneven split heads and their optimizer moments are converted back to
-the caller's pytree before saving (`Emitter.caller_state`); ZeRO shards and offloaded arrays are
+the caller's pytree before saving (`Plan.caller_state`); ZeRO shards and offloaded arrays are
 just global arrays, which orbax writes as such. Restoring plans like `step.init`, builds the
 caller-layout abstract target with shardings on THIS plan's mesh (orbax's own
 `to_shape_dtype_struct` would keep the saving mesh), restores into it, and converts to this plan's
-storage layout (`Emitter.place_caller_state`). So a checkpoint saved under any plan or cluster
+storage layout (`Plan.place_caller_state`). So a checkpoint saved under any plan or cluster
 restores under any other, and plain orbax reads it without whalex.
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ class CheckpointManager:
         _check_step("save", step, "state")
         if not isinstance(state, TrainState):
             raise PlanError("manager.save(step, state) takes the wh.TrainState the step returned.")
-        tree = step.plan.program.caller_state(state)
+        tree = step.plan.caller_state(state)
         at = int(jax.device_get(state.step.addressable_data(0)))     # replicated: every process reads its own copy
         return self._manager.save(at, args=ocp.args.StandardSave(tree), force=force)
 
@@ -82,8 +82,7 @@ class CheckpointManager:
         if at is None:
             raise PlanError(f"no checkpoint in {self.directory}; start with step.init(params, batch).")
         plan, params, model_state = step._prepare(params, example_batch, model_state, rng)
-        program = plan.program
-        target = program.caller_targets(model_state, rng)
+        target = plan.caller_targets(model_state, rng)
         metadata = self._manager.item_metadata(at)
         saved = set(metadata.keys())
         missing = {"model_state", "rng"} & (set(target) - saved)
@@ -99,7 +98,7 @@ class CheckpointManager:
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target["step"].sharding),
                 dict(metadata["loss_scale"]))
         tree = self._manager.restore(at, args=ocp.args.StandardRestore(target))
-        return step._adopt(program.place_caller_state(tree, rng), params, example_batch)
+        return step._adopt(plan.place_caller_state(tree, rng), params, example_batch)
 
     # -- bookkeeping ----------------------------------------------------------------------------
     def latest_step(self) -> int | None:

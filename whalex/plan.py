@@ -4,12 +4,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
-
+from whalex.balance import fit
 from whalex.balance.profile import DeviceMemory
+from whalex.core.capture import Captured
 from whalex.core.comm import Comm
-from whalex.core.sharding_plan import Coverage, PatternChoice
+from whalex.core.program import MemoryOptions, StageBuffers, StepProgram, TracedStep
+from whalex.core.sharding_plan import Coverage, ExpertCall, PatternChoice
 from whalex.memory.peak import Peak, compiled_peak
+from whalex.memory.precision import Precision
+from whalex.memory.remat import RematPlan, summary_lines
 from whalex.mesh.cluster import Cluster
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
 from whalex.primitives.config import Config
@@ -41,7 +44,10 @@ class TaskGraphInfo:
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class Plan:
-    """The parallel plan: TaskGraphs, VirtualDevices, per-device batch sizes, shardings, memory."""
+    """The parallel plan: TaskGraphs, VirtualDevices, per-device batch sizes, shardings, memory.
+
+    It carries the step program the planner built (`program`, a `whalex.core.program.StepProgram`);
+    the api, checkpoints, the view and the benches use the methods below, never the program itself."""
 
     cluster: Cluster
     config: Config
@@ -54,7 +60,7 @@ class Plan:
     patterns: tuple[PatternChoice, ...]
     comms: tuple[Comm, ...]
     memory: tuple[DeviceMemory, ...]
-    program: Any = dataclasses.field(repr=False, compare=False)
+    program: StepProgram = dataclasses.field(repr=False, compare=False)
     schedule: Any = None                      # the pipeline Schedule, when the plan is a pipeline
     stage_layers: tuple = ()                  # per stage, the names of the layers it holds
     balance: Any = None                       # the hardware-aware BalanceReport, on heterogeneous clusters
@@ -73,10 +79,132 @@ class Plan:
             self._cache["couplings"] = tuple(c() if callable(c) else c)
         return self._cache["couplings"]
 
+    # -- the step program's records ---------------------------------------------------------------
+    @property
+    def program_kind(self) -> str:
+        """The kind of step program carrying the plan out: Program (GSPMD), UnevenProgram,
+        HybridProgram, PipelineProgram."""
+        return type(self.program).__name__
+
+    @property
+    def captured(self) -> Captured:
+        """The loss as the program runs it (traced at the size of its parts: micro-batch, chunk)."""
+        return self.program.captured
+
+    @property
+    def memory_options(self) -> MemoryOptions:
+        """ZeRO level and offloaded state, as the program lays out its state."""
+        return self.program.memory_options
+
+    @property
+    def remat(self) -> RematPlan | None:
+        """What each TaskGraph (or layer) recomputes, and activation offload; None without remat."""
+        return self.program.remat
+
+    @property
+    def precision(self) -> Precision | None:
+        """amp and comm_dtype as the program runs them; None in full precision."""
+        return self.program.precision
+
+    @property
+    def experts(self) -> tuple[ExpertCall, ...]:
+        """The MoE calls run expert-parallel."""
+        return self.program.experts
+
+    def remat_precision_lines(self) -> list[str]:
+        """What the summary says of remat (per TaskGraph or layer), amp and the gradient dtype."""
+        return summary_lines(self.program)
+
+    def stage_buffers(self) -> StageBuffers | None:
+        """A pipeline's per-device buffers (parameter rows, messages, its batch); None otherwise."""
+        return self.program.stage_buffers()
+
+    # -- the step -------------------------------------------------------------------------------------
+    @property
+    def param_shardings(self):
+        """Where the stored parameters live (a pytree of shardings)."""
+        return self.program.param_shardings
+
+    @property
+    def batch_shardings(self):
+        """Where the batch the step takes lives (uneven plans: padded per-device blocks)."""
+        return self.program.batch_shardings
+
+    def batch_shapes(self):
+        """ShapeDtypeStructs of the batch the step takes, as `place_batch` lays it out."""
+        return self.program.batch_shapes()
+
+    def value_and_grad(self):
+        """(params, batch, extra=()) -> ((loss, aux, new model state), grads) as the step computes them
+        (params in the stored layout, the batch placed by `place_batch`)."""
+        return self.program.value_and_grad()
+
+    def jitted(self, donate: bool = True):
+        """The jitted training step (state, batch) -> (state, metrics), the state donated; without an
+        optimizer, (params, batch) -> (loss, grads)."""
+        return self.program.jitted(donate)
+
+    def abstract_args(self) -> tuple:
+        """ShapeDtypeStructs with shardings for every argument of the jitted step."""
+        return self.program.abstract_args()
+
+    def traced_step(self) -> TracedStep:
+        """The step as `wh.parallelize` runs it (state donated), traced to a jaxpr: plain data."""
+        return self.program.traced_step()
+
+    def prepass(self):
+        """The loss contract's pre-pass alone as a jitted program, and a null program of the same
+        inputs (plans that run the loss in parts; a PlanError for the others)."""
+        return self.program.prepass()
+
+    # -- the state ------------------------------------------------------------------------------------
+    @property
+    def param_view(self):
+        """How `TrainState.params` reads the caller's pytree when the plan stores its own layout (None:
+        it stores the caller's)."""
+        return self.program.param_view
+
+    def init_state(self, params, model_state=None, rng=None):
+        """A fresh `TrainState`: params (copied) placed per the plan, a new optimizer state."""
+        return self.program.init_state(params, model_state, rng)
+
+    def caller_state(self, state) -> dict:
+        """`state` in the caller's layout (what a checkpoint holds)."""
+        return self.program.caller_state(state)
+
+    def caller_targets(self, model_state=None, rng=None) -> dict:
+        """Abstract caller-layout state on this plan's mesh, to restore a checkpoint into."""
+        return self.program.caller_targets(model_state, rng)
+
+    def place_caller_state(self, tree: dict, rng=None):
+        """A `TrainState` of this plan from caller-layout values (a restored checkpoint)."""
+        return self.program.place_caller_state(tree, rng)
+
+    def holds(self, state) -> bool:
+        """Whether `state` is stored as this plan stores it (what its jitted step accepts as it is)."""
+        return self.program.holds(state)
+
+    def adopt_state(self, state):
+        """`state`, made by another plan or step of the same parameters, placed per this plan as a
+        checkpoint restore would place it (values moved, never recomputed; `state` is copied)."""
+        return self.program.adopt_state(state)
+
+    # -- memory -------------------------------------------------------------------------------------
+    def memory_fit(self) -> fit.MemoryFit:
+        """The per-device footprint from abstract shapes, whether the plan fits, and which of ZeRO,
+        remat, bf16 and offload it would need (`whalex.balance.fit`)."""
+        n = self.layout.size
+        return fit.memory_fit(self.program.state_layout(), self.captured, self.virtual_devices,
+                              self.cluster.specs[:n], self.cluster.host_bytes[:n], self.experts)
+
     # -- lowering ---------------------------------------------------------------------------
-    def lowered(self):
-        """The `jax.stages.Lowered` training step (works on abstract clusters too)."""
-        return self.program.lower()
+    def lowered(self, donate: bool = False):
+        """The `jax.stages.Lowered` training step (works on abstract clusters too); `donate=True`: as
+        `wh.parallelize` runs it, the state donated."""
+        if not donate:
+            return self.program.lower()
+        p = self.program
+        return p.jitted(donate=True).trace(*p.abstract_args()).lower(lowering_platforms=(p.platform,))
 
     def lower(self) -> str:
         """The sharded StableHLO text of one training step."""
@@ -128,10 +256,7 @@ class Plan:
             if self.cluster.is_abstract:
                 raise ValueError("step_memory() compiles the step and needs real devices; on an abstract cluster use "
                                  "plan.predicted_memory().")
-            p = self.program
-            step = p.jitted(donate=p.optimizer is not None)
-            self.record_step_memory(step.trace(*p.abstract_args()).lower(lowering_platforms=(p.platform,))
-                                    .compile().memory_analysis())
+            self.record_step_memory(self.lowered(donate=True).compile().memory_analysis())
         return self.compiled_step_memory
 
     @property
@@ -140,14 +265,13 @@ class Plan:
 
     def place_batch(self, batch):
         """The global batch placed for the step (uneven plans lay rows out per device)."""
-        if hasattr(self.program, "place_batch"):
-            return self.program.place_batch(batch)
-        return jax.device_put(batch, self.program.batch_shardings)
+        return self.program.place_batch(batch)
 
     def device_rows(self) -> tuple[tuple[int, int], ...]:
         """The global-batch rows [start, stop) each device trains on in one step."""
-        if hasattr(self.program, "row_ranges"):
-            return self.program.row_ranges()
+        rows = self.program.row_ranges()
+        if rows is not None:
+            return rows
         starts = [0]
         for r in self.batch_sizes:
             starts.append(starts[-1] + r)

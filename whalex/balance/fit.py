@@ -29,7 +29,10 @@ import jax
 import numpy as np
 
 from whalex.balance.profile import sharded_bytes, spec_shards, taskgraph_eqns
+from whalex.core.capture import Captured
 from whalex.core.interpret import subgraph_functions, subgraph_key
+from whalex.core.program import StateLayout
+from whalex.core.sharding_plan import ExpertCall
 from whalex.core.shardings import opt_state_specs
 
 
@@ -159,34 +162,35 @@ def _closure(inputs, fn, consts) -> tuple[list, list]:
     return jax.tree.leaves(closure), float_avals
 
 
-def memory_fit(plan) -> MemoryFit:
-    """The per-device footprint of `plan` (a GSPMD plan) and the options that would make it fit."""
-    program = plan.program
-    cap = program.captured
-    sizes = dict(zip(plan.layout.axis_names, plan.layout.axis_sizes))
-    n = plan.layout.size
+def memory_fit(state: StateLayout, cap: Captured, virtual_devices: Sequence, device_specs: Sequence,
+               host_bytes: Sequence[float], experts: Sequence[ExpertCall] = ()) -> MemoryFit:
+    """The per-device footprint of a plan and the options that would make it fit, from plain
+    records: the state as its program stores it (`state`), the capture it runs, its VirtualDevices,
+    and the spec and host bytes of each of its devices (`Plan.memory_fit` hands them over)."""
+    sizes = dict(state.axis_sizes)
+    n = len(device_specs)
     leaves = [v.aval for v in cap.jaxpr.jaxpr.invars[: cap.num_params]]
-    specs = list(program.sharding.param_specs)
+    specs = list(state.param_specs)
     per_dev = [_bytes(a.shape, a.dtype) / spec_shards(s, sizes) for a, s in zip(leaves, specs)]
     replicas = [n // spec_shards(s, sizes) for s in specs]
     params = sum(per_dev)
     # The plain optimizer state under the plan's specs (plan.memory already applies zero/offload).
     opt_state = 0.0
-    if program.optimizer is not None:
-        ospecs, oshapes = opt_state_specs(program.optimizer, program.param_shapes(), specs)
+    if state.optimizer is not None:
+        ospecs, oshapes = opt_state_specs(state.optimizer, state.param_shapes, specs)
         opt_state = sharded_bytes(oshapes, ospecs, sizes)
     opt_ratio = opt_state / params if params else 0.0    # e.g. 2.0 for Adam
     rep_params = sum(p for p, r in zip(per_dev, replicas) if r > 1)
     sharded_params = sum(p / r for p, r in zip(per_dev, replicas) if r > 1)
-    expert_tgs = {c.taskgraph for c in getattr(program.sharding, "experts", ())}
+    expert_tgs = {c.taskgraph for c in experts}
     divisors = []
-    for vd in plan.virtual_devices:
+    for vd in virtual_devices:
         full = vd.strategy.kind == "replicate" or vd.taskgraph in expert_tgs
         divisors.append(n if full else max(1, n // vd.device_count))
     residuals, boundary = taskgraph_residuals(cap, divisors)
     plain = Footprint(params, params, opt_state, sum(residuals))
-    cap_bytes = float(min(s.memory_bytes for s in plan.cluster.specs[:n]))
-    host_bytes = float(min(plan.cluster.host_bytes[:n]))
+    cap_bytes = float(min(s.memory_bytes for s in device_specs))
+    host_bytes = float(min(host_bytes))
 
     steps, cur = [], plain
     saved_p = rep_params - sharded_params

@@ -1,8 +1,10 @@
 """Emission shared by every kind of step program: the optax update, `jax.jit` with the plan's
 shardings, abstract arguments for lowering without devices, and placement of the state.
 
-A program (collocated GSPMD, pipeline, uneven data parallel) provides its storage shapes and
-shardings, `value_and_grad()` and `prepare_params()`; `Emitter` turns that into one jitted step.
+A program (collocated GSPMD, pipeline, uneven data parallel, uneven hybrid) provides its storage
+shapes and shardings, `value_and_grad()` and `prepare_params()`; `Emitter` turns that into one
+jitted step, and gives every program the rest of the `whalex.core.program.StepProgram` contract
+(the state, the caller's layout, the records for memory) with defaults a program may override.
 """
 from __future__ import annotations
 
@@ -16,11 +18,17 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from whalex.core.capture import Captured
+from whalex.core.part_loss import PartLoss
+from whalex.core.program import MemoryOptions, StageBuffers, StateLayout, TracedStep
+from whalex.core.sharding_plan import ExpertCall
 from whalex.core.shardings import opt_state_specs, param_tree_test
 from whalex.distributed import place_global
 from whalex.errors import PlanError
 from whalex.lowering import stage_rows
-from whalex.memory import MemoryOptions, offload, precision, zero
+from whalex.memory import offload, precision, zero
+from whalex.memory.precision import Precision
+from whalex.memory.remat import RematPlan
 from whalex.state import ParamView, TrainState
 
 
@@ -143,12 +151,37 @@ def _check_same(name: str, given, target) -> None:
 
 
 class Emitter:
-    """Mixin: needs `mesh`, `optimizer`, `platform`, `param_shapes()`, `param_spec_list()`,
-    `param_shardings`, `batch_shapes()`, `batch_shardings`, `value_and_grad()`, `has_aux`."""
+    """The base of every step program (`whalex.core.program.StepProgram`). A program class (a frozen
+    dataclass) declares the records below as its fields, and provides `param_shapes()`,
+    `param_spec_list()`, `param_shardings`, `batch_shapes()`, `batch_shardings`, `value_and_grad()`
+    and `has_aux`; the rest of the contract is here, with defaults it may override."""
 
+    captured: Captured
     mesh: Any
-    optimizer: Any
+    optimizer: optax.GradientTransformation | None
     platform: str
+    memory: MemoryOptions | None           # None: no ZeRO, no offload
+    precision: Precision | None
+    remat: RematPlan | None
+    parts: PartLoss | None
+
+    @property
+    def experts(self) -> tuple[ExpertCall, ...]:
+        """MoE calls run expert-parallel (none by default)."""
+        return ()
+
+    def row_ranges(self) -> tuple[tuple[int, int], ...] | None:
+        """The global batch rows [start, stop) each device trains on; None: even rows in device order."""
+        return None
+
+    def stage_buffers(self) -> StageBuffers | None:
+        """A pipeline's per-device buffers; None for other programs."""
+        return None
+
+    def prepass(self) -> tuple[Callable, Callable]:
+        """The loss contract's pre-pass alone as a jitted program, and a null program of the same inputs
+        (for measuring its cost): programs that run the loss in parts override it."""
+        raise PlanError(f"a {type(self).__name__} evaluates the loss whole: it has no pre-pass to run alone.")
 
     def prepare_params(self, params):
         """The caller's parameters in this program's storage layout (identity by default)."""
@@ -187,7 +220,7 @@ class Emitter:
     # -- memory options (ZeRO, offload): whalex/memory ----------------------------------------
     @property
     def memory_options(self) -> MemoryOptions:
-        return getattr(self, "memory", None) or MemoryOptions()
+        return self.memory or MemoryOptions()
 
     def zero_specs(self) -> list:
         """Per stored parameter leaf: its planned spec, sharded over its data-parallel axes by ZeRO."""
@@ -219,11 +252,11 @@ class Emitter:
             specs = self.opt_state_spec_tree(zspecs if level >= 1 else self.param_spec_list())
             opt = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
         rep = NamedSharding(self.mesh, P())
-        cap = getattr(self, "captured", None)
+        cap = self.captured
         ms = rng = None
-        if cap is not None and cap.state_tree is not None:
+        if cap.state_tree is not None:
             ms = jax.tree.unflatten(cap.state_tree, [rep] * cap.num_state)
-        if cap is not None and cap.rng is not None:
+        if cap.rng is not None:
             rng = rep
         return TrainState(stored_params=params, opt_state=opt, step=rep, model_state=ms, rng=rng, view=self.param_view)
 
@@ -271,7 +304,7 @@ class Emitter:
 
     def _loss_scale(self, leaf: Callable):
         """amp="fp16": the dynamic loss scale with `leaf(initial array)` at each leaf; else None."""
-        prec = getattr(self, "precision", None)
+        prec = self.precision
         if prec is None or not prec.scaled:
             return None
         return jax.tree.map(leaf, precision.LossScale.initial())
@@ -281,7 +314,7 @@ class Emitter:
             return make_train_step(value_and_grad, self.optimizer, self.has_aux, self._shard_update(), self.param_view,
                                    self._fetch_opt_state())
 
-        prec = getattr(self, "precision", None)
+        prec = self.precision
         if prec is not None and prec.scaled:     # fp16: dynamic loss scaling, non-finite steps skipped
             inner = precision.loss_scaled_step(self.value_and_grad(), build, prec.period)
         else:
@@ -347,6 +380,22 @@ class Emitter:
 
     def lower(self):
         return self.jitted(donate=False).trace(*self.abstract_args()).lower(lowering_platforms=(self.platform,))
+
+    # -- plain records for memory and balance (never the program itself) ----------------------------
+    def state_layout(self) -> StateLayout:
+        """The stored state's shapes, specs, optimizer and memory options."""
+        return StateLayout(self.param_shapes(), tuple(self.param_spec_list()), tuple(self.zero_specs()),
+                           self.optimizer, self.memory_options, dict(self.mesh.shape), self.platform)
+
+    def traced_step(self) -> TracedStep:
+        """The step as `wh.parallelize` runs it (the state donated; without an optimizer, the
+        loss-and-gradient step) traced at its abstract arguments."""
+        args = self.abstract_args()
+        if self.optimizer is None:
+            fn, donated = self.grad_step(), 0
+        else:
+            fn, donated = self.train_step(), len(jax.tree.leaves(args[0]))
+        return TracedStep(jax.make_jaxpr(fn)(*args), tuple(args), donated, dict(self.mesh.shape), self.platform)
 
     def place_batch(self, batch):
         return place_global(batch, self.batch_shardings)     # multi-process: each reads its own rows

@@ -13,14 +13,17 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from whalex.core import part_loss as parts_lib
 from whalex.core.capture import Captured
+from whalex.core.part_loss import PartLoss
+from whalex.core.program import MemoryOptions, step_program
 from whalex.lowering.emit import Emitter
 from whalex.lowering.padding import EvenPadding
-from whalex.core.sharding_plan import ShardingPlan
+from whalex.core.sharding_plan import ExpertCall, ShardingPlan
 from whalex.memory import precision as precision_lib
-from whalex.memory.precision import value_and_grad as scaled_value_and_grad
-from whalex.memory.remat import program_evaluator
+from whalex.memory.precision import Precision, value_and_grad as scaled_value_and_grad
+from whalex.memory.remat import RematPlan, program_evaluator
 
 
+@step_program
 @dataclasses.dataclass(frozen=True)
 class Program(Emitter):
     """Everything needed to run or lower the planned step on one mesh."""
@@ -33,10 +36,14 @@ class Program(Emitter):
     num_micro_batch: int = 1     # > 1: gradient accumulation over micro-batches (captured at micro size)
     overrides: Any = None        # path -> function replacing that equation (uneven split head)
     padded: Any = None           # param leaf -> (UnevenColumns | EvenPadding, axis): stored padded per device
-    memory: Any = None           # whalex.memory.MemoryOptions (ZeRO level, offload)
-    precision: Any = None        # whalex.memory.precision.Precision (amp, comm_dtype)
-    remat: Any = None            # whalex.memory.remat.RematPlan (per-TaskGraph remat, activation offload)
-    parts: Any = None            # whalex.core.parts.PartLoss: the loss contract over micro-batches
+    memory: MemoryOptions | None = None     # ZeRO level, offload
+    precision: Precision | None = None      # amp, comm_dtype
+    remat: RematPlan | None = None          # per-TaskGraph remat, activation offload
+    parts: PartLoss | None = None           # the loss contract over micro-batches
+
+    @property
+    def experts(self) -> tuple[ExpertCall, ...]:
+        return self.sharding.experts
 
     # -- shardings -------------------------------------------------------------------------
     def named(self, spec_tree):
@@ -145,57 +152,17 @@ class Program(Emitter):
                 (value, (aux, new_state)), grads = vg(params, (batch, list(extra)), scale)
                 return (value, aux, new_state), jax.lax.with_sharding_constraint(grads, grad_shardings)
             return plain
-        specs = self.sharding.batch_specs
-        mesh = self.mesh
-
-        def shards(spec):
-            axes = spec[0] if len(spec) else None
-            axes = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
-            return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-
-        # One row grouping for every leaf (so x_i stays with y_i): micro-batch k takes the k-th
-        # chunk of each of the `dp` finest row blocks, which is local for every leaf's sharding.
-        dp = max([shards(s) for s in specs] + [1])
-
-        def split(x, spec):
-            b = x.shape[0]
-            y = x.reshape((dp, m, b // (dp * m)) + x.shape[1:]).swapaxes(0, 1).reshape((m, b // m) + x.shape[1:])
-            return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, *spec)))
-
         pl = self.parts
         ptree = self.captured.params_tree
-
-        def evaluator_for(c, overrides):
-            return program_evaluator(c, self.sharding.constraints, mesh, {**(self.overrides or {}), **overrides},
-                                     self.remat, None)[0]
-
-        def across(values, kinds):    # one GSPMD program: every micro-batch already spans the mesh
-            return values
-
+        evaluator_for = self._part_evaluator
         gather = self.param_shardings if self.memory_options.zero_level >= 3 else None
 
         def accumulate(params, batch, extra=(), scale=None):
             if gather is not None:       # ZeRO 3: stored sharded, gathered where used
                 params = jax.lax.with_sharding_constraint(params, gather)
             params, stored_grads = jax.vjp(self.compute_params, params)
-            leaves, tree = jax.tree.flatten(batch)
-            micro = [split(x, s) for x, s in zip(leaves, specs)]
-            b = leaves[0].shape[0]
-            c = b // (dp * m)
-
-            def rows_of(k):            # the global rows micro-batch k holds: c rows of each of dp blocks
-                return tuple((j * (b // dp) + k * c, c) for j in range(dp))
-
-            def loop(fn, init):
-                def body(acc, xs):
-                    k, mb = xs
-                    return fn(mb, rows_of(k), acc), None
-                return jax.lax.scan(body, init, (jnp.arange(m), micro))[0]
-
-            def map_parts(g, kinds):   # the pre-pass: every micro-batch at once, one reduction
-                return jax.vmap(lambda k, mb: g(mb, rows_of(k)))(jnp.arange(m), micro)
-
-            outs, grads = parts_lib.value_and_grad(pl, evaluator_for, loop, across, jax.tree.leaves(params),
+            loop, map_parts = self.parts_driver(jax.tree.leaves(batch))
+            outs, grads = parts_lib.value_and_grad(pl, evaluator_for, loop, _across, jax.tree.leaves(params),
                                                    list(extra), scale, map_parts)
             grads = stored_grads(jax.tree.unflatten(ptree, grads))[0]
             if scale is not None:
@@ -205,3 +172,73 @@ class Program(Emitter):
             return (value, aux, new_state), grads
 
         return accumulate
+
+    # -- the micro-batches (gradient accumulation) ----------------------------------------------------
+    def _part_evaluator(self, cap, overrides):
+        """The captured loss of one micro-batch with the plan's constraints and remat, `overrides` added."""
+        return program_evaluator(cap, self.sharding.constraints, self.mesh, {**(self.overrides or {}), **overrides},
+                                 self.remat, None)[0]
+
+    def parts_driver(self, leaves):
+        """For the global batch `leaves`: (loop, map_parts) over the micro-batches, as
+        `whalex.core.part_loss.value_and_grad` takes them. loop(fn, init) scans acc = fn(part, where, acc)
+        over them; map_parts(g, kinds) evaluates g on every micro-batch at once (vmap).
+
+        One row grouping for every leaf (so x_i stays with y_i): micro-batch k takes the k-th chunk of
+        each of the `dp` finest row blocks, which is local for every leaf's sharding."""
+        m, specs, mesh = self.num_micro_batch, self.sharding.batch_specs, self.mesh
+
+        def shards(spec):
+            axes = spec[0] if len(spec) else None
+            axes = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
+            return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+
+        dp = max([shards(s) for s in specs] + [1])
+
+        def split(x, spec):
+            b = x.shape[0]
+            y = x.reshape((dp, m, b // (dp * m)) + x.shape[1:]).swapaxes(0, 1).reshape((m, b // m) + x.shape[1:])
+            return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, *spec)))
+
+        micro = [split(x, s) for x, s in zip(leaves, specs)]
+        b = leaves[0].shape[0]
+        c = b // (dp * m)
+
+        def rows_of(k):            # the global rows micro-batch k holds: c rows of each of dp blocks
+            return tuple((j * (b // dp) + k * c, c) for j in range(dp))
+
+        def loop(fn, init):
+            def body(acc, xs):
+                k, mb = xs
+                return fn(mb, rows_of(k), acc), None
+            return jax.lax.scan(body, init, (jnp.arange(m), micro))[0]
+
+        def map_parts(g, kinds):   # the pre-pass: every micro-batch at once, one reduction
+            return jax.vmap(lambda k, mb: g(mb, rows_of(k)))(jnp.arange(m), micro)
+
+        return loop, map_parts
+
+    def prepass(self):
+        """The loss contract's pre-pass alone over the micro-batches (its batch-only reductions, e.g. a
+        token count), jitted with the step's shardings, and a null program of the same inputs."""
+        if self.num_micro_batch == 1 or self.parts is None:
+            return super().prepass()
+
+        def fn(params, batch):
+            loop, map_parts = self.parts_driver(jax.tree.leaves(batch))
+            given = parts_lib.prepass(self.parts, self._part_evaluator, loop, _across, jax.tree.leaves(params), [],
+                                      map_parts=map_parts)
+            return [v for vals in given.values() for v in vals]
+
+        ins = (self.param_shardings, self.batch_shardings)
+        return jax.jit(fn, in_shardings=ins), jax.jit(_null, in_shardings=ins)
+
+
+def _across(values, kinds):
+    """Combining the parts' values over devices: nothing to do, one GSPMD program spans the mesh."""
+    return values
+
+
+def _null(params, batch):
+    """A program of the step's inputs that reads one parameter element and runs no collective."""
+    return [jax.tree.leaves(params)[0].ravel()[0]]

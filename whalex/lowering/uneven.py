@@ -25,15 +25,19 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from whalex.core import part_loss as parts_lib
 from whalex.core.capture import Captured
 from whalex.core.collectives import fused_psum
+from whalex.core.part_loss import PartLoss
+from whalex.core.program import MemoryOptions, step_program
 from whalex.distributed import place_global
 from whalex.errors import PlanError
 from whalex.lowering.emit import Emitter
 from whalex.memory import precision as precision_lib, zero as zero_lib
-from whalex.memory.remat import program_evaluator
+from whalex.memory.precision import Precision
+from whalex.memory.remat import RematPlan, program_evaluator
 
 DATA = "data"
 
 
+@step_program
 @dataclasses.dataclass(frozen=True)
 class UnevenProgram(Emitter):
     captured: Captured           # traced at `chunk` rows
@@ -43,10 +47,10 @@ class UnevenProgram(Emitter):
     rows: tuple[int, ...]        # samples per device
     chunk: int                   # rows of a full chunk
     global_batch: int
-    memory: Any = None           # whalex.memory.MemoryOptions (ZeRO level, offload)
-    precision: Any = None        # whalex.memory.precision.Precision (amp, comm_dtype)
-    remat: Any = None            # whalex.memory.remat.RematPlan (per-TaskGraph remat, activation offload)
-    parts: Any = None            # whalex.core.part_loss.PartLoss: the loss contract over the chunks
+    memory: MemoryOptions | None = None     # ZeRO level, offload
+    precision: Precision | None = None      # amp, comm_dtype
+    remat: RematPlan | None = None          # per-TaskGraph remat, activation offload
+    parts: PartLoss | None = None           # the loss contract over the chunks
     grain: int | None = None     # the smallest remainder chunk (chunk / 2**j); None: full chunks only
 
     def __post_init__(self):
@@ -198,6 +202,32 @@ class UnevenProgram(Emitter):
 
         return loop, map_parts
 
+    def _part_evaluator(self, cap, overrides):
+        """The captured loss of one chunk with the plan's remat, `overrides` added (no constraints: each
+        device runs its chunks alone)."""
+        return program_evaluator(cap, {}, self.mesh, overrides, self.remat)[0]
+
+    def prepass(self):
+        """The loss contract's pre-pass alone over each device's chunks (its batch-only reductions,
+        e.g. a token count) with the psum after them, and a null program of the same inputs (no
+        collective)."""
+        if self.parts is None:
+            return super().prepass()
+
+        def body(params, batch):
+            loop, map_parts = self.parts_driver(jax.tree.leaves(batch))   # the program's own loops
+            given = parts_lib.prepass(self.parts, self._part_evaluator, loop, _across, jax.tree.leaves(params), [],
+                                      map_parts=map_parts)
+            return [v for vals in given.values() for v in vals]
+
+        def null_body(params, batch):           # no collective: a replicated parameter's element
+            return [jax.tree.leaves(params)[0].ravel()[0]]
+
+        def wrap(f):
+            return jax.jit(jax.shard_map(f, mesh=self.mesh, in_specs=(P(), P(DATA)), out_specs=P(), check_vma=False))
+
+        return wrap(body), wrap(null_body)
+
     def loss_and_grads(self):
         cap = self.captured
         pl = self.parts
@@ -207,13 +237,7 @@ class UnevenProgram(Emitter):
         level = self.memory_options.zero_level
         specs, zspecs = self.param_spec_list(), self.zero_specs()
         ptree = self.captured.params_tree
-        mesh, remat = self.mesh, self.remat
-
-        def evaluator_for(c, overrides):
-            return program_evaluator(c, {}, mesh, overrides, remat)[0]
-
-        def across(values, kinds):
-            return parts_lib.across_devices(values, kinds, DATA)
+        evaluator_for, across = self._part_evaluator, _across
 
         def body(params, batch, extra, *scale):
             scale = scale[0] if scale else None
@@ -247,3 +271,8 @@ class UnevenProgram(Emitter):
 
     def value_and_grad(self):
         return self.loss_and_grads()
+
+
+def _across(values, kinds):
+    """The parts' values combined over the devices after their loops (one psum)."""
+    return parts_lib.across_devices(values, kinds, DATA)

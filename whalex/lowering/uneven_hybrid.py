@@ -34,7 +34,7 @@ from whalex.core.capture import Captured
 from whalex.core.collectives import fused_psum
 from whalex.core.interpret import make_evaluator, subgraph_function
 from whalex.distributed import place_global
-from whalex.lowering.emit import Emitter
+from whalex.core.program import step_program
 from whalex.lowering.step import Program
 from whalex.lowering.stored_vjp import part_vjp
 from whalex.lowering.uneven import UnevenProgram
@@ -91,54 +91,25 @@ class Backbone:
         return fn(*args)
 
 
-@dataclasses.dataclass(frozen=True)
-class HybridProgram(Emitter):
-    head: Program                # the even GSPMD program of the whole loss at the global batch
+@step_program
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HybridProgram(Program):
+    """The head's GSPMD `Program` (its fields: the whole loss at the global batch, its shardings and
+    storage layout) with the backbone run on uneven rows: the batch is laid out as `rows` lays it out,
+    and `value_and_grad` runs the backbone's chunk loop, the bridge and the head."""
+
     rows: UnevenProgram          # the backbone's rows: padded per-device layout and the chunk loop
     backbones: tuple             # (part rows, Backbone) for every part size the chunk loop runs
     cut: int                     # top-level equations [0, cut) are the backbone
     head_batch: Any = P()        # the split head's batch layout (its VirtualDevice's batch axes)
 
-    # -- what the Emitter needs: the head program's parameters, the uneven batch -----------------
-    @property
-    def captured(self) -> Captured:
-        return self.head.captured
+    @classmethod
+    def over(cls, head: Program, rows: UnevenProgram, backbones: tuple, cut: int, head_batch=P()) -> "HybridProgram":
+        """The hybrid program of the even GSPMD program `head`, its backbone on `rows`."""
+        fields = {f.name: getattr(head, f.name) for f in dataclasses.fields(Program)}
+        return cls(**fields, rows=rows, backbones=backbones, cut=cut, head_batch=head_batch)
 
-    @property
-    def mesh(self):
-        return self.head.mesh
-
-    @property
-    def optimizer(self):
-        return self.head.optimizer
-
-    @property
-    def platform(self) -> str:
-        return self.head.platform
-
-    @property
-    def has_aux(self) -> bool:
-        return self.head.has_aux
-
-    @property
-    def param_shardings(self):
-        return self.head.param_shardings
-
-    def param_shapes(self):
-        return self.head.param_shapes()
-
-    def param_spec_list(self):
-        return self.head.param_spec_list()
-
-    def prepare_params(self, params):
-        return self.head.prepare_params(params)
-
-    def unpack_params(self, params):
-        return self.head.unpack_params(params)
-
-    def param_layout(self):
-        return self.head.param_layout()
-
+    # -- the uneven batch: the rows' layout ------------------------------------------------------------
     @property
     def axes(self) -> tuple[str, ...]:
         """Every mesh axis, in order: the device order of `rows` (the mesh's flat device order)."""
@@ -149,12 +120,14 @@ class HybridProgram(Emitter):
         return jax.tree.map(lambda _: NamedSharding(self.mesh, P(self.axes)), self.batch_shapes())
 
     def batch_shapes(self):
+        """Shapes of the padded batch the step takes (the rows' per-device blocks)."""
         return self.rows.batch_shapes()
 
     def row_ranges(self):
         return self.rows.row_ranges()
 
     def pad_batch(self, batch):
+        """Host-side: the global batch in the rows' padded per-device blocks."""
         return self.rows.pad_batch(batch)
 
     def place_batch(self, batch):
@@ -241,7 +214,7 @@ class HybridProgram(Emitter):
         return backbone
 
     def value_and_grad(self):
-        cap, head, cut = self.captured, self.head, self.cut
+        cap, cut = self.captured, self.cut
         any_bb = self.backbones[0][1]
         p_idx, b_idx = any_bb.param_leaves, any_bb.batch_leaves
         # boundary values of the global-batch capture, in the order the backbone returns them
@@ -251,7 +224,7 @@ class HybridProgram(Emitter):
         jaxpr = cap.jaxpr.jaxpr
         mesh = self.mesh
         head_rows = NamedSharding(mesh, self.head_batch)
-        grad_shardings = head.param_shardings
+        grad_shardings = self.param_shardings
 
         def bridge(x):                       # padded per-device blocks -> the global batch in the head's layout
             return jax.lax.with_sharding_constraint(jnp.take(x, index, axis=0), head_rows)
@@ -260,12 +233,12 @@ class HybridProgram(Emitter):
             leaves = jax.tree.leaves(params)
             acts = backbone([leaves[i] for i in p_idx], [blocks[i] for i in b_idx])
             value_of = dict(zip(boundary, [bridge(a) for a in acts]))
-            overrides = dict(head.overrides or {})
+            overrides = dict(self.overrides or {})
             for i in range(cut):             # the backbone's equations: replaced by the bridge values
                 outvars = jaxpr.eqns[i].outvars
                 overrides[(i,)] = lambda *_, o=outvars: [value_of[v] if v in value_of else
                                                          jnp.zeros(v.aval.shape, v.aval.dtype) for v in o]
-            evaluate = make_evaluator(cap.jaxpr, head.sharding.constraints, mesh, overrides)
+            evaluate = make_evaluator(cap.jaxpr, self.sharding.constraints, mesh, overrides)
             outs = evaluate(*leaves, *[bridge(x) for x in blocks])
             value, aux, _ = cap.split_outputs(outs)
             return value, aux

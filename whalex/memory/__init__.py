@@ -1,44 +1,23 @@
 """Memory optimizations of the training state (issue 6): ZeRO levels and host offload.
 
-`MemoryOptions` is what a program needs from `wh.Config` to lay out and update its state;
-`account` turns the plan's shardings into per-device bytes with each optimization's share.
+`MemoryOptions` (a plain record, defined in `whalex.core.program`) is what a program needs from
+`wh.Config` to lay out and update its state; `plan_memory` turns a program's `StateLayout` (its
+stored shapes, specs and options, never the program) into per-device bytes with each
+optimization's share.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
 
 import jax
 import numpy as np
 from jax.extend.core import jaxpr_as_fun
 
 from whalex.balance.profile import DeviceMemory, Share, sharded_bytes
+from whalex.core.program import MemoryOptions, StateLayout
 from whalex.core.shardings import opt_state_specs
 from whalex.memory import zero
-from whalex.memory.offload import TARGETS as OFFLOAD_TARGETS
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryOptions:
-    """ZeRO level, offloaded state, and per stored parameter leaf its data-parallel mesh axes."""
-
-    zero_level: int = 0
-    offload: tuple[str, ...] = ()                         # subset of ("opt_state", "params")
-    zero_axes: tuple[tuple[str, ...], ...] | None = None  # None: ZeRO has no axes to shard over
-
-    @classmethod
-    def from_config(cls, config, zero_axes: Sequence[Sequence[str]] | None) -> "MemoryOptions":
-        offload = tuple(t for t in (config.offload or ()) if t in OFFLOAD_TARGETS)
-        axes = None if zero_axes is None else tuple(tuple(a) for a in zero_axes)
-        return cls(config.zero_level, offload, axes)
-
-    def offloads(self, what: str) -> bool:
-        return what in self.offload
-
-    @property
-    def active(self) -> bool:
-        return self.zero_level > 0 or bool(self.offload)
 
 
 def account(params: float, opt_state: float, params_zero: float, opt_zero: float, options: MemoryOptions,
@@ -95,22 +74,23 @@ def vjp_residual_bytes(fn, avals, diff) -> float:
     return float(sum(np.prod(r.shape, dtype=np.float64) * np.dtype(r.dtype).itemsize for r in out))
 
 
-def plan_memory(program, device_specs, activations=0.0):
-    """`DeviceMemory` for every device of a program's plan: state bytes from its shardings without
-    and with its memory options; `activations` is one number, one per device, or a function of
-    none giving one number (called once, when a device's activations are first read)."""
-    sizes = dict(program.mesh.shape)
-    shapes = program.param_shapes()
-    specs, zspecs = program.param_spec_list(), program.zero_specs()
+def plan_memory(state: StateLayout, device_specs, activations=0.0):
+    """`DeviceMemory` for every device of a plan whose program stores its state as `state`: bytes
+    from its shardings without and with its memory options; `activations` is one number, one per
+    device, or a function of none giving one number (called once, when a device's activations are
+    first read)."""
+    sizes = dict(state.axis_sizes)
+    shapes = state.param_shapes
+    specs, zspecs = list(state.param_specs), list(state.zero_specs)
     tree = lambda ss: jax.tree.unflatten(jax.tree.structure(shapes), list(ss))  # noqa: E731
     p, pz = sharded_bytes(shapes, tree(specs), sizes), sharded_bytes(shapes, tree(zspecs), sizes)
     o = oz = 0.0
-    if program.optimizer is not None:
-        ospecs, oshapes = opt_state_specs(program.optimizer, shapes, specs)
+    if state.optimizer is not None:
+        ospecs, oshapes = opt_state_specs(state.optimizer, shapes, specs)
         o = sharded_bytes(oshapes, ospecs, sizes)
-        ospecs, _ = opt_state_specs(program.optimizer, shapes, zspecs)
+        ospecs, _ = opt_state_specs(state.optimizer, shapes, zspecs)
         oz = sharded_bytes(oshapes, ospecs, sizes)
-    params, grads, opt, host, shares = account(p, o, pz, oz, program.memory_options)
+    params, grads, opt, host, shares = account(p, o, pz, oz, state.memory)
     if callable(activations):
         activations = functools.cache(activations)          # one trace shared by every device
     acts = activations if isinstance(activations, (list, tuple)) else [activations] * len(device_specs)
@@ -130,13 +110,13 @@ def _rest(peak, state: float) -> float:
     return max(peak().total - state, 0.0)
 
 
-def zero_sharded(program, paths) -> dict:
+def zero_sharded(state: StateLayout, paths) -> dict:
     """path -> (bytes per device as planned, ZeRO degree, ZeRO axes) for each stored leaf ZeRO
     divides."""
-    sizes = dict(program.mesh.shape)
+    sizes = dict(state.axis_sizes)
     out = {}
-    for path, shape, spec, zspec in zip(paths, jax.tree.leaves(program.param_shapes()), program.param_spec_list(),
-                                        program.zero_specs()):
+    for path, shape, spec, zspec in zip(paths, jax.tree.leaves(state.param_shapes), state.param_specs,
+                                        state.zero_specs):
         n = zero.degree(spec, zspec, sizes)
         if n > 1:
             d = zero.zero_dim(spec, zspec)

@@ -13,8 +13,6 @@ from jax.sharding import NamedSharding
 HOST = "pinned_host"
 DEVICE = "device"
 
-TARGETS = ("opt_state", "params")        # what this module offloads ("activations": remat's business)
-
 
 def _map(shardings, kind: str):
     return jax.tree.map(lambda s: s.with_memory_kind(kind), shardings,

@@ -1,8 +1,9 @@
 """Predicted per-device memory of a training step: its buffers' liveness replayed over its jaxpr.
 
 XLA's figure for a compiled step (`memory_analysis`: arguments + outputs + temp - aliased) is the
-most bytes its buffers hold at once. `program_peak` replays the step's jaxpr, per device and
-without compiling, in the terms XLA allocates buffers in:
+most bytes its buffers hold at once. `traced_peak` replays the step's jaxpr (a `TracedStep`: plain
+data the planner makes from the program), per device and without compiling, in the terms XLA
+allocates buffers in:
 
 - sizes: `shard_map` bodies carry per-device shapes; outside them a value's size is divided by its
   sharding as GSPMD propagates it (shard_specs.py). An all-reduced value (a contraction over a
@@ -23,7 +24,6 @@ What differs between XLA's backends and versions lives in the rules' conditions 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import heapq
 import math
 from typing import Any, Sequence
@@ -32,6 +32,7 @@ import jax
 import numpy as np
 
 from whalex import _compat as C
+from whalex.core.program import TracedStep
 from whalex.memory.op_kinds import (BODIES, CALLS, CHEAP, EXPENSIVE, FUSIBLE, GPU_PLATFORMS, REDUCE, UPDATES,
                                     VIEW)
 from whalex.memory.shard_specs import (Spec, adopt, on_host, propagate, shards, sharding_spec, spec_of, valid,
@@ -525,29 +526,26 @@ def _list_schedule(g: _Graph) -> list:
     return order
 
 
+def traced_peak(step: TracedStep) -> Peak:
+    """Predicted per-device memory of a traced step run by `jax.jit` on `step.platform` (its
+    arguments: ShapeDtypeStructs with shardings), whose first `step.donated` argument leaves are
+    donated and written back as its first outputs."""
+    closed = step.jaxpr
+    jaxpr, _ = C.open_jaxpr(closed)
+    env = _Env(dict(step.axis_sizes), False, step.platform)
+    ins = []
+    for v, a in zip(jaxpr.invars, jax.tree.leaves(step.args)):
+        s = getattr(a, "sharding", None)
+        ins.append(_sized(v.aval, _Value(0.0, sharding_spec(s, len(v.aval.shape)), host=on_host(s)), env))
+    temp, outs = _replay(closed, ins, env, range(len(jaxpr.outvars)))   # outputs: buffers of their own
+    return Peak(sum(x.nbytes for x in ins), sum(o.nbytes for o in outs[step.donated:]), temp)
+
+
 def step_peak(fn, args, axis_sizes: dict, platform: str = "cpu", donated: int = 0) -> Peak:
     """Predicted per-device memory of `jax.jit(fn)(*args)` on `platform` (args: ShapeDtypeStructs
     with shardings) whose first `donated` argument leaves are donated and written back as its
     first outputs."""
-    closed = jax.make_jaxpr(fn)(*args)
-    jaxpr, _ = C.open_jaxpr(closed)
-    env = _Env(dict(axis_sizes), False, platform)
-    ins = []
-    for v, a in zip(jaxpr.invars, jax.tree.leaves(args)):
-        s = getattr(a, "sharding", None)
-        ins.append(_sized(v.aval, _Value(0.0, sharding_spec(s, len(v.aval.shape)), host=on_host(s)), env))
-    temp, outs = _replay(closed, ins, env, range(len(jaxpr.outvars)))   # outputs: buffers of their own
-    return Peak(sum(x.nbytes for x in ins), sum(o.nbytes for o in outs[donated:]), temp)
-
-
-def program_peak(program) -> Peak:
-    """Predicted per-device memory of a program's training step as `wh.parallelize` runs it (the
-    state donated), from its jaxpr: see the module docstring."""
-    args = program.abstract_args()
-    sizes = dict(program.mesh.shape)
-    if program.optimizer is None:
-        return step_peak(program.grad_step(), args, sizes, program.platform)
-    return step_peak(program.train_step(), args, sizes, program.platform, len(jax.tree.leaves(args[0])))
+    return traced_peak(TracedStep(jax.make_jaxpr(fn)(*args), tuple(args), donated, dict(axis_sizes), platform))
 
 
 def compiled_peak(memory_analysis) -> Peak:
@@ -556,9 +554,3 @@ def compiled_peak(memory_analysis) -> Peak:
     m = memory_analysis
     return Peak(float(m.argument_size_in_bytes), float(m.output_size_in_bytes - m.alias_size_in_bytes),
                 float(m.temp_size_in_bytes))
-
-
-def peak_function(program):
-    """A function of none giving `program_peak(program)`, traced once when first called (planning
-    stays free of the trace until a view or a caller asks)."""
-    return functools.cache(functools.partial(program_peak, program))

@@ -336,7 +336,7 @@ def configure(program, config, cluster, batch_axes=(), recapture: Callable | Non
         budget = config.memory_budget
         if budget is None:
             budget = min(float(s.memory_bytes) for s in cluster.specs[: program.mesh.size])
-        state = max(m.state for m in plan_memory(program, cluster.specs[: program.mesh.size]))
+        state = max(m.state for m in plan_memory(program.state_layout(), cluster.specs[: program.mesh.size]))
         plan = choose(cap, layers, n, float(budget), state, replicas, offload)
     else:
         plan = RematPlan((mode,) * n, mode, layers, offload)

@@ -26,9 +26,8 @@ from whalex.lowering.step import Program
 from whalex.lowering.uneven import UnevenProgram
 from whalex.lowering.uneven_hybrid import Backbone, HybridProgram
 from whalex.memory import residual_bytes, with_peak
-from whalex.memory.peak import peak_function
 from whalex.plan import Plan
-from whalex.planner.common import Request
+from whalex.planner.common import Request, peak_function
 
 WAY_OUT = "use wh.Config(hardware_aware=False) (an even batch: the statistic over the whole batch, exact)"
 # higher-order equations whose inner equations map one-to-one onto the equation's inputs
@@ -221,7 +220,7 @@ def hybrid_plan(req: Request, full, plan: Plan) -> Plan:
         backbones.append((s, bb))
     split_vd = next(vd for t, vd in zip(full.taskgraphs, plan.virtual_devices) if t.strategy.kind == "split")
     batch_axes = tuple(a for a in split_vd.batch_axes if plan.layout.axis_size((a,)) > 1)
-    program = HybridProgram(head, rows_program, tuple(backbones), cut, P(batch_axes) if batch_axes else P())
+    program = HybridProgram.over(head, rows_program, tuple(backbones), cut, P(batch_axes) if batch_axes else P())
     head_note = f"; uneven {plan.balance.kind}" if plan.balance is not None else ""
     report = cost.report(cluster.specs, cluster.speeds, rows, even(b, k), source=cluster.speed_source, unit=unit,
                          applied=True, shifted=bal.shifted, flops_per_sample=flops_per_sample,

@@ -15,11 +15,10 @@ from whalex.planner.patterns import plan_shardings
 from whalex.lowering.pipeline import DATA, MODEL, STAGE, PipelineProgram
 from whalex.core.schedules import make_schedule
 from whalex.memory import MemoryOptions, plan_memory, with_peak
-from whalex.memory.peak import peak_function
 from whalex.memory.remat import configure as configure_memory
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
 from whalex.plan import Plan, TaskGraphInfo
-from whalex.planner.common import Request, loss_parts
+from whalex.planner.common import Request, loss_parts, peak_function
 from whalex.planner.stage_cut import cut_stages
 from whalex.primitives.scopes import Strategy
 
@@ -116,7 +115,7 @@ def pipeline_plan(req: Request, full, stage_of_eqn, per_stage, stage_layers=None
     # gathered parameter row and the row's gradient accumulator
     peak = peak_function(program)
     memory = with_peak([dataclasses.replace(d, params=d.params + grad_bytes, grads=d.grads + grad_bytes)
-                        for d in plan_memory(program, cluster.specs[: layout.size])], peak)
+                        for d in plan_memory(program.state_layout(), cluster.specs[: layout.size])], peak)
     comms = []
     level = mem.zero_level
     total = sum(int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize for v in invars[:cap.num_params])

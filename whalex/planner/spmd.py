@@ -23,14 +23,13 @@ from whalex.lowering.step import Program
 from whalex.lowering.uneven import UnevenProgram
 from whalex.lowering.uneven_split import UnevenCall, UnevenColumns, uneven_overrides
 from whalex.memory import MemoryOptions, plan_memory, with_peak, zero, zero_sharded
-from whalex.memory.peak import peak_function
 from whalex.memory.remat import configure as configure_memory
 from whalex.mesh.virtual import DATA, mesh_layout, virtual_devices
 from whalex.moe.parallel import expert_overrides
 from whalex.core.names import parse_attention_name, parse_mlp_name
 from whalex.ops import HEAD_NAME
 from whalex.plan import Plan
-from whalex.planner.common import Request, loss_parts, taskgraph_infos
+from whalex.planner.common import Request, loss_parts, taskgraph_infos, peak_function
 
 
 def spmd_plan(req: Request, cap, report=None) -> Plan:
@@ -82,14 +81,14 @@ def spmd_plan(req: Request, cap, report=None) -> Plan:
     comms = sharding.comms
     if mem.zero_level:
         owner = {cap.param_paths[i]: (r[0] if r else 0) for i, r in enumerate(readers)}
-        comms = zero.comms(comms, mem.zero_level, zero_sharded(program, cap.param_paths), owner)
+        comms = zero.comms(comms, mem.zero_level, zero_sharded(program.state_layout(), cap.param_paths), owner)
     infos = taskgraph_infos(cap, vds, flops, [sum(c.bytes for c in comms if c.taskgraph == t.index) * m
                                               for t in cap.taskgraphs])
     peak = peak_function(program)                    # one trace of the step, when asked
-    memory = with_peak(plan_memory(program, cluster.specs[: layout.size]), peak)
+    memory = with_peak(plan_memory(program.state_layout(), cluster.specs[: layout.size]), peak)
     first = vds[cap.assign[(0,)]] if cap.assign else vds[0]
     per_device = full.global_batch // layout.axis_size(first.batch_axes)
-    parts = getattr(program, "parts", None)
+    parts = program.parts
     couplings = tuple(parts.sem.lines()) if parts is not None else \
         (lambda: whole_batch_couplings(req, full))       # found when asked (one more trace)
     return Plan(cluster=cluster, config=config, layout=layout, task_graphs=tuple(infos), virtual_devices=vds,

@@ -17,11 +17,10 @@ from whalex.core.interpret import make_evaluator
 from whalex.errors import PlanError
 from whalex.lowering.uneven import DATA, UnevenProgram
 from whalex.memory import MemoryOptions, account, plan_memory, with_peak
-from whalex.memory.peak import peak_function
 from whalex.memory.remat import configure as configure_memory
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
 from whalex.plan import Plan
-from whalex.planner.common import Request, loss_parts, taskgraph_infos
+from whalex.planner.common import Request, loss_parts, taskgraph_infos, peak_function
 
 
 def balance_data_parallel(req: Request, full):
@@ -100,7 +99,7 @@ def balance_data_parallel(req: Request, full):
     vds = tuple(VirtualDevice(t.index, t.strategy, k, (tuple(range(k)),), (), (DATA,)) for t in cap.taskgraphs)
     infos = taskgraph_infos(cap, vds, flops, [0.0] * len(vds))
     peak = peak_function(program)
-    memory = with_peak(plan_memory(program, cluster.specs), peak)
+    memory = with_peak(plan_memory(program.state_layout(), cluster.specs), peak)
     plan = Plan(cluster=cluster, config=config, layout=MeshLayout((DATA,), (k,)), task_graphs=tuple(infos),
                 virtual_devices=vds, batch_sizes=tuple(rows), global_batch=b,
                 param_specs={p: P() for p in cap.param_paths}, patterns=(), comms=(), memory=memory,

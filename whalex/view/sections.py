@@ -12,7 +12,6 @@ import dataclasses
 from jax.sharding import PartitionSpec as P
 
 from whalex.core.schedules import render as render_schedule
-from whalex.memory.remat import summary_lines
 from whalex.view.format import fmt_bytes, fmt_devices, fmt_flops, fmt_pct, fmt_speed, fmt_time
 
 TASKGRAPH_COLUMNS = ("TaskGraph", "strategy", "devices/replica", "device ids", "nested DP", "params",
@@ -179,7 +178,7 @@ def balance(plan, report, key: str) -> Section:
 
 def experts(plan) -> Section | None:
     lines = []
-    for e in getattr(getattr(plan.program, "sharding", None), "experts", ()):
+    for e in plan.experts:
         a2a = sum(c.bytes for c in plan.comms if c.taskgraph == e.taskgraph and c.kind == "all-to-all")
         n = plan.layout.axis_size(e.expert_axes)
         lines.append(Line(f"expert parallelism: TG{e.taskgraph} experts over {'x'.join(e.expert_axes)} ({n} devices, "
@@ -322,7 +321,7 @@ def traffic(plan) -> Section:
 
 
 def precision(plan) -> Section | None:
-    lines = summary_lines(plan.program)               # remat per TaskGraph, amp, comm dtype
+    lines = plan.remat_precision_lines()               # remat per TaskGraph, amp, comm dtype
     return Section("precision", "Remat and precision", tuple(_lines(lines))) if lines else None
 
 

@@ -19,6 +19,8 @@ from jax.sharding import PartitionSpec as P
 from whalex import _compat as C
 from whalex.core import part_loss as parts_lib
 from whalex.core.capture import Captured
+from whalex.core.part_loss import PartLoss
+from whalex.core.program import MemoryOptions, StageBuffers, step_program
 from whalex.core.shardings import opt_state_specs
 from whalex.lowering import stage_batch, stage_rows
 from whalex.lowering.emit import Emitter
@@ -33,8 +35,10 @@ from whalex.lowering.pipeline.storage import SpreadStorage
 from whalex.lowering.pipeline.ticks import TickLoop
 from whalex.core.schedules import Schedule
 from whalex.memory import precision as precision_lib, zero as zero_lib
+from whalex.memory.precision import Precision
 
 
+@step_program
 @dataclasses.dataclass(frozen=True)
 class PipelineProgram(Emitter):
     """The pipelined training step: packed stage parameters, schedule tables and the mesh."""
@@ -47,10 +51,10 @@ class PipelineProgram(Emitter):
     platform: str
     global_batch: int
     data_parallel: int
-    memory: Any = None           # whalex.memory.MemoryOptions (ZeRO level, offload)
-    precision: Any = None        # whalex.memory.precision.Precision (amp, comm_dtype)
-    remat: Any = None            # always None: stages recompute their forward from the stashed input
-    parts: Any = None            # whalex.core.parts.PartLoss: the loss contract over micro-batches
+    memory: MemoryOptions | None = None     # ZeRO level, offload
+    precision: Precision | None = None      # amp, comm_dtype
+    remat: None = None           # always None: stages recompute their forward from the stashed input
+    parts: PartLoss | None = None           # the loss contract over micro-batches
     model_parallel: int = 1      # split TaskGraphs inside the stages: devices of the `model` mesh axis
     model_dims: tuple = ()       # per parameter leaf: its dimension split over `model` (None: whole)
     constraints: Any = None      # the split layers' sharding constraints ((path, "in"|"out", pos) -> spec)
@@ -191,6 +195,13 @@ class PipelineProgram(Emitter):
         """The caller's batch pytree in the stage layout (each stage device: only its leaves)."""
         return stage_batch.place(self.batch_layout, batch, self.batch_shardings, self.captured.batch_tree,
                                  self._batch_packer)
+
+    def stage_buffers(self) -> StageBuffers:
+        """The per-device buffers: parameter row and message widths, the batch each device holds."""
+        layout, dp = self.batch_layout, self.data_parallel
+        return StageBuffers(self.param_width, self.message_width, layout.device_bytes(dp), layout.whole_bytes(dp),
+                            tuple(layout.stage_bytes(s, dp) for s in range(self.cut.num_stages)),
+                            tuple(tuple(sl.leaf for sl in layout.stages[s]) for s in range(self.cut.num_stages)))
 
     # -- the part outputs (`outputs.PartOutputs`) ------------------------------------------------
     @functools.cached_property

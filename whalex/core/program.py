@@ -1,0 +1,175 @@
+"""The step program's contract, and the plain records it hands to the layers below lowering.
+
+A step program is what lowering builds from the planner's decisions and a `Plan` carries: the
+parameters and batch with their shardings, the loss-and-gradient function, and the one jitted
+training step around it. Every program class (`whalex.lowering.step.Program`, `uneven`,
+`uneven_hybrid`, `pipeline.program`) is declared with `@step_program`, which holds it to
+`StepProgram`: statically (the decorator's parameter is typed with the protocol) and when its
+module is imported (every member present). The planner, the Plan and the api read programs only
+through this contract.
+
+Memory and balance never receive a program: the planner hands them records made from it,
+`StateLayout` (the stored state's shapes, specs, optimizer and memory options) and `TracedStep`
+(one step traced to a jaxpr with its abstract arguments), so nothing below lowering calls back up.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, TypeVar, runtime_checkable
+
+from jax.sharding import PartitionSpec as P
+
+from whalex.core.capture import Captured
+from whalex.core.part_loss import PartLoss
+from whalex.core.sharding_plan import ExpertCall
+from whalex.state import ParamView, TrainState
+
+if TYPE_CHECKING:                 # the records' types only: memory sits above core and imports it
+    from whalex.memory.precision import Precision
+    from whalex.memory.remat import RematPlan
+
+STATE_OFFLOAD = ("opt_state", "params")     # the training state offload moves to the host ("activations": remat's)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryOptions:
+    """ZeRO level, offloaded state, and per stored parameter leaf its data-parallel mesh axes."""
+
+    zero_level: int = 0
+    offload: tuple[str, ...] = ()                         # subset of STATE_OFFLOAD
+    zero_axes: tuple[tuple[str, ...], ...] | None = None  # None: ZeRO has no axes to shard over
+
+    @classmethod
+    def from_config(cls, config, zero_axes: Sequence[Sequence[str]] | None) -> "MemoryOptions":
+        offload = tuple(t for t in (config.offload or ()) if t in STATE_OFFLOAD)
+        axes = None if zero_axes is None else tuple(tuple(a) for a in zero_axes)
+        return cls(config.zero_level, offload, axes)
+
+    def offloads(self, what: str) -> bool:
+        return what in self.offload
+
+    @property
+    def active(self) -> bool:
+        return self.zero_level > 0 or bool(self.offload)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """The training state as a program stores it, as plain data: what `whalex.memory` accounts
+    and `whalex.balance.fit` sizes (never the program itself)."""
+
+    param_shapes: Any                  # pytree of ShapeDtypeStructs: the stored parameters
+    param_specs: tuple[P, ...]         # per stored leaf: its planned PartitionSpec
+    zero_specs: tuple[P, ...]          # per stored leaf: that spec sharded over its data-parallel axes by ZeRO
+    optimizer: Any                     # optax.GradientTransformation, or None (a loss-and-gradient plan)
+    memory: MemoryOptions
+    axis_sizes: dict                   # mesh axis name -> devices
+    platform: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TracedStep:
+    """One training step traced, as plain data: the closed jaxpr of the step `wh.parallelize`
+    runs, the abstract arguments it was traced at (ShapeDtypeStructs with shardings), how many
+    leading argument leaves are donated and written back as its first outputs, the mesh axis
+    sizes and the platform (what `whalex.memory.peak.traced_peak` replays)."""
+
+    jaxpr: Any                         # jax.extend.core.ClosedJaxpr
+    args: tuple
+    donated: int
+    axis_sizes: dict
+    platform: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StageBuffers:
+    """A pipeline's per-device buffers (what the benches report beside XLA's figures)."""
+
+    param_width: int                              # elements of one stage's parameter row
+    message_width: int                            # elements of one message between stages
+    batch_bytes: int                              # the batch a device holds: its stage's leaves
+    whole_batch_bytes: int                        # the replica's whole batch, for comparison
+    stage_batch_bytes: tuple[int, ...]            # per stage: the batch bytes it reads
+    stage_batch_leaves: tuple[tuple[int, ...], ...]   # per stage: the batch leaves it holds
+
+
+@runtime_checkable
+class StepProgram(Protocol):
+    """What a step program provides: its records, its parameters and batch with their shardings,
+    the step's functions, the state in its storage layout and in the caller's, and plain records
+    for memory and balance."""
+
+    # -- what the planner decided, as records ----------------------------------------------------
+    @property
+    def captured(self) -> Captured: ...                  # the loss as traced (at the size the program runs)
+    @property
+    def mesh(self) -> Any: ...                           # jax.sharding.Mesh or AbstractMesh
+    @property
+    def optimizer(self) -> Any: ...                      # optax.GradientTransformation | None
+    @property
+    def platform(self) -> str: ...
+    @property
+    def memory_options(self) -> MemoryOptions: ...       # ZeRO level, offload
+    @property
+    def precision(self) -> Precision | None: ...        # amp, comm_dtype, loss scaling
+    @property
+    def remat(self) -> RematPlan | None: ...            # remat per TaskGraph and layer, activation offload
+    @property
+    def parts(self) -> PartLoss | None: ...             # the loss contract over parts of the batch
+    @property
+    def experts(self) -> tuple[ExpertCall, ...]: ...    # MoE calls run expert-parallel
+    @property
+    def has_aux(self) -> bool: ...
+
+    # -- the parameters --------------------------------------------------------------------------
+    def param_shapes(self) -> Any: ...                   # ShapeDtypeStructs of the stored parameters
+    def param_spec_list(self) -> list: ...               # per stored leaf: its PartitionSpec
+    def zero_specs(self) -> list: ...                    # the same, sharded by ZeRO
+    @property
+    def param_shardings(self) -> Any: ...
+    @property
+    def param_view(self) -> ParamView | None: ...       # the caller's pytree over a storage layout of its own
+
+    # -- the batch -------------------------------------------------------------------------------
+    @property
+    def batch_shardings(self) -> Any: ...
+    def batch_shapes(self) -> Any: ...                   # ShapeDtypeStructs of the batch the step takes
+    def place_batch(self, batch) -> Any: ...             # the caller's global batch in that layout
+    def row_ranges(self) -> tuple[tuple[int, int], ...] | None: ...   # per device [start, stop); None: even
+
+    # -- the step --------------------------------------------------------------------------------
+    def value_and_grad(self) -> Callable: ...            # (params, batch, extra[, scale]) -> ((loss, aux, state), grads)
+    def train_step(self) -> Callable: ...                # (state, batch) -> (state, metrics)
+    def grad_step(self) -> Callable: ...                 # (params, batch) -> (loss, grads): no optimizer
+    def jitted(self, donate: bool = True) -> Any: ...    # the jitted step with the plan's shardings
+    def abstract_args(self) -> tuple: ...                # ShapeDtypeStructs with shardings of its arguments
+    def lower(self) -> Any: ...                          # jax.stages.Lowered, state not donated
+    def prepass(self) -> tuple[Callable, Callable]: ...  # the loss contract's pre-pass alone, and a null program
+
+    # -- the state -------------------------------------------------------------------------------
+    def init_state(self, params, model_state=None, rng=None) -> TrainState: ...
+    def caller_state(self, state: TrainState) -> dict: ...
+    def caller_targets(self, model_state=None, rng=None) -> dict: ...
+    def place_caller_state(self, tree: dict, rng=None) -> TrainState: ...
+    def holds(self, state: TrainState) -> bool: ...        # stored as this program stores it
+    def adopt_state(self, state: TrainState) -> TrainState: ...   # another plan's state, re-laid out
+
+    # -- plain records for the layers below ------------------------------------------------------
+    def state_layout(self) -> StateLayout: ...
+    def traced_step(self) -> TracedStep: ...
+    def stage_buffers(self) -> StageBuffers | None: ...  # a pipeline's buffers; None for other programs
+
+
+MEMBERS = tuple(sorted(name for name in vars(StepProgram) if not name.startswith("_")))
+
+_Program = TypeVar("_Program", bound=StepProgram)
+
+
+def step_program(cls: type[_Program]) -> type[_Program]:
+    """Declare `cls` a step program: the type checker holds it to `StepProgram` (the parameter's
+    type), and a member it lacks is a TypeError when its module is imported."""
+    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    missing = [m for m in MEMBERS if m not in fields and not hasattr(cls, m)]
+    if missing:
+        raise TypeError(f"{cls.__name__} is declared a step program but lacks {missing} (whalex.core.program)")
+    return cls
