@@ -4,6 +4,11 @@ Every module under whalex/ is parsed with `ast` (nothing is imported) into a mod
 the tests fail on a cycle between modules, a cycle between packages, an import that goes up the
 layering below, and an import statement inside a function (a cycle dodged at run time), except
 the few allowed by name here, with their reason.
+
+A step program (`whalex.core.program.StepProgram`) can travel up and down untyped, where the import
+graph does not see it, so its uses are checked too (`test_no_layer_below_lowering_takes_a_program`
+and the tests after it): memory and balance take plain records, programs are read through the Plan,
+and no code probes a program for what it has.
 """
 from __future__ import annotations
 
@@ -278,3 +283,161 @@ def test_a_cycle_and_an_inner_import_are_found(tmp_path):
     src = tmp_path / "m.py"
     src.write_text("import os\n\nclass K:\n    import re\n\n    def f(self):\n        from whalex import plan\n")
     assert [(line, inner) for line, _, inner in _imports(src)] == [(1, False), (4, False), (7, True)]
+
+
+# ----------------------------------------------------------------------------------- step programs
+PROJECT = ROOT.parent
+SCANNED = ("whalex", "bench", "tools", "examples")        # the code that must read programs through the Plan
+
+# Modules below lowering that may still receive a program, with the reason (nothing else may).
+TAKES_A_PROGRAM = {
+    "whalex/memory/remat.py":
+        "issue 27: remat='auto' and the summary lines read the program; the remat rework gives them records",
+}
+
+
+def _contract() -> tuple[set[str], set[str]]:
+    """(methods, properties) of `StepProgram`, read from whalex/core/program.py's AST."""
+    tree = ast.parse((ROOT / "core" / "program.py").read_text())
+    [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "StepProgram"]
+    methods, props = set(), set()
+    for f in cls.body:
+        if isinstance(f, ast.FunctionDef):
+            is_prop = any(isinstance(d, ast.Name) and d.id == "property" for d in f.decorator_list)
+            (props if is_prop else methods).add(f.name)
+    return methods, props
+
+
+LIBRARIES = {"jax", "jnp", "lax", "np", "optax", "nn"}        # `jax.value_and_grad(...)` is not a program's
+
+
+def _below_lowering_names() -> tuple[set[str], set[str]]:
+    """The contract's names that mark a program in memory and balance: its methods, called (less
+    `lower`, which jax's traced functions share), and the records no plain record carries."""
+    methods, props = _contract()
+    return methods - {"lower"}, {"captured", "memory_options", "param_view", "param_shardings",
+                                 "batch_shardings"} & props
+
+
+def _program_uses(source: str, rel: str, methods: set[str], props: set[str]) -> list[str]:
+    """Where a module handles a program: a parameter named `program` or annotated with `StepProgram`,
+    an import of the contract or of lowering / the planner / the Plan (even for typing only), a call
+    of a contract method (`x.train_step()`, `x.param_shapes()`, ...), a read of a record only programs
+    carry (`x.captured`, `x.memory_options`, ...), or `x.program` (a Plan's)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        where = f"{rel}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.arg) and (node.arg == "program" or (
+                node.annotation is not None and "StepProgram" in ast.unparse(node.annotation))):
+            out.append(f"{where}: takes a program ({node.arg})")
+        elif isinstance(node, ast.ImportFrom) and (
+                any(a.name in ("StepProgram", "step_program") for a in node.names)
+                or (node.module or "").startswith(("whalex.lowering", "whalex.planner", "whalex.plan"))):
+            out.append(f"{where}: imports {ast.unparse(node)}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in methods \
+                and ast.unparse(node.func.value) not in LIBRARIES:
+            out.append(f"{where}: calls a program's {node.func.attr}()")
+        elif isinstance(node, ast.Attribute) and node.attr in props | {"program"}:
+            out.append(f"{where}: reads .{node.attr}")
+    return out
+
+
+def test_no_layer_below_lowering_takes_a_program():
+    """memory and balance are functions of plain records (`StateLayout`, `TracedStep`, `Captured`, specs,
+    policies): none takes a step program or calls back into one, which the import graph alone cannot
+    see (a program arrives untyped). The names checked are the `StepProgram` contract's, read from its
+    source, so a member added there is covered too; `TAKES_A_PROGRAM` names the one exception."""
+    methods, props = _below_lowering_names()
+    found = []
+    for unit in ("memory", "balance"):
+        for path in sorted((ROOT / unit).rglob("*.py")):
+            rel = path.relative_to(PROJECT).as_posix()
+            if rel not in TAKES_A_PROGRAM:
+                found += _program_uses(path.read_text(), rel, methods, props)
+    assert not found, "memory and balance take plain records, never a program:\n" + "\n".join(found)
+
+
+def test_a_program_taken_below_lowering_is_found():
+    methods, props = _below_lowering_names()
+    found = _program_uses("from whalex.lowering.step import Program\n\n"
+                          "def f(program, cap):\n    return program.train_step(), cap.jaxpr, plan.program.captured, "
+                          "jax.value_and_grad(f)\n\n"
+                          "def g(state: 'StepProgram'):\n    return state.param_shapes, state.memory\n", "m.py",
+                          methods, props)
+    assert [f.split(": ", 1)[1] for f in found if "m.py:1" in f] == ["imports from whalex.lowering.step import Program"]
+    assert {"takes a program (program)", "calls a program's train_step()", "reads .program", "reads .captured",
+            "takes a program (state)"} <= {f.split(": ", 1)[1] for f in found}
+    assert not any("param_shapes" in f or ".memory" in f or "value_and_grad" in f for f in found)  # records, jax
+
+
+def _plan_program_reads(source: str, rel: str) -> list[str]:
+    """`x.program` and `getattr(x, "program")` in a module, except the Plan's own `self.program`."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        own = rel == "whalex/plan.py" and isinstance(node, ast.Attribute) and \
+            isinstance(node.value, ast.Name) and node.value.id == "self"
+        if isinstance(node, ast.Attribute) and node.attr == "program" and not own:
+            out.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") \
+                and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value == "program":
+            out.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_plan_program_is_read_only_by_the_planner_and_lowering():
+    """The Plan carries its step program for the planner and lowering; the api, checkpoints, the view,
+    the benches, tools and examples use the Plan's methods (`plan.jitted()`, `plan.caller_state(...)`,
+    `plan.experts`, ...), so the program's interface is not public API."""
+    found = []
+    for top in SCANNED:
+        for path in sorted((PROJECT / top).rglob("*.py")):
+            rel = path.relative_to(PROJECT).as_posix()
+            if not rel.startswith(("whalex/planner/", "whalex/lowering/")):
+                found += _plan_program_reads(path.read_text(), rel)
+    assert not found, "plan.program read outside the planner and lowering (use the Plan's methods):\n" + \
+        "\n".join(found)
+
+
+def test_plan_program_reads_are_found():
+    src = "def f(plan):\n    return plan.program.jitted(), getattr(plan, 'program')\n\nclass Plan:\n" \
+          "    def g(self):\n        return self.program\n"
+    assert len(_plan_program_reads(src, "bench/x.py")) == 3
+    assert len(_plan_program_reads(src, "whalex/plan.py")) == 2          # the Plan's own self.program is its field
+
+
+def test_no_code_probes_a_program():
+    """No `hasattr(x, m)` / `getattr(x, m, ...)` with `m` a member of the `StepProgram` contract: every
+    program has every member (defaults in `lowering.emit.Emitter`), so a probe means an undeclared one."""
+    methods, props = _contract()
+    members = methods | props
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(PROJECT).as_posix()
+        if rel in TAKES_A_PROGRAM:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                    node.func.id in ("getattr", "hasattr") and len(node.args) > 1 and \
+                    isinstance(node.args[1], ast.Constant) and node.args[1].value in members:
+                found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "probes of a step program's members (declare them in StepProgram instead):\n" + "\n".join(found)
+
+
+def test_every_program_class_is_declared():
+    """Every class in whalex/lowering built on `Emitter` (directly or through another program class) is
+    decorated `@step_program`, which holds it to the `StepProgram` contract."""
+    bases, declared = {}, set()
+    for path in sorted((ROOT / "lowering").rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                bases[node.name] = {ast.unparse(b).split(".")[-1] for b in node.bases}
+                if any(ast.unparse(d).split(".")[-1] == "step_program" for d in node.decorator_list):
+                    declared.add(node.name)
+
+    def is_program(name, seen=()):
+        return any(b == "Emitter" or (b in bases and b not in seen and is_program(b, seen + (b,)))
+                   for b in bases.get(name, ()))
+
+    programs = {n for n in bases if is_program(n)}
+    assert {"Program", "UnevenProgram", "HybridProgram", "PipelineProgram"} <= programs
+    assert programs <= declared, f"program classes not declared @step_program: {sorted(programs - declared)}"
