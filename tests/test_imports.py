@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1] / "whalex"
 # import only units on a lower line; units on one line do not import each other.
 LAYERS = (
     ("whalex.errors", "whalex._compat", "whalex.state", "whalex.nnx"),
+    ("whalex.validate",),             # checks of the user's inputs (reads only whalex.errors)
     ("whalex.distributed",),          # joins the process group (reads whalex._compat lazily)
     ("whalex.primitives",),           # recording user intent
     ("whalex.mesh",),                 # clusters, device specs, VirtualDevices, meshes
