@@ -291,10 +291,7 @@ PROJECT = ROOT.parent
 SCANNED = ("whalex", "bench", "tools", "examples")        # the code that must read programs through the Plan
 
 # Modules below lowering that may still receive a program, with the reason (nothing else may).
-TAKES_A_PROGRAM = {
-    "whalex/memory/remat.py":
-        "issue 27: remat='auto' and the summary lines read the program; the remat rework gives them records",
-}
+TAKES_A_PROGRAM: dict = {}
 
 
 def _contract() -> tuple[set[str], set[str]]:

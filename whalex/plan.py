@@ -113,7 +113,8 @@ class Plan:
 
     def remat_precision_lines(self) -> list[str]:
         """What the summary says of remat (per TaskGraph or layer), amp and the gradient dtype."""
-        return summary_lines(self.program)
+        p = self.program
+        return summary_lines(p.remat, p.precision, p.comm_report())
 
     def stage_buffers(self) -> StageBuffers | None:
         """A pipeline's per-device buffers (parameter rows, messages, its batch); None otherwise."""

@@ -158,6 +158,7 @@ class StepProgram(Protocol):
     def state_layout(self) -> StateLayout: ...
     def traced_step(self) -> TracedStep: ...
     def stage_buffers(self) -> StageBuffers | None: ...  # a pipeline's buffers; None for other programs
+    def comm_report(self) -> dict | None: ...            # comm_dtype: per TaskGraph (axes, why not); None: none
 
 
 MEMBERS = tuple(sorted(name for name in vars(StepProgram) if not name.startswith("_")))

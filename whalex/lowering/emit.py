@@ -178,6 +178,11 @@ class Emitter:
         """A pipeline's per-device buffers; None for other programs."""
         return None
 
+    def comm_report(self) -> dict | None:
+        """comm_dtype: per TaskGraph, the mesh axes its gradients are summed over in the comm dtype
+        and why not; None where the program runs no comm_dtype segments."""
+        return None
+
     def prepass(self) -> tuple[Callable, Callable]:
         """The loss contract's pre-pass alone as a jitted program, and a null program of the same inputs
         (for measuring its cost): programs that run the loss in parts override it."""

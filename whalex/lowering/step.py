@@ -139,6 +139,9 @@ class Program(Emitter):
         return program_evaluator(self.captured, self.sharding.constraints, self.mesh, self.overrides, self.remat,
                                  self.precision)
 
+    def comm_report(self) -> dict | None:
+        return self.evaluator()[1] if self.precision is not None and self.precision.comm else None
+
     def value_and_grad(self) -> Callable:
         """(params, batch, extra[, loss scale]) -> ((loss, aux, new model state), grads); with
         micro-batches, a loop over them that keeps the whole-batch meaning of the loss."""

@@ -311,57 +311,43 @@ def program_evaluator(cap, constraints: dict, mesh, overrides: dict | None, plan
 
 
 # ----------------------------------------------------------------------------------- configuration
-def configure(program, config, cluster, batch_axes=(), recapture: Callable | None = None):
-    """`program` with the precision and remat of `config` (remat="auto" measures and chooses).
-    `recapture(rows)` traces the loss at another batch size (comm_dtype's per-device segments)."""
+def configure(cap, axis_sizes: dict, layout, config, cluster, batch_axes=(),
+              recapture: Callable | None = None) -> tuple[Precision | None, RematPlan | None]:
+    """The precision and remat records of `config` for a program of the captured loss `cap` on a mesh
+    of `axis_sizes`, whose stored state is `layout` (a StateLayout; remat="auto" fits its budget with
+    it). `recapture(rows)` traces the loss at another batch size (comm_dtype's per-device segments)."""
     prec = Precision.from_config(config)
     if prec is not None:
         prec = dataclasses.replace(prec, batch_axes=tuple(tuple(a) for a in batch_axes))
         if prec.comm and recapture is not None:
-            prec = dataclasses.replace(prec, local=local_captures(program.captured, prec.batch_axes,
-                                                                  dict(program.mesh.shape), recapture))
-    program = dataclasses.replace(program, precision=prec)
+            prec = dataclasses.replace(prec, local=local_captures(cap, prec.batch_axes, axis_sizes, recapture))
     offload = "activations" in (config.offload or ())
     mode = config.remat
     if mode is None and not offload:
-        return program
-    cap = program.captured
+        return prec, None
     n = len(cap.taskgraphs)
     layers = find_layers(cap)
-    replicas = max(1, program.mesh.size // max(1, _model_devices(program)))
+    devices = int(np.prod(list(axis_sizes.values()))) if axis_sizes else 1
+    replicas = max(1, axis_sizes.get("data", 1))        # the data-parallel replicas share the global batch
     if mode is None:                 # what is offloaded are the values remat saves: boundaries, collectives
-        return dataclasses.replace(program, remat=RematPlan(("full",) * n, "full, for offload='activations'", layers,
-                                                            True))
+        return prec, RematPlan(("full",) * n, "full, for offload='activations'", layers, True)
     if mode == "auto":
         budget = config.memory_budget
         if budget is None:
-            budget = min(float(s.memory_bytes) for s in cluster.specs[: program.mesh.size])
-        state = max(m.state for m in plan_memory(program.state_layout(), cluster.specs[: program.mesh.size]))
-        plan = choose(cap, layers, n, float(budget), state, replicas, offload)
-    else:
-        plan = RematPlan((mode,) * n, mode, layers, offload)
-        plan = dataclasses.replace(plan, saved=saved_bytes(cap, plan) / replicas,
-                                   baseline=saved_bytes(cap, None) / replicas)
-    return dataclasses.replace(program, remat=plan)
+            budget = min(float(s.memory_bytes) for s in cluster.specs[:devices])
+        state = max(m.state for m in plan_memory(layout, cluster.specs[:devices]))
+        return prec, choose(cap, layers, n, float(budget), state, replicas, offload)
+    plan = RematPlan((mode,) * n, mode, layers, offload)
+    return prec, dataclasses.replace(plan, saved=saved_bytes(cap, plan) / replicas,
+                                     baseline=saved_bytes(cap, None) / replicas)
 
 
-def _model_devices(program) -> int:
-    """Devices one replica of the model spans (the mesh's non-data axes): the residuals of the
-    global batch are shared by the data-parallel replicas."""
-    shape = dict(program.mesh.shape)
-    return int(np.prod([size for name, size in shape.items() if name != "data"])) if shape else 1
-
-
-def summary_lines(program) -> list[str]:
-    """plan.summary() lines: the remat chosen per TaskGraph, compute and communication dtypes."""
+def summary_lines(remat: RematPlan | None, prec: Precision | None, comm_report: dict | None) -> list[str]:
+    """plan.summary() lines: the remat chosen per TaskGraph or layer, compute and communication dtypes
+    (`comm_report`: per TaskGraph, the mesh axes its gradients are summed over in the comm dtype)."""
     lines = []
-    plan = getattr(program, "remat", None)
-    if plan is not None and (plan.active or plan.mode is not None):
-        lines.append(plan.describe())
-    prec = getattr(program, "precision", None)
+    if remat is not None and (remat.active or remat.mode is not None):
+        lines.append(remat.describe())
     if prec is not None:
-        report = None
-        if prec.comm and hasattr(program, "evaluator"):
-            report = program.evaluator()[1]
-        lines.append(describe(prec, report))
+        lines.append(describe(prec, comm_report if prec.comm else None))
     return lines

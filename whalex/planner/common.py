@@ -18,6 +18,7 @@ from whalex.core.program import StepProgram
 from whalex.errors import PlanError
 from whalex.memory.peak import Peak, traced_peak
 from whalex.memory.precision import capture     # capture: amp casts moved to their first use
+from whalex.memory.remat import configure
 from whalex.mesh.cluster import Cluster
 from whalex.plan import TaskGraphInfo
 from whalex.primitives.config import DEFAULTS, Config
@@ -41,6 +42,14 @@ class Request:
         """The loss captured at the example batch, or at `rows` samples (abstract shapes)."""
         batch = self.batch if rows is None else micro_batch(self.batch, rows)
         return capture(self.loss_fn, self.params, batch, has_aux=self.has_aux, **self.inputs)
+
+
+def configure_memory(program, config, cluster, batch_axes=(), recapture=None):
+    """`program` with the precision and remat records of `config` (whalex.memory.remat.configure decides
+    them from the capture, the mesh and the stored state's layout)."""
+    prec, remat = configure(program.captured, dict(program.mesh.shape), program.state_layout(), config, cluster,
+                            batch_axes, recapture)
+    return dataclasses.replace(program, precision=prec, remat=remat if remat is not None else program.remat)
 
 
 def resolve(config, cluster) -> tuple[Config, Cluster]:

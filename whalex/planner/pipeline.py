@@ -15,10 +15,9 @@ from whalex.planner.patterns import plan_shardings
 from whalex.lowering.pipeline import DATA, MODEL, STAGE, PipelineProgram
 from whalex.core.schedules import make_schedule
 from whalex.memory import MemoryOptions, plan_memory, with_peak
-from whalex.memory.remat import configure as configure_memory
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
 from whalex.plan import Plan, TaskGraphInfo
-from whalex.planner.common import Request, loss_parts, peak_function
+from whalex.planner.common import Request, configure_memory, loss_parts, peak_function
 from whalex.planner.stage_cut import cut_stages
 from whalex.primitives.scopes import Strategy
 

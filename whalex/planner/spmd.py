@@ -23,13 +23,12 @@ from whalex.lowering.step import Program
 from whalex.lowering.uneven import UnevenProgram
 from whalex.lowering.uneven_split import UnevenCall, UnevenColumns, uneven_overrides
 from whalex.memory import MemoryOptions, plan_memory, with_peak, zero, zero_sharded
-from whalex.memory.remat import configure as configure_memory
 from whalex.mesh.virtual import DATA, mesh_layout, virtual_devices
 from whalex.moe.parallel import expert_overrides
 from whalex.core.names import parse_attention_name, parse_mlp_name
 from whalex.ops import HEAD_NAME
 from whalex.plan import Plan
-from whalex.planner.common import Request, loss_parts, taskgraph_infos, peak_function
+from whalex.planner.common import Request, configure_memory, loss_parts, taskgraph_infos, peak_function
 
 
 def spmd_plan(req: Request, cap, report=None) -> Plan:

@@ -17,10 +17,9 @@ from whalex.core.interpret import make_evaluator
 from whalex.errors import PlanError
 from whalex.lowering.uneven import DATA, UnevenProgram
 from whalex.memory import MemoryOptions, account, plan_memory, with_peak
-from whalex.memory.remat import configure as configure_memory
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
 from whalex.plan import Plan
-from whalex.planner.common import Request, loss_parts, taskgraph_infos, peak_function
+from whalex.planner.common import Request, configure_memory, loss_parts, taskgraph_infos, peak_function
 
 
 def balance_data_parallel(req: Request, full):
