@@ -261,8 +261,8 @@ def peak_lines(plan) -> list[str]:
              "jaxpr; activations: the peak less params, grads and optimizer state)"]
     if xla is not None:
         off = peak.total / xla.total - 1 if xla.total else 0.0
-        lines.append(f"  XLA's compiled step: {parts(xla, 'temp')} (memory_analysis, outputs written into the donated "
-                     f"state left out); predicted {'+' if off >= 0 else '-'}{fmt_pct(abs(off))}")
+        lines.append(f"  XLA's compiled step: {parts(xla, 'temp')} (memory_analysis, not counting outputs written "
+                     f"into the donated state); predicted {'+' if off >= 0 else '-'}{fmt_pct(abs(off))}")
     return lines
 
 
