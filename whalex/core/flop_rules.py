@@ -1,6 +1,8 @@
 """The per-primitive tables and shape formulas behind `whalex.core.flops`: which primitives cost
 nothing, what XLA charges for the few it expands, JAX's backward costs per element, a convolution's
-valid multiply-adds, a power's multiplications, and the static trip count of a while loop."""
+valid multiply-adds, a power's multiplications, and the static trip count of a while loop. The
+classes of primitives (reductions, checkpoints, randomness, ...) come from `whalex.core.primitives`;
+the costs are this module's."""
 from __future__ import annotations
 
 import math
@@ -8,15 +10,12 @@ import math
 import numpy as np
 
 from whalex import _compat as C
+from whalex.core import primitives as P
 
 # Forward: 0 FLOPs (data movement, collectives, bookkeeping; their transposes are data movement too).
-MOVE = frozenset({
-    "reshape", "transpose", "squeeze", "expand_dims", "slice", "dynamic_slice", "dynamic_update_slice",
-    "concatenate", "pad", "rev", "iota", "copy", "copy_p", "device_put", "sharding_constraint", "mesh_cast",
-    "reshard", "pcast", "pvary", "psum", "pmax", "pmin", "ppermute", "all_gather", "all_to_all",
-    "psum_scatter", "reduce_scatter", "axis_index", "pbroadcast", "psum_invariant", "bitcast_convert_type",
-    "stop_gradient", "optimization_barrier", "name", "random_wrap", "random_unwrap", "top_k", "split",
-    "scatter", "empty", "broadcast"})
+MOVE = (P.LAYOUT - {"broadcast_in_dim", "stack", "unstack"}) | P.COLLECTIVES | P.PLACEMENT | frozenset({
+    "dynamic_update_slice", "scatter", "copy", "copy_p", "axis_index", "bitcast_convert_type", "stop_gradient",
+    "optimization_barrier", "name", "random_wrap", "random_unwrap", "top_k", "split", "empty", "broadcast"})
 # Forward: 0 FLOPs (XLA counts transcendental functions apart from FLOPs).
 TRANSCENDENTAL = frozenset({
     "exp", "log", "tanh", "sin", "cos", "tan", "sqrt", "rsqrt", "cbrt", "pow", "atan2", "expm1", "log1p",
@@ -35,20 +34,17 @@ BWD_UNARY = {
 BWD_OPERANDS = {
     "add": (0, 0), "add_any": (0, 0), "sub": (0, 1), "mul": (1, 1), "div": (1, 5), "max": (5, 5),
     "min": (5, 5), "pow": (3, 4), "atan2": (5, 6), "rem": (0, 8), "clamp": (2, 4, 2)}
-REDUCE = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-                     "reduce_xor", "argmax", "argmin"})
+REDUCE = P.REDUCTIONS
 BWD_REDUCE = {"reduce_max": 4, "reduce_min": 4, "reduce_prod": 4}      # per input element
-CUMULATIVE = {"cumsum": 1, "cumprod": 3, "cummax": 3, "cummin": 3, "cumlogsumexp": 3}  # backward per element
+# Backward FLOPs per element of each of P.CUMULATIVE.
+CUMULATIVE = {"cumsum": 1, "cumprod": 3, "cummax": 3, "cummin": 3, "cumlogsumexp": 3}
 # Outputs never differentiated (zero derivative, or not numbers).
-NONDIFF = frozenset({
+NONDIFF = P.RANDOM | frozenset({
     "sign", "floor", "ceil", "round", "nextafter", "is_finite", "argmax", "argmin", "iota", "stop_gradient",
-    "random_bits", "random_seed", "random_split", "random_fold_in", "random_wrap", "random_unwrap",
-    "threefry2x32", "rng_bit_generator", "rng_uniform", "population_count", "clz", "axis_index"})
-REMAT = frozenset(C.CHECKPOINT_PRIMITIVES)
+    "population_count", "clz", "axis_index"})
+REMAT = P.CHECKPOINTS
 # Linear in their differentiated operands: the backward reads no forward value (but indices).
-LINEAR = frozenset({"add", "add_any", "sub", "neg", "reduce_sum", "convert_element_type", "cumsum",
-                     "reduce_precision", "real", "imag", "conj", "select_n", "gather", "scatter-add",
-                     "scatter_add"})
+LINEAR = P.LINEAR
 # Their backward reads their output (exp's cotangent is g * exp(x)).
 USES_OUTPUT = frozenset({"exp", "exp2", "tanh", "logistic", "sqrt", "rsqrt", "cbrt", "expm1", "reduce_max",
                           "reduce_min", "max", "min", "cumprod", "cummax", "cummin", "cumlogsumexp", "sort"})

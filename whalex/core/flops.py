@@ -179,16 +179,6 @@ def _sub(eqn):
     return None
 
 
-def _jaxprs_in(eqn) -> list:
-    """Every jaxpr among an equation's parameters (an unknown primitive's bodies: each counted once)."""
-    found = []
-    for value in eqn.params.values():
-        for item in (value if isinstance(value, (tuple, list)) else (value,)):
-            if isinstance(item, (C.ClosedJaxpr, C.Jaxpr)):
-                found.append(item)
-    return found
-
-
 def _shards(eqn) -> int:
     """How many copies of a shard_map body run (the sizes of its manual mesh axes); 1 otherwise."""
     if eqn.primitive.name != "shard_map":
@@ -302,7 +292,7 @@ def _eqn_fwd(eqn, memo: dict) -> float:
     sub = _sub(eqn)
     if sub is not None:
         return _shards(eqn) * _fwd_total(sub, memo)
-    subs = _jaxprs_in(eqn)
+    subs = C.sub_jaxprs(eqn)
     if subs:
         return sum(_fwd_total(C.open_jaxpr(s)[0], memo) for s in subs)
     if name in R.MOVE or name in R.TRANSCENDENTAL or name in ("broadcast_in_dim", "gather"):
@@ -346,7 +336,7 @@ def _eqn_bwd(eqn, ains: tuple, lout: tuple, memo: dict) -> float:
     if sub is not None:
         recompute = _recompute(sub, ains, lout, eqn.params.get("policy"), memo) if name in R.REMAT else 0.0
         return _shards(eqn) * (_counts(sub, ains, lout, memo).backward + recompute)
-    if _jaxprs_in(eqn):
+    if C.sub_jaxprs(eqn):
         return 2.0 * _eqn_fwd(eqn, memo)
     if name in R.MOVE or name in ("reduce_sum", "scatter-add", "scatter_add"):
         return 0.0
@@ -418,7 +408,7 @@ def _residuals(eqn, ains: tuple) -> list:
         return [v for v in ins if _var(v) and not _inexact(v)]          # indices, predicates
     if name in R.USES_OUTPUT:
         return outs + [v for v in ins if _var(v)]
-    if _sub(eqn) is not None or _jaxprs_in(eqn):
+    if _sub(eqn) is not None or C.sub_jaxprs(eqn):
         return outs + [v for v in ins if _var(v)]                       # a call runs again whole
     return [v for v in ins if _var(v)]
 

@@ -27,22 +27,18 @@ Constants that depend on the batch size (the `1/B` of a mean) take their global 
 from __future__ import annotations
 
 import dataclasses
-import linecache
-import re
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
 
 from whalex import _compat as C
+from whalex.core import primitives as P
 from whalex.core import random_rows
+from whalex.core.batch_dependence import analyse as batch_dependence
+from whalex.core.batch_dependence import shape_of, source, traces_alike
 from whalex.core.capture import Captured
 from whalex.errors import PlanError
 
-_COMBINE = {"reduce_sum": "sum", "dot_general": "sum", "reduce_max": "max", "reduce_min": "min",
-            "reduce_or": "max", "reduce_and": "min"}
-_AXIS_OPS = {"cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": "axis",
-             "cumlogsumexp": "axis", "sort": "dimension"}
 OPT_IN = "wh.Config(batch_coupling='per_part')"
 
 
@@ -105,22 +101,6 @@ class Semantics:
         return out
 
 
-def source(eqn) -> str:
-    """'Module/path (file:line (function): `code`)' of an equation, for errors and the summary."""
-    stack = "/".join(c for c in C.name_stack(eqn).split("/") if c and not c.startswith("whalex."))
-    line = C.source_line(eqn)
-    found = re.match(r"(.+?):(\d+)(?::\d+)? \(", line)
-    if found:
-        code = linecache.getline(found.group(1), int(found.group(2))).strip()
-        if code:
-            line = f"{line}: `{code}`"
-    return f"{stack} ({line})" if stack else line
-
-
-def shape_of(v):
-    return tuple(v.aval.shape) if hasattr(v, "aval") and hasattr(v.aval, "shape") else ()
-
-
 def is_floating(v) -> bool:
     return hasattr(v.aval, "dtype") and jnp.issubdtype(v.aval.dtype, jnp.floating)
 
@@ -130,29 +110,21 @@ def analyse(part: Captured, whole: Captured, *, per_part: bool = False, context:
     `whole.global_batch` rows; raise PlanError for couplings one pass cannot compute exactly."""
     jp, jg = part.jaxpr.jaxpr, whole.jaxpr.jaxpr
     b, B = part.global_batch, whole.global_batch
-    r = B / b
-    if len(jp.eqns) != len(jg.eqns) or any(e.primitive != f.primitive for e, f in zip(jp.eqns, jg.eqns)):
+    if not traces_alike(jp, jg):
         raise PlanError(
             f"the loss traces differently at {b} and {B} samples (its operations depend on the batch size); "
             "whalex evaluates it in parts here, so write it without Python branches on the batch size.")
-    gvar: dict = {}
-    for vp, vg in zip(list(jp.invars) + list(jp.constvars), list(jg.invars) + list(jg.constvars)):
-        gvar[vp] = vg
-    for ep, eg in zip(jp.eqns, jg.eqns):
-        gvar.update(zip(ep.outvars, eg.outvars))
-
-    def is_b(v) -> bool:
-        return not isinstance(v, C.Literal) and shape_of(v) != shape_of(gvar[v])
-
+    n = part.num_params
+    found = batch_dependence(jp, range(n, len(jp.invars)), jg, (b, B))
+    gvar, is_b = found.whole, found.carries
     for v in jp.constvars:
         if is_b(v):
             raise PlanError("the loss closes over a constant with the batch dimension; pass it in the batch.")
-    n = part.num_params
     pdep = {v: True for v in jp.invars[:n]}
     dep: dict = {}                               # var -> frozenset of reductions its value depends on
     reds: dict[int, dict] = {}
     feedback_vars: set = set()
-    couplings = []                               # (eqn index, message) of cross-sample per-sample ops
+    couplings = []                               # (where, message) of cross-sample per-sample ops
 
     def deps(vs):
         out = frozenset()
@@ -169,7 +141,7 @@ def analyse(part: Captured, whole: Captured, *, per_part: bool = False, context:
         for o in eqn.outvars:
             pdep[o] = p
         if b_in and not b_out:                   # a batch reduction
-            combine = _COMBINE.get(eqn.primitive.name)
+            combine = P.COMBINE.get(eqn.primitive.name)
             reds[i] = dict(op=eqn.primitive.name, combine=combine, params=p, inputs=d, where=source(eqn))
             for o in eqn.outvars:
                 dep[o] = d | {i}
@@ -179,22 +151,7 @@ def analyse(part: Captured, whole: Captured, *, per_part: bool = False, context:
             dep[o] = d
         if b_out or b_in:                        # per-sample computation
             feedback_vars.update(v for v in ins if not is_b(v) and dep.get(v))
-            for o in b_out:
-                ratio = np.prod(shape_of(gvar[o])) / max(np.prod(shape_of(o)), 1)
-                if not np.isclose(ratio, r):
-                    couplings.append((i, f"{eqn.primitive.name} mixes samples of the batch "
-                                         f"({list(shape_of(o))} at {b} samples, {list(shape_of(gvar[o]))} at {B})"))
-                    break
-            else:
-                axis_param = _AXIS_OPS.get(eqn.primitive.name)
-                if axis_param is not None and b_in:
-                    axes = eqn.params[axis_param]
-                    axes = axes if isinstance(axes, tuple) else (axes,)
-                    bdims = {k for k, (x, y) in enumerate(zip(shape_of(b_in[0]), shape_of(gvar[b_in[0]]))) if x != y}
-                    if bdims & set(axes):
-                        couplings.append((i, f"{eqn.primitive.name} runs along the batch dimension"))
-            if C.is_call(eqn) and b_in:
-                _check_call(eqn, i, b, B, couplings, gvar)
+            couplings.extend((c.where, _coupling_message(c)) for c in found.at(i) if c.refused)
     # which reductions feed per-sample computation (through the values they produce)
     fed = set()
     for v in feedback_vars:
@@ -229,9 +186,8 @@ def analyse(part: Captured, whole: Captured, *, per_part: bool = False, context:
                 local.add(i)
             problems.append(f"{info['op']} at {info['where']} reduces the batch in a way that is not a sum "
                                 f"over samples; this plan evaluates the loss in {context} of {b} samples")
-    for i, msg in couplings:
-        problems.append(f"{msg} at {source(jp.eqns[i])}; this plan evaluates the loss in {context} of {b} "
-                            "samples")
+    for where, msg in couplings:
+        problems.append(f"{msg} at {where}; this plan evaluates the loss in {context} of {b} samples")
     problems = list(dict.fromkeys(problems))
     if problems and not per_part:
         raise PlanError(
@@ -325,13 +281,14 @@ def _random_lines(part, whole) -> list[str]:
     return lines
 
 
-def _check_call(eqn, i, b, B, couplings, gvar):
-    """A call whose outputs lose the batch reduces inside: whalex needs such reductions at top level."""
-    outs_b = [o for o in eqn.outvars if shape_of(o) != shape_of(gvar[o])]
-    if len(outs_b) < len(eqn.outvars):
-        name = eqn.params.get("name", eqn.primitive.name)
-        couplings.append((i, f"the call {name!r} reduces over the batch inside it (call it without jax.jit so "
-                             "whalex can see the reduction)"))
+def _coupling_message(c) -> str:
+    """What a per-sample equation that couples samples does; inside a call, which call (a reduction
+    there is one the loss contract cannot compute in parts: it needs them at the top level)."""
+    if len(c.path) == 1:
+        return c.why
+    name = c.top.params.get("name", c.top.primitive.name)
+    hint = " (call it without jax.jit so whalex can see the reduction)" if c.kind == "reduces" else ""
+    return f"{c.why} inside the call {name!r}{hint}"
 
 
 def cone(jaxpr, outs, stop=()) -> set:
@@ -352,11 +309,6 @@ def cone(jaxpr, outs, stop=()) -> set:
     return seen
 
 
-_LINEAR = {"add", "sub", "neg", "convert_element_type", "reduce_sum", "broadcast_in_dim", "reshape", "squeeze",
-           "expand_dims", "transpose", "slice", "concatenate", "copy", "copy_p", "pad", "add_any", "select_n",
-           "dynamic_slice", "real", "imag"}
-
-
 def _affine(jaxpr, grad_reds: set, seeds: set = frozenset()) -> bool:
     """Whether the loss (output 0) is affine in the outputs of the reductions `grad_reds` and in
     the values `seeds`, jointly."""
@@ -371,7 +323,7 @@ def _affine(jaxpr, grad_reds: set, seeds: set = frozenset()) -> bool:
             continue
         name = eqn.primitive.name
         ok = False
-        if name in _LINEAR:
+        if name in P.LINEAR:
             ok = not (name == "select_n" and 0 in which)
         elif name in ("mul", "dot_general"):
             ok = len(which) == 1

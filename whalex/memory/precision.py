@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from whalex import _compat as C
 from whalex.core import capture as capture_mod
+from whalex.core.batch_dependence import analyse as batch_dependence
 from whalex.core.segments import segments
 
 HALF = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
@@ -228,17 +229,10 @@ def _tile(n: int, dtype):
     return tile
 
 
-def batch_dependent(jaxpr, num_params: int) -> set:
-    """Top-level vars whose value depends on a batch input."""
-    dep = set(jaxpr.invars[num_params:])
-    for eqn in jaxpr.eqns:
-        if any(not isinstance(v, C.Literal) and v in dep for v in eqn.invars):
-            dep.update(eqn.outvars)
-    return dep
-
-
-def _batch_major(v, dep: set, batch: int) -> bool:
-    return v in dep and bool(v.aval.shape) and v.aval.shape[0] == batch
+def _batch(cap):
+    """The batch dependence of the captured loss (every input after the parameters is batch)."""
+    jaxpr = cap.jaxpr.jaxpr
+    return batch_dependence(jaxpr, range(cap.num_params, len(jaxpr.invars)))
 
 
 def comm_segments(cap, segs, prec: Precision, overrides: dict | None, axis_sizes: dict, cuts=()) -> dict:
@@ -250,7 +244,7 @@ def comm_segments(cap, segs, prec: Precision, overrides: dict | None, axis_sizes
     batch, may leave otherwise: it is averaged), and none of its equations is replaced (uneven
     heads, experts) or belongs to another TaskGraph."""
     jaxpr = cap.jaxpr.jaxpr
-    dep = batch_dependent(jaxpr, cap.num_params)
+    dep = _batch(cap)
     b = cap.global_batch
     loss = jaxpr.outvars[0]
     overridden = {p[0] for p in (overrides or {})}
@@ -271,10 +265,10 @@ def comm_segments(cap, segs, prec: Precision, overrides: dict | None, axis_sizes
         elif {t for p, t in cap.assign.items() if seg.start <= p[0] < seg.stop} != {seg.taskgraph}:
             why = "it contains equations of other TaskGraphs"
         for v in seg.inputs:
-            if why is None and v in dep and not _batch_major(v, dep, b):
+            if why is None and v in dep.depends and not dep.batch_major(v, b):
                 why = f"an input of shape {v.aval.shape} depends on the batch but is not batch-major"
         for v in seg.outputs:
-            if why is None and v is not loss and not _batch_major(v, dep, b):
+            if why is None and v is not loss and not dep.batch_major(v, b):
                 why = f"an output of shape {v.aval.shape} is not batch-major"
         result[k] = (axes if why is None else (), why)
     return result
@@ -293,12 +287,12 @@ def manual_segment(seg, axes: tuple, mesh, cap, dtype) -> Callable:
     traced, without varying-axis casts, and no replicated input takes a gradient through the
     shard_map's own fp32 psum, since the parameters are the tiled, mapped inputs."""
     jaxpr = cap.jaxpr.jaxpr
-    dep = batch_dependent(jaxpr, cap.num_params)
+    dep = _batch(cap)
     params = set(jaxpr.invars[: cap.num_params])
     n = int(np.prod([dict(mesh.shape)[a] for a in axes]))
     tile = _tile(n, dtype)
     tiled = [v in params and jnp.issubdtype(v.aval.dtype, jnp.floating) for v in seg.inputs]
-    spec_in = [P(axes) if t or _batch_major(v, dep, cap.global_batch) else P() for v, t in zip(seg.inputs, tiled)]
+    spec_in = [P(axes) if t or dep.batch_major(v, cap.global_batch) else P() for v, t in zip(seg.inputs, tiled)]
     is_loss = [v is jaxpr.outvars[0] for v in seg.outputs]
     spec_out = [P() if lz else P(axes) for lz in is_loss]
 

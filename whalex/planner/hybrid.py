@@ -16,11 +16,11 @@ import dataclasses
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from whalex import _compat as C
 from whalex.balance import cost
 from whalex.balance.algorithm import balance, even
 from whalex.balance.profile import taskgraph_flops
-from whalex.core.parts import shape_of, source
+from whalex.core.batch_dependence import analyse as batch_dependence
+from whalex.core.batch_dependence import shape_of, traces_alike
 from whalex.errors import PlanError
 from whalex.lowering.step import Program
 from whalex.lowering.uneven import UnevenProgram
@@ -30,10 +30,6 @@ from whalex.plan import Plan
 from whalex.planner.common import Request, peak_function
 
 WAY_OUT = "use wh.Config(hardware_aware=False) (an even batch: the statistic over the whole batch, exact)"
-# higher-order equations whose inner equations map one-to-one onto the equation's inputs
-_CALLS = C.OPAQUE_CALL_PRIMITIVES
-_ALONG = {"cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": "axis", "cumlogsumexp": "axis",
-          "sort": "dimension"}
 
 
 def backbone_cut(cap) -> int | None:
@@ -70,93 +66,27 @@ def _unsupported(req: Request, cap, plan, cut: int) -> str | None:
     return None
 
 
-def _couplings(jp, jg, b: int, B: int, gvar: dict, out: list) -> None:
-    """Append (equation, why, refused) for each equation of `jp` (at b rows; `jg` at B) that may mix
-    samples: refused for a batch reduction, a reshape across the batch or an op along it; not
-    refused (the even plan is kept) for a higher-order op whalex does not look into. Calls are
-    looked into."""
-    gvar = dict(gvar)
-    for ep, eg in zip(jp.eqns, jg.eqns):
-        gvar.update(zip(ep.outvars, eg.outvars))
-
-    def is_b(v):
-        return not isinstance(v, C.Literal) and shape_of(v) != shape_of(gvar.get(v, v))
-
-    for ep, eg in zip(jp.eqns, jg.eqns):
-        b_in = [v for v in ep.invars if is_b(v)]
-        if not b_in:
-            continue
-        b_out = [o for o in ep.outvars if is_b(o)]
-        sub = _sub_jaxpr(ep), _sub_jaxpr(eg)
-        if sub[0] is not None and sub[1] is not None:
-            _couplings(sub[0], sub[1], b, B, dict(zip(sub[0].invars, sub[1].invars)), out)
-            continue
-        name = ep.primitive.name
-        if any(_has_jaxpr(ep)):
-            out.append((ep, f"{name} (whalex does not look inside it)", False))
-        elif len(b_out) < len(ep.outvars):
-            out.append((ep, f"{name} reduces over the batch", True))
-        elif any(not np.isclose(np.prod(shape_of(gvar[o])) / max(np.prod(shape_of(o)), 1), B / b) for o in b_out):
-            out.append((ep, f"{name} mixes samples of the batch", True))
-        elif name in _ALONG:
-            axes = set(np.atleast_1d(ep.params[_ALONG[name]]).tolist())
-            bdims = {k for k, (x, y) in enumerate(zip(shape_of(b_in[0]), shape_of(gvar[b_in[0]]))) if x != y}
-            if axes & bdims:
-                out.append((ep, f"{name} runs along the batch", True))
-
-
-def _sub_jaxpr(eqn):
-    if C.is_call(eqn):
-        return C.call_jaxpr(eqn)[0]
-    if eqn.primitive.name in _CALLS:
-        sub = eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr", eqn.params.get("jaxpr")))
-        sub = getattr(sub, "jaxpr", sub)
-        if sub is not None and len(sub.invars) == len(eqn.invars):
-            return sub
-    return None
-
-
-def _has_jaxpr(eqn):
-    for v in eqn.params.values():
-        yield hasattr(v, "eqns") or hasattr(v, "jaxpr") or (
-            isinstance(v, (tuple, list)) and any(hasattr(x, "jaxpr") or hasattr(x, "eqns") for x in v))
-
-
 def check_per_sample(part, whole, cut: int) -> str | None:
     """PlanError naming the operation when the backbone (equations [0, cut)) couples samples: uneven
     per-device rows would change what it computes. Returns why the even plan is kept where whalex
     cannot tell (a higher-order op it does not look into), else None."""
     jp, jg = part.jaxpr.jaxpr, whole.jaxpr.jaxpr
-    if len(jp.eqns) != len(jg.eqns) or any(e.primitive != f.primitive for e, f in zip(jp.eqns, jg.eqns)):
+    if not traces_alike(jp, jg):
         raise PlanError(f"the loss traces differently at {part.global_batch} and {whole.global_batch} samples (its "
                         "operations depend on the batch size); uneven hybrid rows run the backbone on per-device "
                         f"chunks: write it without Python branches on the batch size, or {WAY_OUT}.")
-    gvar = dict(zip(list(jp.invars) + list(jp.constvars), list(jg.invars) + list(jg.constvars)))
-    found: list = []
-    _couplings(_Prefix(jp, cut), _Prefix(jg, cut), part.global_batch, whole.global_batch, gvar, found)
-    refused = [(e, why) for e, why, refuse in found if refuse]
+    found = batch_dependence(jp, range(part.num_params, len(jp.invars)), jg, (part.global_batch, whole.global_batch),
+                             eqns=cut).couplings
+    refused = [c for c in found if c.refused]
     if refused:
-        lines = "\n  - ".join(f"{why} at {source(e)}" for e, why in refused)
+        lines = "\n  - ".join(f"{c.why} at {c.where}" for c in refused)
         raise PlanError(
             "the replicate backbone of this hybrid couples the samples of the batch (e.g. BatchNorm statistics), "
             "so it cannot run on uneven per-device rows:\n  - " + lines +
             f"\nMove the operation under wh.split (the head sees the whole batch), or {WAY_OUT}.")
     if found:
-        e, why, _ = found[0]
-        return f"{why} at {source(e)}"
+        return f"{found[0].why} at {found[0].where}"
     return None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Prefix:
-    """The first `cut` equations of a jaxpr (what `_couplings` reads)."""
-
-    jaxpr: object
-    cut: int
-
-    @property
-    def eqns(self):
-        return self.jaxpr.eqns[: self.cut]
 
 
 def _note(plan: Plan, reason: str) -> Plan:

@@ -4,19 +4,8 @@ over a split class dimension: a local reduction, then an all-reduce of the per-e
 opaque calls, everything else (gathered whole), and every op of a replicated TaskGraph."""
 from __future__ import annotations
 
-from whalex import _compat as C
 from whalex.planner.patterns.layout import Info
 from whalex.planner.patterns.state import Site, Walk
-
-ELEMENTWISE = frozenset("""
-add sub mul div max min neg exp exp2 log log1p expm1 tanh logistic sin cos tan sqrt rsqrt cbrt pow
-integer_pow abs sign select_n convert_element_type erf erfc erf_inv stop_gradient is_finite eq ne lt le
-gt ge and or not xor square clamp nextafter rem floor ceil round copy copy_p atan2 reduce_precision
-imag real conj sinh cosh asinh acosh atanh asin acos atan
-""".split())
-REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split())
-OPAQUE_CALLS = frozenset(C.OPAQUE_CALL_PRIMITIVES)
-
 
 def elementwise(w: Walk, s: Site, eqn, ins, batch) -> list[Info]:
     """Each dimension keeps the split of an input of the same rank; a parameter combined with a

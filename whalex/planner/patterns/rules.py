@@ -2,15 +2,13 @@
 patterns where they match, then one rule per family of operations."""
 from __future__ import annotations
 
+from whalex.core import primitives as P
 from whalex.planner.patterns import elementwise as ew
 from whalex.planner.patterns import reshape as rs
 from whalex.planner.patterns.embedding import embedding
 from whalex.planner.patterns.layout import Info
 from whalex.planner.patterns.matmul import generic_dot, matmul
 from whalex.planner.patterns.state import Site, Walk
-
-# Operations that pass a parameter on (a view of it) rather than compute with it.
-PASSING = frozenset(("reshape", "transpose", "broadcast_in_dim", "squeeze", "convert_element_type", "copy"))
 
 
 def _dot(w: Walk, s: Site, eqn, ins, batch) -> list[Info]:
@@ -34,12 +32,12 @@ def _gather(w: Walk, s: Site, eqn, ins, batch) -> list[Info]:
 
 # Later entries win where a primitive is in two families.
 RULES = {
-    **{name: ew.opaque for name in ew.OPAQUE_CALLS},
-    **{name: ew.reduction for name in ew.REDUCTIONS},
+    **{name: ew.opaque for name in P.OPAQUE_CALLS},
+    **{name: ew.reduction for name in P.REDUCTIONS},
     "broadcast_in_dim": ew.broadcast, "transpose": ew.transpose, "squeeze": ew.squeeze,
     "reshape": rs.reshape, "slice": rs.cut, "dynamic_slice": rs.cut, "split": rs.cut,
     "concatenate": rs.concatenate,
-    **{name: ew.elementwise for name in ew.ELEMENTWISE},
+    **{name: ew.elementwise for name in P.ELEMENTWISE},
     "dot_general": _dot, "gather": _gather,
 }
 
@@ -49,6 +47,6 @@ def split_rule(w: Walk, s: Site, eqn, ins) -> list[Info]:
     name = eqn.primitive.name
     for v in eqn.invars:
         o = w.param_of(s.frame, v)
-        if o is not None and name not in PASSING:
+        if o is not None and name not in P.PASS_THROUGH:      # a view of the parameter passes it on
             w.readers.setdefault(o[0], f"read by {name}, which no sharding pattern splits")
     return RULES.get(name, ew.needs_whole)(w, s, eqn, ins, any(i.batch for i in ins))
