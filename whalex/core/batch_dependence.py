@@ -60,11 +60,11 @@ class BatchDependence:
 
     def carries(self, v) -> bool:
         """Whether `v`'s shape changes with the batch size (False without a second trace)."""
-        return not isinstance(v, C.Literal) and shape_of(v) != shape_of(self.whole.get(v, v))
+        return _carries(v, self.whole)
 
     def batch_dims(self, v) -> set[int]:
         """The dimensions of `v` whose size changes with the batch size."""
-        return {k for k, (x, y) in enumerate(zip(shape_of(v), shape_of(self.whole.get(v, v)))) if x != y}
+        return _batch_dims(v, self.whole)
 
     def batch_major(self, v, rows: int) -> bool:
         """`v` depends on the batch and leads with `rows` (the batch) as its first dimension."""
@@ -99,13 +99,12 @@ def traces_alike(part, whole) -> bool:
 
 @dataclasses.dataclass
 class _Walk:
+    """One walk of `analyse`: what it has found so far."""
+
     dep: set
     pairs: dict
     found: list
     rows: tuple                  # the batch sizes of the two traces
-
-    def carries(self, v) -> bool:
-        return not isinstance(v, C.Literal) and shape_of(v) != shape_of(self.pairs.get(v, v))
 
     def run(self, jp, jg, frame: tuple, top, count: int | None = None) -> None:
         eqns = jp.eqns if count is None else jp.eqns[:count]
@@ -117,7 +116,8 @@ class _Walk:
             sub = _sub_jaxpr(ep)
             gsub = _sub_jaxpr(eg) if eg is not None else None
             if sub is not None and (eg is None or (gsub is not None and traces_alike(sub, gsub))):
-                self.dep.update(s for s, v in zip(sub.invars, ep.invars) if not isinstance(v, C.Literal) and v in self.dep)
+                self.dep.update(s for s, v in zip(sub.invars, ep.invars)
+                                if not isinstance(v, C.Literal) and v in self.dep)
                 if gsub is not None:
                     self.pairs.update(zip(list(sub.invars) + list(sub.constvars),
                                           list(gsub.invars) + list(gsub.constvars)))
@@ -132,8 +132,8 @@ class _Walk:
 
     def check(self, eqn, path, top, opaque: bool) -> None:
         """Record whether `eqn` (not looked into) couples samples."""
-        b_in = [v for v in eqn.invars if self.carries(v)]
-        b_out = [o for o in eqn.outvars if self.carries(o)]
+        b_in = [v for v in eqn.invars if _carries(v, self.pairs)]
+        b_out = [o for o in eqn.outvars if _carries(o, self.pairs)]
         if not b_in and not b_out:
             return
         name = eqn.primitive.name
@@ -152,10 +152,18 @@ class _Walk:
             kind, why = "reduces", f"{name} reduces over the batch"
         elif name in P.ALONG_AXIS:
             axes = set(np.atleast_1d(eqn.params[P.ALONG_AXIS[name]]).tolist())
-            if axes & {k for k, (x, y) in enumerate(zip(shape_of(b_in[0]), shape_of(self.pairs[b_in[0]]))) if x != y}:
+            if axes & _batch_dims(b_in[0], self.pairs):
                 kind, why = "along", f"{name} runs along the batch dimension"
         if kind is not None:
             self.found.append(Coupling(path, eqn, top, kind, why))
+
+
+def _carries(v, pairs: dict) -> bool:
+    return not isinstance(v, C.Literal) and shape_of(v) != shape_of(pairs.get(v, v))
+
+
+def _batch_dims(v, pairs: dict) -> set[int]:
+    return {k for k, (x, y) in enumerate(zip(shape_of(v), shape_of(pairs.get(v, v)))) if x != y}
 
 
 def _sub_jaxpr(eqn):

@@ -7,14 +7,25 @@ EXPERTS_NAME = "whalex_moe_experts"
 EXPERT_ACTIVATIONS = ("relu", "gelu", "silu", "tanh")
 
 
+def _after(name: str, base: str) -> str | None:
+    """What follows `<base>__` in a call's name, or None when the name does not start with it."""
+    prefix = base + "__"
+    return name[len(prefix):] if name.startswith(prefix) else None
+
+
+def _activation(name: str, base: str) -> str | None:
+    """The activation named after `<base>__`, or None."""
+    rest = _after(name, base)
+    return rest if rest in EXPERT_ACTIVATIONS else None
+
+
 def call_name(activation: str) -> str:
     return f"{EXPERTS_NAME}__{activation}"
 
 
 def parse_call_name(name: str) -> str | None:
     """The activation of an experts call, or None if `name` is not one."""
-    prefix = EXPERTS_NAME + "__"
-    return name[len(prefix):] if name.startswith(prefix) and name[len(prefix):] in EXPERT_ACTIVATIONS else None
+    return _activation(name, EXPERTS_NAME)
 
 
 MLP_NAME = "whalex_mlp"
@@ -26,8 +37,7 @@ def mlp_call_name(activation: str) -> str:
 
 def parse_mlp_name(name: str) -> str | None:
     """The activation of a `wh.ops.mlp` call, or None if `name` is not one."""
-    prefix = MLP_NAME + "__"
-    return name[len(prefix):] if name.startswith(prefix) and name[len(prefix):] in EXPERT_ACTIVATIONS else None
+    return _activation(name, MLP_NAME)
 
 
 ATTENTION_NAME = "whalex_attention"
@@ -39,6 +49,4 @@ def attention_call_name(causal: bool) -> str:
 
 def parse_attention_name(name: str) -> bool | None:
     """Whether a `wh.ops.attention` call is causal, or None if `name` is not one."""
-    prefix = ATTENTION_NAME + "__"
-    rest = name[len(prefix):] if name.startswith(prefix) else None
-    return {"causal": True, "full": False}.get(rest) if rest is not None else None
+    return {"causal": True, "full": False}.get(_after(name, ATTENTION_NAME))

@@ -115,6 +115,13 @@ def _caller_tree(state: TrainState) -> dict:
     if state.view is not None:
         stored = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
         params, opt_state = state.view.unpack(params), map_param_trees(opt_state, stored, state.view.unpack)
+    return _caller_fields(state, params, opt_state)
+
+
+def _caller_fields(state: TrainState, params, opt_state) -> dict:
+    """What a checkpoint holds of `state`, given its parameters and optimizer state in the caller's
+    layout: {'params', 'opt_state', 'step'} and 'model_state' / 'rng' (key data) / 'loss_scale' (by
+    name: scale, good_steps) where present."""
     out = {"params": params, "opt_state": opt_state, "step": state.step}
     if state.model_state is not None:
         out["model_state"] = state.model_state
@@ -496,16 +503,7 @@ class Emitter:
             compute = self.compute_shardings()           # undo the layout in device memory (offload: fetch)
             params, opt_state = jax.device_put((params, opt_state), (compute.stored_params, compute.opt_state))
             params, opt_state = self._to_caller(params, opt_state)
-        out = {"params": params, "opt_state": opt_state, "step": state.step}
-        if state.model_state is not None:
-            out["model_state"] = state.model_state
-        if state.rng is not None:
-            rng = state.rng
-            out["rng"] = jax.random.key_data(rng) if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng
-        if state.loss_scale is not None:
-            out["loss_scale"] = {f.name: getattr(state.loss_scale, f.name)        # by name: scale, good_steps
-                                 for f in dataclasses.fields(state.loss_scale)}
-        return out
+        return _caller_fields(state, params, opt_state)
 
     def caller_targets(self, model_state=None, rng=None) -> dict:
         """Abstract caller-layout state (ShapeDtypeStructs with shardings on THIS plan's mesh) to restore

@@ -1,10 +1,8 @@
 """What every kind of plan needs: the planning request, checks of its inputs, captures at other
-batch sizes, the loss contract over parts, the per-TaskGraph rows of a Plan, and the step's
-predicted memory (the program's traced step handed to `whalex.memory.peak` as plain data)."""
+batch sizes, and the loss contract over parts (the Plan itself is assembled in `assemble.py`)."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable
 
 import jax
@@ -14,13 +12,10 @@ import optax
 from whalex.core.capture import _dtype
 from whalex.core.part_loss import PartLoss
 from whalex.core.parts import analyse
-from whalex.core.program import StepProgram
 from whalex.errors import PlanError
-from whalex.memory.peak import Peak, traced_peak
 from whalex.memory.precision import capture     # capture: amp casts moved to their first use
 from whalex.memory.remat import configure
 from whalex.mesh.cluster import Cluster
-from whalex.plan import TaskGraphInfo
 from whalex.primitives.config import DEFAULTS, Config
 
 
@@ -98,20 +93,3 @@ def loss_parts(part, whole, config, context):
         sem = analyse(part, whole, per_part=config.batch_coupling == "per_part", context=context)
     return PartLoss(sem, part, whole)
 
-
-def taskgraph_infos(cap, vds, flops, comm):
-    invars = cap.jaxpr.jaxpr.invars
-    infos = []
-    for tg, vd, f, c in zip(cap.taskgraphs, vds, flops, comm):
-        sizes = [int(np.prod(invars[i].aval.shape)) for i in tg.params]
-        nbytes = sum(s * np.dtype(invars[i].aval.dtype).itemsize for s, i in zip(sizes, tg.params))
-        infos.append(TaskGraphInfo(tg.index, tg.strategy.label(), tg.annotated, vd.device_count, vd.devices,
-                                   vd.nested_dp, tg.num_eqns, sum(sizes), float(nbytes), f, c))
-    return infos
-
-
-def peak_function(program: StepProgram) -> Callable[[], Peak]:
-    """A function of none giving the predicted per-device memory of `program`'s step as
-    `wh.parallelize` runs it, traced once when first called (planning stays free of the trace until
-    a view or a caller asks): memory replays the traced step, never the program."""
-    return functools.cache(lambda: traced_peak(program.traced_step()))

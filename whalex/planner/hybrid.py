@@ -25,9 +25,10 @@ from whalex.errors import PlanError
 from whalex.lowering.step import Program
 from whalex.lowering.uneven import UnevenProgram
 from whalex.lowering.uneven_hybrid import Backbone, HybridProgram
-from whalex.memory import residual_bytes, with_peak
+from whalex.memory import residual_bytes
 from whalex.plan import Plan
-from whalex.planner.common import Request, peak_function
+from whalex.planner.assemble import with_program
+from whalex.planner.common import Request
 
 WAY_OUT = "use wh.Config(hardware_aware=False) (an even batch: the statistic over the whole batch, exact)"
 
@@ -157,10 +158,8 @@ def hybrid_plan(req: Request, full, plan: Plan) -> Plan:
                          state_bytes=max(state), act_base=0.0, act_per_sample=per_row,
                          spreads=cluster.spread, overheads=cluster.overhead)
     kind = f"batch of the replicate TaskGraphs (the split head keeps its layout{head_note})"
-    peak = peak_function(program)
-    return dataclasses.replace(plan, program=program, batch_sizes=tuple(rows), memory=with_peak(plan.memory, peak),
-                               predicted_peak=peak, balance=dataclasses.replace(report, kind=kind),
-                               head_balance=plan.balance, _cache={})
+    return with_program(plan, program, batch_sizes=tuple(rows), balance=dataclasses.replace(report, kind=kind),
+                        head_balance=plan.balance)
 
 
 def _boundary_problem(part: Backbone, whole: Backbone, rows: int, b: int) -> str | None:

@@ -3,21 +3,19 @@
 pipeline replicas."""
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from whalex.balance.partition import layer_key, stage_devices
-from whalex.balance.profile import taskgraph_flops
 from whalex.core.comm import Comm, ring_bytes
 from whalex.errors import PlanError
 from whalex.planner.patterns import plan_shardings
 from whalex.lowering.pipeline import DATA, MODEL, STAGE, PipelineProgram
 from whalex.core.schedules import make_schedule
-from whalex.memory import MemoryOptions, plan_memory, with_peak
+from whalex.memory import MemoryOptions
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
-from whalex.plan import Plan, TaskGraphInfo
-from whalex.planner.common import Request, configure_memory, loss_parts, peak_function
+from whalex.plan import Plan
+from whalex.planner.assemble import Row, Work, assemble
+from whalex.planner.common import Request, configure_memory, loss_parts
 from whalex.planner.stage_cut import cut_stages
 from whalex.primitives.scopes import Strategy
 
@@ -95,26 +93,13 @@ def pipeline_plan(req: Request, full, stage_of_eqn, per_stage, stage_layers=None
                         "remat=None or 'full' and offload 'opt_state'/'params' only.")
     program = configure_memory(program, config.replace(remat=None), cluster, [(DATA,)] * num_stages)
 
-    assign = {(i,): s for i, s in enumerate(stage_of_eqn)}
-    flops = [f * m * dp for f in taskgraph_flops(cap.jaxpr, assign, num_stages, cap.num_params)]
-    invars = cap.jaxpr.jaxpr.invars
-    infos, vds = [], []
     labels = stage_labels(full, stage_of_eqn, num_stages)
-    for s in range(num_stages):
-        sizes = [int(np.prod(invars[i].aval.shape)) for i in cut.params[s]]
-        nbytes = sum(sz * np.dtype(invars[i].aval.dtype).itemsize for sz, i in zip(sizes, cut.params[s]))
-        groups = tuple(tuple(placement[s][r * mp:(r + 1) * mp]) for r in range(dp))
-        strategy = Strategy("replicate", per_stage)
-        vds.append(VirtualDevice(s, strategy, mp, groups, (MODEL,) if mp > 1 else (), (DATA,)))
-        msg = 0.0                      # filled in from the plan's collectives below
-        infos.append(TaskGraphInfo(s, f"stage {s}: {labels[s]}", True, mp, groups[0], dp, len(cut.eqns[s]),
-                                   sum(sizes), float(nbytes), flops[s], float(msg)))
+    rows = [Row(s, f"stage {s}: {labels[s]}", True, len(cut.eqns[s]), tuple(cut.params[s])) for s in range(num_stages)]
+    vds = [VirtualDevice(s, Strategy("replicate", per_stage), mp,
+                         tuple(tuple(placement[s][r * mp:(r + 1) * mp]) for r in range(dp)),
+                         (MODEL,) if mp > 1 else (), (DATA,)) for s in range(num_stages)]
     grad_bytes = program.param_width * np.dtype(program.param_dtype).itemsize
-    # the state is stored spread over every device; while computing, a device also holds its stage's
-    # gathered parameter row and the row's gradient accumulator
-    peak = peak_function(program)
-    memory = with_peak([dataclasses.replace(d, params=d.params + grad_bytes, grads=d.grads + grad_bytes)
-                        for d in plan_memory(program.state_layout(), cluster.specs[: layout.size])], peak)
+    invars = cap.jaxpr.jaxpr.invars
     comms = []
     level = mem.zero_level
     total = sum(int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize for v in invars[:cap.num_params])
@@ -141,16 +126,16 @@ def pipeline_plan(req: Request, full, stage_of_eqn, per_stage, stage_layers=None
                               "activations to the next stage, gradients to the previous (every tick)"))
     if sharding is not None:                 # the split layers' collectives over `model`, per micro-batch
         comms += split_comms(sharding, cap, stage_of_eqn, m)
-    infos = [dataclasses.replace(t, comm_bytes=sum(c.bytes for c in comms if c.taskgraph == t.index)) for t in infos]
-    return Plan(cluster=cluster, config=config, layout=layout, task_graphs=tuple(infos), virtual_devices=tuple(vds),
-                batch_sizes=(full.global_batch // dp,) * layout.size, global_batch=full.global_batch,
-                param_specs=dict(zip(cap.param_paths, program.param_spec_list())),
-                patterns=sharding.choices if sharding is not None else (), comms=tuple(comms),
-                coverage=sharding.coverage if sharding is not None else (),
-                memory=memory, predicted_peak=peak,
-                program=program, schedule=schedule, batch_couplings=tuple(parts.sem.lines()),
-                stage_layers=tuple(stage_layers) if stage_layers is not None else
-                tuple(stage_layer_names(full, stage_of_eqn, s) for s in range(num_stages)))
+    # the state is stored spread over every device; while computing, a device also holds its stage's
+    # gathered parameter row and the row's gradient accumulator (stage_bytes)
+    assign = {(i,): s for i, s in enumerate(stage_of_eqn)}
+    return assemble(req, program, layout, vds, rows, Work(cap, assign, m * dp),
+                    batch_sizes=(full.global_batch // dp,) * layout.size, global_batch=full.global_batch,
+                    param_specs=dict(zip(cap.param_paths, program.param_spec_list())), comms=comms,
+                    sharding=sharding, stage_bytes=grad_bytes, schedule=schedule,
+                    batch_couplings=tuple(parts.sem.lines()),
+                    stage_layers=tuple(stage_layers) if stage_layers is not None else
+                    tuple(stage_layer_names(full, stage_of_eqn, s) for s in range(num_stages)))
 
 
 def stage_shardings(cap, mp: int):

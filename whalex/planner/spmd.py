@@ -22,13 +22,14 @@ from whalex.planner.patterns import plan_shardings
 from whalex.lowering.step import Program
 from whalex.lowering.uneven import UnevenProgram
 from whalex.lowering.uneven_split import UnevenCall, UnevenColumns, uneven_overrides
-from whalex.memory import MemoryOptions, plan_memory, with_peak, zero, zero_sharded
+from whalex.memory import MemoryOptions, zero, zero_sharded
 from whalex.mesh.virtual import DATA, mesh_layout, virtual_devices
 from whalex.moe.parallel import expert_overrides
 from whalex.core.names import parse_attention_name, parse_mlp_name
 from whalex.ops import HEAD_NAME
 from whalex.plan import Plan
-from whalex.planner.common import Request, configure_memory, loss_parts, taskgraph_infos, peak_function
+from whalex.planner.assemble import Work, assemble, taskgraph_rows
+from whalex.planner.common import Request, configure_memory, loss_parts
 
 
 def spmd_plan(req: Request, cap, report=None) -> Plan:
@@ -76,25 +77,19 @@ def spmd_plan(req: Request, cap, report=None) -> Plan:
                                else [(DATA,)] * len(program.captured.taskgraphs), req.capture)
     report = report or split_report
 
-    flops = [f * m for f in taskgraph_flops(cap.jaxpr, cap.assign, len(cap.taskgraphs), cap.num_params)]
     comms = sharding.comms
     if mem.zero_level:
         owner = {cap.param_paths[i]: (r[0] if r else 0) for i, r in enumerate(readers)}
         comms = zero.comms(comms, mem.zero_level, zero_sharded(program.state_layout(), cap.param_paths), owner)
-    infos = taskgraph_infos(cap, vds, flops, [sum(c.bytes for c in comms if c.taskgraph == t.index) * m
-                                              for t in cap.taskgraphs])
-    peak = peak_function(program)                    # one trace of the step, when asked
-    memory = with_peak(plan_memory(program.state_layout(), cluster.specs[: layout.size]), peak)
     first = vds[cap.assign[(0,)]] if cap.assign else vds[0]
     per_device = full.global_batch // layout.axis_size(first.batch_axes)
     parts = program.parts
     couplings = tuple(parts.sem.lines()) if parts is not None else \
         (lambda: whole_batch_couplings(req, full))       # found when asked (one more trace)
-    return Plan(cluster=cluster, config=config, layout=layout, task_graphs=tuple(infos), virtual_devices=vds,
-                batch_sizes=(per_device,) * layout.size, global_batch=full.global_batch,
-                param_specs=dict(zip(cap.param_paths, sharding.param_specs)), patterns=sharding.choices,
-                coverage=sharding.coverage, comms=comms, memory=memory, program=program, balance=report, batch_couplings=couplings,
-                predicted_peak=peak)
+    return assemble(req, program, layout, vds, taskgraph_rows(cap), Work(cap, cap.assign, m),
+                    batch_sizes=(per_device,) * layout.size, global_batch=full.global_batch,
+                    param_specs=dict(zip(cap.param_paths, sharding.param_specs)), comms=comms, comm_scale=m,
+                    sharding=sharding, balance=report, batch_couplings=couplings)
 
 
 def whole_batch_couplings(req: Request, full) -> tuple[str, ...]:

@@ -16,10 +16,10 @@ from whalex.balance.profile import taskgraph_flops
 from whalex.core.interpret import make_evaluator
 from whalex.errors import PlanError
 from whalex.lowering.uneven import DATA, UnevenProgram
-from whalex.memory import MemoryOptions, account, plan_memory, with_peak
+from whalex.memory import MemoryOptions, account
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
-from whalex.plan import Plan
-from whalex.planner.common import Request, configure_memory, loss_parts, taskgraph_infos, peak_function
+from whalex.planner.assemble import Work, assemble, taskgraph_rows
+from whalex.planner.common import Request, configure_memory, loss_parts
 
 
 def balance_data_parallel(req: Request, full):
@@ -94,15 +94,11 @@ def balance_data_parallel(req: Request, full):
     if not applied:
         return report, None
     cap = program.captured
-    flops = [f * b / probe.global_batch for f in probe_flops]
     vds = tuple(VirtualDevice(t.index, t.strategy, k, (tuple(range(k)),), (), (DATA,)) for t in cap.taskgraphs)
-    infos = taskgraph_infos(cap, vds, flops, [0.0] * len(vds))
-    peak = peak_function(program)
-    memory = with_peak(plan_memory(program.state_layout(), cluster.specs), peak)
-    plan = Plan(cluster=cluster, config=config, layout=MeshLayout((DATA,), (k,)), task_graphs=tuple(infos),
-                virtual_devices=vds, batch_sizes=tuple(rows), global_batch=b,
-                param_specs={p: P() for p in cap.param_paths}, patterns=(), comms=(), memory=memory,
-                program=program, balance=report, batch_couplings=tuple(program.parts.sem.lines()), predicted_peak=peak)
+    plan = assemble(req, program, MeshLayout((DATA,), (k,)), vds, taskgraph_rows(cap),
+                    Work(probe, probe.assign, b / probe.global_batch), batch_sizes=rows, global_batch=b,
+                    param_specs={p: P() for p in cap.param_paths}, balance=report,
+                    batch_couplings=tuple(program.parts.sem.lines()))
     return report, plan
 
 
