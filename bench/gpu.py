@@ -45,39 +45,13 @@ WHALEX_CONFIG = {"whalex": {}, "whalex_remat_full": {"remat": "full"},
 
 def gpt(size: dict, remat_block: bool = False):
     """(loss_fn, bf16 loss_fn, params, batch, training FLOPs per step) of the stock Flax GPT."""
-    import flax.linen as nn
     import jax
     import jax.numpy as jnp
     import numpy as np
     import optax
+    from models import GPT           # a sibling module: imports flax, so loaded with jax
 
-    class Block(nn.Module):
-        heads: int
-
-        @nn.compact
-        def __call__(self, x):
-            mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
-            y = nn.LayerNorm()(x)
-            x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads)(y, y, mask=mask)
-            y = nn.LayerNorm()(x)
-            return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(4 * x.shape[-1])(y)))
-
-    class GPT(nn.Module):
-        vocab: int
-        d: int
-        heads: int
-        layers: int
-
-        @nn.compact
-        def __call__(self, tokens):
-            x = nn.Embed(self.vocab, self.d)(tokens)
-            x = x + self.param("pos", nn.initializers.normal(0.02), (tokens.shape[1], self.d)).astype(x.dtype)
-            block = nn.remat(Block) if remat_block else Block
-            for _ in range(self.layers):
-                x = block(self.heads)(x)
-            return nn.Dense(self.vocab)(nn.LayerNorm()(x))
-
-    model = GPT(size["vocab"], size["d"], size["heads"], size["layers"])
+    model = GPT(size["vocab"], size["d"], size["heads"], size["layers"], remat_block)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, size["vocab"], (size["batch"], size["seq"] + 1)).astype(np.int32)
     batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
@@ -144,7 +118,6 @@ def peak_flops(device_kind: str) -> float:
 def case_pair(size: dict, res: dict, amp: bool):
     """whalex and the hand-written step in one process, rounds interleaved, the order alternating."""
     import jax
-    import numpy as np
     import optax
     import whalex as wh
     from whalex.view.timing import predict

@@ -27,38 +27,20 @@ GPT_SIZES = {
 def gpt(size: dict):
     """(loss_fn, params, batch) of a stock Flax linen GPT: pre-LN blocks of LayerNorm, causal
     MultiHeadDotProductAttention and a GELU MLP; Embed and an untied Dense head."""
-    import flax.linen as nn
     import jax
     import jax.numpy as jnp
     import numpy as np
     import optax
+    from models import GPT           # a sibling module: imports flax, so loaded with jax
 
-    class Block(nn.Module):
-        heads: int
-
-        @nn.compact
-        def __call__(self, x):
-            mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
-            y = nn.LayerNorm()(x)
-            x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads)(y, y, mask=mask)
-            y = nn.LayerNorm()(x)
-            return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(4 * x.shape[-1])(y)))
-
-    class GPT(nn.Module):
-        @nn.compact
-        def __call__(self, tokens):
-            x = nn.Embed(size["vocab"], size["d"])(tokens)
-            x = x + self.param("pos", nn.initializers.normal(0.02), (tokens.shape[1], size["d"])).astype(x.dtype)
-            for _ in range(size["layers"]):
-                x = Block(size["heads"])(x)
-            return nn.Dense(size["vocab"])(nn.LayerNorm()(x))
+    model = GPT(size["vocab"], size["d"], size["heads"], size["layers"])
 
     tokens = np.random.default_rng(0).integers(0, size["vocab"], (size["batch"], size["seq"] + 1)).astype(np.int32)
     batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
-    params = jax.eval_shape(lambda: GPT().init(jax.random.key(0), batch["x"][:1])["params"])
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), batch["x"][:1])["params"])
 
     def loss_fn(p, b):
-        logits = GPT().apply({"params": p}, b["x"]).astype(jnp.float32)
+        logits = model.apply({"params": p}, b["x"]).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
     return loss_fn, params, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch)
