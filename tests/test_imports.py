@@ -439,3 +439,14 @@ def test_every_program_class_is_declared():
     programs = {n for n in bases if is_program(n)}
     assert {"Program", "UnevenProgram", "HybridProgram", "PipelineProgram"} <= programs
     assert programs <= declared, f"program classes not declared @step_program: {sorted(programs - declared)}"
+
+
+MAX_MODULE_LINES = 500
+
+
+def test_no_module_is_over_500_lines():
+    """A module holds one job: past 500 lines it holds several (split it, and list the new module in
+    docs/architecture.md's module map)."""
+    long = {path.relative_to(PROJECT).as_posix(): n for path in sorted(ROOT.rglob("*.py"))
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"

@@ -24,7 +24,6 @@ What differs between XLA's backends and versions lives in the rules' conditions 
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import math
 from typing import Any, Sequence
 
@@ -33,6 +32,7 @@ import numpy as np
 
 from whalex import _compat as C
 from whalex.core.program import TracedStep
+from whalex.memory.buffer_schedule import BufferGraph, list_schedule, sweep
 from whalex.memory.op_kinds import (BODIES, CALLS, CHEAP, EXPENSIVE, FUSIBLE, GPU_PLATFORMS, REDUCE, UPDATES,
                                     VIEW)
 from whalex.memory.shard_specs import (Spec, adopt, on_host, propagate, shards, sharding_spec, spec_of, valid,
@@ -287,7 +287,7 @@ def _replay(jaxpr, ins: Sequence[_Value], env: _Env, aliased: Sequence[int] = ()
     kept = {lv.out_keys[k] for k in aliased
             if not isinstance(lv.out_keys[k], C.Literal) and lv.out_keys[k] not in lv.in_keys}
     graph = _graph(lv, _virtual(lv, env), kept, inner, [set(d) for d in sliced], own)
-    peak = min(_sweep(graph, list(range(len(lv.ops)))), _sweep(graph, _list_schedule(graph)))
+    peak = min(sweep(graph, list(range(len(lv.ops)))), sweep(graph, list_schedule(graph)))
     return peak, [lv.read(u, v.aval, env) for u, v in zip(lv.out_keys, jaxpr.outvars)]
 
 
@@ -378,24 +378,6 @@ def _carry_invars(e, n: int) -> range:
     return range(0)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Graph:
-    """Buffers of one jaxpr level: what each equation allocates and reads, and what it waits for."""
-
-    alloc: list              # per equation: bytes of its buffers (outputs, partial sums)
-    inner: list              # per equation: the peak inside its body
-    reads: list              # per equation: the buffers it reads (directly or through fused values)
-    made: list               # per equation: its buffers
-    inplace: list            # per equation: element-wise or a loop, so a dying operand can hold its output
-    deps: list               # per equation: the equations whose outputs it takes
-    size: list               # per buffer
-    readers: list            # per buffer: the equations that read it
-    first_only: list         # per buffer: freed at its first read (partial sums before their all-reduce)
-    pinned: list             # per buffer: holds an output of the jaxpr (live to the end)
-    entry: list              # per equation: buffers it reads only at its start (sliced into a shard_map)
-    external: list           # per buffer: the caller's (counted there), reusable here once read
-
-
 def _readers(lv: _Level, virtual: set) -> tuple[dict, set]:
     """key -> the ops that read it, directly or through fused values and views; and the keys whose
     buffers hold an output of the level (through views)."""
@@ -413,7 +395,7 @@ def _readers(lv: _Level, virtual: set) -> tuple[dict, set]:
     return readers, backing
 
 
-def _graph(lv: _Level, virtual: set, kept: set, inner: list, early: list, own: set) -> _Graph:
+def _graph(lv: _Level, virtual: set, kept: set, inner: list, early: list, own: set) -> BufferGraph:
     """The buffer graph of a level: each value that is not `virtual` gets a buffer (0 bytes when
     `kept`: written into one the caller owns), an all-reduced value a second one for its partial
     sums; `own` keys are the caller's buffers, reusable once read; `early[i]`: keys op i reads
@@ -451,79 +433,7 @@ def _graph(lv: _Level, virtual: set, kept: set, inner: list, early: list, own: s
     deps = [sorted({producer[u] for u in rs if u in producer}) for rs in lv.reads]
     inplace = [op.eqn.primitive.name in CHEAP | EXPENSIVE | UPDATES | {"scan", "while"} for op in ops]
     entry = [{buffer_of[x] for x in e if x in buffer_of} for e in early]
-    return _Graph(alloc, inner, reads, made, inplace, deps, size, readers, first_only, pinned, entry, external)
-
-
-def _sweep(g: _Graph, order) -> float:
-    """The most bytes live at once when the equations run in `order`. An element-wise equation
-    or a loop writes its output into an operand's buffer when that operand dies there (XLA
-    shares it); a buffer nobody reads is freed as soon as it is made."""
-    left = [len(r) for r in g.readers]
-    freed = [False] * len(g.size)
-    live = peak = 0.0
-    for i in order:
-        dying = []
-        for b in g.reads[i]:
-            left[b] -= 1
-            if not freed[b] and not g.pinned[b] and (g.first_only[b] or left[b] == 0):
-                freed[b] = True
-                dying.append(b)
-        shared = 0.0
-        if g.inplace[i]:
-            sizes = [g.size[b] for b in dying]
-            for b in g.made[i]:
-                if g.size[b] in sizes:
-                    sizes.remove(g.size[b])
-                    shared += g.size[b]
-        early = sum(g.size[b] for b in dying if b in g.entry[i] and not g.external[b])
-        peak = max(peak, live - early + max(g.inner[i], g.alloc[i] - shared))
-        live += g.alloc[i] - sum(g.size[b] for b in dying if not g.external[b])
-        live -= sum(g.size[b] for b in g.made[i] if not g.readers[b] and not g.pinned[b])
-    return peak
-
-
-def _list_schedule(g: _Graph) -> list:
-    """A memory-greedy list schedule, as XLA's list scheduler: among the equations whose operands
-    are ready, run the one that frees the most bytes net of what it allocates (program order on ties)."""
-    n = len(g.alloc)
-    waiting = [len(d) for d in g.deps]
-    users: list = [[] for _ in range(n)]
-    for i, ds in enumerate(g.deps):
-        for d in ds:
-            users[d].append(i)
-    left = [set(r) for r in g.readers]
-    freed = [False] * len(g.size)
-
-    def gain(i) -> float:
-        return sum(g.size[b] for b in g.reads[i] if not freed[b] and not g.pinned[b] and not g.external[b]
-                   and (g.first_only[b] or left[b] == {i})) - g.alloc[i]
-
-    heap = [(-gain(i), i) for i in range(n) if not waiting[i]]
-    heapq.heapify(heap)
-    done, order = [False] * n, []
-    while heap:
-        prio, i = heapq.heappop(heap)
-        if done[i]:
-            continue
-        now = -gain(i)
-        if now > prio:                      # it frees less than when it was queued
-            heapq.heappush(heap, (now, i))
-            continue
-        done[i] = True
-        order.append(i)
-        for b in g.reads[i]:
-            left[b].discard(i)
-            if g.first_only[b] or not left[b]:
-                freed[b] = True
-            elif len(left[b]) == 1:
-                j = next(iter(left[b]))
-                if not waiting[j] and not done[j]:
-                    heapq.heappush(heap, (-gain(j), j))
-        for j in users[i]:
-            waiting[j] -= 1
-            if not waiting[j]:
-                heapq.heappush(heap, (-gain(j), j))
-    return order
+    return BufferGraph(alloc, inner, reads, made, inplace, deps, size, readers, first_only, pinned, entry, external)
 
 
 def traced_peak(step: TracedStep) -> Peak:
