@@ -5,8 +5,10 @@ A layer is a contiguous run of top-level equations under one module path (Flax's
 equations compute the same function (equal `subgraph_key`, e.g. the blocks of a transformer) cover
 the most equations there, or the shallowest depth that covers within `COVERAGE` of that most (a
 block's sub-layers repeat as much as the blocks do: the blocks are the layers); depth 2 (the top
-module's children) stands when nothing repeats. A remat segment is then a layer within one TaskGraph: `layer_cuts`
-gives the equations where a new one starts, and `whalex.core.segments.segments` cuts there too.
+module's children) stands when nothing repeats. A remat segment is then a layer within one
+TaskGraph: `Layers.cuts` gives the equations where a new one starts, and
+`whalex.core.segments.segments` cuts there too. `remat="full"` or a policy name applies to the
+repeated layers (as `nn.remat` per block does); the others (embedding, head) keep their residuals.
 """
 from __future__ import annotations
 
@@ -28,10 +30,16 @@ class Layers:
     names: tuple[str, ...]
     starts: tuple[int, ...]          # the first top-level equation of each layer, ascending
     repeated: int                    # equations in layers that share their function with another
+    repeats: tuple[bool, ...] = ()   # per layer: it computes the same function as another layer
 
     @property
     def cuts(self) -> tuple[int, ...]:
         return self.starts[1:]
+
+    def repeated_at(self, eqn: int) -> bool:
+        """Whether the layer holding top-level equation `eqn` is a repeated one (a block)."""
+        k = max((i for i, start in enumerate(self.starts) if start <= eqn), default=None)
+        return k is not None and k < len(self.repeats) and self.repeats[k]
 
 
 def find_layers(cap) -> Layers:
@@ -42,8 +50,10 @@ def find_layers(cap) -> Layers:
     found = []
     for depth in range(BASE_DEPTH, max(deepest, BASE_DEPTH) + 1):
         units = _named(split_layers(cap, depth))
+        repeats = _repeats(cap, units, memo)
         found.append(Layers(depth, tuple("/".join(u.key) or "(unnamed)" for u in units),
-                            tuple(u.eqns[0] for u in units), _repeated_equations(cap, units, memo)))
+                            tuple(u.eqns[0] for u in units),
+                            sum(len(u.eqns) for u, r in zip(units, repeats) if r), repeats))
     most = max((layers.repeated for layers in found), default=0)
     return next((layers for layers in found if layers.repeated >= COVERAGE * most), Layers(BASE_DEPTH, (), (), 0))
 
@@ -60,8 +70,8 @@ def _named(units) -> list:
     return [u for u in out if u.eqns and u.key]
 
 
-def _repeated_equations(cap, units, memo: dict) -> int:
-    """Equations in contiguous units whose function another unit computes too."""
+def _repeats(cap, units, memo: dict) -> tuple[bool, ...]:
+    """Per unit: it is contiguous and another unit computes the same function."""
     jaxpr = cap.jaxpr.jaxpr
     consts = set(jaxpr.constvars)
     keys = []
@@ -73,4 +83,4 @@ def _repeated_equations(cap, units, memo: dict) -> int:
         inputs, outputs, _ = subgraph_function(jaxpr, u.eqns)
         keys.append(subgraph_key(jaxpr, u.eqns, inputs, outputs, consts, memo))
     counts = collections.Counter(k for k in keys if k is not None)
-    return sum(len(u.eqns) for u, k in zip(units, keys) if k is not None and counts[k] > 1)
+    return tuple(k is not None and counts[k] > 1 for k in keys)

@@ -31,6 +31,7 @@ from jax.sharding import AxisType, NamedSharding
 
 from whalex import _compat as C
 from whalex.core.blocks import block_evaluator
+from whalex.core.flops import training_flops
 from whalex.core.segments import Segment, run_segments, segment_function, segments
 from whalex.errors import PlanError
 from whalex.memory import plan_memory, vjp_residual_bytes as residual_bytes
@@ -134,6 +135,8 @@ class RematPlan:
     saved: float | None = None       # bytes per device JAX keeps for the backward pass with this remat
     baseline: float | None = None    # the same without remat
     state: float | None = None       # remat="auto": the per-device state the budget also holds
+    flops: float | None = None       # training FLOPs of the loss with this remat (recomputation included)
+    baseline_flops: float | None = None    # the same without remat
 
     @property
     def active(self) -> bool:
@@ -151,24 +154,41 @@ class RematPlan:
         return self.levels[seg.taskgraph] if seg.taskgraph < len(self.levels) else None
 
     def describe(self) -> str:
+        layers = self.layers
         if self.segment_levels is not None:
-            counts = collections.Counter(level or "none" for level in self.segment_levels)
-            parts = [f"{n} x {level}" for level, n in counts.items()]
-            line = f"remat ({self.mode}): per layer " + ", ".join(parts) + f" of {len(self.segment_levels)} layers"
+            line = f"remat ({self.mode}): per layer, " + self._per_layer()
         else:
             parts = [f"TG{i} {level or 'none'}" for i, level in enumerate(self.levels)]
             line = f"remat ({self.mode}): " + ", ".join(parts) if self.mode is not None else ""
-        if line and self.layers is not None and len(self.layers.names) > 1:
-            line += (f", per layer ({len(self.layers.names)} layers found at module depth {self.layers.depth}: "
-                     f"{_names(self.layers.names)})")
+            if line and layers is not None and len(layers.names) > 1:
+                line += (f", per layer ({len(layers.names)} layers found at module depth {layers.depth}: "
+                         f"{_names(layers.names)})")
         if line and self.saved is not None and self.baseline:
             line += (f"; saved for the backward pass {_mib(self.saved)}/device, {_mib(self.baseline)} without remat "
                      f"({self.saved / self.baseline:.0%}, as JAX counts residuals)")
+        if line and self.flops is not None and self.baseline_flops:
+            line += f"; recomputation adds {self.flops / self.baseline_flops - 1:.0%} to the step's FLOPs"
         if self.budget is not None:
             line += f"; budget {_mib(self.budget)}/device with {_mib(self.state or 0)} of state"
         if self.offload:
             line = (line + "; " if line else "") + "activations at TaskGraph boundaries offloaded to pinned_host"
         return line
+
+
+    def _per_layer(self) -> str:
+        """The level of each layer, runs of equal levels grouped: 'GPT/Block_0 .. GPT/Block_7 full'."""
+        levels, layers = self.segment_levels, self.layers
+        if layers is None or len(layers.names) != len(levels):
+            counts = collections.Counter(level or "none" for level in levels)
+            return ", ".join(f"{n} x {level}" for level, n in counts.items()) + f" of {len(levels)} segments"
+        runs: list = []
+        for name, level in zip(layers.names, levels):
+            if runs and runs[-1][2] == level:
+                runs[-1][1] = name
+            else:
+                runs.append([name, name, level])
+        return "; ".join(f"{a}{'' if a == b else ' .. ' + b} {level or 'none'}" for a, b, level in runs) + \
+            f" ({len(levels)} layers at module depth {layers.depth})"
 
 
 def _names(names, shown: int = 4) -> str:
@@ -207,6 +227,14 @@ def saved_bytes(cap, plan: RematPlan | None) -> float:
     evaluate = program_evaluator(cap, {}, None, None, plan)[0]
     return residual_bytes(lambda *args: evaluate(*args)[0], [v.aval for v in cap.jaxpr.jaxpr.invars],
                           range(cap.num_params))
+
+
+def step_flops(cap, plan: RematPlan | None) -> float:
+    """Forward + backward FLOPs of the captured loss (global batch) under `plan`'s remat, the
+    recomputed forwards included (whalex.core.flops): what remat costs in step time, on any backend."""
+    evaluate = program_evaluator(cap, {}, None, None, plan)[0]
+    jaxpr = jax.make_jaxpr(lambda *args: evaluate(*args)[0])(*[v.aval for v in cap.jaxpr.jaxpr.invars])
+    return training_flops(jaxpr, [k < cap.num_params for k in range(len(cap.jaxpr.jaxpr.invars))], [True])
 
 
 def choose(cap, layers, num_taskgraphs: int, budget: float, state: float, replicas: int,
@@ -336,10 +364,24 @@ def configure(cap, axis_sizes: dict, layout, config, cluster, batch_axes=(),
         if budget is None:
             budget = min(float(s.memory_bytes) for s in cluster.specs[:devices])
         state = max(m.state for m in plan_memory(layout, cluster.specs[:devices]))
-        return prec, choose(cap, layers, n, float(budget), state, replicas, offload)
-    plan = RematPlan((mode,) * n, mode, layers, offload)
-    return prec, dataclasses.replace(plan, saved=saved_bytes(cap, plan) / replicas,
-                                     baseline=saved_bytes(cap, None) / replicas)
+        return prec, _costed(cap, choose(cap, layers, n, float(budget), state, replicas, offload))
+    plan = RematPlan((mode,) * n, mode, layers, offload, segment_levels=blocks_only(cap, layers, mode))
+    return prec, _costed(cap, dataclasses.replace(plan, saved=saved_bytes(cap, plan) / replicas,
+                                                  baseline=saved_bytes(cap, None) / replicas))
+
+
+def _costed(cap, plan: RematPlan) -> RematPlan:
+    """`plan` with the training FLOPs it costs and those without remat."""
+    return dataclasses.replace(plan, flops=step_flops(cap, plan), baseline_flops=step_flops(cap, None))
+
+
+def blocks_only(cap, layers, level) -> tuple | None:
+    """Per remat segment: `level` in the model's repeated layers (its blocks) and None in the others
+    (embedding, head), as `nn.remat` per block does: a head's recomputed forward costs a large share
+    of a language model's step and keeps little. None (every segment at `level`) when no layer repeats."""
+    if layers is None or not any(layers.repeats) or all(layers.repeats):
+        return None
+    return tuple(level if layers.repeated_at(seg.start) else None for seg in segments(cap, layers.cuts))
 
 
 def summary_lines(remat: RematPlan | None, prec: Precision | None, comm_report: dict | None) -> list[str]:
