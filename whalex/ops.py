@@ -68,18 +68,35 @@ def mlp(x, w1, b1, w2, b2, activation: str = "gelu"):
     return _named_mlp(activation)(x, w1, b1, w2, b2)
 
 
-def attention_heads(x, wq, bq, wk, bk, wv, bv, wo, causal: bool):
-    """The heads' part of `attention` (without the output bias): also the per-block function of
-    the uneven lowering, for any block of heads."""
-    q = jnp.einsum("...d,dhk->...hk", x, wq) + bq
-    k = jnp.einsum("...d,dhk->...hk", x, wk) + bk
-    v = jnp.einsum("...d,dhk->...hk", x, wv) + bv
+def attention_project(x, wq, bq, wk, bk, wv, bv):
+    """q, k, v of a block of heads: x [..., length, d] -> [..., length, heads, head_dim] each."""
+    return tuple(jnp.einsum("...d,dhk->...hk", x, w) + b for w, b in ((wq, bq), (wk, bk), (wv, bv)))
+
+
+def attention_scores(q, k, causal: bool):
+    """Scaled (and causally masked) scores [..., heads, length, length]."""
     s = jnp.einsum("...qhk,...shk->...hqs", q, k) / jnp.sqrt(jnp.asarray(q.shape[-1], q.dtype))
     if causal:
-        length = x.shape[-2]
+        length = q.shape[-3]
         s = jnp.where(jnp.tril(jnp.ones((length, length), bool)), s, jnp.finfo(s.dtype).min)
-    o = jnp.einsum("...hqs,...shk->...qhk", jax.nn.softmax(s, axis=-1), v)
+    return s
+
+
+def attention_mix(s, v):
+    """Softmax of the scores applied to v: [..., length, heads, head_dim]."""
+    return jnp.einsum("...hqs,...shk->...qhk", jax.nn.softmax(s, axis=-1), v)
+
+
+def attention_out(o, wo):
     return jnp.einsum("...qhk,hko->...qo", o, wo)
+
+
+def attention_heads(x, wq, bq, wk, bk, wv, bv, wo, causal: bool):
+    """The heads' part of `attention` (without the output bias): also the per-block function of
+    the uneven lowering, for any block of heads (which runs it in the four steps above, keeping
+    each step's inputs for the backward pass)."""
+    q, k, v = attention_project(x, wq, bq, wk, bk, wv, bv)
+    return attention_out(attention_mix(attention_scores(q, k, causal), v), wo)
 
 
 @functools.lru_cache(maxsize=None)

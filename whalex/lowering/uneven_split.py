@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from whalex.ops import ACTIVATIONS, attention_heads
+from whalex.ops import ACTIVATIONS, attention_mix, attention_out, attention_project, attention_scores
 
 NEG = -1e30
 
@@ -139,37 +140,106 @@ def uneven_head(mesh, model_axis: str, batch_axes: tuple, layout: UnevenColumns,
 
 
 
-def uneven_blocks(mesh, model_axis: str, batch_axes: tuple, layout: UnevenColumns, block, dims: tuple[int, ...]):
-    """f(x, *weights_padded) -> sum over the real units of `block(x, *weight slices)`, the units
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One step of a block: `fn(weight slices, *inputs) -> tuple of n_out outputs`; `reads` index the
+    block's values (0: the input x, then every stage's outputs in order), `weights` the block's
+    weights it reads. The values between stages are what the backward pass keeps."""
+
+    fn: Callable
+    reads: tuple[int, ...]
+    weights: tuple[int, ...]
+    n_out: int = 1
+
+
+def _outputs(stages) -> list[tuple[int, ...]]:
+    """Per stage, the indices of the values it produces."""
+    out, idx = [], 1
+    for st in stages:
+        out.append(tuple(range(idx, idx + st.n_out)))
+        idx += st.n_out
+    return out
+
+
+def _run_stages(stages, x, ws) -> list:
+    """Every value of one block: [x, stage 0's outputs, stage 1's outputs, ...]."""
+    vals = [x]
+    for st in stages:
+        vals.extend(st.fn([ws[j] for j in st.weights], *[vals[i] for i in st.reads]))
+    return vals
+
+
+def _add(acc: list, where, values) -> None:
+    for i, v in zip(where, values):
+        acc[i] = v if acc[i] is None else acc[i] + v
+
+
+def _stage_vjps(stages, vals, ws, g):
+    """(dx, weight-slice gradients) of one block from its kept values: each stage's VJP at its kept
+    inputs. No stage output is read, so XLA drops the forward matmuls a VJP would recompute."""
+    cot, gws = [None] * len(vals), [None] * len(ws)
+    cot[-1] = g
+    for st, outs in reversed(list(zip(stages, _outputs(stages)))):
+        fn = lambda w, *a, st=st: tuple(st.fn(w, *a))          # noqa: E731
+        _, vjp = jax.vjp(fn, [ws[j] for j in st.weights], *[vals[i] for i in st.reads])
+        gw, *gins = vjp(tuple(jnp.zeros_like(vals[i]) if cot[i] is None else cot[i] for i in outs))
+        _add(gws, st.weights, gw)
+        _add(cot, st.reads, gins)
+    return cot[0], [jnp.zeros_like(w) if d is None else d for d, w in zip(gws, ws)]
+
+
+def mlp_stages(activation: str) -> tuple[Stage, ...]:
+    """`activation(x @ c1 + cb) @ c2` in two stages: the pre-activation is kept."""
+    act = ACTIVATIONS[activation]
+    return (Stage(lambda w, x: (x @ w[0] + w[1],), (0,), (0, 1)),
+            Stage(lambda w, h: (act(h) @ w[0],), (1,), (2,)))
+
+
+def attention_stages(causal: bool) -> tuple[Stage, ...]:
+    """`wh.ops.attention_heads` in four stages: q, k, v, the scores and the mixed values are kept."""
+    return (Stage(lambda w, x: attention_project(x, *w), (0,), (0, 1, 2, 3, 4, 5), 3),
+            Stage(lambda w, q, k: (attention_scores(q, k, causal),), (1, 2), ()),
+            Stage(lambda w, s, v: (attention_mix(s, v),), (4, 3), ()),
+            Stage(lambda w, o: (attention_out(o, w[0]),), (5,), (6,)))
+
+
+def uneven_blocks(mesh, model_axis: str, batch_axes: tuple, layout: UnevenColumns, stages, dims: tuple[int, ...]):
+    """f(x, *weights_padded) -> sum over the real units of the block `stages` computes, the units
     (hidden units, heads) uneven over `model_axis`: weight i is sliced on dims[i], device j loops
     over its own `chunk`-unit blocks (work proportional to its share; padding never read), then one
-    psum; the custom VJP runs the same loop (each block's VJP) and one psum of the input gradient."""
+    psum. The forward loop keeps each block's values between stages in buffers of the padded width;
+    the custom VJP's loop runs each block's stage VJPs on them (no forward recomputed), then one
+    psum of the input gradient."""
     counts = jnp.asarray(layout.counts, jnp.int32)
-    chunk = layout.chunk
+    chunk, slots, mx, nw = layout.chunk, layout.width // layout.chunk, model_axis, len(dims)
     bspec = batch_axes if batch_axes else None
-    mx = model_axis
 
     def slices(k, ws):
         return [jax.lax.dynamic_slice_in_dim(w, k * chunk, chunk, d) for w, d in zip(ws, dims)]
 
-    def local_fwd(x, *ws):
+    def local_fwd(keep, x, *ws):
         n = counts[jax.lax.axis_index(mx)]
-        out = jax.eval_shape(lambda x, *c: block(x, *c), x, *[jax.ShapeDtypeStruct(
-            tuple(chunk if i == d else s for i, s in enumerate(w.shape)), w.dtype) for w, d in zip(ws, dims)])
-        y = jax.lax.fori_loop(0, n // chunk, lambda k, acc: acc + block(x, *slices(k, ws)),
-                              jnp.zeros(out.shape, out.dtype))
-        return jax.lax.psum(y, mx)
+        shapes = jax.eval_shape(lambda x, ws: _run_stages(stages, x, slices(0, ws)), x, list(ws))
+        kept = [jnp.zeros((slots if keep else 0,) + s.shape, s.dtype) for s in shapes[1:-1]]
+
+        def body(k, acc):
+            vals = _run_stages(stages, x, slices(k, ws))
+            kept = [jax.lax.dynamic_update_index_in_dim(b, v, k, 0) for b, v in zip(acc[1], vals[1:-1])] if keep \
+                else acc[1]
+            return acc[0] + vals[-1], kept
+
+        y, kept = jax.lax.fori_loop(0, n // chunk, body, (jnp.zeros(shapes[-1].shape, shapes[-1].dtype), kept))
+        return (jax.lax.psum(y, mx), *kept)
 
     def local_bwd(x, *args):
-        ws, g = args[:-1], args[-1]
+        ws, kept, g = args[:nw], args[nw:-1], args[-1]
         n = counts[jax.lax.axis_index(mx)]
 
         def body(k, acc):
-            dx, dws = acc
-            _, vjp = jax.vjp(block, x, *slices(k, ws))
-            gx, *gws = vjp(g)
-            return dx + gx, [jax.lax.dynamic_update_slice_in_dim(dw, gw, k * chunk, d)
-                             for dw, gw, d in zip(dws, gws, dims)]
+            vals = [x] + [jax.lax.dynamic_index_in_dim(b, k, 0, keepdims=False) for b in kept] + [g]
+            gx, gws = _stage_vjps(stages, vals, slices(k, ws), g)
+            return acc[0] + gx, [jax.lax.dynamic_update_slice_in_dim(dw, gw, k * chunk, d)
+                                 for dw, gw, d in zip(acc[1], gws, dims)]
 
         dx, dws = jax.lax.fori_loop(0, n // chunk, body, (jnp.zeros_like(x), [jnp.zeros_like(w) for w in ws]))
         dx = jax.lax.psum(dx, mx)                          # after the loop: partial sums over the units
@@ -178,20 +248,27 @@ def uneven_blocks(mesh, model_axis: str, batch_axes: tuple, layout: UnevenColumn
         return (dx, *dws)
 
     w_specs = tuple(P(*([None] * d + [mx])) for d in dims)
-    fwd_map = jax.shard_map(local_fwd, mesh=mesh, in_specs=(P(bspec),) + w_specs, out_specs=P(bspec),
-                            check_vma=False)
-    bwd_map = jax.shard_map(local_bwd, mesh=mesh, in_specs=(P(bspec),) + w_specs + (P(bspec),),
+    n_kept = sum(st.n_out for st in stages) - 1
+    k_specs = (P(mx, bspec),) * n_kept
+
+    def fwd_map(keep):
+        return jax.shard_map(functools.partial(local_fwd, keep), mesh=mesh, in_specs=(P(bspec),) + w_specs,
+                             out_specs=(P(bspec),) + (k_specs if keep else (P(mx),) * n_kept), check_vma=False)
+
+    bwd_map = jax.shard_map(local_bwd, mesh=mesh, in_specs=(P(bspec),) + w_specs + k_specs + (P(bspec),),
                             out_specs=(P(bspec),) + w_specs, check_vma=False)
 
     @jax.custom_vjp
     def run(x, *ws):
-        return fwd_map(x, *ws)
+        return fwd_map(False)(x, *ws)[0]
 
     def fwd(x, *ws):
-        return fwd_map(x, *ws), (x, *ws)
+        y, *kept = fwd_map(True)(x, *ws)
+        return y, (x, ws, kept)
 
     def bwd(res, g):
-        return bwd_map(*res, g)
+        x, ws, kept = res
+        return bwd_map(x, *ws, *kept, g)
 
     run.defvjp(fwd, bwd)
     return run
@@ -214,18 +291,13 @@ class UnevenCall:
     global_batch: int = 0        # head: the loss is a mean over it
 
 
-def _mlp_block(x, c1, cb, c2, act):
-    return act(x @ c1 + cb) @ c2
-
-
 def _override(call: UnevenCall, mesh):
     """The function of the call's inputs that replaces its equation (outputs as a list)."""
     if call.kind == "head":
         head = uneven_head(mesh, call.axis, call.batch_axes, call.columns, call.global_batch)
         return lambda *args: [head(*args)]
-    block = (functools.partial(attention_heads, causal=call.causal) if call.kind == "attention" else
-             functools.partial(_mlp_block, act=ACTIVATIONS[call.activation]))
-    fn = uneven_blocks(mesh, call.axis, call.batch_axes, call.columns, block, call.dims)
+    stages = attention_stages(call.causal) if call.kind == "attention" else mlp_stages(call.activation)
+    fn = uneven_blocks(mesh, call.axis, call.batch_axes, call.columns, stages, call.dims)
     return lambda x, *ws: [fn(x, *ws[:-1]) + ws[-1]]        # the output bias, whole, added once
 
 
