@@ -63,6 +63,7 @@ class Plan:
     program: StepProgram = dataclasses.field(repr=False, compare=False)
     schedule: Any = None                      # the pipeline Schedule, when the plan is a pipeline
     stage_layers: tuple = ()                  # per stage, the names of the layers it holds
+    placement: str = ""                       # which plan places the TaskGraphs (stages or shared devices), and why
     balance: Any = None                       # the hardware-aware BalanceReport, on heterogeneous clusters
     head_balance: Any = None                  # the split head's class shards when `balance` is the batch's (hybrid)
     coverage: tuple[Coverage, ...] = ()       # every parameter a split TaskGraph reads, and its layout

@@ -3,7 +3,12 @@
 pipeline replicas."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from whalex import _compat as C
 
 from whalex.balance.partition import layer_key, stage_devices
 from whalex.core.comm import Comm, ring_bytes
@@ -32,7 +37,7 @@ def model_degree(cap) -> int:
     return counts.pop()
 
 
-def pipeline_plan(req: Request, full, stage_of_eqn, per_stage, stage_layers=None) -> Plan:
+def pipeline_plan(req: Request, full, stage_of_eqn, per_stage, stage_layers=None, rule: str = "") -> Plan:
     """The pipeline of `stage_of_eqn`; `stage_layers` names the modules per stage (by default the
     top-level layers of each stage's equations). Split TaskGraphs inside the stages make it 3D: a
     ('data', 'stage', 'model') mesh, the split layers sharded over `model` by the sharding patterns."""
@@ -95,9 +100,9 @@ def pipeline_plan(req: Request, full, stage_of_eqn, per_stage, stage_layers=None
 
     labels = stage_labels(full, stage_of_eqn, num_stages)
     rows = [Row(s, f"stage {s}: {labels[s]}", True, len(cut.eqns[s]), tuple(cut.params[s])) for s in range(num_stages)]
-    vds = [VirtualDevice(s, Strategy("replicate", per_stage), mp,
-                         tuple(tuple(placement[s][r * mp:(r + 1) * mp]) for r in range(dp)),
-                         (MODEL,) if mp > 1 else (), (DATA,)) for s in range(num_stages)]
+    vds = [stage_virtual_device(full, stage_of_eqn, s, per_stage, mp,
+                                tuple(tuple(placement[s][r * mp:(r + 1) * mp]) for r in range(dp)))
+           for s in range(num_stages)]
     grad_bytes = program.param_width * np.dtype(program.param_dtype).itemsize
     invars = cap.jaxpr.jaxpr.invars
     comms = []
@@ -133,9 +138,20 @@ def pipeline_plan(req: Request, full, stage_of_eqn, per_stage, stage_layers=None
                     batch_sizes=(full.global_batch // dp,) * layout.size, global_batch=full.global_batch,
                     param_specs=dict(zip(cap.param_paths, program.param_spec_list())), comms=comms,
                     sharding=sharding, stage_bytes=grad_bytes, schedule=schedule,
-                    batch_couplings=tuple(parts.sem.lines()),
+                    batch_couplings=tuple(parts.sem.lines()), placement=rule,
                     stage_layers=tuple(stage_layers) if stage_layers is not None else
                     tuple(stage_layer_names(full, stage_of_eqn, s) for s in range(num_stages)))
+
+
+def stage_virtual_device(cap, stage_of_eqn, s: int, per_stage: int, mp: int, groups) -> VirtualDevice:
+    """Stage `s` as a VirtualDevice: its annotated strategy (auto_parallel stages: replicate), the
+    `mp` devices of each pipeline replica, and the axes its weights and its micro-batch are split over."""
+    tgs = {cap.taskgraphs[cap.assign[(i,)]] for i, st in enumerate(stage_of_eqn) if st == s}
+    annotated = [t for t in tgs if t.annotated]
+    strategy = annotated[0].strategy if len(annotated) == 1 else Strategy("replicate", per_stage)
+    if any(over_model(t, mp) for t in annotated):
+        return VirtualDevice(s, strategy, mp, groups, (), (DATA, MODEL))
+    return VirtualDevice(s, strategy, mp, groups, (MODEL,) if mp > 1 else (), (DATA,))
 
 
 def stage_shardings(cap, mp: int):
@@ -143,9 +159,29 @@ def stage_shardings(cap, mp: int):
     `mp` devices alone: inside a stage's shard_map, `data` and `stage` are manual and only `model`
     is left to GSPMD, so the constraints name `model` only."""
     layout = MeshLayout((MODEL,), (mp,))
-    vds = [VirtualDevice(tg.index, tg.strategy, mp if tg.strategy.kind == "split" else 1, (tuple(range(mp)),),
-                         (MODEL,) if tg.strategy.kind == "split" else (), ()) for tg in cap.taskgraphs]
-    return plan_shardings(cap, vds, layout)
+    vds = [VirtualDevice(tg.index, tg.strategy, mp if tg.strategy.kind == "split" or over_model(tg, mp) else 1,
+                         (tuple(range(mp)),), (MODEL,) if tg.strategy.kind == "split" else (),
+                         (MODEL,) if over_model(tg, mp) else ()) for tg in cap.taskgraphs]
+    sharding = plan_shardings(cap, vds, layout)
+    return dataclasses.replace(sharding, constraints={**batch_over_model(cap, mp), **sharding.constraints})
+
+
+def over_model(tg, mp: int) -> bool:
+    """An annotated `replicate(mp)` stage of a 3D pipeline: its `mp` devices per replica are data
+    parallel (each takes 1/mp of the micro-batch, Whale's replicate), over the `model` axis."""
+    return tg.annotated and tg.strategy.kind == "replicate" and tg.strategy.device_count == mp > 1
+
+
+def batch_over_model(cap, mp: int) -> dict:
+    """Constraints that split the micro-batch over `model` where a `replicate(mp)` stage reads a batch
+    leaf; XLA's partitioner carries the split through the stage and gathers it where a value leaves."""
+    batch = {v for v in cap.batch_vars if v.aval.shape and v.aval.shape[0] == cap.global_batch}
+    out = {}
+    for i, eqn in enumerate(cap.jaxpr.jaxpr.eqns):
+        if over_model(cap.taskgraphs[cap.assign[(i,)]], mp):
+            out.update({((i,), "in", pos): P(MODEL) for pos, v in enumerate(eqn.invars)
+                        if not isinstance(v, C.Literal) and v in batch})
+    return out
 
 
 def split_comms(sharding, cap, stage_of_eqn, micro_batches: int) -> list[Comm]:

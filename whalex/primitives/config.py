@@ -35,6 +35,7 @@ _DOTTED = {
     "communication.gradients_dtype": "comm_dtype",
     "amp.loss_scale_period": "loss_scale_period",
     "batch.coupling": "batch_coupling",
+    "cluster.colocate_split_and_replicate": "share_devices",
 }
 
 
@@ -59,6 +60,7 @@ class Config:
     comm_dtype: Any = None         # gradient all-reduce dtype: None (param dtype), "bf16", "fp16"
     loss_scale_period: int = 2000  # amp="fp16": steps without overflow before the scale doubles
     batch_coupling: str = "exact"  # "per_part": batch statistics inside the model (BatchNorm) per part
+    share_devices: bool = False    # annotated TaskGraphs share devices: micro-batches accumulate, no pipeline
 
     def __init__(self, options: Mapping[str, Any] | None = None, /, **kwargs: Any):
         fields = {f.name: f.default for f in dataclasses.fields(Config)}
@@ -95,7 +97,7 @@ class Config:
         if self.batch_coupling not in BATCH_COUPLINGS:
             raise ConfigError(f"unknown batch_coupling {self.batch_coupling!r}; use 'exact' (statistics over the "
                               "global batch, refused where a plan cannot) or 'per_part' (statistics per part).")
-        for name in ("auto_parallel", "hardware_aware"):
+        for name in ("auto_parallel", "hardware_aware", "share_devices"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         if self.num_task_graph != 1 and not self.auto_parallel:
@@ -104,6 +106,10 @@ class Config:
                 "TaskGraphs auto_parallel cuts an un-annotated model into) and would be ignored; pass "
                 f"Config(auto_parallel=True, num_task_graph={self.num_task_graph}), or leave num_task_graph at 1 "
                 "and annotate the stages with wh.replicate/wh.split scopes.")
+        if self.share_devices and self.auto_parallel:
+            raise ConfigError(
+                "share_devices=True collocates annotated TaskGraphs (micro-batches accumulate gradients), but "
+                "auto_parallel=True cuts the model into pipeline stages on disjoint devices; choose one of them.")
         _validate_memory_options(self)
 
 

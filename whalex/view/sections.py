@@ -124,7 +124,8 @@ def overview(plan) -> Section:
     header = (f"whalex plan: {c!r}, mesh ({mesh_text(plan)}), global batch {plan.global_batch}, "
               f"{plan.config.num_micro_batch} micro-batch(es)")
     facts_table = Table(("fact", "value"), tuple(facts), (False, False), where="html", facts=True)
-    return Section("overview", "Plan", (Line(header, where="text"), facts_table))
+    placement = (Line(f"plan: {plan.placement}"),) if plan.placement else ()
+    return Section("overview", "Plan", (Line(header, where="text"), *placement, facts_table))
 
 
 def taskgraphs(plan) -> Section:
