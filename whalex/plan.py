@@ -10,6 +10,7 @@ from whalex.core.capture import Captured
 from whalex.core.comm import Comm
 from whalex.core.program import MemoryOptions, StageBuffers, StepProgram, TracedStep
 from whalex.core.sharding_plan import Coverage, ExpertCall, PatternChoice
+from whalex.memory.host_link import HostTraffic, host_traffic
 from whalex.memory.peak import Peak, compiled_peak
 from whalex.memory.precision import Precision
 from whalex.memory.remat import RematPlan, summary_lines
@@ -101,6 +102,13 @@ class Plan:
     def remat(self) -> RematPlan | None:
         """What each TaskGraph (or layer) recomputes, and activation offload; None without remat."""
         return self.program.remat
+
+    def host_traffic(self) -> tuple[HostTraffic | None, ...]:
+        """Per device: what offload moves over its host link a step, and the least time that takes at the
+        device kind's host bandwidth (None on a device whose state and activations all stay on it)."""
+        r = self.remat
+        acts = r.offloaded if r is not None and r.offloaded else 0.0
+        return tuple(host_traffic(m, spec, acts) for m, spec in zip(self.memory, self.cluster.specs))
 
     @property
     def precision(self) -> Precision | None:

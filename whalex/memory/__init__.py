@@ -20,6 +20,9 @@ from whalex.core.shardings import opt_state_specs
 from whalex.memory import zero
 
 
+OFFLOADED = "offload to pinned_host"     # the `Share.by` of state kept in host memory between steps
+
+
 def account(params: float, opt_state: float, params_zero: float, opt_zero: float, options: MemoryOptions,
             activations: float = 0.0):
     """Per-device bytes (params, grads, opt_state, host, shares) from the planned bytes without
@@ -39,10 +42,10 @@ def account(params: float, opt_state: float, params_zero: float, opt_zero: float
         p = params_zero
     host = 0.0
     if options.offloads("opt_state") and o > 0:
-        shares.append(Share("optimizer state", o, 0.0, "offload to pinned_host"))
+        shares.append(Share("optimizer state", o, 0.0, OFFLOADED))
         host, o = host + o, 0.0
     if options.offloads("params") and p > 0:
-        shares.append(Share("params", p, 0.0, "offload to pinned_host"))
+        shares.append(Share("params", p, 0.0, OFFLOADED))
         host, p = host + p, 0.0
     return p, g, o, host, tuple(shares)
 

@@ -32,6 +32,7 @@ from jax.sharding import AxisType, NamedSharding
 from whalex import _compat as C
 from whalex.core.blocks import block_evaluator
 from whalex.core.flops import training_flops
+from whalex.core.primitives import REDUCTIONS
 from whalex.core.segments import Segment, run_segments, segment_function, segments
 from whalex.errors import PlanError
 from whalex.memory import plan_memory, vjp_residual_bytes as residual_bytes
@@ -42,7 +43,6 @@ from whalex.memory.precision import Precision, describe, local_captures
 COMM = "whalex_comm"            # values at collective points: always saved
 BOUNDARY = "whalex_boundary"    # segment outputs: offloaded under offload="activations"
 DOTS = "dots_with_no_batch_dims_saveable"   # the middle rung of remat="auto"
-_REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split())
 
 
 # ----------------------------------------------------------------------------------- collective points
@@ -62,7 +62,7 @@ def comm_overrides(cap, constraints: dict, mesh, split_taskgraphs: set, override
         if C.is_call(eqn) and path in descended:
             continue                                    # entered: its equations are tagged instead
         split = cap.assign.get(path) in split_taskgraphs
-        if not (path in constrained or (split and (eqn.primitive.name in _REDUCTIONS or C.is_call(eqn)))):
+        if not (path in constrained or (split and (eqn.primitive.name in REDUCTIONS or C.is_call(eqn)))):
             continue
         cons = constrained.get(path, [])
         inner = overrides.get(path)
@@ -137,6 +137,7 @@ class RematPlan:
     state: float | None = None       # remat="auto": the per-device state the budget also holds
     flops: float | None = None       # training FLOPs of the loss with this remat (recomputation included)
     baseline_flops: float | None = None    # the same without remat
+    offloaded: float | None = None   # offload="activations": bytes per device sent to the host a step
 
     @property
     def active(self) -> bool:
@@ -171,7 +172,7 @@ class RematPlan:
         if self.budget is not None:
             line += f"; budget {_mib(self.budget)}/device with {_mib(self.state or 0)} of state"
         if self.offload:
-            line = (line + "; " if line else "") + "activations at TaskGraph boundaries offloaded to pinned_host"
+            line = (line + "; " if line else "") + "activations at layer and TaskGraph boundaries offloaded to pinned_host"
         return line
 
 
@@ -357,15 +358,17 @@ def configure(cap, axis_sizes: dict, layout, config, cluster, batch_axes=(),
     layers = find_layers(cap)
     devices = int(np.prod(list(axis_sizes.values()))) if axis_sizes else 1
     replicas = max(1, axis_sizes.get("data", 1))        # the data-parallel replicas share the global batch
+    kept = saved_bytes(cap, RematPlan(("full",) * n, "full", layers)) / replicas if offload else None
     if mode is None:                 # what is offloaded are the values remat saves: boundaries, collectives
-        return prec, RematPlan(("full",) * n, "full, for offload='activations'", layers, True)
+        return prec, RematPlan(("full",) * n, "full, for offload='activations'", layers, True, offloaded=kept)
     if mode == "auto":
         budget = config.memory_budget
         if budget is None:
             budget = min(float(s.memory_bytes) for s in cluster.specs[:devices])
         state = max(m.state for m in plan_memory(layout, cluster.specs[:devices]))
-        return prec, _costed(cap, choose(cap, layers, n, float(budget), state, replicas, offload))
-    plan = RematPlan((mode,) * n, mode, layers, offload, segment_levels=blocks_only(cap, layers, mode))
+        chosen = choose(cap, layers, n, float(budget), state, replicas, offload)
+        return prec, _costed(cap, dataclasses.replace(chosen, offloaded=kept))
+    plan = RematPlan((mode,) * n, mode, layers, offload, segment_levels=blocks_only(cap, layers, mode), offloaded=kept)
     return prec, _costed(cap, dataclasses.replace(plan, saved=saved_bytes(cap, plan) / replicas,
                                                   baseline=saved_bytes(cap, None) / replicas))
 

@@ -10,6 +10,10 @@ V100-32GB: the same 96 GB per GPU is not the common case, declare it when it is 
 1 TB (40GB) / 2 TB (80GB), DGX H100 and DGX H200 2 TB, all for 8 GPUs; no DGX has T4, A10 or L4 GPUs:
 the largest AWS instances of those (g4dn.metal 384 GB / 8 T4, g5.48xlarge 768 GB / 8 A10G,
 g6.48xlarge 768 GB / 8 L4). A GB of RAM here is 2**30 bytes, as in the kind names.
+
+The host link (what offload's transfers cross) is each kind's PCIe x16 generation from its datasheet:
+3.0 for P100, V100 and T4, 4.0 for A10, L4 and A100, 5.0 for H100 and H200, at the link's nominal
+rate each way. The CPU "device" shares the host's RAM: its figure is that RAM's bandwidth.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from whalex.errors import ClusterError
 
 GiB = 1024**3
 T = 1e12
+PCIE3, PCIE4, PCIE5 = 15.75e9, 31.5e9, 63.0e9     # bytes/s each way over a x16 link
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,20 +37,32 @@ class DeviceSpec:
     platform: str = "gpu"
     node_host_bytes: int = 0    # host RAM of a typical node of this kind (0: unknown)
     node_devices: int = 1       # devices in that node
+    host_bandwidth: float = 0.0     # bytes/s each way over the host link (0: unknown)
 
 
 SPECS: dict[str, DeviceSpec] = {s.name: s for s in [
-    DeviceSpec("P100-16GB", 10.6 * T, 21.2 * T, 16 * GiB, 732e9, node_host_bytes=512 * GiB, node_devices=8),
-    DeviceSpec("V100-16GB", 15.7 * T, 125 * T, 16 * GiB, 900e9, node_host_bytes=512 * GiB, node_devices=8),
-    DeviceSpec("V100-32GB", 15.7 * T, 125 * T, 32 * GiB, 900e9, node_host_bytes=512 * GiB, node_devices=8),
-    DeviceSpec("T4-16GB", 8.1 * T, 65 * T, 16 * GiB, 320e9, node_host_bytes=384 * GiB, node_devices=8),
-    DeviceSpec("A10-24GB", 31.2 * T, 125 * T, 24 * GiB, 600e9, node_host_bytes=768 * GiB, node_devices=8),
-    DeviceSpec("L4-24GB", 30.3 * T, 121 * T, 24 * GiB, 300e9, node_host_bytes=768 * GiB, node_devices=8),
-    DeviceSpec("A100-40GB", 19.5 * T, 312 * T, 40 * GiB, 1555e9, node_host_bytes=1024 * GiB, node_devices=8),
-    DeviceSpec("A100-80GB", 19.5 * T, 312 * T, 80 * GiB, 2039e9, node_host_bytes=2048 * GiB, node_devices=8),
-    DeviceSpec("H100-80GB", 67 * T, 989 * T, 80 * GiB, 3350e9, node_host_bytes=2048 * GiB, node_devices=8),
-    DeviceSpec("H200-141GB", 67 * T, 989 * T, 141 * GiB, 4800e9, node_host_bytes=2048 * GiB, node_devices=8),
-    DeviceSpec("CPU", 0.1 * T, 0.1 * T, 16 * GiB, 20e9, platform="cpu", node_host_bytes=64 * GiB, node_devices=8),
+    DeviceSpec("P100-16GB", 10.6 * T, 21.2 * T, 16 * GiB, 732e9, node_host_bytes=512 * GiB, node_devices=8,
+               host_bandwidth=PCIE3),
+    DeviceSpec("V100-16GB", 15.7 * T, 125 * T, 16 * GiB, 900e9, node_host_bytes=512 * GiB, node_devices=8,
+               host_bandwidth=PCIE3),
+    DeviceSpec("V100-32GB", 15.7 * T, 125 * T, 32 * GiB, 900e9, node_host_bytes=512 * GiB, node_devices=8,
+               host_bandwidth=PCIE3),
+    DeviceSpec("T4-16GB", 8.1 * T, 65 * T, 16 * GiB, 320e9, node_host_bytes=384 * GiB, node_devices=8,
+               host_bandwidth=PCIE3),
+    DeviceSpec("A10-24GB", 31.2 * T, 125 * T, 24 * GiB, 600e9, node_host_bytes=768 * GiB, node_devices=8,
+               host_bandwidth=PCIE4),
+    DeviceSpec("L4-24GB", 30.3 * T, 121 * T, 24 * GiB, 300e9, node_host_bytes=768 * GiB, node_devices=8,
+               host_bandwidth=PCIE4),
+    DeviceSpec("A100-40GB", 19.5 * T, 312 * T, 40 * GiB, 1555e9, node_host_bytes=1024 * GiB, node_devices=8,
+               host_bandwidth=PCIE4),
+    DeviceSpec("A100-80GB", 19.5 * T, 312 * T, 80 * GiB, 2039e9, node_host_bytes=2048 * GiB, node_devices=8,
+               host_bandwidth=PCIE4),
+    DeviceSpec("H100-80GB", 67 * T, 989 * T, 80 * GiB, 3350e9, node_host_bytes=2048 * GiB, node_devices=8,
+               host_bandwidth=PCIE5),
+    DeviceSpec("H200-141GB", 67 * T, 989 * T, 141 * GiB, 4800e9, node_host_bytes=2048 * GiB, node_devices=8,
+               host_bandwidth=PCIE5),
+    DeviceSpec("CPU", 0.1 * T, 0.1 * T, 16 * GiB, 20e9, platform="cpu", node_host_bytes=64 * GiB, node_devices=8,
+               host_bandwidth=20e9),
 ]}
 
 _UNITS = {"": 1, "B": 1, "KB": 2**10, "KIB": 2**10, "MB": 2**20, "MIB": 2**20, "GB": GiB, "GIB": GiB,

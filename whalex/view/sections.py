@@ -289,6 +289,20 @@ def host_lines(plan) -> list[str]:
     return lines
 
 
+def host_link_lines(plan) -> list[str]:
+    """What offload moves over the host link a step (the device that moves the most), and the least
+    time that takes at its kind's host bandwidth."""
+    moved = [t for t in plan.host_traffic() if t is not None]
+    if not moved:
+        return []
+    t = max(moved, key=lambda x: max(x.to_device, x.to_host))
+    parts = ", ".join(f"{x.what} {fmt_bytes(x.to_device)}" for x in t.transfers)
+    when = (f"at least {fmt_time(t.seconds)} at {t.device_kind}'s {t.bandwidth / 1e9:.1f} GB/s each way"
+            if t.seconds is not None else f"time unknown ({t.device_kind} declares no host bandwidth)")
+    return [f"host link per step and device: {fmt_bytes(t.to_device)} to the device and {fmt_bytes(t.to_host)} "
+            f"back ({parts}, each way); {when}"]
+
+
 def memory(plan) -> Section | None:
     """Each memory optimization's share of the per-device memory (from the plan's shardings), host
     memory and what offload keeps there, and a ZeRO level that found nothing to shard."""
@@ -302,7 +316,7 @@ def memory(plan) -> Section | None:
         body.append(Table(("component", "before", "after", "by"),
                           tuple((x.component, fmt_bytes(x.before), fmt_bytes(x.after), x.by) for x in shares),
                           (False, True, True, False), where="html"))
-    body += _lines(host_lines(plan))
+    body += _lines(host_lines(plan) + host_link_lines(plan))
     level = plan.config.zero_level
     if level and not any(x.by.startswith("zero") for x in shares):
         why = ("the pipeline already stores parameters and optimizer state spread over every device"
