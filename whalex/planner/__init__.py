@@ -23,8 +23,9 @@ from whalex.planner.common import Request, check_optimizer, refuse_unbuilt, reso
 from whalex.planner.hybrid import hybrid_plan
 from whalex.planner.pipeline import model_degree, pipeline_plan
 from whalex.planner.spmd import spmd_plan
-from whalex.planner.stages import choose, pipelined
+from whalex.planner.stages import choose, pipeline_rule
 from whalex.planner.uneven import balance_data_parallel
+from whalex.primitives.scopes import Strategy
 
 __all__ = ["build_plan"]
 
@@ -46,7 +47,9 @@ def build_plan(loss_fn: Callable, params, batch, optimizer=None, config=None, cl
     if placement.pipelined:
         tg_stage = {tg: s for s, g in enumerate(placement.groups) for tg in g}
         stage_of_eqn = [tg_stage[cap.assign[(i,)]] for i in range(len(cap.jaxpr.jaxpr.eqns))]
-        return pipeline_plan(req, cap, stage_of_eqn, placement.per_stage, rule=placement.rule)
+        strategies = [next(cap.taskgraphs[i].strategy for i in g if cap.taskgraphs[i].annotated)
+                      for g in placement.groups]
+        return pipeline_plan(req, cap, stage_of_eqn, strategies, rule=placement.rule)
     if all(t.strategy.kind == "replicate" for t in cap.taskgraphs):
         report, uneven = balance_data_parallel(req, cap)
         plan = uneven if uneven is not None else spmd_plan(req, cap, report)
@@ -78,5 +81,5 @@ def _auto_pipeline(req: Request, cap) -> Plan:
                         + f" do not divide the cluster's {cluster.size} devices; use a divisor of {cluster.size}.")
     why = f"auto_parallel=True cut the model into num_task_graph={k} stages" + (
         f" with split({mp}) inside them" if mp > 1 else "")
-    return pipeline_plan(req, cap, list(auto.stage_of_eqn), 1, auto.layers,
-                         rule=pipelined(k, mp, dp, why).rule)
+    return pipeline_plan(req, cap, list(auto.stage_of_eqn), [Strategy("replicate", 1)] * k, auto.layers,
+                         rule=pipeline_rule(k, mp, dp, why))

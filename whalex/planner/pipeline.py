@@ -37,9 +37,10 @@ def model_degree(cap) -> int:
     return counts.pop()
 
 
-def pipeline_plan(req: Request, full, stage_of_eqn, per_stage, stage_layers=None, rule: str = "") -> Plan:
-    """The pipeline of `stage_of_eqn`; `stage_layers` names the modules per stage (by default the
-    top-level layers of each stage's equations). Split TaskGraphs inside the stages make it 3D: a
+def pipeline_plan(req: Request, full, stage_of_eqn, strategies, stage_layers=None, rule: str = "") -> Plan:
+    """The pipeline of `stage_of_eqn`, each stage's VirtualDevice recording its strategy in
+    `strategies`; `stage_layers` names the modules per stage (by default the top-level layers of each
+    stage's equations); `rule` says why this is a pipeline. Split TaskGraphs inside the stages make it 3D: a
     ('data', 'stage', 'model') mesh, the split layers sharded over `model` by the sharding patterns."""
     config, cluster, optimizer = req.config, req.cluster, req.optimizer
     m = config.num_micro_batch
@@ -100,7 +101,7 @@ def pipeline_plan(req: Request, full, stage_of_eqn, per_stage, stage_layers=None
 
     labels = stage_labels(full, stage_of_eqn, num_stages)
     rows = [Row(s, f"stage {s}: {labels[s]}", True, len(cut.eqns[s]), tuple(cut.params[s])) for s in range(num_stages)]
-    vds = [stage_virtual_device(full, stage_of_eqn, s, per_stage, mp,
+    vds = [stage_virtual_device(full, stage_of_eqn, s, strategies[s], mp,
                                 tuple(tuple(placement[s][r * mp:(r + 1) * mp]) for r in range(dp)))
            for s in range(num_stages)]
     grad_bytes = program.param_width * np.dtype(program.param_dtype).itemsize
@@ -143,13 +144,11 @@ def pipeline_plan(req: Request, full, stage_of_eqn, per_stage, stage_layers=None
                     tuple(stage_layer_names(full, stage_of_eqn, s) for s in range(num_stages)))
 
 
-def stage_virtual_device(cap, stage_of_eqn, s: int, per_stage: int, mp: int, groups) -> VirtualDevice:
-    """Stage `s` as a VirtualDevice: its annotated strategy (auto_parallel stages: replicate), the
-    `mp` devices of each pipeline replica, and the axes its weights and its micro-batch are split over."""
+def stage_virtual_device(cap, stage_of_eqn, s: int, strategy: Strategy, mp: int, groups) -> VirtualDevice:
+    """Stage `s` as a VirtualDevice: its strategy, the `mp` devices of each pipeline replica, and the
+    axes its weights and its micro-batch are split over."""
     tgs = {cap.taskgraphs[cap.assign[(i,)]] for i, st in enumerate(stage_of_eqn) if st == s}
-    annotated = [t for t in tgs if t.annotated]
-    strategy = annotated[0].strategy if len(annotated) == 1 else Strategy("replicate", per_stage)
-    if any(over_model(t, mp) for t in annotated):
+    if any(over_model(t, mp) for t in tgs):
         return VirtualDevice(s, strategy, mp, groups, (), (DATA, MODEL))
     return VirtualDevice(s, strategy, mp, groups, (MODEL,) if mp > 1 else (), (DATA,))
 

@@ -14,11 +14,10 @@ SHARE = "Config(share_devices=True) collocates them instead (micro-batches then 
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Stages as tuples of TaskGraph indices (None: collocated), the devices of one stage in one
-    pipeline replica, and the sentence saying which plan this is and why."""
+    """Stages as tuples of TaskGraph indices (None: collocated), and the sentence saying which plan
+    this is and why."""
 
     groups: tuple[tuple[int, ...], ...] | None
-    per_stage: int
     rule: str
 
     @property
@@ -48,13 +47,13 @@ def stage_groups(cap) -> tuple[tuple[int, ...], ...]:
 
 def collocated(m: int, why: str) -> Placement:
     what = "collocated TaskGraphs" + (f", gradient accumulation over {m} micro-batches" if m > 1 else "")
-    return Placement(None, 0, f"{what}: {why}")
+    return Placement(None, f"{what}: {why}")
 
 
-def pipelined(num_stages: int, per_stage: int, dp: int, why: str) -> Placement:
-    """The pipeline's sentence: stages, devices per stage and replica, nested data parallelism."""
-    return Placement(None, per_stage, f"pipeline of {num_stages} stages on disjoint devices ({per_stage} per stage "
-                                      f"and replica), nested DP {dp}: {why}")
+def pipeline_rule(num_stages: int, per_stage: int, dp: int, why: str) -> str:
+    """The pipeline's sentence: stages, devices per stage and replica, nested data parallelism, why."""
+    return (f"pipeline of {num_stages} stages on disjoint devices ({per_stage} per stage and replica), nested DP "
+            f"{dp}: {why}")
 
 
 def choose(cap, config, num_devices: int) -> Placement:
@@ -73,9 +72,9 @@ def choose(cap, config, num_devices: int) -> Placement:
     s = len(groups)
     if len(counts) > 1:
         raise PlanError(
-            f"num_micro_batch={m} makes the {s} annotated TaskGraphs pipeline stages, but they ask for different "
-            f"device counts {counts}: a pipeline replica is a grid of stages x n devices, so replicate or split "
-            "stages inside a pipeline are not supported with different n. Give every stage's wh.replicate(n) / "
+            f"pipeline stages ask for different device counts {counts}: with num_micro_batch={m} the {s} annotated "
+            "TaskGraphs are pipeline stages, and a pipeline replica is a grid of stages x n devices, so replicate or "
+            "split stages inside a pipeline are not supported with different n. Give every stage's wh.replicate(n) / "
             f"wh.split(n) the same n, or {SHARE}.")
     n = counts[0]
     if s * n > num_devices:
@@ -87,4 +86,4 @@ def choose(cap, config, num_devices: int) -> Placement:
             f"{num_devices}; use a stage count or device count whose product divides it, or {SHARE}.")
     why = (f"num_micro_batch={m} with {s} consecutive annotated TaskGraphs of {n} device{'s' if n > 1 else ''} "
            "each (Config(share_devices=True) would collocate them)")
-    return dataclasses.replace(pipelined(s, n, num_devices // (s * n), why), groups=groups)
+    return Placement(groups, pipeline_rule(s, n, num_devices // (s * n), why))
