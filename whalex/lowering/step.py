@@ -40,6 +40,8 @@ class Program(Emitter):
     precision: Precision | None = None      # amp, comm_dtype
     remat: RematPlan | None = None          # per-TaskGraph remat, activation offload
     parts: PartLoss | None = None           # the loss contract over micro-batches
+    group_axis: str | None = None           # micro-batches: gradients kept per shard of this mesh axis in
+                                            # the loop (parts: one shard's rows), summed once after it
 
     @property
     def experts(self) -> tuple[ExpertCall, ...]:
@@ -164,9 +166,11 @@ class Program(Emitter):
             if gather is not None:       # ZeRO 3: stored sharded, gathered where used
                 params = jax.lax.with_sharding_constraint(params, gather)
             params, stored_grads = jax.vjp(self.compute_params, params)
-            loop, map_parts = self.parts_driver(jax.tree.leaves(batch))
-            outs, grads = parts_lib.value_and_grad(pl, evaluator_for, loop, _across, jax.tree.leaves(params),
+            loop, across, map_parts = self.parts_driver(jax.tree.leaves(batch))
+            outs, grads = parts_lib.value_and_grad(pl, evaluator_for, loop, across, jax.tree.leaves(params),
                                                    list(extra), scale, map_parts)
+            if self.group_axis is not None:        # the one gradient reduction of the step
+                grads = [g.sum(0) for g in grads]
             grads = stored_grads(jax.tree.unflatten(ptree, grads))[0]
             if scale is not None:
                 grads = precision_lib.unscale(grads, scale)
@@ -179,24 +183,22 @@ class Program(Emitter):
     # -- the micro-batches (gradient accumulation) ----------------------------------------------------
     def _part_evaluator(self, cap, overrides):
         """The captured loss of one micro-batch with the plan's constraints and remat, `overrides` added."""
-        return program_evaluator(cap, self.sharding.constraints, self.mesh, {**(self.overrides or {}), **overrides},
+        constraints = self.sharding.constraints
+        if self.group_axis is not None:            # evaluated under vmap over the shards of group_axis
+            constraints = {k: _without(spec, self.group_axis) for k, spec in constraints.items()}
+        return program_evaluator(cap, constraints, self.mesh, {**(self.overrides or {}), **overrides},
                                  self.remat, None)[0]
 
     def parts_driver(self, leaves):
-        """For the global batch `leaves`: (loop, map_parts) over the micro-batches, as
+        """For the global batch `leaves`: (loop, across, map_parts) over the micro-batches, as
         `whalex.core.part_loss.value_and_grad` takes them. loop(fn, init) scans acc = fn(part, where, acc)
-        over them; map_parts(g, kinds) evaluates g on every micro-batch at once (vmap).
+        over them; map_parts(g, kinds) evaluates g on every micro-batch at once (vmap), or is None.
 
         One row grouping for every leaf (so x_i stays with y_i): micro-batch k takes the k-th chunk of
-        each of the `dp` finest row blocks, which is local for every leaf's sharding."""
+        each of the `dp` finest row blocks, which is local for every leaf's sharding. With `group_axis`,
+        each micro-batch is cut again into one part per shard of that axis (see `_grouped`)."""
         m, specs, mesh = self.num_micro_batch, self.sharding.batch_specs, self.mesh
-
-        def shards(spec):
-            axes = spec[0] if len(spec) else None
-            axes = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
-            return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-
-        dp = max([shards(s) for s in specs] + [1])
+        dp = max([_shards(s, mesh) for s in specs] + [1])
 
         def split(x, spec):
             b = x.shape[0]
@@ -206,6 +208,8 @@ class Program(Emitter):
         micro = [split(x, s) for x, s in zip(leaves, specs)]
         b = leaves[0].shape[0]
         c = b // (dp * m)
+        if self.group_axis is not None:
+            return self._grouped(micro, b, dp, c) + (None,)
 
         def rows_of(k):            # the global rows micro-batch k holds: c rows of each of dp blocks
             return tuple((j * (b // dp) + k * c, c) for j in range(dp))
@@ -219,7 +223,41 @@ class Program(Emitter):
         def map_parts(g, kinds):   # the pre-pass: every micro-batch at once, one reduction
             return jax.vmap(lambda k, mb: g(mb, rows_of(k)))(jnp.arange(m), micro)
 
-        return loop, map_parts
+        return loop, _across, map_parts
+
+    def _grouped(self, micro, b, dp, c):
+        """(loop, across) keeping every accumulator per shard of `group_axis`: a leading dimension of
+        its size, sharded over it. The loop body evaluates the parts of one micro-batch (shard j: the
+        rows of its dp/G finest blocks) under vmap with that axis as its SPMD axis, so no gradient
+        leaves a shard inside the loop; `across` combines the shards once, after it."""
+        axis, mesh, m = self.group_axis, self.mesh, self.num_micro_batch
+        g = int(mesh.shape[axis])
+        per = dp // g
+        inner = [_without(s, axis) for s in self.sharding.batch_specs]
+
+        def parts(x, spec):        # one micro-batch leaf -> [g, rows / g, ...], shard j on shard j
+            y = x.reshape((g, x.shape[0] // g) + x.shape[1:])
+            return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(axis, *spec)))
+
+        def stacked(a):            # an accumulator, one per shard
+            y = jnp.broadcast_to(a, (g,) + a.shape)
+            return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(axis, *[P.UNCONSTRAINED] * a.ndim)))
+
+        def loop(fn, init):
+            def one(part, starts, acc):
+                return fn(part, tuple((starts[i], c) for i in range(per)), acc)
+
+            def body(acc, xs):
+                k, mb = xs
+                starts = (jnp.arange(g)[None, :] * per + jnp.arange(per)[:, None]) * (b // dp) + k * c
+                run = jax.vmap(one, in_axes=(0, 1, 0), spmd_axis_name=axis)
+                return run([parts(x, s) for x, s in zip(mb, inner)], starts, acc), None
+            return jax.lax.scan(body, jax.tree.map(stacked, init), (jnp.arange(m), micro))[0]
+
+        def across(values, kinds):
+            return [_combine_shards(v, k) for v, k in zip(values, kinds)]
+
+        return loop, across
 
     def prepass(self):
         """The loss contract's pre-pass alone over the micro-batches (its batch-only reductions, e.g. a
@@ -228,8 +266,8 @@ class Program(Emitter):
             return super().prepass()
 
         def fn(params, batch):
-            loop, map_parts = self.parts_driver(jax.tree.leaves(batch))
-            given = parts_lib.prepass(self.parts, self._part_evaluator, loop, _across, jax.tree.leaves(params), [],
+            loop, across, map_parts = self.parts_driver(jax.tree.leaves(batch))
+            given = parts_lib.prepass(self.parts, self._part_evaluator, loop, across, jax.tree.leaves(params), [],
                                       map_parts=map_parts)
             return [v for vals in given.values() for v in vals]
 
@@ -240,6 +278,31 @@ class Program(Emitter):
 def _across(values, kinds):
     """Combining the parts' values over devices: nothing to do, one GSPMD program spans the mesh."""
     return values
+
+
+def _combine_shards(x, kind):
+    """A per-shard accumulator (leading dimension) combined over the shards, by its kind."""
+    if kind == "min":
+        return jnp.min(x, 0)
+    if kind == "max" or x.dtype == jnp.bool_:      # a bool sum accumulates as `or`
+        return jnp.max(x, 0)
+    return jnp.sum(x, 0).astype(x.dtype)
+
+
+def _without(spec, axis: str):
+    """`spec` with the mesh axis `axis` taken out of every dimension."""
+    def clean(entry):
+        names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+        kept = tuple(a for a in names if a != axis)
+        return None if not kept else (kept[0] if len(kept) == 1 else kept)
+    return P(*[e if e is P.UNCONSTRAINED else clean(e) for e in spec])
+
+
+def _shards(spec, mesh) -> int:
+    """Devices the leading dimension of `spec` is spread over."""
+    axes = spec[0] if len(spec) else None
+    axes = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
+    return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
 
 
 def _null(params, batch):

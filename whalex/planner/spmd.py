@@ -70,7 +70,9 @@ def spmd_plan(req: Request, cap, report=None) -> Plan:
             raise PlanError(f"comm_dtype={config.comm_dtype!r} with num_micro_batch={m} on collocated TaskGraphs is "
                             "not lowered yet; use comm_dtype=None, or num_micro_batch=1.")
         parts = loss_parts(cap, full, config, "micro-batches (gradient accumulation)")
-    program = Program(cap, sharding, mesh, optimizer, cluster.platform, m, overrides, padded, memory=mem, parts=parts)
+    group, parts, once = reduce_once(req, full, m, layout, sharding, overrides, parts)
+    program = Program(cap, sharding, mesh, optimizer, cluster.platform, m, overrides, padded, memory=mem, parts=parts,
+                      group_axis=group)
     if mem.zero_level >= 2 and layout.axis_names == (DATA,) and layout.size > 1 and not overrides:
         program = zero_data_parallel(req, full, m, mesh, mem) or program
     program = configure_memory(program, config, cluster, [vd.batch_axes for vd in vds] if isinstance(program, Program)
@@ -84,12 +86,72 @@ def spmd_plan(req: Request, cap, report=None) -> Plan:
     first = vds[cap.assign[(0,)]] if cap.assign else vds[0]
     per_device = full.global_batch // layout.axis_size(first.batch_axes)
     parts = program.parts
-    couplings = tuple(parts.sem.lines()) if parts is not None else \
+    couplings = tuple(parts.sem.lines()) + once if parts is not None else \
         (lambda: whole_batch_couplings(req, full))       # found when asked (one more trace)
+    if m > 1 and isinstance(program, Program):           # per step: the loop's collectives m times
+        comms = per_step(comms, m, () if group is None else (group,))
     return assemble(req, program, layout, vds, taskgraph_rows(cap), Work(cap, cap.assign, m),
                     batch_sizes=(per_device,) * layout.size, global_batch=full.global_batch,
-                    param_specs=dict(zip(cap.param_paths, sharding.param_specs)), comms=comms, comm_scale=m,
+                    param_specs=dict(zip(cap.param_paths, sharding.param_specs)), comms=comms,
                     sharding=sharding, balance=report, batch_couplings=couplings)
+
+
+def reduce_once(req: Request, full, m: int, layout, sharding, overrides, parts):
+    """(axis, parts, summary lines) for gradient accumulation: gradients kept per shard of the data
+    axis inside the micro-batch loop and summed once after it (`Program.group_axis`), the loss
+    contract then over parts of one shard's rows; (None, parts, why not) where that is not exact
+    or not built, and the gradients are summed once per micro-batch as before."""
+    if m == 1:
+        return None, parts, ()
+    g = layout.axis_size((DATA,))
+    why = None
+    if g == 1:
+        why = "the data axis has one device"
+    elif overrides:
+        why = "expert-parallel or uneven calls run their own collectives"
+    elif any(DATA in _axes(spec) for spec in sharding.param_specs):
+        why = "a parameter is sharded over the data axis"
+    elif full.global_batch % (m * g):
+        why = f"{full.global_batch} samples do not divide into {m} x {g} parts"
+    else:
+        try:
+            unit = req.capture(full.global_batch // (m * g))
+            sem = analyse(unit, full, per_part=req.config.batch_coupling == "per_part",
+                          context="micro-batches (gradient accumulation)")
+            if sem.accepted:
+                why = f"the loss's batch statistics are per micro-batch ({', '.join(sem.accepted)})"
+            elif PartLoss(sem, unit, full).draws:   # XLA:CPU's threefry rejects vmapped row offsets
+                why = "the loss draws random bits per sample (dropout), drawn per micro-batch"
+        except PlanError as e:
+            why = f"the loss cannot be evaluated per data shard ({e})"
+    if why is not None:
+        return None, parts, (f"gradients: summed over the devices once per micro-batch ({m} times a step): {why}",)
+    model = [a for a, n in zip(layout.axis_names, layout.axis_sizes) if a != DATA and n > 1]
+    line = f"gradients: accumulated per '{DATA}' shard over the {m} micro-batches and summed over '{DATA}' once a step"
+    if model:
+        line += (f"; a replicate TaskGraph's gradients are still summed over {model} once per micro-batch "
+                 "(its rows are spread over the model axes too)")
+    return DATA, PartLoss(sem, unit, full), (line,)
+
+
+def per_step(comms, m: int, once: tuple) -> list:
+    """The planned collectives per step: gradient sums over the `once` axes alone run once, every
+    other collective once per micro-batch."""
+    out = []
+    for c in comms:
+        axes = tuple(c.axes) if isinstance(c.axes, (tuple, list)) else (c.axes,)
+        grad = c.reason.startswith("gradient sync") and axes and set(axes) <= set(once)
+        out.append(c if grad else dataclasses.replace(c, bytes=c.bytes * m))
+    return out
+
+
+def _axes(spec) -> set:
+    """The mesh axes a PartitionSpec names."""
+    out = set()
+    for e in spec:
+        if e is not None and e is not P.UNCONSTRAINED:
+            out.update(e if isinstance(e, tuple) else (e,))
+    return out
 
 
 def whole_batch_couplings(req: Request, full) -> tuple[str, ...]:
