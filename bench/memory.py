@@ -1,20 +1,27 @@
 """Per-device memory of one training step of a GPT-style transformer under whalex's memory options.
 
-What it measures
+Remat against the hand-written equivalents (first table; ``--remat-only`` runs it alone, in seconds)
+    bench/models.GPT (stock Flax blocks, no annotation), data parallel on 8 devices. For whalex's
+    ``remat="full"`` and ``remat="dots_with_no_batch_dims_saveable"`` beside ``nn.remat(Block)`` with
+    the same policy, and ``remat="auto"`` at half of the no-remat step (state + saved residuals):
+    what ``jax.vjp`` keeps for the backward pass per device and the training FLOPs (recomputed
+    forwards included, ``whalex.core.flops``), each as a fraction of no remat. Both are read from
+    the jaxpr, so they hold on every backend (XLA's CPU compiler drops remat's barriers: its
+    compiled memory cannot show remat). Peak bytes in use and step time on a GPU: bench/gpu.py.
+
+XLA's compiled memory per option (second table)
     One training step (forward, backward, Adam update) of the same model, planned with ``wh.plan``
     on 8 simulated CPU devices, pure data parallelism (the model is not annotated: every operation
     takes the default strategy, replicate over all 8 devices), under ``wh.Config``:
         baseline            nothing
         zero 1 / 2 / 3      ZeRO: optimizer state / + gradients / + parameters sharded over the 8 replicas
                             (2 and 3 run as explicit reduce-scatter / all-gather in shard_map: "UnevenProgram")
-        remat full          jax.checkpoint of every TaskGraph (issue 6 part B)
-        remat auto          remat chosen per TaskGraph to fit ``memory_budget`` (part B)
+        remat full          jax.checkpoint per repeated layer: on CPU the same figures as the baseline,
+                            since XLA's CPU compiler drops remat's barriers (the first table is the measure)
         offload             optimizer state in pinned host memory between steps
         zero 1 + offload    both (acceptance 1)
     Each plan is lowered and COMPILED by XLA, never run: params and batch are ShapeDtypeStructs.
-    A row whose config whalex refuses prints "not built" (option not lowered yet) or "refused"
-    (e.g. remat auto when no remat fits the budget: at the default, state-dominated shape remat
-    has almost no activations to save).
+    A row whose config whalex refuses prints "not built" or "refused" with whalex's reason.
 
     The default shape (1 sequence of 64 tokens per device, 5.3M parameters) is the regime ZeRO is
     for: the training state (params + grads + Adam = 16 bytes a parameter) dominates the activations.
@@ -43,11 +50,11 @@ Plain-JAX reference, in the same run
     state and the batch sharded over the same 8-device mesh (what a user writes without whalex).
     whalex's baseline should equal it; each row's total is also given as a ratio to it.
 
-Checks (printed PASS/FAIL; the ZeRO-1 one is asserted, as acceptance 3 asks)
-    ZeRO-1 optimizer state per device = 1/8 of the baseline's (within Adam's 4-byte step count);
-    ZeRO-3 params per device = 1/8 of the baseline's; the baseline matches plain JAX within 5%;
-    the peak falls with every ZeRO level; remat auto's peak is within its budget (``--budget-fraction``
-    of the baseline's peak; reported only: remat is part B).
+Checks (printed PASS/FAIL; the ZeRO-1 one is asserted)
+    remat="full" saves at most 1.10x and recomputes at most 1.02x what nn.remat(Block) does (fractions
+    of no remat); remat="auto" fits half the no-remat step; ZeRO-1 optimizer state per device = 1/8
+    of the baseline's (within Adam's 4-byte step count); ZeRO-3 params per device = 1/8 of the
+    baseline's; the baseline matches plain JAX within 5%; the peak falls with every ZeRO level.
 
 Run from the repo root: ``python bench/memory.py`` (about a minute on 2 CPU cores).
 Writes bench/results/memory.json.
@@ -72,7 +79,10 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import whalex as wh
+from models import GPT
+from whalex.core.flops import training_flops
 from whalex.errors import PlanError
+from whalex.memory import vjp_residual_bytes
 
 N_DEV = 8
 KEYS = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes")
@@ -190,6 +200,79 @@ def plain_jax(loss_fn, params, batch, optimizer) -> dict:
     return out
 
 
+# ---- remat against the hand-written equivalents: what JAX saves for the backward pass ----------------
+
+DOTS = "dots_with_no_batch_dims_saveable"
+HAND = (("no remat", {}), ("nn.remat(Block)", {"remat_block": True}),
+        (f"nn.remat(Block, {DOTS})", {"remat_block": True, "remat_policy": DOTS}))
+
+
+def gpt_loss(size: dict, **hand):
+    """bench/models.GPT's token-mean cross-entropy and its parameter shapes (nothing allocated)."""
+    model = GPT(size["vocab"], size["d"], size["heads"], size["layers"], **hand)
+    tokens = jax.ShapeDtypeStruct((size["batch"], size["seq"]), jnp.int32)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(tokens.shape, jnp.int32))["params"])
+
+    def loss_fn(p, batch):
+        logits = model.apply({"params": p}, batch["tokens"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+    return loss_fn, params, {"tokens": tokens, "targets": tokens}
+
+
+def saved_and_flops(loss_fn, params, batch) -> tuple[float, float]:
+    """What jax.vjp keeps for the backward pass (bytes, whole batch) and the training FLOPs, the
+    recomputed forwards included: both read from the jaxpr, the same on every backend."""
+    leaves, tree = jax.tree.flatten((params, batch))
+    n = len(jax.tree.leaves(params))
+    fn = lambda *xs: loss_fn(*jax.tree.unflatten(tree, xs))  # noqa: E731
+    flops = training_flops(jax.make_jaxpr(fn)(*leaves), [k < n for k in range(len(leaves))], [True])
+    return vjp_residual_bytes(fn, leaves, range(n)), flops
+
+
+def remat_rows(size: dict) -> tuple[list[dict], dict]:
+    """Each whalex remat option on the un-annotated model beside the hand-written model it stands for:
+    per-device saved residuals and training FLOPs, as fractions of no remat; and remat="auto" at half
+    of the no-remat step (state + saved residuals), which has no hand-written twin."""
+    hand = {}
+    for name, kw in HAND:
+        saved, flops = saved_and_flops(*gpt_loss(size, **kw))
+        hand[name] = {"saved_per_device": saved / N_DEV, "flops": flops}
+    base = hand["no remat"]
+    loss_fn, params, batch = gpt_loss(size)
+    remat = lambda config: wh.plan(loss_fn, params, batch, optax.adam(1e-3), config=config).remat  # noqa: E731
+    probe = remat(wh.Config(remat="auto"))
+    budget = 0.5 * (probe.state + probe.baseline)
+    rows = []
+    for label, config, twin in (("remat='full'", wh.Config(remat="full"), "nn.remat(Block)"),
+                                (f"remat='{DOTS}'", wh.Config(remat=DOTS), f"nn.remat(Block, {DOTS})"),
+                                ("remat='auto', 50% budget", wh.Config(remat="auto", memory_budget=budget), None)):
+        r = remat(config)
+        h = hand.get(twin)
+        rows.append({"whalex": label, "hand_written": twin, "levels": r.describe(),
+                     "whalex_saved_per_device": r.saved, "whalex_saved_fraction": r.saved / r.baseline,
+                     "whalex_flops_ratio": r.flops / r.baseline_flops,
+                     "hand_saved_per_device": h and h["saved_per_device"],
+                     "hand_saved_fraction": h and h["saved_per_device"] / base["saved_per_device"],
+                     "hand_flops_ratio": h and h["flops"] / base["flops"],
+                     "fits": r.state + r.saved <= budget if twin is None else None})
+    return rows, {"hand": hand, "auto_budget": budget, "state_per_device": probe.state}
+
+
+def print_remat(rows: list[dict], size: dict) -> None:
+    print(f"remat on bench/models.GPT ({size['layers']} blocks, d={size['d']}, vocab {size['vocab']}, "
+          f"{size['batch']}x{size['seq']} tokens, no annotation), data parallel on {N_DEV} devices: what JAX "
+          "saves for the backward pass per device, and the step's FLOPs, each / no remat")
+    head = f"{'whalex':<42}{'saved':>7}{'FLOPs':>7}   {'hand-written':<50}{'saved':>7}{'FLOPs':>7}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        hand = (f"{r['hand_written']:<50}{r['hand_saved_fraction']:>7.3f}{r['hand_flops_ratio']:>7.3f}"
+                if r["hand_written"] else "(no hand-written twin; " + ("fits" if r["fits"] else "DOES NOT FIT") + ")")
+        print(f"{r['whalex']:<42}{r['whalex_saved_fraction']:>7.3f}{r['whalex_flops_ratio']:>7.3f}   {hand}")
+    print()
+
+
 def mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
@@ -202,12 +285,34 @@ def main():
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8, help="global batch (sequences); 1 per device")
-    ap.add_argument("--budget-fraction", type=float, default=0.9,
-                    help="remat auto's memory_budget as a fraction of the baseline's device total")
+    ap.add_argument("--remat-batch", type=int, default=256,
+                    help="global batch of the remat comparison (activations, not the state, fill its step)")
+    ap.add_argument("--remat-only", action="store_true", help="only the remat comparison (seconds)")
     ap.add_argument("--out", default=None, help="the results file (default bench/results/memory.json)")
     args = ap.parse_args()
     assert len(jax.devices()) == N_DEV, jax.devices()
     t_start = time.perf_counter()
+
+    size = {"vocab": args.vocab, "d": args.d_model, "heads": args.heads, "layers": args.layers, "seq": args.seq,
+            "batch": args.remat_batch}
+    remat_table, remat_info = remat_rows(size)
+    print_remat(remat_table, size)
+    remat_checks = {
+        "remat='full' saves at most 1.10x nn.remat(Block)'s fraction":
+            remat_table[0]["whalex_saved_fraction"] <= 1.10 * remat_table[0]["hand_saved_fraction"],
+        "remat='full' recomputes at most 1.02x nn.remat(Block)'s FLOPs":
+            remat_table[0]["whalex_flops_ratio"] <= 1.02 * remat_table[0]["hand_flops_ratio"],
+        "remat='auto' fits half the no-remat step": bool(remat_table[2]["fits"]),
+    }
+    for name, ok in remat_checks.items():
+        print(f"  {'PASS' if ok else 'FAIL'}  {name}")
+    remat_out = {"model": {"kind": "bench/models.GPT", **size}, "rows": remat_table, **remat_info,
+                 "checks": remat_checks}
+    if args.remat_only:
+        path = harness.write_result("memory_remat", {"benchmark": "memory (remat)", "jax": jax.__version__,
+                                                     "remat": remat_out}, args.out, default=str, newline=True)
+        print(f"wrote {path}")
+        return
 
     loss_fn, params = make_model(args.vocab, args.d_model, args.layers, args.heads, args.seq)
     batch = batch_shapes(args.batch, args.seq)
@@ -216,10 +321,8 @@ def main():
 
     rows = [row("baseline", wh.Config(), loss_fn, params, batch, optimizer)]
     base = rows[0]
-    budget = int(args.budget_fraction * base["device_peak_donated"])
     configs = [("zero 1", wh.Config(zero_level=1)), ("zero 2", wh.Config(zero_level=2)),
-               ("zero 3", wh.Config(zero_level=3)), ("remat full", wh.Config(remat="full")),
-               (f"remat auto ({mib(budget)} MiB)", wh.Config(remat="auto", memory_budget=budget)),
+               ("zero 3", wh.Config(zero_level=3)), ("remat full (CPU: no change)", wh.Config(remat="full")),
                ("offload opt_state", wh.Config(offload="opt_state")),
                ("zero 1 + offload", wh.Config(zero_level=1, offload="opt_state"))]
     rows += [row(name, cfg, loss_fn, params, batch, optimizer) for name, cfg in configs]
@@ -271,9 +374,6 @@ def main():
         "every row's argument bytes = params + opt state + batch + step (+ other state)":
             all(r["args_add_up"] for r in by.values()),
         "baseline peak within 5% of plain JAX": abs(base["device_peak_donated"] / pd["peak"] - 1) <= 0.05,
-        f"remat auto's peak within its budget of {mib(budget)} MiB, or the budget refused (part B; not asserted)":
-            any(r["name"].startswith("remat auto") and (r["device_peak_donated"] <= budget if r["built"] else
-                                                         "cannot fit" in r["reason"]) for r in rows),
         "peak falls with every ZeRO level": by["zero 1"]["device_peak_donated"] < base["device_peak_donated"] and
             by["zero 2"]["device_peak_donated"] < by["zero 1"]["device_peak_donated"] and
             by["zero 3"]["device_peak_donated"] < by["zero 2"]["device_peak_donated"],
@@ -293,7 +393,7 @@ def main():
         "method": "wh.plan on ShapeDtypeStructs, compiled (not run); plan.compiled_memory() per device (state not "
                   "donated); params/opt_state/host split from the step's argument shardings; total = argument + "
                   "output + temp - alias - 2 * host",
-        "plain_jax": plain, "rows": rows, "zero1_opt_state_ratio": opt_ratio, "zero3_params_ratio": param_ratio,
+        "remat": remat_out, "plain_jax": plain, "rows": rows, "zero1_opt_state_ratio": opt_ratio, "zero3_params_ratio": param_ratio,
         "checks": checks, "seconds": elapsed,
     }
     path = harness.write_result("memory", out, args.out, default=str, newline=True)

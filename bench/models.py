@@ -46,19 +46,22 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     """`layers` Blocks between nn.Embed (+ a learned position table) and an untied nn.Dense head;
-    `remat_block`: each block under `nn.remat`, as a user writes remat by hand."""
+    `remat_block`: each block under `nn.remat` (with the `jax.checkpoint_policies` name `remat_policy`,
+    if given), as a user writes remat by hand."""
 
     vocab: int
     d: int
     heads: int
     layers: int
     remat_block: bool = False
+    remat_policy: str | None = None
 
     @nn.compact
     def __call__(self, tokens):
         x = nn.Embed(self.vocab, self.d)(tokens)
         x = x + self.param("pos", nn.initializers.normal(0.02), (tokens.shape[1], self.d)).astype(x.dtype)
-        block = nn.remat(Block) if self.remat_block else Block
+        policy = getattr(jax.checkpoint_policies, self.remat_policy) if self.remat_policy else None
+        block = nn.remat(Block, policy=policy) if self.remat_block else Block
         for _ in range(self.layers):
             x = block(self.heads)(x)
         return nn.Dense(self.vocab)(nn.LayerNorm()(x))
