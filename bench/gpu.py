@@ -180,6 +180,10 @@ def case_memory(size: dict, res: dict, name: str):
         state = fn.init(params, batch)
         res["summary"] = fn.plan.summary()
         res["predicted_bytes"] = max((m.state + m.activations for m in fn.plan.memory), default=None)
+        res["offloaded_bytes"] = max((m.host for m in fn.plan.memory), default=0.0)
+        r = fn.plan.remat
+        if r is not None and r.flops:
+            res["predicted_flops_ratio"] = r.flops / r.baseline_flops     # what recomputation adds
         m = fn.plan.compiled_memory()           # XLA's figure for the same step: args + outputs + temp - alias
         res["compiled_bytes"] = (m.get("argument_size_in_bytes", 0) + m.get("output_size_in_bytes", 0)
                                  + m.get("temp_size_in_bytes", 0) - m.get("alias_size_in_bytes", 0))
@@ -241,11 +245,29 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def checks(results: dict) -> dict:
+    """The memory options' bars against the hand-written step without remat (where both ran on a GPU):
+    remat="full" at most 0.40x its peak at most +30% step time; offload="opt_state" lowering the peak
+    by at least 90% of the bytes it moves to the host."""
+    plain, out = results.get("plain", {}), {}
+    if not (plain.get("ok") and plain.get("peak_bytes")):
+        return out
+    remat, off, whalex = (results.get(k, {}) for k in ("whalex_remat_full", "whalex_offload_opt_state", "whalex"))
+    if remat.get("ok") and remat.get("peak_bytes"):
+        out["remat full: peak <= 0.40x plain"] = remat["peak_bytes"] <= 0.40 * plain["peak_bytes"]
+        out["remat full: step time <= 1.30x plain"] = remat["median_step_s"] <= 1.30 * plain["median_step_s"]
+    if off.get("ok") and whalex.get("ok") and off.get("peak_bytes") and whalex.get("peak_bytes"):
+        out["offload opt_state: peak lowered by >= 90% of the offloaded bytes"] = \
+            whalex["peak_bytes"] - off["peak_bytes"] >= 0.9 * off["offloaded_bytes"]
+    return out
+
+
 def write(results: dict, size: dict, args) -> tuple[dict, str]:
     """The record so far, written to --out or bench/results/gpu_<device>_jax<version>.json."""
     first = next((r for r in results.values() if "device" in r), {})
     record = {"bench": "gpu", "size": "small" if args.small else "full", "model": size, "jax": first.get("jax"),
-              "device": first.get("device"), "platform": first.get("platform"), "cases": results}
+              "device": first.get("device"), "platform": first.get("platform"), "cases": results,
+              "checks": checks(results)}
     device = "".join(c if c.isalnum() else "-" for c in str(first.get("device", "unknown"))).strip("-")
     return first, harness.write_result(f"gpu_{device}_jax{first.get('jax')}", record, args.out, indent=1, default=str)
 
@@ -279,6 +301,8 @@ def main(argv=None):
         first, out = write(results, size, args)          # after every case: a time-out keeps what finished
     print(f"{first.get('device')} ({first.get('platform')}), jax {first.get('jax')}, model {size}")
     print(table(results))
+    for name, ok in checks(results).items():
+        print(f"  {'PASS' if ok else 'FAIL'}  {name}")
     print(f"wrote {out}")
     return 0 if all(r.get("ok") for r in results.values()) else 1
 

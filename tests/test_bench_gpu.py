@@ -26,3 +26,6 @@ def test_gpu_bench_small_runs_every_case(tmp_path):
     assert pair["plan_flops"] > 0 and pair["predicted_step_s"] > 0
     assert 0.9 < pair["plan_flops"] / pair["flops_per_step"] < 1.1          # the jaxpr count vs 6ND + attention
     assert "ratio" in p.stdout and "pair_bf16" in p.stdout
+    remat, off = record["cases"]["whalex_remat_full"], record["cases"]["whalex_offload_opt_state"]
+    assert remat["predicted_flops_ratio"] > 1.0 and off["offloaded_bytes"] > 0
+    assert record["checks"] == {}          # CPU devices report no peak bytes: the GPU bars are not judged
