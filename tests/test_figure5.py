@@ -123,6 +123,10 @@ def test_stage_rules_are_named_errors():
         wh.plan(uneven, params, batch, optax.sgd(0.1), config=FIGURE5)
     plan = wh.plan(uneven, params, batch, optax.sgd(0.1), config=FIGURE5.replace(share_devices=True))
     assert plan.layout.axis_sizes == (2, 4)
+    small = {k: v[:8] for k, v in batch.items()}                # 8 samples: micro-batches of 1 on each replica
+    with pytest.raises(wh.PlanError, match=r"micro-batch of 1 samples on a pipeline replica must divide over the "
+                                           r"stage's devices"):
+        wh.plan(figure5_loss, params, small, optax.sgd(0.1), config=FIGURE5)
     with pytest.raises(wh.ConfigError, match="share_devices=True collocates"):
         wh.Config(auto_parallel=True, num_task_graph=2, num_micro_batch=2, share_devices=True)
     with pytest.raises(wh.ConfigError, match="share_devices must be True or False"):

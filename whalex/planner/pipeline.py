@@ -9,7 +9,6 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from whalex import _compat as C
-
 from whalex.balance.partition import layer_key, stage_devices
 from whalex.core.comm import Comm, ring_bytes
 from whalex.errors import PlanError
@@ -161,7 +160,11 @@ def stage_shardings(cap, mp: int):
     vds = [VirtualDevice(tg.index, tg.strategy, mp if tg.strategy.kind == "split" or over_model(tg, mp) else 1,
                          (tuple(range(mp)),), (MODEL,) if tg.strategy.kind == "split" else (),
                          (MODEL,) if over_model(tg, mp) else ()) for tg in cap.taskgraphs]
-    sharding = plan_shardings(cap, vds, layout)
+    try:
+        sharding = plan_shardings(cap, vds, layout)
+    except PlanError as e:
+        raise PlanError(f"{e} (inside a pipeline stage, each micro-batch of {cap.global_batch} samples on a pipeline "
+                        "replica must divide over the stage's devices)") from None
     return dataclasses.replace(sharding, constraints={**batch_over_model(cap, mp), **sharding.constraints})
 
 
