@@ -1,13 +1,16 @@
 """Uneven `split` shards (MLP hidden units, attention heads), measured on the emulated heterogeneous
-cluster (issue 14, Build 4).
+cluster (issue 14, Build 4; stock Flax layers: issue 28, Build 4).
 
 What it measures
     The 2-process cluster of `bench/hetero.py` (one CPU device per process, process i pinned to core
     i, process 1's core shared with busy loops: near 2:1 with one, near 3:1 with two). One layer under
     ``wh.split(2)``, its model axis across the two processes, MSE, Adam:
 
-    * mlp:        ``wh.ops.mlp(x, w1, b1, w2, b2)``, the Megatron MLP (hidden units split).
-    * attention:  ``wh.ops.attention(x, ...)``, multi-head self-attention (heads split).
+    * mlp:              ``wh.ops.mlp(x, w1, b1, w2, b2)``, the Megatron MLP (hidden units split).
+    * attention:        ``wh.ops.attention(x, ...)``, multi-head self-attention (heads split).
+    * mlp_stock:        the same MLP written with two stock ``nn.Dense`` and ``nn.gelu``.
+    * attention_stock:  a stock ``nn.MultiHeadDotProductAttention`` (the planner finds both in the
+                        captured program and runs them as the ops).
 
     Two plans of the same step on the calibrated cluster (``calibrate(..., optimizer=)``):
 
@@ -17,14 +20,18 @@ What it measures
     Both are timed in interleaved blocks on process 0 (each step ends on the loss, which needs both
     processes); medians. The table prints the measured speedup (median even step / median balanced
     step) beside the planner's prediction (``plan.balance.predicted_speedup``: the slowest device's
-    compute time under the even shards over the same under the balanced ones). Both plans pay the same
-    all-reduces of the layer's output and input gradient, which the prediction leaves out; the
-    balanced plan also recomputes each block's forward in its backward (the custom VJP keeps no
-    per-block residuals: +1/3 of the layer's FLOPs) and updates the padded buffers, the widest share,
-    on every device, which the prediction leaves out too.
+    time under the even shards over the same under the balanced ones). The prediction counts what the
+    lowering does (``whalex/planner/split_cost.py``): the units' FLOPs (the custom VJP keeps each
+    block's values between stages, so no forward is recomputed), the rest of the step, the
+    all-reduces and the calibrated fixed time that both plans pay, and the memory traffic only the
+    balanced plan pays (the optimizer update of the stored padding, the zero-filled buffers of the
+    padded width).
 
-Run from the repo root: ``python bench/hetero_split.py`` (a few minutes; needs >= 2 cores and an
-otherwise idle machine). Writes bench/results/hetero_split.json.
+Run from the repo root: ``python bench/hetero_split.py`` (several minutes; needs >= 2 cores and an
+otherwise idle machine). Writes bench/results/hetero_split.json. ``--quick``: small shapes, one
+round, every layer, near 2:1 only, on a declared V100 + T4 pair instead of calibrated speeds (so the
+balanced plan is uneven whatever the noise), to bench/results/hetero_split_quick.json: checks that
+the bench runs end to end (its timings mean nothing on a busy machine).
 """
 from __future__ import annotations
 
@@ -38,7 +45,11 @@ import harness
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ops", default="mlp,attention", help="layers to measure, comma-separated")
+    ap.add_argument("--ops", default="mlp,mlp_stock,attention,attention_stock",
+                    help="layers to measure, comma-separated")
+    ap.add_argument("--quick", action="store_true", help="small shapes and one round: checks the bench runs")
+    ap.add_argument("--declared", default=None,
+                    help="device kinds, comma-separated, instead of calibrating (the quick run: V100-32GB,T4-16GB)")
     ap.add_argument("--batches", default="1024", help="global batches (rows), comma-separated")
     ap.add_argument("--slowdowns", default="1,2", help="busy loops on process 1's core (1: near 2:1, 2: near 3:1)")
     ap.add_argument("--width", type=int, default=256)
@@ -56,6 +67,43 @@ def parse(argv=None):
     return ap.parse_args(argv)
 
 
+QUICK = {"declared": "V100-32GB,T4-16GB", "batches": "64", "slowdowns": "1", "width": 64, "hidden": 512, "heads": 8, "seq": 8, "rounds": 1,
+         "block": 1, "calib_rows": 32}
+
+
+class _Stock:
+    """The stock Flax layers (built lazily: flax is imported in the worker)."""
+
+    @staticmethod
+    def mlp(d, hidden):
+        import flax.linen as nn
+
+        class MLP(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                return nn.Dense(d)(nn.gelu(nn.Dense(hidden)(x)))
+        return MLP()
+
+    @staticmethod
+    def attention(heads):
+        import flax.linen as nn
+        return nn.MultiHeadDotProductAttention(num_heads=heads, qkv_features=heads * 32)
+
+
+def make_stock(args, k):
+    """(layer(p, x), params, batch) of a stock Flax layer."""
+    import jax
+
+    d = args.width
+    if args.op == "mlp_stock":
+        module, shape = _Stock.mlp(d, args.hidden), (args.batch, d)
+    else:
+        module, shape = _Stock.attention(args.heads), (args.batch, args.seq, d)
+    batch = {"x": jax.random.normal(k[5], shape), "y": jax.random.normal(k[6], shape)}
+    params = module.init(k[7], batch["x"][:2])["params"]
+    return (lambda p, x: module.apply({"params": p}, x)), params, batch
+
+
 def make_model(args):
     import jax
     import jax.numpy as jnp
@@ -64,7 +112,9 @@ def make_model(args):
 
     k = jax.random.split(jax.random.key(0), 10)
     d = args.width
-    if args.op == "mlp":
+    if args.op.endswith("_stock"):
+        layer, params, batch = make_stock(args, k)
+    elif args.op == "mlp":
         h = args.hidden
         params = {"w1": jax.random.normal(k[0], (d, h)) / d ** 0.5, "b1": jnp.zeros(h),
                   "w2": jax.random.normal(k[1], (h, d)) / h ** 0.5, "b2": jnp.zeros(d)}
@@ -104,7 +154,8 @@ def worker(args):
     optimizer = optax.adam(1e-3)
     log = harness.process0_log(pid)
     small = {k: v[: args.calib_rows] for k, v in batch.items()}
-    cluster = calibrate(wh.Cluster.detect(), loss_fn, params, small, optimizer=optimizer, repeats=9)
+    cluster = wh.Cluster(kinds=args.declared.split(",")) if args.declared else \
+        calibrate(wh.Cluster.detect(), loss_fn, params, small, optimizer=optimizer, repeats=9)
     log(f"calibrated speeds: {[round(s / 1e9, 2) for s in cluster.speeds]}")
     steps = {"even": wh.parallelize(loss_fn, optimizer, config=wh.Config(hardware_aware=False), cluster=cluster),
              "balanced": wh.parallelize(loss_fn, optimizer, cluster=cluster)}
@@ -124,6 +175,9 @@ def worker(args):
     out = {"speeds": list(cluster.speeds), "times": times, "final_loss": losses,
            "counts": [d.rows for d in report.devices] if report is not None else None,
            "predicted_speedup": report.predicted_speedup if report is not None and report.applied else 1.0,
+           "predicted_ms": {"even": 1e3 * report.even_time, "balanced": 1e3 * report.balanced_time}
+           if report is not None else None,
+           "basis": report.basis if report is not None else "",
            "kind": report.kind if report is not None else "even (speeds merged)"}
     harness.write_worker_result(args.worker_out, out, pid)
 
@@ -137,6 +191,10 @@ def summarise(res: dict) -> dict:
 
 def main(argv):
     args = parse(argv)
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+        args.out = args.out or str(harness.ROOT / "bench" / "results" / "hetero_split_quick.json")
     if harness.is_worker():
         return worker(args)
     setup = harness.launch_env()
@@ -152,17 +210,17 @@ def main(argv):
                 runs.append({"op": op, **summarise(res)})
     print(f"\n2 processes x 1 CPU device, one split(2) layer across them (width {args.width}; MLP hidden "
           f"{args.hidden}; attention {args.heads} heads x 32, seq {args.seq}), Adam, MSE; medians\n")
-    head = f"{'layer':>9} {'loops':>5} {'batch':>6} {'s0/s1':>6} {'units':>11} {'even ms':>8} {'bal ms':>8} " \
+    head = f"{'layer':>15} {'loops':>5} {'batch':>6} {'s0/s1':>6} {'units':>11} {'even ms':>8} {'bal ms':>8} " \
            f"{'speedup':>8} {'pred':>6}"
     print(head)
     print("-" * len(head))
     for r in runs:
         if "failed" in r:
-            print(f"{r['op']:>9} {r['hogs']:>5} {r['batch']:>6}  FAILED: {r['failed']}")
+            print(f"{r['op']:>15} {r['hogs']:>5} {r['batch']:>6}  FAILED: {r['failed']}")
             continue
         s, med = r["speeds"], r["median_step_s"]
         units = "/".join(map(str, r["counts"])) if r["counts"] else "even"
-        print(f"{r['op']:>9} {r['hogs']:>5} {r['batch']:>6} {s[0] / s[1]:>6.2f} {units:>11} {1e3 * med['even']:>8.1f} "
+        print(f"{r['op']:>15} {r['hogs']:>5} {r['batch']:>6} {s[0] / s[1]:>6.2f} {units:>11} {1e3 * med['even']:>8.1f} "
               f"{1e3 * med['balanced']:>8.1f} {r['speedup_actual']:>8.3f} {r['predicted_speedup']:>6.3f}")
     print(f"\nunits: hidden units / heads per process in the balanced plan; total wall time "
           f"{time.perf_counter() - t0:.0f} s; load before {load_before:.2f}")

@@ -41,6 +41,8 @@ class BalanceReport:
     state_bytes: float
     activation_bytes_per_sample: float
     kind: str = "batch"     # what the load counts: samples, or the classes of a split head
+    basis: str = ""         # what the times count beyond rows x FLOPs per row / speed (empty: nothing)
+
     @property
     def even_time(self) -> float:
         return max(d.even_time for d in self.devices)
@@ -84,6 +86,33 @@ def report(specs, speeds: Sequence[float], rows: Sequence[int], even_rows: Seque
                                   None if sp is None else float(sp), float(o)))
     return BalanceReport(source, unit, tuple(devices), applied, shifted, flops_per_sample, state_bytes,
                          act_per_sample)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitCosts:
+    """What an uneven split's lowering does beyond its units' FLOPs, per model position: `shared`
+    seconds both plans pay (the rest of the step at each device's share, the all-reduces of the
+    layer's output and input gradient, a calibrated fixed time), `padded_bytes` memory traffic
+    only the uneven plan pays per padding unit (the optimizer update of stored padding) and per
+    unit of the padded width (its buffers of kept values and gradients, zero-filled every step)."""
+
+    shared: tuple[float, ...]
+    bandwidths: tuple[float, ...]       # bytes/s of memory traffic per position
+    per_padding_unit: float             # bytes
+    per_width_unit: float               # bytes
+    width: int
+    basis: str
+
+
+def lowered_split(report: BalanceReport, costs: SplitCosts) -> BalanceReport:
+    """`report` with each position's times counting what both plans pay and the padded width's traffic."""
+    devices = []
+    for d, shared, bw in zip(report.devices, costs.shared, costs.bandwidths):
+        padded = ((costs.width - d.rows) * costs.per_padding_unit + costs.width * costs.per_width_unit) / bw
+        work = report.flops_per_sample / d.speed
+        devices.append(dataclasses.replace(d, time=shared + padded + d.rows * work,
+                                           even_time=shared + d.even_rows * work, overhead=shared))
+    return dataclasses.replace(report, devices=tuple(devices), basis=costs.basis)
 
 
 ROUNDING = 0.005       # a load grain of at most this fraction of the smallest ideal share: <= 0.5% lost

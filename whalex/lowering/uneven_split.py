@@ -301,6 +301,18 @@ def _override(call: UnevenCall, mesh):
     return lambda x, *ws: [fn(x, *ws[:-1]) + ws[-1]]        # the output bias, whole, added once
 
 
+def kept_bytes_per_unit(call: UnevenCall, x, weights) -> float:
+    """Bytes of the values the lowering keeps for the backward pass, per unit, for an input `x` of
+    the rows one device runs (ShapeDtypeStructs; `weights` as the call reads them, logical shapes)."""
+    if call.kind == "head":
+        return float(np.prod(x.shape[:-1])) * np.dtype(x.dtype).itemsize          # the logits
+    stages = attention_stages(call.causal) if call.kind == "attention" else mlp_stages(call.activation)
+    one = [jax.ShapeDtypeStruct(tuple(1 if i == d else n for i, n in enumerate(w.shape)), w.dtype)
+           for w, d in zip(weights, call.dims)]
+    vals = jax.eval_shape(lambda x, ws: _run_stages(stages, x, ws), x, one)
+    return float(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in vals[1:-1]))
+
+
 def uneven_overrides(calls, mesh) -> dict:
     """path -> function for every UnevenCall: the evaluator's overrides."""
     return {call.path: _override(call, mesh) for call in calls}

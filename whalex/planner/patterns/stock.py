@@ -281,14 +281,16 @@ def _agrees(g: _Graph, eqns: list, ins, out, ref, fans, tol: float = 1e-4) -> bo
 
     (y1, g1), (y2, g2) = both(args, ct)
     tol = tol if jnp.dtype(out.aval.dtype).itemsize >= 4 else 2e-2
-    return all(_rel(a, b) <= tol for a, b in zip([y1, *g1], [y2, *g2]))
+    refs = [np.asarray(b, np.float64) for b in [y2, *g2]]
+    floor = 1e-3 * max(float(np.max(np.abs(b), initial=0.0)) for b in refs)   # a true zero (attention's
+    return all(_rel(a, b, floor) <= tol for a, b in zip([y1, *g1], refs))      # key bias) holds float noise
 
 
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+def _rel(a, b, floor: float) -> float:
+    a = np.asarray(a, np.float64)
     if not np.all(np.isfinite(a)):
         return np.inf
-    return float(np.max(np.abs(a - b), initial=0.0) / max(float(np.max(np.abs(b), initial=0.0)), 1e-30))
+    return float(np.max(np.abs(a - b), initial=0.0) / max(float(np.max(np.abs(b), initial=0.0)), floor, 1e-30))
 
 
 def _activation_name(g: _Graph, eqns: list, h, a) -> str | None:
