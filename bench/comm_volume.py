@@ -33,16 +33,26 @@ The numbers (all per training step, all per device, since the SPMD program is pe
     * "whalex predicted": whalex's own per-device traffic estimate (``plan.predicted_comm_bytes``),
       for comparison with the ring numbers.
 
-    A collective inside a loop body would be counted once per step; this model has no loops.
     The global batch defaults to 4*N (4 rows per device) so the compile stays cheap; the hybrid's
     activation collectives grow with the batch, gradients do not (see ``--per-device-batch``).
 
+Gradient accumulation (``--micro-batches``, default 1 4 16)
+    Each mode is also planned with ``num_micro_batch = M`` (the hybrid with
+    ``Config(share_devices=True)``: collocated, gradient accumulation, no pipeline) at a global batch
+    of max(M) * N rows, and its gradient collectives are counted PER STEP: a collective inside a
+    ``while`` body (the micro-batch loop) counts once per trip (its known trip count). "grad bytes
+    per step" are the parameter-shaped results (a leading per-shard dimension of 1 dropped); reduced
+    once a step, they are the same for every M. The hybrid's mesh is data=1 x model=N: its backbone
+    accumulates per model shard (whalex/lowering/groups.py); plan.summary()'s "gradients:" line, kept
+    in "plan_note", says how each plan sums them.
+
 How to run (from the repo root)
     ``python bench/comm_volume.py``                      N = 8, 16, 32 with 100000 classes
-    ``python bench/comm_volume.py --classes 10000 --ns 8`` a smaller, quicker run
+    ``python bench/comm_volume.py --small``              N = 8, 10000 classes, 2 backbone layers: quick;
+                                                         writes bench/results/comm_volume_small.json
     Each N runs in its own subprocess (``--worker N``), because the simulated device count
     (``XLA_FLAGS=--xla_force_host_platform_device_count=N``) must be set before JAX is imported.
-    Writes bench/results/comm_volume.json.
+    Writes bench/results/comm_volume.json (``--small``: comm_volume_small.json).
 """
 from __future__ import annotations
 
@@ -66,6 +76,65 @@ PAPER_REDUCTION = 89.7
 
 # ------------------------------------------------------------------------------------------
 # worker: one device count, both annotations
+# ------------------------------------------------------------------------------------------
+def looped_collectives(text: str) -> list:
+    """(collective, trips) for every collective of compiled HLO text; in a while body, trips is its
+    known trip count (nested loops multiply; a conditional's branches each count)."""
+    import re
+    from whalex.core import hlo
+
+    comps, entry = hlo.computations(text)
+    calls = re.compile(r"\b(calls|to_apply|body|true_computation|false_computation)=%?([\w.\-]+)")
+    branches = re.compile(r"branch_computations=\{([^}]*)\}")
+
+    def walk(name, trips, seen):
+        if name in seen or name not in comps:
+            return []
+        out = [(c, trips) for c in hlo.collectives("\n".join(comps[name]))]
+        for line in comps[name]:
+            callees = [(k, c) for k, c in calls.findall(line)]
+            b = branches.search(line)
+            callees += [("branch", c.strip().lstrip("%")) for c in (b.group(1).split(",") if b else [])]
+            for kind, callee in callees:
+                out += walk(callee, trips * (hlo.trip_count(line) or 1) if kind == "body" else trips, seen | {name})
+        return out
+
+    return walk(entry, 1, frozenset())
+
+
+def grad_bytes_per_step(text: str, param_dims: set) -> dict:
+    """Parameter-shaped collective results per step (a leading dimension of 1 dropped, dims sorted):
+    count, bytes, and the part of them inside loops."""
+    from whalex.core.hlo import nbytes
+
+    out = {"count": 0, "bytes": 0.0, "in_loops_bytes": 0.0}
+    for c, trips in looped_collectives(text):
+        for dt, shape in c.arrays:
+            s = shape[1:] if len(shape) > 1 and shape[0] == 1 else shape
+            if len(s) and tuple(sorted(s)) in param_dims:
+                out["count"] += trips
+                out["bytes"] += trips * nbytes([(dt, shape)])
+                out["in_loops_bytes"] += (trips > 1) * trips * nbytes([(dt, shape)])
+    return out
+
+
+def micro_batch_rows(wh, jax, jnp, loss_fn, params, param_dims, n, feat, micro) -> list:
+    """Gradient collective bytes per step at each num_micro_batch in `micro` (global batch max(micro) * n)."""
+    rows = []
+    batch = max(micro) * n
+    shapes = {"x": jax.ShapeDtypeStruct((batch, feat), jnp.float32), "y": jax.ShapeDtypeStruct((batch,), jnp.int32)}
+    import optax
+    for m in micro:
+        t0 = time.perf_counter()
+        plan = wh.plan(loss_fn, params, shapes, optimizer=optax.sgd(0.1),
+                       config=wh.Config(num_micro_batch=m, share_devices=True))
+        text = plan.lowered().compile().as_text()
+        note = [c for c in plan.couplings if c.startswith("gradients:")]
+        rows.append({"num_micro_batch": m, "global_batch": batch, **grad_bytes_per_step(text, param_dims),
+                     "plan_note": note[0] if note else "", "compile_s": time.perf_counter() - t0})
+    return rows
+
+
 # ------------------------------------------------------------------------------------------
 def worker(args) -> dict:
     import jax
@@ -148,6 +217,9 @@ def worker(args) -> dict:
                              "bytes": c["bytes"]} for c in colls],
             "plan_lower_s": t1 - t0, "compile_s": t2 - t1,
         }
+        if args.micro_batches:
+            out["modes"][mode]["micro_batches"] = micro_batch_rows(wh, jax, jnp, loss_fn, params, param_dims, n,
+                                                                   feat, args.micro_batches)
         if args.dump_hlo:
             harness.RESULTS.mkdir(parents=True, exist_ok=True)
             (harness.RESULTS / f"comm_volume_{mode}_n{n}.hlo.txt").write_text(hlo)
@@ -175,6 +247,9 @@ def main():
     ap.add_argument("--per-device-batch", type=int, default=4, help="global batch = this * N")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per N")
     ap.add_argument("--dump-hlo", action="store_true", help="also write the compiled HLO texts")
+    ap.add_argument("--micro-batches", type=int, nargs="*", default=[1, 4, 16],
+                    help="num_micro_batch values for the gradient-bytes-per-step table (none: skip it)")
+    ap.add_argument("--small", action="store_true", help="N=8, 10000 classes, 2 layers: a quick run")
     ap.add_argument("--out", default=None, help="the results file (default bench/results/comm_volume.json)")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -182,13 +257,17 @@ def main():
     if args.worker is not None:
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return
+    if args.small:
+        args.ns, args.classes, args.depth = [8], 10_000, 2
+        args.out = args.out or str(harness.RESULTS / "comm_volume_small.json")
 
     t_all = time.perf_counter()
     results, failures = [], {}
     for n in args.ns:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", str(n), "--classes", str(args.classes),
                "--features", str(args.features), "--depth", str(args.depth),
-               "--per-device-batch", str(args.per_device_batch)] + (["--dump-hlo"] if args.dump_hlo else [])
+               "--per-device-batch", str(args.per_device_batch), "--micro-batches", *map(str, args.micro_batches)] \
+            + (["--dump-hlo"] if args.dump_hlo else [])
         t0 = time.perf_counter()
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -251,6 +330,16 @@ def main():
                 bk = r["modes"][mode]["by_kind"]
                 desc = ", ".join(f"{k} x{v['count']} {_mb(v['bytes'])}" for k, v in bk.items()) or "none"
                 print(f"  N={r['n']:<3} {mode:<7} {desc}")
+        if args.micro_batches:
+            print()
+            print(f"Gradient collectives per step with gradient accumulation (global batch {max(args.micro_batches)} x N; "
+                  "a collective in the micro-batch loop counted once per trip):")
+            print(f"  {'N':>3}  {'mode':<7} {'M':>3}  {'count':>6}  {'grad bytes/step':>15}  {'in loops':>12}  plan says")
+            for r in results:
+                for mode in ("dp", "hybrid"):
+                    for row in r["modes"][mode].get("micro_batches", []):
+                        print(f"  {r['n']:>3}  {mode:<7} {row['num_micro_batch']:>3}  {row['count']:>6}  "
+                              f"{_mb(row['bytes']):>15}  {_mb(row['in_loops_bytes']):>12}  {row['plan_note'][:90]}")
         print()
         print(f"Paper (Whale, 100K classes): hybrid needs {PAPER_REDUCTION}% less gradient synchronisation than DP.")
     if args.classes != 100_000:
@@ -272,7 +361,10 @@ def main():
                                                      r["modes"]["hybrid"]["grad_sync_bytes"]),
                      "dp_ring_bytes": r["modes"]["dp"]["ring_bytes"],
                      "hybrid_ring_bytes": r["modes"]["hybrid"]["ring_bytes"],
-                     "ring_reduction_pct": _red(r["modes"]["dp"]["ring_bytes"], r["modes"]["hybrid"]["ring_bytes"])}
+                     "ring_reduction_pct": _red(r["modes"]["dp"]["ring_bytes"], r["modes"]["hybrid"]["ring_bytes"]),
+                     "grad_bytes_per_step_by_micro_batches": {
+                         mode: {str(row["num_micro_batch"]): row["bytes"] for row in r["modes"][mode].get("micro_batches", [])}
+                         for mode in ("dp", "hybrid")}}
                     for r in results],
            "details": results, "failures": {str(k): v for k, v in failures.items()},
            "total_wall_s": time.perf_counter() - t_all}

@@ -18,7 +18,7 @@ import pytest
 
 import whalex as wh
 from whalex.core import hlo
-from conftest import adam, assert_matches
+from conftest import adam, assert_matches, reference_train, whalex_train
 
 B, T, F, H1, H2, C = 128, 3, 12, 20, 24, 40     # 3-d activations: no activation looks like a parameter
 none = contextlib.nullcontext
@@ -54,10 +54,12 @@ def make_loss(backbone, head):
 
 DP = (none, none)
 HYBRID = (lambda: wh.replicate(8), lambda: wh.split(2))      # collocated: data 4 x model 2
+HYBRID8 = (lambda: wh.replicate(8), lambda: wh.split(8))     # collocated: data 1 x model 8
+SCOPES = {"dp": DP, "hybrid": HYBRID, "hybrid8": HYBRID8}
 
 
 def config(scopes, m, **kw):
-    if scopes is HYBRID:
+    if scopes is not DP:
         kw["share_devices"] = True
     return wh.Config(num_micro_batch=m, **kw)
 
@@ -94,7 +96,9 @@ def gradient_collectives(text: str, param_shapes) -> tuple[int, float, int]:
     count, nbytes, looped = 0, 0.0, 0
     for c, trips in looped_collectives(text):
         for dt, shape in c.arrays:
-            s = shape[1:] if len(shape) > 1 and shape[0] == 1 else shape
+            s = shape
+            while len(s) > 1 and s[0] == 1:          # per-shard accumulators: [1, ...] on each device
+                s = s[1:]
             if tuple(sorted(s)) in dims and len(s):
                 count += trips
                 nbytes += trips * hlo.nbytes([(dt, shape)])
@@ -104,7 +108,7 @@ def gradient_collectives(text: str, param_shapes) -> tuple[int, float, int]:
 
 @functools.cache
 def compiled(scopes_name, m, zero=0):
-    scopes = {"dp": DP, "hybrid": HYBRID}[scopes_name]
+    scopes = SCOPES[scopes_name]
     plan = wh.plan(make_loss(*scopes), params0(), batch0(), optax.sgd(0.1), config=config(scopes, m, zero_level=zero))
     return plan, plan.lowered().compile().as_text()
 
@@ -113,12 +117,10 @@ SHAPES = [tuple(x.shape) for x in jax.tree.leaves(params0())]
 
 
 def test_hlo_reader_counts_loop_trips():
-    """The reader multiplies a while body's collectives by its trip count (so the tests below could fail)."""
-    text = compiled("hybrid", 4)[1]
-    counts = [gradient_collectives(compiled("hybrid", m)[1], SHAPES) for m in (4, 16)]
-    assert any(trips > 1 for _, trips in looped_collectives(text))
-    # the hybrid's backbone rows are spread over 'model' too: its gradients are summed there per micro-batch
-    assert counts[1][0] > counts[0][0] and counts[1][2] > 0
+    """The reader multiplies a while body's collectives by its trip count (so the tests below could fail):
+    the hybrid's activation collectives run once per micro-batch."""
+    per_step = [sum(trips for c, trips in looped_collectives(compiled("hybrid", m)[1]) if trips > 1) for m in (4, 16)]
+    assert per_step[0] > 0 and per_step[1] == 4 * per_step[0]
 
 
 @pytest.mark.parametrize("zero", [0, 1])
@@ -136,40 +138,64 @@ def test_data_parallel_zero2_reduces_once():
     assert found[4] == found[1] and found[16] == found[1], found
 
 
-def test_hybrid_split_weights_and_data_axis_reduce_once():
-    """Collocated replicate(8) + split(2): the split head's gradients and every sum over 'data' run once
-    a step; what still runs per micro-batch is the backbone's sum over 'model' (said in the summary)."""
-    head = [(H2, C)]
-    for m in (4, 16):
-        plan, text = compiled("hybrid", m)
-        assert gradient_collectives(text, head) == gradient_collectives(compiled("hybrid", 1)[1], head)
-        per_trip = [c for c, trips in looped_collectives(text) if trips > 1 and c.arrays
-                    and tuple(sorted(c.arrays[0][1][1:])) in {tuple(sorted(s)) for s in SHAPES}]
-        assert per_trip and all(c.group == 2 for c in per_trip)       # over 'model' only, never 'data'
-        text_summary = plan.summary()
-        assert "summed over 'data' once a step" in text_summary and "once per micro-batch" in text_summary
-
-
-@pytest.mark.xfail(strict=True, reason="a collocated replicate TaskGraph's rows are spread over the model axis too; "
-                   "its gradients are summed over 'model' per micro-batch (issue 28: not built)")
-def test_hybrid_reduces_everything_once():
-    found = {m: gradient_collectives(compiled("hybrid", m)[1], SHAPES) for m in (1, 4, 16)}
+@pytest.mark.parametrize("hybrid", ["hybrid", "hybrid8"])
+def test_collocated_hybrid_reduces_once(hybrid):
+    """replicate(8) beside split(2) (data 4 x model 2) or split(8) (data 1 x model 8): the backbone's
+    gradients stay per data and per model shard in the loop, the split head's need no sum."""
+    found = {m: gradient_collectives(compiled(hybrid, m)[1], SHAPES) for m in (1, 4, 16)}
+    assert found[1][0] >= len(SHAPES) - 1, found
     assert found[4] == found[1] and found[16] == found[1], found
+    assert found[16][2] == 0
+    assert "summed over them once a step" in compiled(hybrid, 4)[0].summary()
 
 
-def test_one_data_shard_says_so():
-    """split(8) beside replicate(8): the data axis has one device, nothing to keep per shard: the summary says
-    the gradients are summed once per micro-batch, and why."""
-    loss = make_loss(lambda: wh.replicate(8), lambda: wh.split(8))
-    plan = wh.plan(loss, params0(), batch0(), optax.sgd(0.1), config=wh.Config(num_micro_batch=4, share_devices=True))
-    assert "once per micro-batch (4 times a step): the data axis has one device" in plan.summary()
+def test_remat_keeps_per_micro_batch_sums_and_says_so():
+    """remat evaluates the loss by its own segments: the backbone's sums over 'model' stay in the loop,
+    and the summary says so (what runs once still runs once)."""
+    plan = wh.plan(make_loss(*HYBRID), params0(), batch0(), optax.sgd(0.1), config=config(HYBRID, 4, remat="full"))
+    text = plan.lowered().compile().as_text()
+    assert gradient_collectives(text, SHAPES)[2] > 0
+    assert "still summed over the model axes once per micro-batch: remat" in plan.summary()
+
+
+def test_dropout_keeps_per_micro_batch_sums_and_says_so():
+    def loss_fn(p, b, rng):
+        keep = jax.random.bernoulli(rng, 0.9, b["x"].shape)
+        return make_loss(none, none)(p, {**b, "x": jnp.where(keep, b["x"] / 0.9, 0.0)})
+    step = wh.parallelize(loss_fn, optax.sgd(0.1), config=wh.Config(num_micro_batch=4))
+    step.init(params0(), batch0(), rng=jax.random.key(1))
+    assert "once per micro-batch (4 times a step): the loss draws random bits" in step.plan.summary()
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
-@pytest.mark.parametrize("scopes", ["dp", "hybrid"])
+@pytest.mark.parametrize("scopes", ["dp", "hybrid", "hybrid8"])
 def test_micro_batches_train_like_one_device(scopes, opt):
-    s = {"dp": DP, "hybrid": HYBRID}[scopes]
+    s = SCOPES[scopes]
     optimizer = optax.sgd(0.5) if opt == "sgd" else adam(1e-2)
     step, _ = assert_matches(make_loss(*s), params0(), batch0(), steps=3, optimizer=optimizer, tol=1e-5,
                              param_tol=1e-4, config=config(s, 4))
     assert "summed over 'data' once a step" in step.plan.summary()
+
+
+@pytest.mark.parametrize("scopes", ["dp", "hybrid"])
+def test_zero2_micro_batches_train_like_one_device(scopes):
+    """ZeRO 2 (gradients reduce-scattered to their owners) over the per-shard accumulators."""
+    s = SCOPES[scopes]
+    assert_matches(make_loss(*s), params0(), batch0(), steps=3, optimizer=adam(1e-2), tol=1e-5, param_tol=1e-4,
+                   config=config(s, 4, zero_level=2))
+    found = {m: gradient_collectives(compiled(scopes, m, 2)[1], SHAPES) for m in (1, 4)}
+    assert found[4] == found[1], found
+
+
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_amp_hybrid_micro_batches(amp):
+    """amp (fp16: a dynamic loss scale multiplies each part's cotangent) over the per-shard accumulators:
+    within amp's tolerance of fp32 single-device training and of the same plan without micro-batches."""
+    from test_amp import SGD, TOL, moved_err
+    loss_fn = make_loss(*HYBRID)
+    _, fp32 = reference_train(loss_fn, params0(), batch0(), SGD, 3)
+    runs = {m: whalex_train(loss_fn, params0(), batch0(), SGD, 3, config=config(HYBRID, m, amp=amp)) for m in (1, 4)}
+    got = {m: step.params(state) for m, (_, state, step) in runs.items()}
+    assert moved_err(got[4], fp32, params0()) < TOL[amp]
+    assert moved_err(got[4], got[1], params0()) < TOL[amp] / 2
+    assert "summed over them once a step" in runs[4][2].plan.summary()

@@ -16,6 +16,7 @@ from whalex.core.capture import Captured
 from whalex.core.part_loss import PartLoss
 from whalex.core.program import MemoryOptions, step_program
 from whalex.lowering.emit import Emitter
+from whalex.lowering.groups import ShardGroups, grouped_evaluator, same_outputs
 from whalex.lowering.padding import EvenPadding
 from whalex.core.sharding_plan import ExpertCall, ShardingPlan
 from whalex.memory import precision as precision_lib
@@ -42,6 +43,8 @@ class Program(Emitter):
     parts: PartLoss | None = None           # the loss contract over micro-batches
     group_axis: str | None = None           # micro-batches: gradients kept per shard of this mesh axis in
                                             # the loop (parts: one shard's rows), summed once after it
+    shard_groups: ShardGroups | None = None  # ... and per model shard for these TaskGraphs (collocated hybrid)
+    shard_parts: PartLoss | None = None     # the loss contract at one model shard's rows of a part
 
     @property
     def experts(self) -> tuple[ExpertCall, ...]:
@@ -167,10 +170,11 @@ class Program(Emitter):
                 params = jax.lax.with_sharding_constraint(params, gather)
             params, stored_grads = jax.vjp(self.compute_params, params)
             loop, across, map_parts = self.parts_driver(jax.tree.leaves(batch))
-            outs, grads = parts_lib.value_and_grad(pl, evaluator_for, loop, across, jax.tree.leaves(params),
+            outs, grads = parts_lib.value_and_grad(pl, evaluator_for, loop, across, self._part_params(params),
                                                    list(extra), scale, map_parts)
             if self.group_axis is not None:        # the one gradient reduction of the step
-                grads = [g.sum(0) for g in grads]
+                copied = self.shard_groups.copied if self.shard_groups is not None else ()
+                grads = [(g.reshape((-1,) + g.shape[2:]) if i in copied else g).sum(0) for i, g in enumerate(grads)]
             grads = stored_grads(jax.tree.unflatten(ptree, grads))[0]
             if scale is not None:
                 grads = precision_lib.unscale(grads, scale)
@@ -186,8 +190,26 @@ class Program(Emitter):
         constraints = self.sharding.constraints
         if self.group_axis is not None:            # evaluated under vmap over the shards of group_axis
             constraints = {k: _without(spec, self.group_axis) for k, spec in constraints.items()}
-        return program_evaluator(cap, constraints, self.mesh, {**(self.overrides or {}), **overrides},
-                                 self.remat, None)[0]
+        overrides = {**(self.overrides or {}), **overrides}
+        g = self.shard_groups
+        if g is not None:
+            inner = {k: functools.reduce(_without, g.axes, spec) for k, spec in constraints.items()}
+            return grouped_evaluator(cap, same_outputs(cap, self.shard_parts), g, constraints, inner, self.mesh,
+                                     overrides, self.captured.num_params)
+        return program_evaluator(cap, constraints, self.mesh, overrides, self.remat, None)[0]
+
+    def _part_params(self, params) -> list:
+        """The parameter leaves the parts read: with shard groups, a copied leaf as one copy per model
+        shard ([size, ...], sharded over the model axes), so its gradient stays per shard."""
+        leaves, g = jax.tree.leaves(params), self.shard_groups
+        if g is None:
+            return leaves
+        axes = g.axes if len(g.axes) > 1 else g.axes[0]
+
+        def copy(x, spec):
+            y = jnp.broadcast_to(x, (g.size,) + x.shape)
+            return jax.lax.with_sharding_constraint(y, NamedSharding(self.mesh, P(axes, *spec)))
+        return [copy(x, s) if i in g.copied else x for i, (x, s) in enumerate(zip(leaves, self.sharding.param_specs))]
 
     def parts_driver(self, leaves):
         """For the global batch `leaves`: (loop, across, map_parts) over the micro-batches, as
@@ -267,7 +289,7 @@ class Program(Emitter):
 
         def fn(params, batch):
             loop, across, map_parts = self.parts_driver(jax.tree.leaves(batch))
-            given = parts_lib.prepass(self.parts, self._part_evaluator, loop, across, jax.tree.leaves(params), [],
+            given = parts_lib.prepass(self.parts, self._part_evaluator, loop, across, self._part_params(params), [],
                                       map_parts=map_parts)
             return [v for vals in given.values() for v in vals]
 

@@ -19,6 +19,7 @@ from whalex.core.parts import analyse
 from whalex.errors import PlanError
 from whalex.lowering.padding import EvenPadding
 from whalex.planner.patterns import plan_shardings
+from whalex.lowering.groups import ShardGroups, runs_per_shard, same_outputs
 from whalex.lowering.step import Program
 from whalex.lowering.uneven import UnevenProgram
 from whalex.lowering.uneven_split import UnevenCall, UnevenColumns, uneven_overrides
@@ -70,9 +71,9 @@ def spmd_plan(req: Request, cap, report=None) -> Plan:
             raise PlanError(f"comm_dtype={config.comm_dtype!r} with num_micro_batch={m} on collocated TaskGraphs is "
                             "not lowered yet; use comm_dtype=None, or num_micro_batch=1.")
         parts = loss_parts(cap, full, config, "micro-batches (gradient accumulation)")
-    group, parts, once = reduce_once(req, full, m, layout, sharding, overrides, parts)
-    program = Program(cap, sharding, mesh, optimizer, cluster.platform, m, overrides, padded, memory=mem, parts=parts,
-                      group_axis=group)
+    fields, once, once_axes = reduce_once(req, full, m, layout, vds, sharding, overrides, parts, readers)
+    program = Program(cap, sharding, mesh, optimizer, cluster.platform, m, overrides, padded, memory=mem,
+                      **{"parts": parts, **fields})
     if mem.zero_level >= 2 and layout.axis_names == (DATA,) and layout.size > 1 and not overrides:
         program = zero_data_parallel(req, full, m, mesh, mem) or program
     program = configure_memory(program, config, cluster, [vd.batch_axes for vd in vds] if isinstance(program, Program)
@@ -89,49 +90,95 @@ def spmd_plan(req: Request, cap, report=None) -> Plan:
     couplings = tuple(parts.sem.lines()) + once if parts is not None else \
         (lambda: whole_batch_couplings(req, full))       # found when asked (one more trace)
     if m > 1 and isinstance(program, Program):           # per step: the loop's collectives m times
-        comms = per_step(comms, m, () if group is None else (group,))
+        comms = per_step(comms, m, once_axes)
     return assemble(req, program, layout, vds, taskgraph_rows(cap), Work(cap, cap.assign, m),
                     batch_sizes=(per_device,) * layout.size, global_batch=full.global_batch,
                     param_specs=dict(zip(cap.param_paths, sharding.param_specs)), comms=comms,
                     sharding=sharding, balance=report, batch_couplings=couplings)
 
 
-def reduce_once(req: Request, full, m: int, layout, sharding, overrides, parts):
-    """(axis, parts, summary lines) for gradient accumulation: gradients kept per shard of the data
-    axis inside the micro-batch loop and summed once after it (`Program.group_axis`), the loss
-    contract then over parts of one shard's rows; (None, parts, why not) where that is not exact
-    or not built, and the gradients are summed once per micro-batch as before."""
+def reduce_once(req: Request, full, m: int, layout, vds, sharding, overrides, parts, readers):
+    """(Program fields, summary lines, axes whose gradient sums run once) for gradient accumulation:
+    gradients kept per shard of the data axis inside the micro-batch loop and summed once after it
+    (`Program.group_axis`, the loss contract then over one shard's rows), and per model shard for
+    the replicate TaskGraphs of a collocated hybrid (`model_shards`). Where that is not exact or not
+    built, the gradients are summed once per micro-batch as before, and the lines say why."""
     if m == 1:
-        return None, parts, ()
+        return {}, (), ()
     g = layout.axis_size((DATA,))
-    why = None
-    if g == 1:
-        why = "the data axis has one device"
-    elif overrides:
+    unit, why = None, None
+    if overrides:
         why = "expert-parallel or uneven calls run their own collectives"
     elif any(DATA in _axes(spec) for spec in sharding.param_specs):
         why = "a parameter is sharded over the data axis"
     elif full.global_batch % (m * g):
         why = f"{full.global_batch} samples do not divide into {m} x {g} parts"
     else:
-        try:
-            unit = req.capture(full.global_batch // (m * g))
-            sem = analyse(unit, full, per_part=req.config.batch_coupling == "per_part",
-                          context="micro-batches (gradient accumulation)")
-            if sem.accepted:
-                why = f"the loss's batch statistics are per micro-batch ({', '.join(sem.accepted)})"
-            elif PartLoss(sem, unit, full).draws:   # XLA:CPU's threefry rejects vmapped row offsets
-                why = "the loss draws random bits per sample (dropout), drawn per micro-batch"
-        except PlanError as e:
-            why = f"the loss cannot be evaluated per data shard ({e})"
+        unit, why = _shard_loss(req, full, full.global_batch // (m * g), "per data shard")
+    shards, inner_why = model_shards(req, full, layout, vds, unit, readers) if unit is not None else (None, None)
+    if why is None and g == 1 and shards is None:
+        why = "the data axis has one device" + (f" and {inner_why}" if inner_why else "")
     if why is not None:
-        return None, parts, (f"gradients: summed over the devices once per micro-batch ({m} times a step): {why}",)
-    model = [a for a, n in zip(layout.axis_names, layout.axis_sizes) if a != DATA and n > 1]
+        return {}, (f"gradients: summed over the devices once per micro-batch ({m} times a step): {why}",), ()
     line = f"gradients: accumulated per '{DATA}' shard over the {m} micro-batches and summed over '{DATA}' once a step"
-    if model:
-        line += (f"; a replicate TaskGraph's gradients are still summed over {model} once per micro-batch "
-                 "(its rows are spread over the model axes too)")
-    return DATA, PartLoss(sem, unit, full), (line,)
+    fields = {"group_axis": DATA, "parts": unit}
+    once = (DATA,)
+    if shards is not None:
+        groups, inner = shards
+        fields.update(shard_groups=groups, shard_parts=inner)
+        once += groups.axes
+        line += f", and per {list(groups.axes)} shard for the replicate TaskGraphs, summed over them once a step"
+        line += inner_why or ""
+    elif inner_why:
+        line += f"; replicate TaskGraphs' gradients are still summed over the model axes once per micro-batch: {inner_why}"
+    return fields, (line,), once
+
+
+def _shard_loss(req: Request, full, rows: int, where: str):
+    """(the loss contract over parts of `rows` samples, None) or (None, why it cannot be used)."""
+    try:
+        cap = req.capture(rows)
+        sem = analyse(cap, full, per_part=req.config.batch_coupling == "per_part",
+                      context="micro-batches (gradient accumulation)")
+    except PlanError as e:
+        return None, f"the loss cannot be evaluated {where} ({e})"
+    if sem.accepted:
+        return None, f"the loss's batch statistics are per micro-batch ({', '.join(sem.accepted)})"
+    pl = PartLoss(sem, cap, full)
+    if pl.draws:                          # XLA:CPU's threefry rejects vmapped row offsets
+        return None, "the loss draws random bits per sample (dropout), drawn per micro-batch"
+    return pl, None
+
+
+def model_shards(req: Request, full, layout, vds, unit: PartLoss, readers):
+    """((ShardGroups, the loss contract at one model shard's rows), None) for the TaskGraphs whose
+    rows are spread over the model axes too (replicate beside split), or (None, why not)."""
+    axes = tuple(a for a, n in zip(layout.axis_names, layout.axis_sizes) if a != DATA and n > 1)
+    if not axes:
+        return None, None
+    if req.config.remat is not None or req.config.offload is not None:
+        return None, "remat and offload evaluate the loss by their own segments"
+    size = layout.axis_size(axes)
+    rows = unit.sem.part_rows
+    if rows % size:
+        return None, f"a part of {rows} samples does not divide over {size} model shards"
+    inner, why = _shard_loss(req, full, rows // size, "per model shard")
+    if inner is None:
+        return None, why
+    tgs = frozenset(vd.taskgraph for vd in vds if set(axes) <= set(vd.batch_axes))
+    invars = unit.part.jaxpr.jaxpr.invars
+    copied = frozenset(i for i, r in enumerate(readers) if r and set(r) <= tgs and
+                       np.issubdtype(invars[i].aval.dtype, np.floating))
+    groups = ShardGroups(axes, size, tgs, copied)
+    body = unit.body(unit.part_outputs()[0])
+    copied = runs_per_shard(body, same_outputs(body, inner), groups, unit.part.num_params)
+    if not copied:
+        return None, "no parameter is read by them alone, in segments whose values are all batch-major"
+    left = [cap_path for i, cap_path in enumerate(unit.part.param_paths) if readers[i] and set(readers[i]) & tgs
+            and i not in copied]
+    note = (f"; {len(left)} parameter leaves they share or read outside such segments ({', '.join(left[:3])}"
+            f"{', ...' if len(left) > 3 else ''}) are still summed over {list(axes)} once per micro-batch") if left else None
+    return (dataclasses.replace(groups, copied=copied), inner), note
 
 
 def per_step(comms, m: int, once: tuple) -> list:

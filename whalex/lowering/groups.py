@@ -1,0 +1,139 @@
+"""One part of a micro-batch evaluated with a replicate TaskGraph's rows split per model shard.
+
+In a collocated hybrid (replicate beside split on one mesh), a replicate TaskGraph spreads its rows
+over the model axes too, so XLA sums its parameters' gradients over them inside the micro-batch
+loop. Here its segments run under `vmap` over those shards (their SPMD axes) on the loss traced at
+one shard's rows, reading one copy of each of its parameters per shard: the gradient leaves each
+shard as that copy's, and the program sums the copies once after the loop. Other segments (the
+split head) run as planned. docs/architecture.md#how-a-step-is-built
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from whalex.core.segments import Segment, run_segments, segment_function, segments
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardGroups:
+    """Which segments run per model shard: the TaskGraphs, the model axes and their device count,
+    and the parameter leaves that enter as per-shard copies (read by no other TaskGraph)."""
+
+    axes: tuple[str, ...]
+    size: int
+    taskgraphs: frozenset
+    copied: frozenset        # parameter leaf indices
+
+
+def var_positions(jaxpr) -> dict:
+    """{var: ("in", k) | (eqn index, out index)}: where each value of `jaxpr` is defined."""
+    out = {v: ("in", k) for k, v in enumerate(jaxpr.invars)}
+    for i, eqn in enumerate(jaxpr.eqns):
+        out.update({v: (i, j) for j, v in enumerate(eqn.outvars)})
+    return out
+
+
+def same_outputs(body, inner_pl) -> object:
+    """The body of `inner_pl` (the loss at one shard's rows) returning the values `body` returns."""
+    where = var_positions(body.jaxpr.jaxpr)
+    jp = inner_pl.body_jaxpr
+
+    def var(v):
+        k = where[v]
+        return jp.invars[k[1]] if k[0] == "in" else jp.eqns[k[0]].outvars[k[1]]
+
+    return inner_pl.body([var(v) for v in body.jaxpr.jaxpr.outvars])
+
+
+def _kind(v, w, rows: int, size: int) -> str | None:
+    """'rows' (batch-major: `rows` leading rows here, rows / size in the shard's trace), 'same', or None."""
+    a, b = tuple(v.aval.shape), tuple(w.aval.shape)
+    if a == b:
+        return "same"
+    if a and b and a[0] == rows and b[0] * size == rows and a[1:] == b[1:]:
+        return "rows"
+    return None
+
+
+def _plan_segment(seg: Segment, inner: Segment, rows: int, groups: ShardGroups, params: dict):
+    """Per input: 'rows' | 'copy' | 'same'; None when the segment cannot run per shard (a value
+    that is neither batch-major nor of the same shape, or an output that is not batch-major)."""
+    kinds = []
+    for v, w in zip(seg.inputs, inner.inputs):
+        k = "copy" if params.get(v) in groups.copied else _kind(v, w, rows, groups.size)
+        if k is None:
+            return None
+        kinds.append(k)
+    if any(_kind(v, w, rows, groups.size) != "rows" for v, w in zip(seg.outputs, inner.outputs)):
+        return None
+    return kinds
+
+
+def runs_per_shard(body, inner_body, groups: ShardGroups, num_params: int) -> frozenset:
+    """The copied parameter leaves that only segments able to run per shard read (in `body`): a
+    leaf read elsewhere would be read as copy 0, its gradient gathered there in the loop."""
+    jaxpr = body.jaxpr.jaxpr
+    rows = _rows(body, num_params)
+    params = {v: k for k, v in enumerate(jaxpr.invars[:num_params])}
+    bad = set()
+    for seg, inner in zip(segments(body), segments(inner_body)):
+        ok = seg.taskgraph in groups.taskgraphs and _plan_segment(seg, inner, rows, groups, params) is not None
+        if not ok:
+            bad.update(params[v] for v in seg.inputs if v in params)
+    return frozenset(groups.copied - bad)
+
+
+def grouped_evaluator(body, inner_body, groups: ShardGroups, constraints: dict, inner_constraints: dict, mesh,
+                      overrides: dict | None, num_params: int) -> Callable[..., list]:
+    """evaluate(*inputs) of `body` (parameters in `groups.copied` given as [size, ...] copies): the
+    segments of `groups.taskgraphs` under vmap over the model shards (through `inner_body`, the
+    same loss at one shard's rows), the others as planned, reading copy 0 of a copied parameter."""
+    jaxpr = body.jaxpr.jaxpr
+    rows = _rows(body, num_params)
+    params = {v: k for k, v in enumerate(jaxpr.invars[:num_params])}
+    parts = []
+    for seg, inner in zip(segments(body), segments(inner_body)):
+        kinds = _plan_segment(seg, inner, rows, groups, params) if seg.taskgraph in groups.taskgraphs else None
+        if kinds is None:
+            fn = segment_function(body, seg, constraints, mesh, overrides)
+            copies = [params.get(v) in groups.copied for v in seg.inputs]
+            parts.append((seg, _first_copy(fn, copies)))
+        else:
+            fn = segment_function(inner_body, inner, inner_constraints, mesh, overrides)
+            parts.append((seg, _per_shard(fn, kinds, groups, mesh)))
+    return run_segments(body, parts)
+
+
+def _rows(body, num_params: int) -> int:
+    """The part's rows: the leading dimension of its first batch input."""
+    return int(body.jaxpr.jaxpr.invars[num_params].aval.shape[0])
+
+
+def _first_copy(fn, copies):
+    def run(*args):
+        return fn(*[a[0] if c else a for a, c in zip(args, copies)])
+    return run
+
+
+def _per_shard(fn, kinds, groups: ShardGroups, mesh):
+    """fn (one shard's rows) over every shard: batch-major inputs cut into [size, rows / size, ...],
+    copies mapped, the rest shared; outputs joined back into rows."""
+    axes = groups.axes if len(groups.axes) > 1 else groups.axes[0]
+    spread = NamedSharding(mesh, P(axes))
+
+    def run(*args):
+        ins = []
+        for a, k in zip(args, kinds):
+            if k == "rows":
+                a = jax.lax.with_sharding_constraint(a.reshape((groups.size, -1) + a.shape[1:]), spread)
+            ins.append(a)
+        outs = jax.vmap(fn, in_axes=tuple(0 if k != "same" else None for k in kinds),
+                        spmd_axis_name=groups.axes)(*ins)
+        return [o.reshape((-1,) + o.shape[2:]) for o in outs]
+
+    return run
+
