@@ -18,7 +18,7 @@ import pytest
 
 import whalex as wh
 from whalex.core import hlo
-from conftest import adam, assert_matches, reference_train, whalex_train
+from conftest import adam, assert_matches, reference_train, rel_err, whalex_train
 
 B, T, F, H1, H2, C = 128, 3, 12, 20, 24, 40     # 3-d activations: no activation looks like a parameter
 none = contextlib.nullcontext
@@ -158,13 +158,25 @@ def test_remat_keeps_per_micro_batch_sums_and_says_so():
     assert "still summed over the model axes once per micro-batch: remat" in plan.summary()
 
 
-def test_dropout_keeps_per_micro_batch_sums_and_says_so():
+def test_dropout_reduces_once():
+    """A random draw per sample (dropout) in parts: each data shard draws its own rows of the whole-batch
+    mask (tests/test_model_state.py checks the masks), and the gradients are still summed once."""
     def loss_fn(p, b, rng):
         keep = jax.random.bernoulli(rng, 0.9, b["x"].shape)
         return make_loss(none, none)(p, {**b, "x": jnp.where(keep, b["x"] / 0.9, 0.0)})
-    step = wh.parallelize(loss_fn, optax.sgd(0.1), config=wh.Config(num_micro_batch=4))
-    step.init(params0(), batch0(), rng=jax.random.key(1))
-    assert "once per micro-batch (4 times a step): the loss draws random bits" in step.plan.summary()
+    found = []
+    for m in (1, 4):
+        step = wh.parallelize(loss_fn, optax.sgd(0.1), config=wh.Config(num_micro_batch=m))
+        step.init(params0(), batch0(), rng=jax.random.key(1))
+        found.append(gradient_collectives(step.plan.lowered().compile().as_text(), SHAPES))
+    assert found[1] == found[0], found
+    assert "summed over 'data' once a step" in step.plan.summary()
+    state, _ = step(step.init(params0(), batch0(), rng=jax.random.key(1)), batch0())
+    key = jax.random.split(jax.random.key(1))[1]                  # the key of the first step
+    grads = jax.jit(jax.grad(lambda p: loss_fn(p, batch0(), key)))(params0())
+    want = jax.tree.map(lambda p, g: p - 0.1 * g, params0(), grads)
+    errs = jax.tree.map(rel_err, step.params(state), want)
+    assert max(jax.tree.leaves(errs)) < 1e-5, errs
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adam"])

@@ -191,6 +191,9 @@ class Program(Emitter):
         if self.group_axis is not None:            # evaluated under vmap over the shards of group_axis
             constraints = {k: _without(spec, self.group_axis) for k, spec in constraints.items()}
         overrides = {**(self.overrides or {}), **overrides}
+        if self.group_axis is not None:            # a random draw's key varies along the shards too
+            draws = {d[0] for d in self.parts.draws}
+            overrides = {p: _key_per_shard(f) if p in draws else f for p, f in overrides.items()}
         g = self.shard_groups
         if g is not None:
             inner = {k: functools.reduce(_without, g.axes, spec) for k, spec in constraints.items()}
@@ -272,7 +275,7 @@ class Program(Emitter):
             def body(acc, xs):
                 k, mb = xs
                 starts = (jnp.arange(g)[None, :] * per + jnp.arange(per)[:, None]) * (b // dp) + k * c
-                run = jax.vmap(one, in_axes=(0, 1, 0), spmd_axis_name=axis)
+                run = jax.vmap(one, in_axes=(0, 1, 0), axis_name=_SHARDS, spmd_axis_name=axis)
                 return run([parts(x, s) for x, s in zip(mb, inner)], starts, acc), None
             return jax.lax.scan(body, jax.tree.map(stacked, init), (jnp.arange(m), micro))[0]
 
@@ -300,6 +303,19 @@ class Program(Emitter):
 def _across(values, kinds):
     """Combining the parts' values over devices: nothing to do, one GSPMD program spans the mesh."""
     return values
+
+
+_SHARDS = "whalex_data_shards"      # the vmap axis of the data shards (see Program._grouped)
+
+
+def _key_per_shard(fn):
+    """A random draw's override whose key is mapped along the data shards like its row offsets:
+    XLA:CPU's threefry loop carries the two key words and fails when one is mapped and one is not."""
+    def run(key, *rest):
+        zero = (jax.lax.axis_index(_SHARDS) * 0).astype(jnp.uint32)
+        data = jax.random.key_data(key) + zero
+        return fn(jax.random.wrap_key_data(data, impl=jax.random.key_impl(key)), *rest)
+    return run
 
 
 def _combine_shards(x, kind):

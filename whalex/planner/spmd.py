@@ -145,8 +145,8 @@ def _shard_loss(req: Request, full, rows: int, where: str):
     if sem.accepted:
         return None, f"the loss's batch statistics are per micro-batch ({', '.join(sem.accepted)})"
     pl = PartLoss(sem, cap, full)
-    if pl.draws:                          # XLA:CPU's threefry rejects vmapped row offsets
-        return None, "the loss draws random bits per sample (dropout), drawn per micro-batch"
+    if pl.draws and where != "per data shard":      # a model shard's segments draw no rows of their own
+        return None, "the loss draws random bits per sample (dropout)"
     return pl, None
 
 
