@@ -83,6 +83,17 @@ def _follows_speeds(counts, total, chunk):
     return sum(counts) == total and counts[0] > counts[1] and abs(counts[0] - ideal) <= chunk
 
 
+def _counts_the_lowering(r):
+    """The prediction counts what both plans pay, and the padded width's traffic on the device whose
+    share is narrower than the padding."""
+    assert "padded width" in r.basis and "all-reduces" in r.basis, r.basis
+    for d in r.devices:
+        work = d.rows * r.flops_per_sample / d.speed
+        assert d.overhead > 0 and d.even_time == pytest.approx(d.overhead + d.even_rows * r.flops_per_sample / d.speed)
+        assert d.time > d.overhead + work
+    assert r.predicted_speedup == pytest.approx(max(d.even_time for d in r.devices) / max(d.time for d in r.devices))
+
+
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
 def test_stock_dense_mlp_gets_uneven_hidden_units(kind):
     step, state = _train_and_compare(StockMLP(), kind)
@@ -90,6 +101,7 @@ def test_stock_dense_mlp_gets_uneven_hidden_units(kind):
     assert r is not None and r.applied and r.kind.startswith("hidden units of ['Dense_0']['kernel']"), r
     counts = [d.rows for d in r.devices]
     assert _follows_speeds(counts, H, r.unit), counts
+    _counts_the_lowering(r)
     w1 = state.stored_params["Dense_0"]["kernel"]
     assert w1.shape == (D, 2 * max(counts)) and {s.data.shape for s in w1.addressable_shards} == {(D, max(counts))}
 
@@ -101,6 +113,7 @@ def test_stock_attention_gets_uneven_heads(kind, causal):
     assert r is not None and r.applied and r.kind.startswith("heads of ['MultiHeadDotProductAttention_0']"), r
     counts = [d.rows for d in r.devices]
     assert _follows_speeds(counts, 8, r.unit), counts
+    _counts_the_lowering(r)
     wq = state.stored_params["MultiHeadDotProductAttention_0"]["query"]["kernel"]
     assert wq.shape == (D, 2 * max(counts), 4)
 

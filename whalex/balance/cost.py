@@ -112,8 +112,8 @@ def lowered_split(report: BalanceReport, costs: SplitCosts) -> BalanceReport:
     for d, shared, bw in zip(report.devices, costs.shared, costs.bandwidths):
         padded = ((costs.width - d.rows) * costs.per_padding_unit + costs.width * costs.per_width_unit) / bw
         work = report.flops_per_sample / d.speed
-        devices.append(dataclasses.replace(d, time=shared + padded + d.rows * work,
-                                           even_time=shared + d.even_rows * work, overhead=shared))
+        devices.append(dataclasses.replace(d, time=float(shared + padded + d.rows * work),
+                                           even_time=float(shared + d.even_rows * work), overhead=float(shared)))
     return dataclasses.replace(report, devices=tuple(devices), basis=costs.basis)
 
 
