@@ -7,7 +7,8 @@ common `width` so the weight is one evenly sharded buffer `[features, devices * 
 collective runs inside a loop), then the softmax statistics are combined with `pmax`/`psum` over
 the model axis, never gathering logits. A `custom_vjp` gives the backward pass the same shape:
 chunk loops for the weight gradient and the input gradient, then one `psum`. `uneven_blocks` does
-the same for MLPs and attention (hidden units, heads). The planner hands its decisions down as data,
+the same for MLPs and attention (hidden units, heads), written as `Stage`s whose values between
+stages the forward loop keeps, so that the backward loop recomputes no forward matmul. The planner hands its decisions down as data,
 `UnevenCall`s; `uneven_overrides` builds the functions that replace those equations.
 """
 from __future__ import annotations
@@ -203,6 +204,56 @@ def attention_stages(causal: bool) -> tuple[Stage, ...]:
             Stage(lambda w, o: (attention_out(o, w[0]),), (5,), (6,)))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Blocks:
+    """One device's side of `uneven_blocks`: its forward and backward loops over its own chunks."""
+
+    stages: tuple
+    counts: tuple[int, ...]
+    chunk: int
+    slots: int
+    dims: tuple[int, ...]
+    axis: str
+    batch_axes: tuple
+
+    def slices(self, k, ws):
+        return [jax.lax.dynamic_slice_in_dim(w, k * self.chunk, self.chunk, d) for w, d in zip(ws, self.dims)]
+
+    def trips(self):
+        return jnp.asarray(self.counts, jnp.int32)[jax.lax.axis_index(self.axis)] // self.chunk
+
+    def fwd(self, keep: bool, x, *ws):
+        """(the psum of this device's blocks, the kept values in `slots` buffers: empty unless `keep`)."""
+        shapes = jax.eval_shape(lambda x, ws: _run_stages(self.stages, x, self.slices(0, ws)), x, list(ws))
+        kept = [jnp.zeros((self.slots if keep else 0,) + v.shape, v.dtype) for v in shapes[1:-1]]
+
+        def body(k, acc):
+            vals = _run_stages(self.stages, x, self.slices(k, ws))
+            kept = [jax.lax.dynamic_update_index_in_dim(b, v, k, 0) for b, v in zip(acc[1], vals[1:-1])] \
+                if keep else acc[1]
+            return acc[0] + vals[-1], kept
+
+        y, kept = jax.lax.fori_loop(0, self.trips(), body, (jnp.zeros(shapes[-1].shape, shapes[-1].dtype), kept))
+        return (jax.lax.psum(y, self.axis), *kept)
+
+    def bwd(self, x, *args):
+        """(dx, weight gradients) from the kept values: each block's stage VJPs, then one psum of dx."""
+        nw = len(self.dims)
+        ws, kept, g = args[:nw], args[nw:-1], args[-1]
+
+        def body(k, acc):
+            vals = [x] + [jax.lax.dynamic_index_in_dim(b, k, 0, keepdims=False) for b in kept] + [g]
+            gx, gws = _stage_vjps(self.stages, vals, self.slices(k, ws), g)
+            return acc[0] + gx, [jax.lax.dynamic_update_slice_in_dim(dw, gw, k * self.chunk, d)
+                                 for dw, gw, d in zip(acc[1], gws, self.dims)]
+
+        dx, dws = jax.lax.fori_loop(0, self.trips(), body, (jnp.zeros_like(x), [jnp.zeros_like(w) for w in ws]))
+        dx = jax.lax.psum(dx, self.axis)                   # after the loop: partial sums over the units
+        if self.batch_axes:
+            dws = jax.lax.psum(dws, self.batch_axes)
+        return (dx, *dws)
+
+
 def uneven_blocks(mesh, model_axis: str, batch_axes: tuple, layout: UnevenColumns, stages, dims: tuple[int, ...]):
     """f(x, *weights_padded) -> sum over the real units of the block `stages` computes, the units
     (hidden units, heads) uneven over `model_axis`: weight i is sliced on dims[i], device j loops
@@ -210,52 +261,18 @@ def uneven_blocks(mesh, model_axis: str, batch_axes: tuple, layout: UnevenColumn
     psum. The forward loop keeps each block's values between stages in buffers of the padded width;
     the custom VJP's loop runs each block's stage VJPs on them (no forward recomputed), then one
     psum of the input gradient."""
-    counts = jnp.asarray(layout.counts, jnp.int32)
-    chunk, slots, mx, nw = layout.chunk, layout.width // layout.chunk, model_axis, len(dims)
+    blocks = _Blocks(tuple(stages), tuple(layout.counts), layout.chunk, layout.width // layout.chunk, tuple(dims),
+                     model_axis, tuple(batch_axes))
     bspec = batch_axes if batch_axes else None
-
-    def slices(k, ws):
-        return [jax.lax.dynamic_slice_in_dim(w, k * chunk, chunk, d) for w, d in zip(ws, dims)]
-
-    def local_fwd(keep, x, *ws):
-        n = counts[jax.lax.axis_index(mx)]
-        shapes = jax.eval_shape(lambda x, ws: _run_stages(stages, x, slices(0, ws)), x, list(ws))
-        kept = [jnp.zeros((slots if keep else 0,) + s.shape, s.dtype) for s in shapes[1:-1]]
-
-        def body(k, acc):
-            vals = _run_stages(stages, x, slices(k, ws))
-            kept = [jax.lax.dynamic_update_index_in_dim(b, v, k, 0) for b, v in zip(acc[1], vals[1:-1])] if keep \
-                else acc[1]
-            return acc[0] + vals[-1], kept
-
-        y, kept = jax.lax.fori_loop(0, n // chunk, body, (jnp.zeros(shapes[-1].shape, shapes[-1].dtype), kept))
-        return (jax.lax.psum(y, mx), *kept)
-
-    def local_bwd(x, *args):
-        ws, kept, g = args[:nw], args[nw:-1], args[-1]
-        n = counts[jax.lax.axis_index(mx)]
-
-        def body(k, acc):
-            vals = [x] + [jax.lax.dynamic_index_in_dim(b, k, 0, keepdims=False) for b in kept] + [g]
-            gx, gws = _stage_vjps(stages, vals, slices(k, ws), g)
-            return acc[0] + gx, [jax.lax.dynamic_update_slice_in_dim(dw, gw, k * chunk, d)
-                                 for dw, gw, d in zip(acc[1], gws, dims)]
-
-        dx, dws = jax.lax.fori_loop(0, n // chunk, body, (jnp.zeros_like(x), [jnp.zeros_like(w) for w in ws]))
-        dx = jax.lax.psum(dx, mx)                          # after the loop: partial sums over the units
-        if batch_axes:
-            dws = jax.lax.psum(dws, batch_axes)
-        return (dx, *dws)
-
-    w_specs = tuple(P(*([None] * d + [mx])) for d in dims)
+    w_specs = tuple(P(*([None] * d + [model_axis])) for d in dims)
     n_kept = sum(st.n_out for st in stages) - 1
-    k_specs = (P(mx, bspec),) * n_kept
+    k_specs = (P(model_axis, bspec),) * n_kept
 
     def fwd_map(keep):
-        return jax.shard_map(functools.partial(local_fwd, keep), mesh=mesh, in_specs=(P(bspec),) + w_specs,
-                             out_specs=(P(bspec),) + (k_specs if keep else (P(mx),) * n_kept), check_vma=False)
+        return jax.shard_map(functools.partial(blocks.fwd, keep), mesh=mesh, in_specs=(P(bspec),) + w_specs,
+                             out_specs=(P(bspec),) + (k_specs if keep else (P(model_axis),) * n_kept), check_vma=False)
 
-    bwd_map = jax.shard_map(local_bwd, mesh=mesh, in_specs=(P(bspec),) + w_specs + k_specs + (P(bspec),),
+    bwd_map = jax.shard_map(blocks.bwd, mesh=mesh, in_specs=(P(bspec),) + w_specs + k_specs + (P(bspec),),
                             out_specs=(P(bspec),) + w_specs, check_vma=False)
 
     @jax.custom_vjp
