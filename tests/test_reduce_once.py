@@ -158,20 +158,33 @@ def test_remat_keeps_per_micro_batch_sums_and_says_so():
     assert "still summed over the model axes once per micro-batch: remat" in plan.summary()
 
 
-def test_dropout_reduces_once():
-    """A random draw per sample (dropout) in parts: each data shard draws its own rows of the whole-batch
-    mask (tests/test_model_state.py checks the masks), and the gradients are still summed once."""
+def dropout_loss(scopes):
+    """make_loss with dropout on the backbone's first layer (a per-sample random draw)."""
     def loss_fn(p, b, rng):
-        keep = jax.random.bernoulli(rng, 0.9, b["x"].shape)
-        return make_loss(none, none)(p, {**b, "x": jnp.where(keep, b["x"] / 0.9, 0.0)})
+        with scopes[0]():
+            h = jnp.tanh(b["x"] @ p["w1"] + p["b1"])
+            h = jnp.where(jax.random.bernoulli(rng, 0.8, h.shape), h / 0.8, 0.0)
+            h = jnp.tanh(h @ p["w2"])
+        with scopes[1]():
+            ce = optax.softmax_cross_entropy_with_integer_labels(h @ p["out"], b["y"])
+            return (ce * b["mask"]).sum() / jnp.maximum(b["mask"].sum(), 1.0)
+    return loss_fn
+
+
+@pytest.mark.parametrize("scopes", ["dp", "hybrid", "hybrid8"])
+def test_dropout_reduces_once(scopes):
+    """A random draw per sample (dropout) in parts: each data (and model) shard draws its own rows of the
+    whole-batch mask, equal to one device's (a wrong row would fail here), and the gradients are still
+    summed once a step."""
+    loss_fn, s = dropout_loss(SCOPES[scopes]), SCOPES[scopes]
     found = []
     for m in (1, 4):
-        step = wh.parallelize(loss_fn, optax.sgd(0.1), config=wh.Config(num_micro_batch=m))
-        step.init(params0(), batch0(), rng=jax.random.key(1))
+        step = wh.parallelize(loss_fn, optax.sgd(0.1), config=config(s, m))
+        state = step.init(params0(), batch0(), rng=jax.random.key(1))
         found.append(gradient_collectives(step.plan.lowered().compile().as_text(), SHAPES))
     assert found[1] == found[0], found
-    assert "summed over 'data' once a step" in step.plan.summary()
-    state, _ = step(step.init(params0(), batch0(), rng=jax.random.key(1)), batch0())
+    assert "once a step" in step.plan.summary() and "once per micro-batch" not in step.plan.summary()
+    state, _ = step(state, batch0())
     key = jax.random.split(jax.random.key(1))[1]                  # the key of the first step
     grads = jax.jit(jax.grad(lambda p: loss_fn(p, batch0(), key)))(params0())
     want = jax.tree.map(lambda p, g: p - 0.1 * g, params0(), grads)

@@ -18,6 +18,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from whalex.core.segments import Segment, run_segments, segment_function, segments
 
 
+SHARDS = "whalex_model_shards"      # the vmap axis of the model shards
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardGroups:
     """Which segments run per model shard: the TaskGraphs, the model axes and their device count,
@@ -88,7 +91,7 @@ def runs_per_shard(body, inner_body, groups: ShardGroups, num_params: int) -> fr
 
 
 def grouped_evaluator(body, inner_body, groups: ShardGroups, constraints: dict, inner_constraints: dict, mesh,
-                      overrides: dict | None, num_params: int) -> Callable[..., list]:
+                      overrides: dict | None, num_params: int, draws=frozenset()) -> Callable[..., list]:
     """evaluate(*inputs) of `body` (parameters in `groups.copied` given as [size, ...] copies): the
     segments of `groups.taskgraphs` under vmap over the model shards (through `inner_body`, the
     same loss at one shard's rows), the others as planned, reading copy 0 of a copied parameter."""
@@ -103,9 +106,23 @@ def grouped_evaluator(body, inner_body, groups: ShardGroups, constraints: dict, 
             copies = [params.get(v) in groups.copied for v in seg.inputs]
             parts.append((seg, _first_copy(fn, copies)))
         else:
-            fn = segment_function(inner_body, inner, inner_constraints, mesh, overrides)
+            fn = segment_function(inner_body, inner, inner_constraints, mesh, _shard_rows(overrides, draws, rows,
+                                                                                          groups.size))
             parts.append((seg, _per_shard(fn, kinds, groups, mesh)))
     return run_segments(body, parts)
+
+
+def _shard_rows(overrides: dict | None, draws, rows: int, size: int) -> dict:
+    """`overrides` for one shard's rows: a random draw (`draws`: their paths) gives the part's rows of
+    the whole-batch draw, the shard takes its own (each shard draws the part's rows: `size` times
+    the random bits of these segments, so the masks stay those of one device)."""
+    def shard(fn):
+        def run(*ins):
+            bits = fn(*ins)[0]
+            start = jax.lax.axis_index(SHARDS) * (rows // size)
+            return [jax.lax.dynamic_slice_in_dim(bits, start, rows // size, axis=0)]
+        return run
+    return {p: shard(f) if p in draws else f for p, f in (overrides or {}).items()}
 
 
 def _rows(body, num_params: int) -> int:
@@ -131,7 +148,7 @@ def _per_shard(fn, kinds, groups: ShardGroups, mesh):
             if k == "rows":
                 a = jax.lax.with_sharding_constraint(a.reshape((groups.size, -1) + a.shape[1:]), spread)
             ins.append(a)
-        outs = jax.vmap(fn, in_axes=tuple(0 if k != "same" else None for k in kinds),
+        outs = jax.vmap(fn, in_axes=tuple(0 if k != "same" else None for k in kinds), axis_name=SHARDS,
                         spmd_axis_name=groups.axes)(*ins)
         return [o.reshape((-1,) + o.shape[2:]) for o in outs]
 

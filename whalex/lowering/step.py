@@ -191,14 +191,13 @@ class Program(Emitter):
         if self.group_axis is not None:            # evaluated under vmap over the shards of group_axis
             constraints = {k: _without(spec, self.group_axis) for k, spec in constraints.items()}
         overrides = {**(self.overrides or {}), **overrides}
-        if self.group_axis is not None:            # a random draw's key varies along the shards too
-            draws = {d[0] for d in self.parts.draws}
-            overrides = {p: _key_per_shard(f) if p in draws else f for p, f in overrides.items()}
+        draws = frozenset(d[0] for d in self.parts.draws) if self.group_axis is not None else frozenset()
+        overrides = {p: _key_per_shard(f) if p in draws else f for p, f in overrides.items()}
         g = self.shard_groups
         if g is not None:
             inner = {k: functools.reduce(_without, g.axes, spec) for k, spec in constraints.items()}
             return grouped_evaluator(cap, same_outputs(cap, self.shard_parts), g, constraints, inner, self.mesh,
-                                     overrides, self.captured.num_params)
+                                     overrides, self.captured.num_params, draws)
         return program_evaluator(cap, constraints, self.mesh, overrides, self.remat, None)[0]
 
     def _part_params(self, params) -> list:

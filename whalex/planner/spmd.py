@@ -144,10 +144,7 @@ def _shard_loss(req: Request, full, rows: int, where: str):
         return None, f"the loss cannot be evaluated {where} ({e})"
     if sem.accepted:
         return None, f"the loss's batch statistics are per micro-batch ({', '.join(sem.accepted)})"
-    pl = PartLoss(sem, cap, full)
-    if pl.draws and where != "per data shard":      # a model shard's segments draw no rows of their own
-        return None, "the loss draws random bits per sample (dropout)"
-    return pl, None
+    return PartLoss(sem, cap, full), None
 
 
 def model_shards(req: Request, full, layout, vds, unit: PartLoss, readers):
