@@ -149,13 +149,18 @@ def test_collocated_hybrid_reduces_once(hybrid):
     assert "summed over them once a step" in compiled(hybrid, 4)[0].summary()
 
 
-def test_remat_keeps_per_micro_batch_sums_and_says_so():
-    """remat evaluates the loss by its own segments: the backbone's sums over 'model' stay in the loop,
-    and the summary says so (what runs once still runs once)."""
-    plan = wh.plan(make_loss(*HYBRID), params0(), batch0(), optax.sgd(0.1), config=config(HYBRID, 4, remat="full"))
-    text = plan.lowered().compile().as_text()
-    assert gradient_collectives(text, SHAPES)[2] > 0
-    assert "still summed over the model axes once per micro-batch: remat" in plan.summary()
+@pytest.mark.parametrize("memory", [{"remat": "full"}, {"remat": "dots_saveable"},
+                                    {"remat": "full", "offload": "activations"}])
+def test_remat_hybrid_reduces_once(memory):
+    """remat's segments (checkpointed per TaskGraph) and offloaded activations run per model shard too."""
+    s = HYBRID
+    step, _ = assert_matches(make_loss(*s), params0(), batch0(), steps=3, optimizer=optax.sgd(0.5), tol=1e-5,
+                             param_tol=1e-4, config=config(s, 4, **memory))
+    found = [gradient_collectives(wh.plan(make_loss(*s), params0(), batch0(), optax.sgd(0.1),
+                                          config=config(s, m, **memory)).lowered().compile().as_text(), SHAPES)
+             for m in (1, 4)]
+    assert found[1] == found[0], found
+    assert "summed over them once a step" in step.plan.summary()
 
 
 def dropout_loss(scopes):
@@ -224,3 +229,13 @@ def test_amp_hybrid_micro_batches(amp):
     assert moved_err(got[4], fp32, params0()) < TOL[amp]
     assert moved_err(got[4], got[1], params0()) < TOL[amp] / 2
     assert "summed over them once a step" in runs[4][2].plan.summary()
+
+
+def test_per_micro_batch_batch_statistics_keep_per_micro_batch_sums_and_say_so():
+    """BatchNorm statistics accepted per micro-batch (batch_coupling='per_part'): per data shard they would
+    be other numbers, so the gradients are summed once per micro-batch, as before, and the summary says why."""
+    from test_model_state import problem
+    loss_fn, params, state, batch = problem()
+    plan = wh.plan(loss_fn, params, batch, optax.sgd(0.1), model_state=state,
+                   config=wh.Config(num_micro_batch=4, batch_coupling="per_part"))
+    assert "once per micro-batch (4 times a step): the loss's batch statistics are per micro-batch" in plan.summary()

@@ -16,6 +16,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from whalex.core.segments import Segment, run_segments, segment_function, segments
+from whalex.memory.remat import RematPlan, comm_overrides, remat_segment, with_offload
 
 
 SHARDS = "whalex_model_shards"      # the vmap axis of the model shards
@@ -91,25 +92,37 @@ def runs_per_shard(body, inner_body, groups: ShardGroups, num_params: int) -> fr
 
 
 def grouped_evaluator(body, inner_body, groups: ShardGroups, constraints: dict, inner_constraints: dict, mesh,
-                      overrides: dict | None, num_params: int, draws=frozenset()) -> Callable[..., list]:
+                      overrides: dict | None, num_params: int, draws=frozenset(),
+                      remat: RematPlan | None = None) -> Callable[..., list]:
     """evaluate(*inputs) of `body` (parameters in `groups.copied` given as [size, ...] copies): the
     segments of `groups.taskgraphs` under vmap over the model shards (through `inner_body`, the
-    same loss at one shard's rows), the others as planned, reading copy 0 of a copied parameter."""
+    same loss at one shard's rows), the others as planned, reading copy 0 of a copied parameter;
+    each segment under its remat policy, as `program_evaluator` runs them."""
     jaxpr = body.jaxpr.jaxpr
     rows = _rows(body, num_params)
     params = {v: k for k, v in enumerate(jaxpr.invars[:num_params])}
+    remat = remat if remat is not None and remat.active else None
+    cuts = remat.cuts if remat is not None else ()
+    outer = _tagged(body, constraints, mesh, overrides, remat)
+    inner_ovr = _tagged(inner_body, inner_constraints, mesh, _shard_rows(overrides, draws, rows, groups.size), remat)
     parts = []
-    for seg, inner in zip(segments(body), segments(inner_body)):
+    for k, (seg, inner) in enumerate(zip(segments(body, cuts), segments(inner_body, cuts))):
         kinds = _plan_segment(seg, inner, rows, groups, params) if seg.taskgraph in groups.taskgraphs else None
         if kinds is None:
-            fn = segment_function(body, seg, constraints, mesh, overrides)
-            copies = [params.get(v) in groups.copied for v in seg.inputs]
-            parts.append((seg, _first_copy(fn, copies)))
+            fn = segment_function(body, seg, constraints, mesh, outer)
+            fn = _first_copy(fn, [params.get(v) in groups.copied for v in seg.inputs])
         else:
-            fn = segment_function(inner_body, inner, inner_constraints, mesh, _shard_rows(overrides, draws, rows,
-                                                                                          groups.size))
-            parts.append((seg, _per_shard(fn, kinds, groups, mesh)))
-    return run_segments(body, parts)
+            fn = _per_shard(segment_function(inner_body, inner, inner_constraints, mesh, inner_ovr), kinds, groups, mesh)
+        parts.append((seg, remat_segment(remat, k, seg, fn) if remat is not None else fn))
+    return with_offload(remat, run_segments(body, parts))
+
+
+def _tagged(cap, constraints: dict, mesh, overrides: dict | None, remat: RematPlan | None) -> dict | None:
+    """Overrides with remat's tags at collective points (as `program_evaluator` adds them)."""
+    if remat is None:
+        return overrides
+    split = {t.index for t in cap.taskgraphs if t.strategy.kind == "split"}
+    return comm_overrides(cap, constraints, mesh, split, overrides)
 
 
 def _shard_rows(overrides: dict | None, draws, rows: int, size: int) -> dict:

@@ -197,7 +197,7 @@ class Program(Emitter):
         if g is not None:
             inner = {k: functools.reduce(_without, g.axes, spec) for k, spec in constraints.items()}
             return grouped_evaluator(cap, same_outputs(cap, self.shard_parts), g, constraints, inner, self.mesh,
-                                     overrides, self.captured.num_params, draws)
+                                     overrides, self.captured.num_params, draws, self.remat)
         return program_evaluator(cap, constraints, self.mesh, overrides, self.remat, None)[0]
 
     def _part_params(self, params) -> list:

@@ -153,8 +153,6 @@ def model_shards(req: Request, full, layout, vds, unit: PartLoss, readers):
     axes = tuple(a for a, n in zip(layout.axis_names, layout.axis_sizes) if a != DATA and n > 1)
     if not axes:
         return None, None
-    if req.config.remat is not None or req.config.offload is not None:
-        return None, "remat and offload evaluate the loss by their own segments"
     size = layout.axis_size(axes)
     rows = unit.sem.part_rows
     if rows % size:
