@@ -239,3 +239,17 @@ def test_per_micro_batch_batch_statistics_keep_per_micro_batch_sums_and_say_so()
     plan = wh.plan(loss_fn, params, batch, optax.sgd(0.1), model_state=state,
                    config=wh.Config(num_micro_batch=4, batch_coupling="per_part"))
     assert "once per micro-batch (4 times a step): the loss's batch statistics are per micro-batch" in plan.summary()
+
+
+@pytest.mark.parametrize("split", [2, 8])
+@pytest.mark.parametrize("kind", ["mean", "sum", "masked", "token", "aux"])
+def test_loss_contract_on_collocated_hybrid(kind, split):
+    """The loss contract's losses (tests/test_loss_contract.py: an embedding, two layers, a head, padded rows)
+    on replicate(8) x 3 beside split(n) with 4 micro-batches, against one device (SGD; Adam for 'aux')."""
+    from test_loss_contract import OPTIMIZERS, lm_batch, lm_loss, lm_params
+    scopes = (lambda: wh.replicate(8),) * 3 + (lambda: wh.split(split),)
+    for opt in ["sgd"] + (["adam"] if kind == "aux" else []):
+        step, _ = assert_matches(lm_loss(kind, scopes), lm_params(), lm_batch(), steps=3, optimizer=OPTIMIZERS[opt](),
+                                 tol=1e-5, param_tol=1e-4,
+                                 config=wh.Config(num_micro_batch=4, share_devices=True))
+        assert "summed over them once a step" in step.plan.summary()

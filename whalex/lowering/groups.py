@@ -34,8 +34,9 @@ class ShardGroups:
 
 
 def var_positions(jaxpr) -> dict:
-    """{var: ("in", k) | (eqn index, out index)}: where each value of `jaxpr` is defined."""
-    out = {v: ("in", k) for k, v in enumerate(jaxpr.invars)}
+    """{var: ("in" | "const", k) | (eqn index, out index)}: where each value of `jaxpr` is defined."""
+    out = {v: ("const", k) for k, v in enumerate(jaxpr.constvars)}
+    out.update({v: ("in", k) for k, v in enumerate(jaxpr.invars)})
     for i, eqn in enumerate(jaxpr.eqns):
         out.update({v: (i, j) for j, v in enumerate(eqn.outvars)})
     return out
@@ -47,8 +48,12 @@ def same_outputs(body, inner_pl) -> object:
     jp = inner_pl.body_jaxpr
 
     def var(v):
-        k = where[v]
-        return jp.invars[k[1]] if k[0] == "in" else jp.eqns[k[0]].outvars[k[1]]
+        k = where.get(v)               # None: a literal
+        if k is None:
+            return v
+        if k[0] in ("in", "const"):
+            return (jp.invars if k[0] == "in" else jp.constvars)[k[1]]
+        return jp.eqns[k[0]].outvars[k[1]]
 
     return inner_pl.body([var(v) for v in body.jaxpr.jaxpr.outvars])
 
