@@ -207,13 +207,15 @@ def test_micro_batches_train_like_one_device(scopes, opt):
     assert "summed over 'data' once a step" in step.plan.summary()
 
 
+@pytest.mark.parametrize("zero", [2, 3])
 @pytest.mark.parametrize("scopes", ["dp", "hybrid"])
-def test_zero2_micro_batches_train_like_one_device(scopes):
-    """ZeRO 2 (gradients reduce-scattered to their owners) over the per-shard accumulators."""
+def test_zero_micro_batches_train_like_one_device(scopes, zero):
+    """ZeRO 2/3 (gradients reduce-scattered to their owners; ZeRO 3 gathers parameters where used) over the
+    per-shard accumulators."""
     s = SCOPES[scopes]
     assert_matches(make_loss(*s), params0(), batch0(), steps=3, optimizer=adam(1e-2), tol=1e-5, param_tol=1e-4,
-                   config=config(s, 4, zero_level=2))
-    found = {m: gradient_collectives(compiled(scopes, m, 2)[1], SHAPES) for m in (1, 4)}
+                   config=config(s, 4, zero_level=zero))
+    found = {m: gradient_collectives(compiled(scopes, m, zero)[1], SHAPES) for m in (1, 4)}
     assert found[4] == found[1], found
 
 
