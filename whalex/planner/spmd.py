@@ -127,7 +127,8 @@ def reduce_once(req: Request, full, m: int, layout, vds, sharding, overrides, pa
         groups, inner = shards
         fields.update(shard_groups=groups, shard_parts=inner)
         once += groups.axes
-        line += f", and per {list(groups.axes)} shard for the replicate TaskGraphs, summed over them once a step"
+        tgs = ", ".join(f"TG{t}" for t in sorted(groups.taskgraphs))
+        line += f", and per {list(groups.axes)} shard for {tgs} (rows spread over them too), summed over them once a step"
         line += inner_why or ""
     elif inner_why:
         line += f"; replicate TaskGraphs' gradients are still summed over the model axes once per micro-batch: {inner_why}"
