@@ -19,6 +19,8 @@ from whalex.core.parts import analyse
 from whalex.errors import PlanError
 from whalex.lowering.padding import EvenPadding
 from whalex.planner.patterns import plan_shardings
+from whalex.planner.patterns.stock import fuse_stock_layers
+from whalex.planner.split_cost import lowered_split_report
 from whalex.lowering.groups import ShardGroups, runs_per_shard, same_outputs
 from whalex.lowering.step import Program
 from whalex.lowering.uneven import UnevenProgram
@@ -43,6 +45,8 @@ def spmd_plan(req: Request, cap, report=None) -> Plan:
     strategies = [t.strategy for t in cap.taskgraphs]
     layout = mesh_layout(strategies, cluster.size)
     vds = virtual_devices(strategies, layout)
+    if config.hardware_aware and m == 1:           # stock Flax MLPs and attention run as wh.ops calls
+        cap = full = fuse_stock_layers(cap, vds, layout, cluster)
     try:
         sharding = plan_shardings(cap, vds, layout, config.matmul_pattern)
     except PlanError as e:
@@ -57,6 +61,8 @@ def spmd_plan(req: Request, cap, report=None) -> Plan:
         found = uneven_heads(cap, vds, layout, sharding, cluster, optimizer)
         if found is not None:
             calls, head_padded, sharding, split_report = found
+            split_report = lowered_split_report(split_report, calls, cap, cluster, optimizer,
+                                                dict(zip(layout.axis_names, layout.axis_sizes)))
             overrides = uneven_overrides(calls, mesh)
             padded.update(head_padded)
     padded = padded or None
