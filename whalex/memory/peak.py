@@ -210,6 +210,12 @@ def _backward(ops: Sequence[_Op], vals: dict, fixed: set, env: _Env) -> None:
     """GSPMD also propagates shardings from users to operands: a broadcast mask or a zero tangent
     used beside a batch-sharded value is sharded like it (in place; `fixed` keys keep theirs)."""
     for op in reversed(ops):
+        for k, c in _loop_carries(op.eqn):       # a loop's carry is sharded as the body leaves it
+            x, want = op.ins[k], vals[op.outs[c]].spec
+            if not isinstance(x, C.Literal) and x not in fixed and vals[x].spec is not None and want is not None \
+                    and len(want) == len(vals[x].spec):
+                shape = getattr(op.eqn.invars[k].aval, "shape", ())
+                vals[x] = dataclasses.replace(vals[x], spec=adopt(vals[x].spec, want, shape, env.axis_sizes))
         if not op.outs or vals[op.outs[0]].spec is None:
             continue
         out = vals[op.outs[0]].spec
@@ -366,6 +372,17 @@ def _inner_peak(op: _Op, lv: _Level, env: _Env, dying: Sequence[int] = ()) -> fl
         peaks.append(_replay(b, _body_operands(e, b, args), env, range(_carries(e)), hints=outs,
                              owned=sorted(owned))[0])
     return max(peaks)
+
+
+def _loop_carries(e) -> list[tuple[int, int]]:
+    """(operand, result) positions of each value a scan or while loop carries."""
+    if e.primitive.name == "scan":
+        consts, carry = C.scan_counts(e)
+        return [(consts + c, c) for c in range(carry)]
+    if e.primitive.name == "while":
+        n = len(e.outvars)
+        return [(len(e.invars) - n + c, c) for c in range(n)]
+    return []
 
 
 def _carry_invars(e, n: int) -> range:

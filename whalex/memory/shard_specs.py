@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from jax.sharding import PartitionSpec as P
+
 from whalex.memory.op_kinds import CHEAP, EXPENSIVE, HOST_KINDS, OPAQUE_DIMS, REDUCE, VIEW
 
 Spec = tuple            # per dimension: a tuple of mesh axis names (empty: not sharded)
@@ -22,11 +24,12 @@ def shards(spec: Spec | None, axis_sizes: dict) -> int:
 
 
 def spec_of(pspec, ndim: int) -> Spec:
-    """A PartitionSpec as a per-dimension tuple of axis-name tuples of length `ndim`."""
+    """A PartitionSpec as a per-dimension tuple of axis-name tuples of length `ndim` (an UNCONSTRAINED
+    dimension as an unsharded one: GSPMD picks its sharding, and none is the bound)."""
     out = []
     for k in range(ndim):
         e = pspec[k] if pspec is not None and k < len(pspec) else None
-        out.append(() if e is None else tuple(e) if isinstance(e, (tuple, list)) else (e,))
+        out.append(() if e is None or e is P.UNCONSTRAINED else tuple(e) if isinstance(e, (tuple, list)) else (e,))
     return tuple(out)
 
 
@@ -60,7 +63,7 @@ def _merge(specs: Sequence[Spec], ndim: int) -> Spec:
 
 def reshape_spec(spec: Spec, old, new) -> Spec:
     """Sharding of a reshape: a group of input dims that maps onto a group of output dims passes the
-    major input dim's axes to the major output dim."""
+    major input dim's axes to the major output dim (with those of size-1 dims merged in front of it)."""
     out: list = [()] * len(new)
     i = j = 0
     while i < len(old) and j < len(new):
@@ -75,7 +78,10 @@ def reshape_spec(spec: Spec, old, new) -> Spec:
             if i >= len(old) or j >= len(new):
                 break
         if j0 < len(new):
-            out[j0] = spec[i0] if i0 < len(spec) else ()
+            k, axes = i0, ()
+            while k < min(i, len(old) - 1, len(spec) - 1) and old[k] == 1:   # size-1 dims merged in front
+                axes, k = axes + tuple(spec[k]), k + 1
+            out[j0] = axes + tuple(spec[k]) if k < len(spec) else axes
         i, j = i + 1, j + 1
     return tuple(out)
 
