@@ -39,13 +39,42 @@ def spmd_plan(req: Request, cap, report=None) -> Plan:
     """Collocated TaskGraphs in one GSPMD program; micro-batches accumulate gradients."""
     config, cluster, optimizer = req.config, req.cluster, req.optimizer
     m = config.num_micro_batch
+    cap, full, layout, vds, sharding = _shardings(req, cap, m)
+    mesh = layout.build(cluster.devices)
+    sharding, overrides, padded, split_report = _uneven_and_experts(req, cap, m, layout, vds, sharding, mesh)
+    axis_sizes = dict(zip(layout.axis_names, layout.axis_sizes))
+    readers = [[t.index for t in cap.taskgraphs if i in t.params] for i in range(cap.num_params)]
+    mem = MemoryOptions.from_config(config, zero.data_parallel_axes(readers, [v.batch_axes for v in vds], axis_sizes))
+    parts = _micro_batch_parts(cap, full, config, m)
+    fields, once, once_axes = reduce_once(req, full, m, layout, vds, sharding, overrides, parts, readers)
+    program = Program(cap, sharding, mesh, optimizer, cluster.platform, m, overrides, padded, memory=mem,
+                      **{"parts": parts, **fields})
+    if mem.zero_level >= 2 and layout.axis_names == (DATA,) and layout.size > 1 and not overrides:
+        program = zero_data_parallel(req, full, m, mesh, mem) or program
+    program = configure_memory(program, config, cluster, [vd.batch_axes for vd in vds] if isinstance(program, Program)
+                               else [(DATA,)] * len(program.captured.taskgraphs), req.capture)
+    first = vds[cap.assign[(0,)]] if cap.assign else vds[0]
+    parts = program.parts
+    couplings = tuple(parts.sem.lines()) + once if parts is not None else \
+        (lambda: whole_batch_couplings(req, full))       # found when asked (one more trace)
+    return assemble(req, program, layout, vds, taskgraph_rows(cap), Work(cap, cap.assign, m),
+                    batch_sizes=(full.global_batch // layout.axis_size(first.batch_axes),) * layout.size,
+                    global_batch=full.global_batch, param_specs=dict(zip(cap.param_paths, sharding.param_specs)),
+                    comms=_step_comms(cap, sharding, program, mem, readers, m, once_axes), sharding=sharding,
+                    balance=report or split_report, batch_couplings=couplings)
+
+
+def _shardings(req: Request, cap, m: int):
+    """(the capture at the micro-batch size, the whole-batch capture, mesh layout, VirtualDevices, the
+    ShardingPlan): stock Flax MLPs and attention run as wh.ops calls on hardware-aware plans."""
+    config, cluster = req.config, req.cluster
     full = cap
     if m > 1:
         cap = req.capture(full.global_batch // m)
     strategies = [t.strategy for t in cap.taskgraphs]
     layout = mesh_layout(strategies, cluster.size)
     vds = virtual_devices(strategies, layout)
-    if config.hardware_aware and m == 1:           # stock Flax MLPs and attention run as wh.ops calls
+    if config.hardware_aware and m == 1:
         cap = full = fuse_stock_layers(cap, vds, layout, cluster)
     try:
         sharding = plan_shardings(cap, vds, layout, config.matmul_pattern)
@@ -54,7 +83,13 @@ def spmd_plan(req: Request, cap, report=None) -> Plan:
             raise PlanError(f"{e} (with num_micro_batch={m}, each micro-batch of {cap.global_batch} samples "
                             "must divide over the data-parallel replicas)") from None
         raise
-    mesh = layout.build(cluster.devices)
+    return cap, full, layout, vds, sharding
+
+
+def _uneven_and_experts(req: Request, cap, m: int, layout, vds, sharding, mesh):
+    """(sharding, overrides, padded leaves, the uneven split's report): uneven class shards or blocks
+    of split TaskGraphs on a heterogeneous model axis (Algorithm 1), expert-parallel MoE calls."""
+    config, cluster, optimizer = req.config, req.cluster, req.optimizer
     overrides, split_report = None, None
     padded = {leaf: (EvenPadding(cap.jaxpr.jaxpr.invars[leaf].aval.shape[d], k), d) for leaf, d, k in sharding.padding}
     if config.hardware_aware and m == 1:
@@ -65,42 +100,31 @@ def spmd_plan(req: Request, cap, report=None) -> Plan:
                                                 dict(zip(layout.axis_names, layout.axis_sizes)))
             overrides = uneven_overrides(calls, mesh)
             padded.update(head_padded)
-    padded = padded or None
     if sharding.experts:
         overrides = {**(overrides or {}), **expert_overrides(sharding.experts, mesh)}
-    axis_sizes = dict(zip(layout.axis_names, layout.axis_sizes))
-    readers = [[t.index for t in cap.taskgraphs if i in t.params] for i in range(cap.num_params)]
-    mem = MemoryOptions.from_config(config, zero.data_parallel_axes(readers, [v.batch_axes for v in vds], axis_sizes))
-    parts = None
-    if m > 1:
-        if config.comm_dtype is not None:
-            raise PlanError(f"comm_dtype={config.comm_dtype!r} with num_micro_batch={m} on collocated TaskGraphs is "
-                            "not lowered yet; use comm_dtype=None, or num_micro_batch=1.")
-        parts = loss_parts(cap, full, config, "micro-batches (gradient accumulation)")
-    fields, once, once_axes = reduce_once(req, full, m, layout, vds, sharding, overrides, parts, readers)
-    program = Program(cap, sharding, mesh, optimizer, cluster.platform, m, overrides, padded, memory=mem,
-                      **{"parts": parts, **fields})
-    if mem.zero_level >= 2 and layout.axis_names == (DATA,) and layout.size > 1 and not overrides:
-        program = zero_data_parallel(req, full, m, mesh, mem) or program
-    program = configure_memory(program, config, cluster, [vd.batch_axes for vd in vds] if isinstance(program, Program)
-                               else [(DATA,)] * len(program.captured.taskgraphs), req.capture)
-    report = report or split_report
+    return sharding, overrides, padded or None, split_report
 
+
+def _micro_batch_parts(cap, full, config, m: int) -> PartLoss | None:
+    """The loss contract over the micro-batches (None without them)."""
+    if m == 1:
+        return None
+    if config.comm_dtype is not None:
+        raise PlanError(f"comm_dtype={config.comm_dtype!r} with num_micro_batch={m} on collocated TaskGraphs is "
+                        "not lowered yet; use comm_dtype=None, or num_micro_batch=1.")
+    return loss_parts(cap, full, config, "micro-batches (gradient accumulation)")
+
+
+def _step_comms(cap, sharding, program, mem, readers, m: int, once_axes) -> tuple:
+    """The plan's collectives per step: ZeRO's, and a micro-batch loop's m times (those reduced once,
+    once)."""
     comms = sharding.comms
     if mem.zero_level:
         owner = {cap.param_paths[i]: (r[0] if r else 0) for i, r in enumerate(readers)}
         comms = zero.comms(comms, mem.zero_level, zero_sharded(program.state_layout(), cap.param_paths), owner)
-    first = vds[cap.assign[(0,)]] if cap.assign else vds[0]
-    per_device = full.global_batch // layout.axis_size(first.batch_axes)
-    parts = program.parts
-    couplings = tuple(parts.sem.lines()) + once if parts is not None else \
-        (lambda: whole_batch_couplings(req, full))       # found when asked (one more trace)
-    if m > 1 and isinstance(program, Program):           # per step: the loop's collectives m times
+    if m > 1 and isinstance(program, Program):
         comms = per_step(comms, m, once_axes)
-    return assemble(req, program, layout, vds, taskgraph_rows(cap), Work(cap, cap.assign, m),
-                    batch_sizes=(per_device,) * layout.size, global_batch=full.global_batch,
-                    param_specs=dict(zip(cap.param_paths, sharding.param_specs)), comms=comms,
-                    sharding=sharding, balance=report, batch_couplings=couplings)
+    return comms
 
 
 def reduce_once(req: Request, full, m: int, layout, vds, sharding, overrides, parts, readers):
