@@ -108,3 +108,18 @@ def test_full_remat_recomputes_the_blocks_like_nn_remat_and_not_the_head():
     assert levels["GPT/Embed_0"] is None and levels["GPT/Dense_0"] is None
     assert all(levels[f"GPT/Block_{i}"] == "full" for i in range(LAYERS))
     assert r.describe().count("full") >= 2 and "recomputation adds" in r.describe()
+
+
+def test_activation_offload_is_per_layer_on_an_unannotated_model():
+    """offload="activations" on one TaskGraph: each layer's boundary goes to pinned host memory (a
+    block-shaped host value per block at least; one TaskGraph has no other boundary), and the step
+    still trains as one device."""
+    import re
+    params, batch = problem()
+    step, _ = assert_matches(loss_fn, params, batch, steps=2, optimizer=optax.sgd(0.5), tol=1e-4,
+                             config=wh.Config(offload="activations"))
+    rows = batch["x"].shape[0]
+    jaxpr = str(step.plan.traced_step().jaxpr)
+    host = set(re.findall(rf"(\w+):f32<host>\[{rows},{SEQ},{D}\]", jaxpr))
+    assert len(host) >= LAYERS, host
+    assert len(step.plan.remat.layers.names) > LAYERS and "layer and TaskGraph boundaries" in step.plan.summary()
