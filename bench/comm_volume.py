@@ -77,35 +77,10 @@ PAPER_REDUCTION = 89.7
 # ------------------------------------------------------------------------------------------
 # worker: one device count, both annotations
 # ------------------------------------------------------------------------------------------
-def looped_collectives(text: str) -> list:
-    """(collective, trips) for every collective of compiled HLO text; in a while body, trips is its
-    known trip count (nested loops multiply; a conditional's branches each count)."""
-    import re
-    from whalex.core import hlo
-
-    comps, entry = hlo.computations(text)
-    calls = re.compile(r"\b(calls|to_apply|body|true_computation|false_computation)=%?([\w.\-]+)")
-    branches = re.compile(r"branch_computations=\{([^}]*)\}")
-
-    def walk(name, trips, seen):
-        if name in seen or name not in comps:
-            return []
-        out = [(c, trips) for c in hlo.collectives("\n".join(comps[name]))]
-        for line in comps[name]:
-            callees = [(k, c) for k, c in calls.findall(line)]
-            b = branches.search(line)
-            callees += [("branch", c.strip().lstrip("%")) for c in (b.group(1).split(",") if b else [])]
-            for kind, callee in callees:
-                out += walk(callee, trips * (hlo.trip_count(line) or 1) if kind == "body" else trips, seen | {name})
-        return out
-
-    return walk(entry, 1, frozenset())
-
-
 def grad_bytes_per_step(text: str, param_dims: set) -> dict:
     """Parameter-shaped collective results per step (a leading dimension of 1 dropped, dims sorted):
     count, bytes, and the part of them inside loops."""
-    from whalex.core.hlo import nbytes
+    from whalex.core.hlo import looped_collectives, nbytes
 
     out = {"count": 0, "bytes": 0.0, "in_loops_bytes": 0.0}
     for c, trips in looped_collectives(text):

@@ -8,7 +8,6 @@ over a padded batch.
 """
 import contextlib
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -65,36 +64,12 @@ def config(scopes, m, **kw):
 
 
 # -- reading the compiled program ---------------------------------------------------------------------
-def looped_collectives(text: str) -> list[tuple]:
-    """(collective, trips) for every collective of compiled HLO text: in a while body, its trip count."""
-    comps, entry = hlo.computations(text)
-    calls = re.compile(r"\b(calls|to_apply|body|true_computation|false_computation)=%?([\w.\-]+)")
-    branches = re.compile(r"branch_computations=\{([^}]*)\}")
-
-    def walk(name, trips, seen):
-        if name in seen or name not in comps:
-            return []
-        lines = comps[name]
-        out = [(c, trips) for c in hlo.collectives("\n".join(lines))]
-        for line in lines:
-            for kind, callee in calls.findall(line):
-                n = trips * (hlo.trip_count(line) or 1) if kind == "body" else trips
-                out += walk(callee, n, seen | {name})
-            b = branches.search(line)
-            if b:
-                for callee in b.group(1).split(","):
-                    out += walk(callee.strip().lstrip("%"), trips, seen | {name})
-        return out
-
-    return walk(entry, 1, frozenset())
-
-
 def gradient_collectives(text: str, param_shapes) -> tuple[int, float, int]:
     """(count, bytes, how many of them sit in a loop) of the parameter-shaped collective results per
     step, a leading per-shard dimension of 1 dropped and dimensions sorted (XLA may transpose)."""
     dims = {tuple(sorted(s)) for s in param_shapes}
     count, nbytes, looped = 0, 0.0, 0
-    for c, trips in looped_collectives(text):
+    for c, trips in hlo.looped_collectives(text):
         for dt, shape in c.arrays:
             s = shape
             while len(s) > 1 and s[0] == 1:          # per-shard accumulators: [1, ...] on each device
@@ -119,7 +94,7 @@ SHAPES = [tuple(x.shape) for x in jax.tree.leaves(params0())]
 def test_hlo_reader_counts_loop_trips():
     """The reader multiplies a while body's collectives by its trip count (so the tests below could fail):
     the hybrid's activation collectives run once per micro-batch."""
-    per_step = [sum(trips for c, trips in looped_collectives(compiled("hybrid", m)[1]) if trips > 1) for m in (4, 16)]
+    per_step = [sum(trips for c, trips in hlo.looped_collectives(compiled("hybrid", m)[1]) if trips > 1) for m in (4, 16)]
     assert per_step[0] > 0 and per_step[1] == 4 * per_step[0]
 
 

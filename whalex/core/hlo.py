@@ -133,3 +133,28 @@ def trip_count(line: str) -> int | None:
     """A while instruction's trip count when XLA knows it."""
     m = _TRIP.search(line)
     return int(m.group(1)) if m else None
+
+
+_CALLS = re.compile(r"\b(calls|to_apply|body|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+
+
+def looped_collectives(text: str) -> list[tuple[Collective, int]]:
+    """(collective, trips) for every collective of compiled HLO text: in a while body, trips is its
+    known trip count (nested loops multiply; every branch of a conditional counts)."""
+    comps, entry = computations(text)
+
+    def walk(name, trips, seen):
+        if name in seen or name not in comps:
+            return []
+        lines = comps[name]
+        out = [(c, trips) for c in collectives("\n".join(lines))]
+        for line in lines:
+            for kind, callee in _CALLS.findall(line):
+                out += walk(callee, trips * (trip_count(line) or 1) if kind == "body" else trips, seen | {name})
+            b = _BRANCHES.search(line)
+            for callee in (b.group(1).split(",") if b else ()):
+                out += walk(callee.strip().lstrip("%"), trips, seen | {name})
+        return out
+
+    return walk(entry, 1, frozenset())
