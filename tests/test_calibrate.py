@@ -107,7 +107,7 @@ def test_calibrating_the_users_step_on_identical_devices_gives_one_speed():
     loss_fn, params, batch = plain_model("dp", "ctx")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cluster = calibrate(wh.Cluster.detect(), loss_fn, params, batch, optimizer=optax.adam(1e-3), repeats=5)
+        cluster = calibrate(wh.Cluster.detect(), loss_fn, params, batch, optimizer=optax.adam(1e-3))
     assert len(set(cluster.speeds)) == 1                        # identical: one group, one value
     if cluster.overhead is None:
         assert any("cannot be told apart" in str(w.message) for w in caught)
@@ -138,21 +138,21 @@ def test_calibrate_splits_fixed_time_from_per_row_time_when_the_rows_stand_above
     monkeypatch.setattr(cal, "time_rounds", _synthetic_rounds([2e-4] * 8, [2e-5] * 8, 0.05))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        cluster = calibrate(wh.Cluster.detect(), loss_fn, params, batch, optimizer=optax.adam(1e-3), repeats=5)
+        cluster = calibrate(wh.Cluster.detect(), loss_fn, params, batch, optimizer=optax.adam(1e-3))
     assert len(set(cluster.speeds)) == 1 and len(set(cluster.overhead)) == 1
     assert cluster.overhead[0] == pytest.approx(2e-4, rel=0.3)
     plan = wh.plan(loss_fn, params, batch, cluster=cluster)
     assert len(set(plan.batch_sizes)) == 1 and "fixed " in plan.summary()
     # half the devices 2x slower per row: two speeds 2:1 apart, the fixed time measured on both
     monkeypatch.setattr(cal, "time_rounds", _synthetic_rounds([2e-4] * 8, [2e-5] * 4 + [4e-5] * 4, 0.05))
-    cluster = calibrate(wh.Cluster.detect(), loss_fn, params, batch, optimizer=optax.adam(1e-3), repeats=5)
+    cluster = calibrate(wh.Cluster.detect(), loss_fn, params, batch, optimizer=optax.adam(1e-3))
     assert len(set(cluster.speeds[:4])) == len(set(cluster.speeds[4:])) == 1
     assert cluster.speeds[0] / cluster.speeds[4] == pytest.approx(2.0, rel=0.15)
     assert all(o == pytest.approx(2e-4, rel=0.3) for o in cluster.overhead)
     # all fixed time and 20% noise: the slope is noise, so a warning and no fixed time, and one speed
     monkeypatch.setattr(cal, "time_rounds", _synthetic_rounds([2e-4] * 8, [1e-8] * 8, 0.2))
     with pytest.warns(UserWarning, match="cannot be told apart.*Pass a larger batch"):
-        cluster = calibrate(wh.Cluster.detect(), loss_fn, params, batch, optimizer=optax.adam(1e-3), repeats=5)
+        cluster = calibrate(wh.Cluster.detect(), loss_fn, params, batch, optimizer=optax.adam(1e-3))
     assert cluster.overhead is None and len(set(cluster.speeds)) == 1
 
 

@@ -95,7 +95,9 @@ def _loss_work(loss_fn, params, optimizer):
 
 def time_rounds(devices: Sequence, fn, args, repeats: int) -> np.ndarray:
     """Seconds of `fn(*args)` per (round, device): every device warmed up, then `repeats` rounds
-    that each time every device once, in turn, so that outside load hits all devices alike.
+    that each time every device once, in turn, so that outside load hits all devices alike; each
+    round starts one device later than the last, so that load recurring with the rounds' period
+    does not fall on the same device every round.
     `args` may be a list of argument tuples: then each round times each of them on each device, and
     the result is shaped (round, device, argument set)."""
     many = isinstance(args, list)
@@ -107,8 +109,8 @@ def time_rounds(devices: Sequence, fn, args, repeats: int) -> np.ndarray:
     times = np.zeros((repeats, len(devices), len(sets)))
     with _no_gc():
         for r in range(repeats):
-            for i, per_device in enumerate(placed):
-                for j, a in enumerate(per_device):
+            for i in np.roll(np.arange(len(placed)), -r):
+                for j, a in enumerate(placed[i]):
                     t0 = time.perf_counter()
                     jax.block_until_ready(fn(*a))
                     times[r, i, j] = time.perf_counter() - t0
