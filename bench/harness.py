@@ -244,9 +244,41 @@ def looped_ring_bytes(text: str, num_devices: int) -> dict:
 
 # ------------------------------------------------------------------------------- two-process runs
 
+THROTTLE_ENV = "WHALEX_BENCH_THROTTLE"      # "<process id>:<cgroup directory>", set by run_config
+
+
 def is_worker() -> bool:
-    """Whether this process is one of the workers `python -m whalex.launch` started."""
-    return os.environ.get("WHALEX_PROCESS_ID") is not None
+    """Whether this process is one of the workers `python -m whalex.launch` started. The worker that
+    `run_config` throttles joins its CPU cgroup here, before it starts JAX (threads started later
+    inherit the cgroup)."""
+    pid = os.environ.get("WHALEX_PROCESS_ID")
+    spec = os.environ.get(THROTTLE_ENV)
+    if pid is not None and spec and spec.split(":", 1)[0] == pid:
+        pathlib.Path(spec.split(":", 1)[1], "cgroup.procs").write_text(str(os.getpid()))
+    return pid is not None
+
+
+CPU_CGROUP = pathlib.Path("/sys/fs/cgroup/cpu")     # cgroup v1 CPU controller (CFS bandwidth)
+THROTTLE_PERIOD_US = 1000                           # quota per period: the smallest period the kernel takes
+
+
+def cgroup_throttle(share: float):
+    """A fresh CPU cgroup whose members run `share` of each THROTTLE_PERIOD_US period of one core (CFS
+    bandwidth control), or None where this machine's cgroup v1 CPU controller cannot be written (no
+    root, cgroup v2 only). Throttling by quota slows a process by the same factor in every millisecond,
+    where busy loops sharing its core slow it by scheduler time slices, which shift with how long it
+    sleeps waiting for the other process."""
+    try:
+        path = pathlib.Path(tempfile.mkdtemp(prefix="whalex_bench_", dir=CPU_CGROUP))
+    except OSError:
+        return None
+    try:
+        (path / "cpu.cfs_period_us").write_text(str(round(THROTTLE_PERIOD_US / share)))
+        (path / "cpu.cfs_quota_us").write_text(str(THROTTLE_PERIOD_US))
+    except OSError:
+        path.rmdir()
+        return None
+    return path
 
 
 def process0_log(pid: int):
@@ -288,19 +320,31 @@ def run_config(args, argv, hogs: int, batch: int, cores, env, script: str) -> di
     """One 2-process run of `script`'s worker (`python -m whalex.launch -n 2 script argv --batch batch
     --worker-out FILE`, `args.timeout` seconds at most) with `hogs` busy loops on process 1's core: the
     JSON the worker wrote, with `hogs` and `batch`, or a `failed` record."""
-    loops = []
+    loops, group = [], None
     with tempfile.TemporaryDirectory() as tmp:
         out_path = pathlib.Path(tmp) / "worker.json"
         cmd = [sys.executable, "-m", "whalex.launch", "-n", "2", "--timeout", str(args.timeout),
                str(pathlib.Path(script).resolve()), *argv, "--batch", str(batch), "--worker-out", str(out_path)]
         try:
-            loops = [busy_loop(cores[1]) for _ in range(hogs)]
-            print(f"\n=== {hogs} busy loop(s) on core {cores[1]}, batch {batch} ===", flush=True)
+            if getattr(args, "slow_by", "busy") == "quota" and hogs > 0:
+                group = cgroup_throttle(1 / (1 + hogs))
+                if group is None:
+                    print("WARNING: cannot write a CPU cgroup here (needs root and cgroup v1's cpu controller): "
+                          "busy loops instead", flush=True)
+            if group is not None:
+                env = {**env, THROTTLE_ENV: f"1:{group}"}
+                print(f"\n=== process 1 throttled to 1/{1 + hogs} of core {cores[1]} (CPU quota), batch {batch} ===",
+                      flush=True)
+            else:
+                loops = [busy_loop(cores[1]) for _ in range(hogs)]
+                print(f"\n=== {hogs} busy loop(s) on core {cores[1]}, batch {batch} ===", flush=True)
             rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
         finally:
             for hog in loops:
                 hog.kill()
                 hog.wait()
+            if group is not None:
+                group.rmdir()
         if rc != 0 or not out_path.exists():
             return {"hogs": hogs, "batch": batch, "failed": f"the 2-process run exited with status {rc}"}
         return {"hogs": hogs, "batch": batch, **json.loads(out_path.read_text())}

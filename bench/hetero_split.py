@@ -51,7 +51,10 @@ def parse(argv=None):
     ap.add_argument("--declared", default=None,
                     help="device kinds, comma-separated, instead of calibrating (the quick run: V100-32GB,T4-16GB)")
     ap.add_argument("--batches", default="1024", help="global batches (rows), comma-separated")
-    ap.add_argument("--slowdowns", default="1,2", help="busy loops on process 1's core (1: near 2:1, 2: near 3:1)")
+    ap.add_argument("--slowdowns", default="1,2", help="process 1 slowed n+1 times (1: near 2:1, 2: near 3:1)")
+    ap.add_argument("--slow-by", choices=("quota", "busy"), default="quota",
+                    help="quota: a CPU cgroup gives process 1 1/(n+1) of each millisecond (needs root; falls "
+                         "back to busy); busy: n busy loops share its core")
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--hidden", type=int, default=4096, help="MLP hidden units")
     ap.add_argument("--heads", type=int, default=32, help="attention heads (head_dim 32)")

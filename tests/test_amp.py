@@ -97,7 +97,7 @@ def test_amp_uneven_split_head_sees_the_parameter_behind_the_cast():
     loss_fn, params, batch = _head_model()
     step, state = check_half(loss_fn, params, batch, "bf16", cluster=wh.Cluster(kinds=HETERO))
     assert step.plan.balance is not None and step.plan.balance.kind.startswith("classes")
-    assert state.stored_params["kernel"].shape == (24, 800)                 # stored padded, uneven class shards
+    assert state.stored_params["kernel"].shape == (24, 840)                 # stored padded, uneven class shards
 
 
 # ------------------------------------------------------------------------------------------ loss scaling

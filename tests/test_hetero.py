@@ -116,15 +116,15 @@ def test_uneven_split_head_matches_single_device():
     r = step.plan.head_balance           # a hybrid: plan.balance is the batch's (tests/test_hybrid_uneven.py)
     assert r.kind.startswith("classes") and r.applied
     counts = [d.rows for d in r.devices]
-    assert sum(counts) == 640 and counts[:4] == [100] * 4 and counts[4:] == [60] * 4     # 15.7 : 8.1
+    assert sum(counts) == 640 and counts[:4] == [105] * 4 and counts[4:] == [55] * 4     # 15.7 : 8.1
     kernel = state.stored_params["kernel"]              # stored padded: one even buffer per device
-    assert kernel.shape == (24, 800) and {s.data.shape for s in kernel.addressable_shards} == {(24, 100)}
+    assert kernel.shape == (24, 840) and {s.data.shape for s in kernel.addressable_shards} == {(24, 105)}
     assert step.params(state)["kernel"].shape == (24, 640)
     # the gradient of the split head is never all-reduced, logits never gathered
     from hlo import shapes_of
     text = step.plan.lowered().compile().as_text()
-    assert (24, 100) not in shapes_of(text, "all-reduce") and (100, 24) not in shapes_of(text, "all-reduce")
-    assert not any(640 in s or 800 in s for s in shapes_of(text, "all-gather"))
+    assert (24, 105) not in shapes_of(text, "all-reduce") and (105, 24) not in shapes_of(text, "all-reduce")
+    assert not any(640 in s or 840 in s for s in shapes_of(text, "all-gather"))
 
 
 def test_even_split_head_on_a_homogeneous_cluster_uses_plain_sharding():

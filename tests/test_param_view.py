@@ -66,7 +66,7 @@ def test_padded_uneven_head_reads_unpadded_and_a_new_batch_size_relays_out_the_s
     opt = optax.adam(1e-2)
     step = wh.parallelize(loss_fn, opt, cluster=wh.Cluster(kinds=HETERO))
     state = step.init(params, batch)
-    assert state.stored_params["kernel"].shape == (24, 800) and state.view.layout == "padded uneven shards"
+    assert state.stored_params["kernel"].shape == (24, 840) and state.view.layout == "padded uneven shards"
     assert _shapes(state.params) == _shapes(params)
     jax.tree.map(np.testing.assert_array_equal, state.params, params)
     half = jax.tree.map(lambda x: x[:16], batch)

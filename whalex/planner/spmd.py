@@ -259,8 +259,9 @@ def zero_data_parallel(req: Request, full, m, mesh, mem):
 
 def plan_columns(classes: int, speeds: Sequence[float], capacities: Sequence[float],
                  bytes_per_column: float, names: Sequence[str]):
-    """Algorithm 1 over the class dimension: (UnevenColumns, Balance). `chunk` divides `classes`."""
-    chunk = cost.balance_unit(classes, len(speeds))
+    """Algorithm 1 over the class dimension: (UnevenColumns, Balance). `chunk` divides `classes`:
+    the largest whose rounding keeps the slowest device within `cost.SPLIT_ROUNDING` of its ideal."""
+    chunk = cost.split_chunk(classes, speeds)
     bal = balance(classes // chunk, speeds, capacities, [0.0] * len(speeds), [bytes_per_column * chunk] * len(speeds),
                   names)
     counts = tuple(u * chunk for u in bal.loads)
