@@ -90,3 +90,14 @@ def test_source_line_names_the_users_line_not_flax():
 
     lines = {C.source_line(e) for e in leaves(jaxpr.jaxpr) if e.primitive.name == "reduce_sum"}
     assert lines and all("test_compat.py" in line and "flax" not in line for line in lines), lines
+
+
+def test_add_any_is_a_differentiable_sum_a_policy_can_name_and_saved_residuals_lists_it():
+    """`add_any` adds like `+` (and differentiates like it), appears under one of FETCH_PRIMITIVES'
+    names, and `saved_residuals` says where each value kept for the backward pass comes from."""
+    x, y = jnp.arange(3.0), jnp.ones(3)
+    np.testing.assert_array_equal(C.add_any(x, y), x + y)
+    assert jax.grad(lambda a: jnp.sum(C.add_any(a, y) ** 2))(x).tolist() == (2 * (x + y)).tolist()
+    assert {e.primitive.name for e in jax.make_jaxpr(C.add_any)(x, y).eqns} <= set(C.FETCH_PRIMITIVES)
+    saved = C.saved_residuals(lambda a: jnp.sum(jnp.sin(C.add_any(a, y))), x)
+    assert any("add_any" in src or "cos" in src for _, src in saved), saved

@@ -20,10 +20,12 @@ def test_offloaded_state_crosses_the_link_both_ways_at_the_kinds_bandwidth():
     plan = _plan(("opt_state", "params"), wh.Cluster.abstract(["H100"] * 8))
     t = plan.host_traffic()[0]
     opt, params = plain.memory[0].opt_state, plain.memory[0].params
-    assert {x.what: x.to_device for x in t.transfers} == {"optimizer state": opt, "params": params}
-    assert t.to_device == t.to_host == opt + params
+    assert plan.params_fetched_per_layer          # parameters come for each layer's forward and backward and the update
+    assert {x.what: x.to_device for x in t.transfers} == {"optimizer state": opt, "params": 3 * params}
+    assert {x.what: x.to_host for x in t.transfers} == {"optimizer state": opt, "params": params}
+    assert t.to_device == opt + 3 * params and t.to_host == opt + params
     assert lookup("H100").host_bandwidth == PCIE5
-    assert t.seconds == pytest.approx((opt + params) / PCIE5)
+    assert t.seconds == pytest.approx((opt + 3 * params) / PCIE5)
     assert "host link per step and device" in plan.summary() and "63.0 GB/s" in plan.summary()
 
 

@@ -14,6 +14,8 @@ from typing import Any, Sequence
 import jax
 from flax.linen import module as linen_module
 from jax._src import core as src_core, source_info_util, xla_bridge
+from jax._src.ad_checkpoint import saved_residuals as _saved_residuals
+from jax._src.ad_util import add_jaxvals as add_any
 from jax.extend import core as jex
 
 Literal = jex.Literal
@@ -218,6 +220,18 @@ def scan_counts(eqn: JaxprEqn) -> tuple[int, int]:
         return int(eqn.params["num_consts"]), int(eqn.params["num_carry"])
     consts, carry, _ = eqn.params["ft_in"].update(list(eqn.invars)).unpack()
     return len(list(consts)), len(list(carry))
+
+
+# The sum JAX's autodiff adds cotangents with (`add_any`). A forward pass has none but where whalex
+# puts one, so a checkpoint policy can tell a parameter fetch (`device_put` + delta) from the
+# model's own sums (whalex.memory.offload.fetch_leaf).
+FETCH_PRIMITIVES = ("device_put", "add_any")
+
+
+def saved_residuals(fn, *args) -> list[tuple[Any, str]]:
+    """What `jax.vjp` of `fn(*args)` keeps for the backward pass: (aval, where it comes from: 'from
+    the argument ...', 'output of <primitive> ...')."""
+    return list(_saved_residuals(fn, *args))
 
 
 def saved_by_policy(policy: Any, eqn: JaxprEqn) -> bool:

@@ -108,7 +108,14 @@ class Plan:
         device kind's host bandwidth (None on a device whose state and activations all stay on it)."""
         r = self.remat
         acts = r.offloaded if r is not None and r.offloaded else 0.0
-        return tuple(host_traffic(m, spec, acts) for m, spec in zip(self.memory, self.cluster.specs))
+        fetches = 3 if self.params_fetched_per_layer else 1
+        return tuple(host_traffic(m, spec, acts, fetches) for m, spec in zip(self.memory, self.cluster.specs))
+
+    @property
+    def params_fetched_per_layer(self) -> bool:
+        """offload="params": whether each layer fetches its parameters (forward, again for the backward)
+        rather than the whole tree coming to the device at the start of the step."""
+        return self.program.fetch_shardings is not None
 
     @property
     def precision(self) -> Precision | None:

@@ -54,17 +54,19 @@ def step_inputs(state: TrainState) -> tuple[list, Any]:
 
 
 def make_train_step(value_and_grad: Callable, optimizer, has_aux: bool, shard_update: Callable | None = None,
-                    view: ParamView | None = None, fetch_opt_state: Callable | None = None) -> Callable:
+                    view: ParamView | None = None, fetch_opt_state: Callable | None = None,
+                    fetch_params: Callable | None = None) -> Callable:
     """(state, batch) -> (state, metrics): gradients, then the optax update.
 
     `shard_update(params, grads) -> (params, grads)` lays both out for the update (ZeRO: each
     device updates only its shard); `fetch_opt_state(opt_state, grads)` brings an offloaded
-    optimizer state to the device once the gradients are there."""
+    optimizer state to the device once the gradients are there, and `fetch_params(params, grads)`
+    so the parameters offloaded per layer (the layers fetched them for the gradients themselves)."""
 
     def step(state: TrainState, batch):
         extra, rng = step_inputs(state)
         (value, aux, new_state), grads = value_and_grad(state.stored_params, batch, extra)
-        params = state.stored_params
+        params = state.stored_params if fetch_params is None else fetch_params(state.stored_params, grads)
         if shard_update is not None:
             params, grads = shard_update(params, grads)
         opt_state = state.opt_state if fetch_opt_state is None else fetch_opt_state(state.opt_state, grads)
@@ -204,13 +206,20 @@ class Emitter(CallerLayout):
                          opt_state=offload.on_host(s.opt_state) if opts.offloads("opt_state") else s.opt_state,
                          loss_scale=self._loss_scale(lambda _: s.step))
 
+    @property
+    def fetch_shardings(self) -> tuple | None:
+        """offload="params" per layer: each parameter's compute sharding, where each layer fetches
+        it; None (the default) where the whole tree is fetched at the start of the step."""
+        return None
+
     def _fetch(self, state: TrainState) -> TrainState:
-        """Inside the step: offloaded parts of the state moved to device memory."""
+        """Inside the step: offloaded parts of the state moved to device memory (parameters offloaded
+        per layer stay: the layers and the update fetch them)."""
         opts = self.memory_options
         if not opts.offload:
             return state
         compute = self.compute_shardings()
-        if opts.offloads("params"):
+        if opts.offloads("params") and self.fetch_shardings is None:
             state = state.replace(stored_params=offload.fetch(state.stored_params, compute.stored_params))
         return state                 # the optimizer state is fetched at the update (`_fetch_opt_state`)
 
@@ -221,6 +230,14 @@ class Emitter(CallerLayout):
             return None
         compute = self.compute_shardings().opt_state
         return lambda opt_state, grads: offload.fetch_when_ready(opt_state, compute, grads)
+
+    def _fetch_params(self) -> Callable | None:
+        """Parameters offloaded per layer: (params, grads) -> the parameters in device memory for the
+        update, each leaf once its gradient is computed."""
+        if self.fetch_shardings is None:
+            return None
+        compute = self.compute_shardings().stored_params
+        return lambda params, grads: offload.fetch_when_ready(params, compute, grads)
 
     def _shard_update(self):
         """ZeRO 1/2: (params, grads) -> the same on each device's shard (3: already sharded)."""
@@ -248,7 +265,7 @@ class Emitter(CallerLayout):
     def train_step(self) -> Callable:
         def build(value_and_grad):
             return make_train_step(value_and_grad, self.optimizer, self.has_aux, self._shard_update(), self.param_view,
-                                   self._fetch_opt_state())
+                                   self._fetch_opt_state(), self._fetch_params())
 
         prec = self.precision
         if prec is not None and prec.scaled:     # fp16: dynamic loss scaling, non-finite steps skipped
@@ -265,7 +282,7 @@ class Emitter(CallerLayout):
         grads_out = self._param_named(self.zero_specs()) if opts.zero_level >= 2 else None
 
         def step(params, batch):
-            if opts.offloads("params"):
+            if opts.offloads("params") and self.fetch_shardings is None:
                 params = offload.fetch(params, self.compute_shardings().stored_params)
             (value, _, _), grads = value_and_grad(params, batch, [])
             if grads_out is not None:

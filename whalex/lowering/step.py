@@ -122,18 +122,38 @@ class Program(Emitter):
         return jax.tree.unflatten(tree, leaves)
 
     # -- the functions -----------------------------------------------------------------------
+    @functools.cached_property
+    def fetch_shardings(self) -> tuple | None:
+        """offload="params" per layer: each parameter's compute sharding, where each layer fetches
+        it (`whalex.memory.offload.fetch_leaf`). None where the whole tree is fetched at the start of
+        the step instead: micro-batches, a padded or ZeRO-3 storage layout, comm_dtype segments, a
+        parameter the loss returns as it is."""
+        cap, prec = self.captured, self.precision
+        params = cap.jaxpr.jaxpr.invars[: cap.num_params]
+        if (not self.memory_options.offloads("params") or self.num_micro_batch != 1 or self.padded
+                or self.memory_options.zero_level >= 3 or (prec is not None and prec.comm is not None)
+                or self.remat is None or any(v in params for v in cap.jaxpr.jaxpr.outvars)):
+            return None
+        return tuple(jax.tree.leaves(self.param_shardings))
+
     def loss(self) -> Callable:
-        """loss(params, batch) -> (loss, aux) evaluated with the plan's constraints."""
+        """loss(params, (batch, extra)) -> (loss, aux) evaluated with the plan's constraints. With
+        per-layer parameter fetches, loss(deltas, (batch, extra, host params)): the gradient is the
+        deltas' (zeros on the device, added to each fetched parameter)."""
         cap = self.captured
         evaluate = self.evaluator()[0]
         gather = self.param_shardings if self.memory_options.zero_level >= 3 else None
+        fetch = self.fetch_shardings is not None
 
         def loss(params, inputs):
-            batch, extra = inputs
-            if gather is not None:       # ZeRO 3: stored sharded, gathered where used
-                params = jax.lax.with_sharding_constraint(params, gather)
-            params = self.compute_params(params)
-            outs = evaluate(*jax.tree.leaves(params), *jax.tree.leaves(batch), *extra)
+            batch, extra = inputs[:2]
+            if fetch:
+                args = list(zip(jax.tree.leaves(inputs[2]), jax.tree.leaves(params)))
+            else:
+                if gather is not None:       # ZeRO 3: stored sharded, gathered where used
+                    params = jax.lax.with_sharding_constraint(params, gather)
+                args = jax.tree.leaves(self.compute_params(params))
+            outs = evaluate(*args, *jax.tree.leaves(batch), *extra)
             value, aux, new_state = cap.split_outputs(outs)
             return value, (aux, new_state)
 
@@ -142,7 +162,7 @@ class Program(Emitter):
     def evaluator(self):
         """(evaluate, comm report): the captured loss with the plan's constraints, remat and comm dtype."""
         return program_evaluator(self.captured, self.sharding.constraints, self.mesh, self.overrides, self.remat,
-                                 self.precision)
+                                 self.precision, self.fetch_shardings)
 
     def comm_report(self) -> dict | None:
         return self.evaluator()[1] if self.precision is not None and self.precision.comm else None
@@ -155,9 +175,15 @@ class Program(Emitter):
         m = self.num_micro_batch
         if m == 1:
             vg = scaled_value_and_grad(self.loss())
+            fetch = self.fetch_shardings
 
             def plain(params, batch, extra=(), scale=None):
-                (value, (aux, new_state)), grads = vg(params, (batch, list(extra)), scale)
+                if fetch is not None:        # params stay on the host; the gradient is the deltas'
+                    deltas = jax.tree.map(lambda x, s: jnp.zeros(x.shape, x.dtype, device=s), params,
+                                          jax.tree.unflatten(jax.tree.structure(params), fetch))
+                    (value, (aux, new_state)), grads = vg(deltas, (batch, list(extra), params), scale)
+                else:
+                    (value, (aux, new_state)), grads = vg(params, (batch, list(extra)), scale)
                 return (value, aux, new_state), jax.lax.with_sharding_constraint(grads, grad_shardings)
             return plain
         pl = self.parts

@@ -2,7 +2,8 @@
 takes at the device kind's host bandwidth (`DeviceSpec.host_bandwidth`, each way).
 
 Offloaded state crosses twice a step: to the device for the step (parameters) or the update
-(optimizer state), back to the host once updated. Offloaded activations go to the host in the
+(optimizer state), back to the host once updated; parameters fetched per layer come to the device
+up to three times (the layer's forward, its backward, the update). Offloaded activations go to the host in the
 forward pass and come back in the backward. The link carries both directions at once, so the
 least time is the larger direction over the bandwidth; how much of it the step hides behind
 compute is the schedule's business (`whalex.memory.offload`), not this figure's.
@@ -47,10 +48,13 @@ class HostTraffic:
         return max(self.to_device, self.to_host) / self.bandwidth if self.bandwidth else None
 
 
-def host_traffic(memory: DeviceMemory, spec: DeviceSpec, offloaded_activations: float = 0.0) -> HostTraffic | None:
+def host_traffic(memory: DeviceMemory, spec: DeviceSpec, offloaded_activations: float = 0.0,
+                 param_fetches: int = 1) -> HostTraffic | None:
     """The host-link traffic of one device whose state is accounted in `memory` (its offloaded shares)
-    and whose offloaded activations are `offloaded_activations` bytes a step; None when nothing moves."""
-    transfers = [HostTransfer(s.component, s.before, s.before) for s in memory.shares if s.by == OFFLOADED]
+    and whose offloaded activations are `offloaded_activations` bytes a step; None when nothing moves.
+    `param_fetches`: how many times a step moves the offloaded parameters to the device (3 per layer)."""
+    transfers = [HostTransfer(s.component, s.before * (param_fetches if s.component == "params" else 1), s.before)
+                 for s in memory.shares if s.by == OFFLOADED]
     if offloaded_activations > 0:
         transfers.append(HostTransfer("activations", offloaded_activations, offloaded_activations))
     if not transfers:

@@ -4,11 +4,20 @@ The state shardings of an offloaded subtree carry `memory_kind="pinned_host"`; i
 the arrays are moved to device memory for the computation (`fetch`), and the jit's output
 shardings move the new values back to the host. On CPU both kinds are host memory, so the moves
 cost nothing there: tests check placement, not speed.
+
+Parameters offloaded per layer (ZeRO-Offload style) are moved where a layer reads them
+(`fetch_leaf`), inside the layer's checkpoint, whose policy (`not_fetched`) recomputes the move:
+each layer's parameters are on the device while it runs forward and again while it runs backward,
+not in between. The gradient is taken with respect to a zero `delta` added on the device, so it is
+device-resident as the update wants; differentiating the host array itself would put the gradient
+on the host.
 """
 from __future__ import annotations
 
 import jax
 from jax.sharding import NamedSharding
+
+from whalex import _compat as C
 
 HOST = "pinned_host"
 DEVICE = "device"
@@ -32,6 +41,19 @@ def on_device(shardings):
 def fetch(tree, shardings):
     """Inside a jitted step: `tree` (stored on the host) moved to device memory, same layout."""
     return jax.device_put(tree, on_device(shardings))
+
+
+def fetch_leaf(host, delta, sharding):
+    """Inside a layer's checkpoint: the host-stored parameter `host` in device memory (`sharding`'s
+    layout), plus `delta` (zeros on the device: the gradient is taken with respect to it). The sum
+    is JAX's `add_any`, which `not_fetched` recognises (XLA drops the zeros)."""
+    return C.add_any(jax.device_put(host, sharding.with_memory_kind(DEVICE)), delta)
+
+
+def not_fetched(prim, *args, **params) -> bool:
+    """A checkpoint policy's veto: False for a fetch's moves and sums (recompute them: the
+    parameter is fetched again for the backward pass), True for everything else."""
+    return prim.name not in C.FETCH_PRIMITIVES
 
 
 def fetch_when_ready(opt_state, shardings, grads):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -35,6 +35,7 @@ from whalex.core.flops import training_flops
 from whalex.core.primitives import REDUCTIONS
 from whalex.core.segments import Segment, run_segments, segment_function, segments
 from whalex.errors import PlanError
+from whalex.memory import offload as offload_lib
 from whalex.memory import plan_memory, vjp_residual_bytes as residual_bytes
 from whalex.memory import precision as pr
 from whalex.memory.layers import find_layers
@@ -112,6 +113,32 @@ def level_policy(level: str, offload: bool = False):
         return _offloading([COMM], base or jax.checkpoint_policies.nothing_saveable)
     keep = jax.checkpoint_policies.save_only_these_names(COMM)
     return keep if base is None else jax.checkpoint_policies.save_from_both_policies(base, keep)
+
+
+def _refetching(level, offload: bool):
+    """The level's policy (everything saveable at level None), except that parameter fetches
+    (`offload.not_fetched`) are recomputed, i.e. fetched again for the backward pass."""
+    base = level_policy(level, offload) if level is not None else (
+        offload_policy() if offload else jax.checkpoint_policies.everything_saveable)
+
+    def policy(prim, *args, **params):
+        return offload_lib.not_fetched(prim) and base(prim, *args, **params)
+
+    return policy
+
+
+def fetching_segment(cap, seg: Segment, fetch: Sequence, fn: Callable) -> tuple[Callable, bool]:
+    """fn reading the parameters among its inputs as (host array, delta) pairs, each moved to the
+    device in its `fetch` sharding (`offload.fetch_leaf`); and whether the segment reads any."""
+    position = {v: i for i, v in enumerate(cap.jaxpr.jaxpr.invars[: cap.num_params])}
+    where = {j: fetch[position[v]] for j, v in enumerate(seg.inputs) if v in position}
+    if not where:
+        return fn, False
+
+    def fetched(*args):
+        return fn(*[offload_lib.fetch_leaf(*a, where[j]) if j in where else a for j, a in enumerate(args)])
+
+    return fetched, True
 
 
 def offload_policy():
@@ -200,10 +227,15 @@ def _mib(n) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def remat_segment(plan: RematPlan, index: int, seg: Segment, fn: Callable) -> Callable:
-    """fn under its segment's checkpoint policy; outputs tagged BOUNDARY when offloading."""
+def remat_segment(plan: RematPlan, index: int, seg: Segment, fn: Callable, fetching: bool = False) -> Callable:
+    """fn under its segment's checkpoint policy; outputs tagged BOUNDARY when offloading. `fetching`:
+    fn moves host-stored parameters to the device (`offload.fetch_leaf`), and the checkpoint, with
+    the level's policy or saving everything, never keeps those device copies for the backward pass."""
     level = plan.level(index, seg)
-    inner = jax.checkpoint(fn, policy=level_policy(level, plan.offload)) if level is not None else fn
+    if fetching:
+        inner = jax.checkpoint(fn, policy=_refetching(level, plan.offload))
+    else:
+        inner = jax.checkpoint(fn, policy=level_policy(level, plan.offload)) if level is not None else fn
     if not plan.offload:
         return inner
 
@@ -300,15 +332,22 @@ def _segment_saved(cap, seg: Segment) -> float:
 
 # ----------------------------------------------------------------------------------- composition
 def program_evaluator(cap, constraints: dict, mesh, overrides: dict | None, plan: RematPlan | None,
-                      prec=None) -> tuple[Callable[..., list], dict | None]:
+                      prec=None, fetch: Sequence | None = None) -> tuple[Callable[..., list], dict | None]:
     """The captured loss evaluated with the plan's constraints, per-TaskGraph remat, activation
     offload and (prec.comm) data-parallel segments whose gradients are summed in bf16/fp16.
-    Returns (evaluate, comm report {TaskGraph: (axes, reason when not)} or None)."""
+    Returns (evaluate, comm report {TaskGraph: (axes, reason when not)} or None).
+
+    `fetch` (a sharding per parameter; not with comm segments): parameters offloaded per layer.
+    `evaluate` then takes each parameter as a (host array, zero delta on the device) pair, and each
+    segment (a layer: `plan.cuts`) moves those it reads to the device itself (`fetching_segment`)."""
     remat_on = plan is not None and plan.active
     comm_on = prec is not None and prec.comm is not None
-    if not remat_on and not comm_on:
+    if fetch is not None and comm_on:
+        raise ValueError("program_evaluator: per-layer parameter fetches do not run in comm_dtype segments")
+    if not remat_on and not comm_on and fetch is None:
         return block_evaluator(cap, constraints, mesh, overrides), None
-    plan = plan if remat_on else RematPlan((None,) * len(cap.taskgraphs))
+    if not remat_on:
+        plan = RematPlan((None,) * len(cap.taskgraphs), layers=plan.layers if plan is not None else None)
     split = {t.index for t in cap.taskgraphs if t.strategy.kind == "split"}
     segs = segments(cap, plan.cuts)
     manual = pr.comm_segments(cap, segs, prec, overrides, dict(mesh.shape), plan.cuts) if comm_on else {}
@@ -327,7 +366,10 @@ def program_evaluator(cap, constraints: dict, mesh, overrides: dict | None, plan
             fn = remat_segment(plan, k, lseg, segment_function(local, lseg, cons, inner, ovr))
             fn = pr.manual_segment(seg, axes, mesh, cap, prec.comm_dtype)(fn)
         else:
-            fn = remat_segment(plan, k, seg, segment_function(cap, seg, constraints, mesh, tagged))
+            fn, fetching = segment_function(cap, seg, constraints, mesh, tagged), False
+            if fetch is not None:
+                fn, fetching = fetching_segment(cap, seg, fetch, fn)
+            fn = remat_segment(plan, k, seg, fn, fetching)
         parts.append((seg, fn))
     report = None
     if comm_on:
@@ -352,8 +394,9 @@ def configure(cap, axis_sizes: dict, layout, config, cluster, batch_axes=(),
             prec = dataclasses.replace(prec, local=local_captures(cap, prec.batch_axes, axis_sizes, recapture))
     offload = "activations" in (config.offload or ())
     mode = config.remat
-    if mode is None and not offload:
-        return prec, None
+    if mode is None and not offload:         # offload="params": the layers, where parameters are fetched
+        return prec, (RematPlan((None,) * len(cap.taskgraphs), layers=find_layers(cap))
+                      if "params" in (config.offload or ()) else None)
     n = len(cap.taskgraphs)
     layers = find_layers(cap)
     devices = int(np.prod(list(axis_sizes.values()))) if axis_sizes else 1

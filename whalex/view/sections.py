@@ -299,8 +299,14 @@ def host_link_lines(plan) -> list[str]:
     parts = ", ".join(f"{x.what} {fmt_bytes(x.to_device)}" for x in t.transfers)
     when = (f"at least {fmt_time(t.seconds)} at {t.device_kind}'s {t.bandwidth / 1e9:.1f} GB/s each way"
             if t.seconds is not None else f"time unknown ({t.device_kind} declares no host bandwidth)")
-    return [f"host link per step and device: {fmt_bytes(t.to_device)} to the device and {fmt_bytes(t.to_host)} "
-            f"back ({parts}, each way); {when}"]
+    lines = [f"host link per step and device: {fmt_bytes(t.to_device)} to the device and {fmt_bytes(t.to_host)} "
+             f"back ({parts}, each way); {when}"]
+    if plan.config.offload and "params" in plan.config.offload:
+        lines.append("offloaded parameters: fetched per layer (for its forward, again for its backward, for the update)"
+                     if plan.params_fetched_per_layer else
+                     "offloaded parameters: fetched whole at the start of the step (per layer needs one step without "
+                     "micro-batches, padded or ZeRO-3 storage, or comm_dtype)")
+    return lines
 
 
 def memory(plan) -> Section | None:
