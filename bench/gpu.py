@@ -12,7 +12,8 @@ Cases:
   interleaved rounds on the same batch: step-time ratio (medians), MFU, first and last loss,
   parameters after the same updates, whalex's predicted step time and FLOPs beside the measured.
 - `plain`, `plain_remat_block`: the hand-written anchors (no remat, `nn.remat(Block)`).
-- `whalex`, `whalex_remat_full`, `whalex_offload_opt_state`: whalex with one memory option each.
+- `whalex`, `whalex_remat_full`, `whalex_offload_opt_state`, `whalex_offload_params`: whalex with one memory
+  option each (parameters offloaded per layer: each block's fetched for its forward and backward).
 Memory cases run in their own process, so `memory_stats()["peak_bytes_in_use"]` is that option's
 alone (CPU devices report no memory stats: the figure is then absent).
 """
@@ -36,9 +37,10 @@ SIZES = {
     "small": dict(vocab=256, d=32, heads=2, layers=2, seq=16, batch=4, steps=2, rounds=2),
 }
 PAIRS = ("pair_bf16", "pair_fp32")
-MEMORY = ("plain", "plain_remat_block", "whalex", "whalex_remat_full", "whalex_offload_opt_state")
+MEMORY = ("plain", "plain_remat_block", "whalex", "whalex_remat_full", "whalex_offload_opt_state",
+          "whalex_offload_params")
 WHALEX_CONFIG = {"whalex": {}, "whalex_remat_full": {"remat": "full"},
-                 "whalex_offload_opt_state": {"offload": "opt_state"}}
+                 "whalex_offload_opt_state": {"offload": "opt_state"}, "whalex_offload_params": {"offload": "params"}}
 
 
 # ---- the model ------------------------------------------------------------------------------------
@@ -248,17 +250,23 @@ def table(results: dict) -> str:
 def checks(results: dict) -> dict:
     """The memory options' bars against the hand-written step without remat (where both ran on a GPU):
     remat="full" at most 0.40x its peak at most +30% step time; offload="opt_state" lowering the peak
-    by at least 90% of the bytes it moves to the host."""
+    by at least 90% of the bytes it moves to the host; offload="params" (per layer) by at least half of
+    them (a block's parameters, the embedding's and the head's come to the device in turn)."""
     plain, out = results.get("plain", {}), {}
     if not (plain.get("ok") and plain.get("peak_bytes")):
         return out
-    remat, off, whalex = (results.get(k, {}) for k in ("whalex_remat_full", "whalex_offload_opt_state", "whalex"))
+    remat, off, whalex, offp = (results.get(k, {}) for k in ("whalex_remat_full", "whalex_offload_opt_state", "whalex",
+                                                             "whalex_offload_params"))
     if remat.get("ok") and remat.get("peak_bytes"):
         out["remat full: peak <= 0.40x plain"] = remat["peak_bytes"] <= 0.40 * plain["peak_bytes"]
         out["remat full: step time <= 1.30x plain"] = remat["median_step_s"] <= 1.30 * plain["median_step_s"]
     if off.get("ok") and whalex.get("ok") and off.get("peak_bytes") and whalex.get("peak_bytes"):
         out["offload opt_state: peak lowered by >= 90% of the offloaded bytes"] = \
             whalex["peak_bytes"] - off["peak_bytes"] >= 0.9 * off["offloaded_bytes"]
+    if offp.get("ok") and whalex.get("ok") and offp.get("peak_bytes") and whalex.get("peak_bytes"):
+        # per layer, one block's parameters (and the embedding or head) are on the device at a time
+        out["offload params: peak lowered by >= 50% of the offloaded bytes"] = \
+            whalex["peak_bytes"] - offp["peak_bytes"] >= 0.5 * offp["offloaded_bytes"]
     return out
 
 
