@@ -61,7 +61,8 @@ def parse(argv=None):
     ap.add_argument("--seq", type=int, default=16, help="attention sequence length")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--block", type=int, default=3)
-    ap.add_argument("--calib-rows", type=int, default=256)
+    ap.add_argument("--calib-rows", type=int, default=None,
+                    help="rows of the batch calibrate() times (default: all of them, as its docstring asks)")
     ap.add_argument("--timeout", type=float, default=500)
     ap.add_argument("--out", default=None, help="the results file (default bench/results/hetero_split.json)")
     ap.add_argument("--op", default=None, help=argparse.SUPPRESS)
@@ -156,7 +157,7 @@ def worker(args):
     loss_fn, params, batch = make_model(args)
     optimizer = optax.adam(1e-3)
     log = harness.process0_log(pid)
-    small = {k: v[: args.calib_rows] for k, v in batch.items()}
+    small = {k: v[: args.calib_rows or args.batch] for k, v in batch.items()}
     cluster = wh.Cluster(kinds=args.declared.split(",")) if args.declared else \
         calibrate(wh.Cluster.detect(), loss_fn, params, small, optimizer=optimizer, repeats=9)
     log(f"calibrated speeds: {[round(s / 1e9, 2) for s in cluster.speeds]}")

@@ -97,3 +97,19 @@ def test_fixed_times_per_step_shift_rows_to_the_fast_device():
     assert max(t) < max(t_plain)
     with pytest.raises(ValueError, match="work of one unit"):
         balance(8, speeds, [1e12] * 2, [0.0] * 2, [1.0] * 2, overheads=over, work_per_unit=0.0)
+
+
+def test_split_chunk_balances_within_two_percent_with_matmuls_at_least_128_wide():
+    from whalex.balance.cost import split_chunk
+    # hidden units: chunks of 256 give 2816/1280 at 2.12:1 (512 would give 3072/1024, 12% over the ideal)
+    assert split_chunk(4096, [2.12, 1.0]) == 256
+    # heads 128 wide: chunks of 2 give 22/10 at 2.2:1, the ideal; chunks of 4 give 24/8, 9.6% over
+    assert split_chunk(32, [2.2, 1.0], columns_per_unit=128) == 2
+    # heads 32 wide: one head at a time would balance better (21/11 at 1.94:1), but chunks of 4 heads
+    # are the narrowest 128-wide matmuls, and of those 20/12 comes closest to the ideal
+    assert split_chunk(32, [1.94, 1.0], columns_per_unit=32) == 4
+    assert split_chunk(32, [2.54, 1.0], columns_per_unit=32) == 4
+    # too few units for 128-wide chunks: every divisor is a candidate (640 classes on 8 devices: 105/55)
+    assert split_chunk(640, [1.94] * 4 + [1.0] * 4) == 5
+    # at least one chunk per device
+    assert split_chunk(8, [100.0, 1.0]) == 1

@@ -253,6 +253,10 @@ def measure(cluster: Cluster, loss_fn: Callable | None = None, params=None, batc
     mine = [i for i, d in enumerate(cluster.devices) if d.process_index == jax.process_index()]
     devices = [cluster.devices[i] for i in mine]
     two = _halves(batch) if loss_fn is not None else None
+    if jax.process_count() > 1:
+        # one collective while every process is here: on CPU, the first collective sets up Gloo's
+        # context and gives up after 30 s, and a slow device's timings end far later than a fast one's
+        multihost_utils.sync_global_devices("whalex calibrate")
     table = None                                        # (quantity, device) rows, this process's columns
     if loss_fn is not None:
         fn, lead, flops = _loss_work(loss_fn, params, optimizer)

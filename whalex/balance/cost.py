@@ -142,23 +142,28 @@ def chunk_rows(rows, grain: int) -> int:
 
 
 SPLIT_ROUNDING = 0.02  # a split's chunk may lengthen the slowest device's share by at most this fraction
+MIN_CHUNK_COLUMNS = 128  # a chunk's matmuls at least this wide where the split allows it
 
 
-def split_chunk(units: int, speeds: Sequence[float]) -> int:
-    """Units per chunk of an uneven split (classes, hidden units, heads): the largest divisor of
-    `units` whose speed-proportional rounding keeps the slowest device's time within SPLIT_ROUNDING
-    of the ideal (units / total speed), and leaves at least one chunk per device. A coarse chunk
-    costs balance (32 heads in chunks of 4 give 24/8 for 2.2:1 speeds, 9.6% over the ideal 21.9);
-    a fine one costs smaller matmuls per loop step."""
+def split_chunk(units: int, speeds: Sequence[float], columns_per_unit: int = 1) -> int:
+    """Units per chunk of an uneven split (classes, hidden units, heads): a divisor of `units` that
+    leaves at least one chunk per device. Among the chunks whose matmuls are at least
+    MIN_CHUNK_COLUMNS wide (`columns_per_unit`: a head's width; 1 for classes and hidden units),
+    or all when none is, the largest whose speed-proportional rounding keeps the slowest device's
+    time within SPLIT_ROUNDING of the ideal (units / total speed), else the one closest to it. A
+    coarse chunk costs balance (32 heads in chunks of 4 give 24/8 for 2.2:1 speeds, 9.6% over the
+    ideal 21.9); a narrow one costs matmul efficiency (heads of 32 one at a time ran 15% slower per
+    head than in fours, bench/hetero_split.py on CPU)."""
     ideal = units / sum(speeds)
-    best = 1
-    for c in range(1, units // len(speeds) + 1):
-        if units % c:
-            continue
+    divisors = [c for c in range(1, units // len(speeds) + 1) if units % c == 0]
+    wide = [c for c in divisors if c * columns_per_unit >= MIN_CHUNK_COLUMNS] or divisors
+
+    def slowest(c):
         loads = proportional(units // c, speeds)
-        if min(loads) > 0 and max(u * c / s for u, s in zip(loads, speeds)) <= (1 + SPLIT_ROUNDING) * ideal:
-            best = c
-    return best
+        return max(u * c / s for u, s in zip(loads, speeds)) if min(loads) > 0 else float("inf")
+
+    within = [c for c in wide if slowest(c) <= (1 + SPLIT_ROUNDING) * ideal]
+    return max(within) if within else min(wide, key=slowest)
 
 
 def balance_unit(global_batch: int, num_devices: int, per_device: int = 4) -> int:

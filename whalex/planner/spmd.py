@@ -258,10 +258,10 @@ def zero_data_parallel(req: Request, full, m, mesh, mem):
 
 
 def plan_columns(classes: int, speeds: Sequence[float], capacities: Sequence[float],
-                 bytes_per_column: float, names: Sequence[str]):
-    """Algorithm 1 over the class dimension: (UnevenColumns, Balance). `chunk` divides `classes`:
-    the largest whose rounding keeps the slowest device within `cost.SPLIT_ROUNDING` of its ideal."""
-    chunk = cost.split_chunk(classes, speeds)
+                 bytes_per_column: float, names: Sequence[str], columns_per_unit: int = 1):
+    """Algorithm 1 over the class dimension: (UnevenColumns, Balance). `chunk` divides `classes`
+    (`cost.split_chunk`: wide enough matmuls, rounding within `cost.SPLIT_ROUNDING` of the ideal)."""
+    chunk = cost.split_chunk(classes, speeds, columns_per_unit)
     bal = balance(classes // chunk, speeds, capacities, [0.0] * len(speeds), [bytes_per_column * chunk] * len(speeds),
                   names)
     counts = tuple(u * chunk for u in bal.loads)
@@ -319,7 +319,8 @@ def uneven_heads(cap, vds, layout, sharding, cluster, optimizer):
         names = [f"model shard {j} ({cluster.specs[per_model[0, j]].name})" for j in range(len(speeds))]
         units = weights[0].aval.shape[1]
         per_column = sum(np.prod(w.aval.shape) / w.aval.shape[d] for w, d in zip(weights, dims)) * itemsize * (2 + opt)
-        cols, bal = plan_columns(units, speeds, caps, per_column, names)
+        width = int(np.prod(weights[0].aval.shape[2:])) if kind == "heads" else 1     # a head's columns
+        cols, bal = plan_columns(units, speeds, caps, per_column, names, width)
         for j, c in enumerate(caps):                                   # every device stores the padded width
             if cols.width * per_column > c:
                 raise PlanError(f"{names[j]} cannot hold the padded shard of {cols.width} {kind} "
