@@ -150,10 +150,11 @@ def split_chunk(units: int, speeds: Sequence[float], columns_per_unit: int = 1) 
     leaves at least one chunk per device. Among the chunks whose matmuls are at least
     MIN_CHUNK_COLUMNS wide (`columns_per_unit`: a head's width; 1 for classes and hidden units),
     or all when none is, the largest whose speed-proportional rounding keeps the slowest device's
-    time within SPLIT_ROUNDING of the ideal (units / total speed), else the one closest to it. A
-    coarse chunk costs balance (32 heads in chunks of 4 give 24/8 for 2.2:1 speeds, 9.6% over the
-    ideal 21.9); a narrow one costs matmul efficiency (heads of 32 one at a time ran 15% slower per
-    head than in fours, bench/hetero_split.py on CPU)."""
+    time within SPLIT_ROUNDING of the ideal (units / total speed), else the largest of those closest
+    to it. A coarse chunk costs balance (32 heads in chunks of 4 give 24/8 for 2.2:1 speeds, 9.6%
+    over the ideal 21.9); a narrow one costs matmul efficiency and loop trips over buffers of the
+    padded width (heads of 32 one at a time ran 15% slower per head than in fours; 8 heads of a
+    24-wide padded layout took 304 ms in chunks of 4 and 223 ms in chunks of 8, on CPU)."""
     ideal = units / sum(speeds)
     divisors = [c for c in range(1, units // len(speeds) + 1) if units % c == 0]
     wide = [c for c in divisors if c * columns_per_unit >= MIN_CHUNK_COLUMNS] or divisors
@@ -162,8 +163,11 @@ def split_chunk(units: int, speeds: Sequence[float], columns_per_unit: int = 1) 
         loads = proportional(units // c, speeds)
         return max(u * c / s for u, s in zip(loads, speeds)) if min(loads) > 0 else float("inf")
 
-    within = [c for c in wide if slowest(c) <= (1 + SPLIT_ROUNDING) * ideal]
-    return max(within) if within else min(wide, key=slowest)
+    best = min(slowest(c) for c in wide)
+    if best == float("inf"):                 # a device too slow for a chunk of its own: the finest
+        return 1
+    within = [c for c in wide if slowest(c) <= max((1 + SPLIT_ROUNDING) * ideal, best * (1 + 1e-9))]
+    return max(within)
 
 
 def balance_unit(global_batch: int, num_devices: int, per_device: int = 4) -> int:
