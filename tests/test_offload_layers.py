@@ -67,3 +67,12 @@ def test_micro_batches_fetch_the_whole_tree_and_say_so():
     params, batch = problem()
     plan = wh.plan(loss_fn, params, batch, optax.sgd(0.1), config=wh.Config(offload="params", num_micro_batch=2))
     assert not plan.params_fetched_per_layer and "fetched whole at the start of the step" in plan.summary()
+
+
+def test_params_per_layer_with_zero_1_and_offloaded_optimizer_state():
+    params, batch = problem()
+    step, state = assert_matches(loss_fn, params, batch, steps=2, optimizer=adam(), tol=1e-4,
+                                 config=wh.Config(zero_level=1, offload=("opt_state", "params")))
+    assert step.plan.params_fetched_per_layer
+    assert {x.sharding.memory_kind for x in jax.tree.leaves((state.stored_params, state.opt_state))
+            if hasattr(x, "sharding") and x.ndim} == {"pinned_host"}
