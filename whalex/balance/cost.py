@@ -163,11 +163,11 @@ def split_chunk(units: int, speeds: Sequence[float], columns_per_unit: int = 1) 
         loads = proportional(units // c, speeds)
         return max(u * c / s for u, s in zip(loads, speeds)) if min(loads) > 0 else float("inf")
 
-    best = min(slowest(c) for c in wide)
+    times = {c: slowest(c) for c in wide}
+    best = min(times.values())
     if best == float("inf"):                 # a device too slow for a chunk of its own: the finest
         return 1
-    within = [c for c in wide if slowest(c) <= max((1 + SPLIT_ROUNDING) * ideal, best * (1 + 1e-9))]
-    return max(within)
+    return max(c for c, t in times.items() if t <= max((1 + SPLIT_ROUNDING) * ideal, best * (1 + 1e-9)))
 
 
 def balance_unit(global_batch: int, num_devices: int, per_device: int = 4) -> int:

@@ -180,7 +180,7 @@ class Program(Emitter):
             def plain(params, batch, extra=(), scale=None):
                 if fetch is not None:        # params stay on the host; the gradient is the deltas'
                     deltas = jax.tree.map(lambda x, s: jnp.zeros(x.shape, x.dtype, device=s), params,
-                                          jax.tree.unflatten(jax.tree.structure(params), fetch))
+                                          self.param_shardings)
                     (value, (aux, new_state)), grads = vg(deltas, (batch, list(extra), params), scale)
                 else:
                     (value, (aux, new_state)), grads = vg(params, (batch, list(extra)), scale)
