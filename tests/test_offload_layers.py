@@ -36,24 +36,58 @@ def test_params_offloaded_per_layer_train_as_one_device(optimizer):
     assert "fetched per layer" in step.plan.summary()
 
 
-def test_no_device_copy_of_a_parameter_is_kept_for_the_backward_pass():
-    """What JAX keeps for the backward pass: the host arrays (arguments), never a fetched copy; the
-    backward pass fetches each layer's weights again (inside its checkpoint's recomputation)."""
+@pytest.mark.parametrize("amp", [None, "bf16"])
+def test_no_device_copy_of_a_parameter_is_kept_for_the_backward_pass(amp):
+    """What JAX keeps for the backward pass: the host arrays (arguments), never a fetched copy nor a
+    value computed from the fetched parameters alone (a bf16 cast of a kernel, a LayerNorm scale
+    broadcast): the backward pass fetches each layer's weights again, inside its checkpoint's
+    recomputation. Without offload those values are kept (the check below can fail)."""
     params, batch = problem()
-    plan = wh.plan(loss_fn, params, batch, optax.sgd(0.1), config=wh.Config(offload="params"))
-    loss = plan.program.loss()
-    zeros = jax.tree.map(jax.numpy.zeros_like, params)
-    saved = C.saved_residuals(lambda d, h, b: loss(d, (b, [], h))[0], zeros, params, batch)
+    shapes = {tuple(x.shape) for x in jax.tree.leaves(params)} | {(1, 1, d) for d in {x.shape[-1] for x in jax.tree.leaves(params)}}
+
+    def kept(offload):
+        plan = wh.plan(loss_fn, params, batch, optax.sgd(0.1), config=wh.Config(offload=offload, amp=amp))
+        loss = plan.program.loss()
+        if offload is None:
+            return plan, C.saved_residuals(lambda p, b: loss(p, (b, [], None))[0], params, batch)
+        zeros = jax.tree.map(jax.numpy.zeros_like, params)
+        return plan, C.saved_residuals(lambda d, h, b: loss(d, (b, [], h))[0], zeros, params, batch)
+
+    def weights(saved):
+        return [src for aval, src in saved if "argument" not in src and tuple(aval.shape) in shapes]
+
+    assert weights(kept(None)[1])                            # without offload, weight-derived values are kept
+    plan, saved = kept("params")
     fetched = [src for _, src in saved if any(f"output of {p}" in src for p in C.FETCH_PRIMITIVES)]
     assert not fetched, fetched
+    assert not weights(saved), weights(saved)
     assert any("from the argument h" in src for _, src in saved)       # the host arrays are what is kept
     moves = _host_moves(C.open_jaxpr(plan.traced_step().jaxpr)[0])
     leaves = len(jax.tree.leaves(params))
-    kernels = sum("kernel" in jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(params))
+    read_back = sum(any(k in jax.tree_util.keystr(path) for k in ("kernel", "scale"))
+                    for path, _ in jax.tree_util.tree_leaves_with_path(params))
     assert moves["step"] == 2 * leaves                   # each leaf: its layer's forward, the update
-    assert moves["remat2"] == kernels                    # each kernel again for its layer's backward (dx = dy W^T;
-    assert kernels >= 6 * LAYERS                         # a bias's or a table's backward does not read it)
-    assert plan.host_traffic()[0].to_device == pytest.approx(3 * plan.host_traffic()[0].to_host)
+    assert moves["remat2"] == read_back                  # kernels and LayerNorm scales again for their layer's
+    assert read_back >= 8 * LAYERS                       # backward (dx = dy W^T, dy * scale); a bias's or a table's
+    assert plan.host_traffic()[0].to_device == pytest.approx(3 * plan.host_traffic()[0].to_host)   # does not read it
+
+
+def test_layers_fetch_without_a_cse_barrier_on_what_they_keep():
+    """Saving everything but the parameters, a layer's checkpoint adds no optimization barrier: on a
+    GPU one would make XLA materialise each kept value it otherwise fuses into the backward pass
+    (causal-mask broadcasts, zero tangents). The backward's fetches still stay apart from the
+    forward's: lowered for a GPU, every move is a side-effecting placement XLA never merges."""
+    params, batch = problem()
+    plan = wh.plan(loss_fn, params, batch, optax.sgd(0.1), config=wh.Config(offload="params", amp="bf16"))
+    p = plan.program
+    text = p.jitted(donate=True).trace(*p.abstract_args()).lower(lowering_platforms=("cuda",)).as_text()
+    moves = [line for line in text.splitlines() if "annotate_device_placement" in line]
+    to_device = [line for line in moves if '_xla_buffer_placement = "device"' in line]
+    assert all("has_side_effect = true" in line for line in moves)
+    leaves = len(jax.tree.leaves(params))
+    assert len(to_device) >= 2 * leaves + 8 * LAYERS            # forward, update, and again in the backward
+    barriers = sum("optimization_barrier" in line for line in text.splitlines())
+    assert barriers == leaves                                   # the update's gates (fetch_when_ready) alone
 
 
 def test_params_offloaded_per_layer_under_remat_full():

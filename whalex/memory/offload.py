@@ -56,6 +56,40 @@ def not_fetched(prim, *args, **params) -> bool:
     return prim.name not in C.FETCH_PRIMITIVES
 
 
+def derived_types(eqns, params: set, consts: set) -> frozenset:
+    """The (shape, dtype) types of the parameters `params` and of the values `eqns` compute from them
+    (and constants) alone: what a layer's checkpoint should recompute from the fetched parameters,
+    not keep. A policy sees types, not values, so a type that any other value of the layer has (an
+    activation, a sub-computation's value) is left out: that value is kept as usual."""
+    derived, other = set(params), set()
+    for eqn in eqns:
+        ins = [v for v in eqn.invars if not isinstance(v, C.Literal)]
+        if any(v in derived for v in ins) and all(v in derived or v in consts for v in ins):
+            derived.update(eqn.outvars)
+        else:
+            other.update(v for v in ins if v not in derived and v not in consts)
+            other.update(eqn.outvars)
+            other.update(v for sub in C.sub_jaxprs(eqn) for v in _values(C.open_jaxpr(sub)[0]))
+    kind = lambda v: (tuple(v.aval.shape), v.aval.dtype)          # noqa: E731
+    return frozenset({kind(v) for v in derived} - {kind(v) for v in other})
+
+
+def _values(jaxpr) -> set:
+    out = set(jaxpr.invars) | set(jaxpr.outvars)
+    for eqn in jaxpr.eqns:
+        out.update(eqn.outvars)
+        for sub in C.sub_jaxprs(eqn):
+            out |= _values(C.open_jaxpr(sub)[0])
+    return {v for v in out if not isinstance(v, C.Literal) and hasattr(v, "aval")}
+
+
+def from_fetched(avals, derived: frozenset) -> bool:
+    """Whether an equation with these input types computes from fetched parameters alone: every
+    input that is not a scalar has a type in `derived` (`derived_types`)."""
+    arrays = [a for a in avals if getattr(a, "shape", ())]
+    return bool(arrays) and all((tuple(a.shape), a.dtype) in derived for a in arrays)
+
+
 def fetch_when_ready(opt_state, shardings, grads):
     """Inside a jitted step: the offloaded optimizer state moved to device memory leaf by leaf, each
     leaf once the gradient it updates is computed (the leaf whose key path ends with that gradient's

@@ -115,30 +115,37 @@ def level_policy(level: str, offload: bool = False):
     return keep if base is None else jax.checkpoint_policies.save_from_both_policies(base, keep)
 
 
-def _refetching(level, offload: bool):
+def _refetching(level, offload: bool, derived: frozenset = frozenset()):
     """The level's policy (everything saveable at level None), except that parameter fetches
-    (`offload.not_fetched`) are recomputed, i.e. fetched again for the backward pass."""
+    (`offload.not_fetched`) and what is computed from the fetched parameters alone (`derived`: the
+    types of those values, e.g. a bf16 cast or a reshape of a kernel) are recomputed, i.e. fetched
+    again for the backward pass instead of kept on the device."""
     base = level_policy(level, offload) if level is not None else (
         offload_policy() if offload else jax.checkpoint_policies.everything_saveable)
 
     def policy(prim, *args, **params):
-        return offload_lib.not_fetched(prim) and base(prim, *args, **params)
+        if not offload_lib.not_fetched(prim) or offload_lib.from_fetched(args, derived):
+            return False
+        return base(prim, *args, **params)
 
     return policy
 
 
-def fetching_segment(cap, seg: Segment, fetch: Sequence, fn: Callable) -> tuple[Callable, bool]:
+def fetching_segment(cap, seg: Segment, fetch: Sequence, fn: Callable) -> tuple[Callable, frozenset | None]:
     """fn reading the parameters among its inputs as (host array, delta) pairs, each moved to the
-    device in its `fetch` sharding (`offload.fetch_leaf`); and whether the segment reads any."""
+    device in its `fetch` sharding (`offload.fetch_leaf`); and the types of the values the segment
+    computes from those parameters alone (`offload.derived_types`), None when it reads none."""
     position = {v: i for i, v in enumerate(cap.jaxpr.jaxpr.invars[: cap.num_params])}
     where = {j: fetch[position[v]] for j, v in enumerate(seg.inputs) if v in position}
     if not where:
-        return fn, False
+        return fn, None
 
     def fetched(*args):
         return fn(*[offload_lib.fetch_leaf(*a, where[j]) if j in where else a for j, a in enumerate(args)])
 
-    return fetched, True
+    jaxpr = cap.jaxpr.jaxpr
+    params = {seg.inputs[j] for j in where}
+    return fetched, offload_lib.derived_types(jaxpr.eqns[seg.start:seg.stop], params, set(jaxpr.constvars))
 
 
 def offload_policy():
@@ -227,13 +234,18 @@ def _mib(n) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def remat_segment(plan: RematPlan, index: int, seg: Segment, fn: Callable, fetching: bool = False) -> Callable:
-    """fn under its segment's checkpoint policy; outputs tagged BOUNDARY when offloading. `fetching`:
-    fn moves host-stored parameters to the device (`offload.fetch_leaf`), and the checkpoint, with
-    the level's policy or saving everything, never keeps those device copies for the backward pass."""
+def remat_segment(plan: RematPlan, index: int, seg: Segment, fn: Callable, derived: frozenset | None = None) -> Callable:
+    """fn under its segment's checkpoint policy; outputs tagged BOUNDARY when offloading. `derived`
+    (not None when fn fetches host-stored parameters, `fetching_segment`): the checkpoint, with the
+    level's policy or saving everything, never keeps device copies of those parameters, nor values
+    computed from them alone, for the backward pass. Saving everything else (level None), it adds no
+    CSE barrier: the fetches are side-effecting moves XLA never merges, and a barrier would make XLA
+    materialise every saved value it otherwise fuses into the backward pass (broadcast masks and
+    zeros: several GB on a GPT-style model)."""
     level = plan.level(index, seg)
-    if fetching:
-        inner = jax.checkpoint(fn, policy=_refetching(level, plan.offload))
+    if derived is not None:
+        inner = jax.checkpoint(fn, policy=_refetching(level, plan.offload, derived),
+                               prevent_cse=level is not None or bool(plan.offload))
     else:
         inner = jax.checkpoint(fn, policy=level_policy(level, plan.offload)) if level is not None else fn
     if not plan.offload:
@@ -366,10 +378,10 @@ def program_evaluator(cap, constraints: dict, mesh, overrides: dict | None, plan
             fn = remat_segment(plan, k, lseg, segment_function(local, lseg, cons, inner, ovr))
             fn = pr.manual_segment(seg, axes, mesh, cap, prec.comm_dtype)(fn)
         else:
-            fn, fetching = segment_function(cap, seg, constraints, mesh, tagged), False
+            fn, derived = segment_function(cap, seg, constraints, mesh, tagged), None
             if fetch is not None:
-                fn, fetching = fetching_segment(cap, seg, fetch, fn)
-            fn = remat_segment(plan, k, seg, fn, fetching)
+                fn, derived = fetching_segment(cap, seg, fetch, fn)
+            fn = remat_segment(plan, k, seg, fn, derived)
         parts.append((seg, fn))
     report = None
     if comm_on:
