@@ -24,7 +24,6 @@ import importlib.util
 import json
 import os
 import pathlib
-import re
 import signal
 import statistics
 import subprocess
@@ -210,36 +209,17 @@ def by_kind(colls: list[dict]) -> dict:
 
 def looped_ring_bytes(text: str, num_devices: int) -> dict:
     """Ring bytes each device sends per step: straight-line collectives, and those in loops times the
-    trip count (a conditional: its largest branch)."""
+    trip count (a conditional: its largest branch), from `whalex.core.hlo.looped_collectives`."""
     from whalex.core import hlo
+    from whalex.core.comm import result_ring_bytes
 
-    comps, entry = hlo.computations(text)
-    calls = re.compile(r"(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
-    branches = re.compile(r"branch_computations=\{([^}]*)\}")
+    def ring(c) -> float:
+        return result_ring_bytes(c.kind, c.bytes, c.group or num_devices)
 
-    def cost(name: str, seen=()) -> tuple[float, float]:      # (straight-line bytes, loop bytes)
-        if name in seen or name not in comps:
-            return 0.0, 0.0
-        lines = comps[name]
-        straight = sum(c["ring_bytes"] for c in collectives("\n".join(lines), num_devices))
-        looped = 0.0
-        for line in lines:
-            for kind, callee in calls.findall(line):
-                if kind == "condition":
-                    continue
-                s, lp = cost(callee, seen + (name,))
-                if kind == "body":
-                    looped += (s + lp) * (hlo.trip_count(line) or 1)
-                else:
-                    straight, looped = straight + s, looped + lp
-            b = branches.search(line)
-            if b:
-                s, lp = max((cost(x.strip().lstrip("%"), seen + (name,)) for x in b.group(1).split(",")), key=sum)
-                straight, looped = straight + s, looped + lp
-        return straight, looped
-
-    s, lp = cost(entry)
-    return {"straight_line": s, "in_loops": lp, "total": s + lp}
+    found = hlo.looped_collectives(text, largest_branch=ring)
+    straight = sum((ring(c) for c, trips in found if trips == 1), 0.0)
+    looped = sum((ring(c) * trips for c, trips in found if trips > 1), 0.0)
+    return {"straight_line": straight, "in_loops": looped, "total": straight + looped}
 
 
 # ------------------------------------------------------------------------------- two-process runs

@@ -111,3 +111,48 @@ def test_the_parser_reads_groups_async_pairs_and_loops():
     assert entry == "main.9" and set(comps) == {"add", "body", "main.9"} and len(comps["body"]) == 4
     assert [hlo.trip_count(line) for line in comps["main.9"] if " while(" in line] == [4]
     assert hlo.count(_TEXT, "all-reduce") == 2 and hlo.count(_TEXT, "all-gather-start") == 1
+
+
+_BRANCHED = """HloModule jit_tick
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(f32[] %a, f32[] %b)
+}
+
+%small (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  ROOT %ar.s = f32[8]{0} all-reduce(f32[8]{0} %x), replica_groups={{0,1}}, to_apply=%add
+}
+
+%big (y: f32[64]) -> f32[64] {
+  %y = f32[64]{0} parameter(0)
+  ROOT %ar.b = f32[64]{0} all-reduce(f32[64]{0} %y), replica_groups={{0,1}}, to_apply=%add
+}
+
+%body (c: (s32[], f32[64])) -> (s32[], f32[64]) {
+  %c = (s32[], f32[64]{0}) parameter(0)
+  %k = s32[] get-tuple-element((s32[], f32[64]{0}) %c), index=0
+  %sw = f32[64]{0} conditional(s32[] %k, f32[8]{0} %u, f32[64]{0} %v), branch_computations={%small, %big}
+  ROOT %t = (s32[], f32[64]{0}) tuple(s32[] %k, f32[64]{0} %sw)
+}
+
+ENTRY %main (p: f32[64]) -> f32[64] {
+  %p = f32[64]{0} parameter(0)
+  %once = f32[64]{0} all-reduce(f32[64]{0} %p), replica_groups={{0,1}}, to_apply=%add
+  ROOT %w = (s32[], f32[64]{0}) while((s32[], f32[64]{0}) %init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+}
+"""
+
+
+def test_looped_collectives_count_trips_and_every_branch_or_the_largest():
+    """A pipeline tick's switch: every branch counts, or (the most one step runs) only the heaviest."""
+    from whalex.core import hlo
+
+    every = [(c.bytes, trips) for c, trips in hlo.looped_collectives(_BRANCHED)]
+    assert sorted(every) == [(32, 3), (256, 1), (256, 3)]
+    largest = [(c.bytes, trips) for c, trips in hlo.looped_collectives(_BRANCHED, largest_branch=lambda c: c.bytes)]
+    assert sorted(largest) == [(256, 1), (256, 3)]
+    smallest = hlo.looped_collectives(_BRANCHED, largest_branch=lambda c: -c.bytes)
+    assert sorted((c.bytes, t) for c, t in smallest) == [(32, 3), (256, 1)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from typing import Callable
 
 from whalex.core.comm import KINDS
 
@@ -139,9 +140,12 @@ _CALLS = re.compile(r"\b(calls|to_apply|body|true_computation|false_computation)
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 
 
-def looped_collectives(text: str) -> list[tuple[Collective, int]]:
+def looped_collectives(text: str, largest_branch: Callable[[Collective], float] | None = None
+                       ) -> list[tuple[Collective, int]]:
     """(collective, trips) for every collective of compiled HLO text: in a while body, trips is its
-    known trip count (nested loops multiply; every branch of a conditional counts)."""
+    known trip count (nested loops multiply). Every branch of a conditional counts, or, given
+    `largest_branch` (a weight per collective), only the branch whose collectives weigh the most
+    (weight x trips, summed): what one step runs at most."""
     comps, entry = computations(text)
 
     def walk(name, trips, seen):
@@ -153,8 +157,11 @@ def looped_collectives(text: str) -> list[tuple[Collective, int]]:
             for kind, callee in _CALLS.findall(line):
                 out += walk(callee, trips * (trip_count(line) or 1) if kind == "body" else trips, seen | {name})
             b = _BRANCHES.search(line)
-            for callee in (b.group(1).split(",") if b else ()):
-                out += walk(callee.strip().lstrip("%"), trips, seen | {name})
+            arms = [walk(callee.strip().lstrip("%"), trips, seen | {name}) for callee in (b.group(1).split(",") if b else ())]
+            if arms and largest_branch is not None:
+                arms = [max(arms, key=lambda arm: sum(largest_branch(c) * t for c, t in arm))]
+            for arm in arms:
+                out += arm
         return out
 
     return walk(entry, 1, frozenset())
