@@ -4,7 +4,7 @@ One peak FLOP/s per device kind mispredicts real steps (attention vs matmul, mem
 layers, a busy neighbour), so whalex can time the actual work: by default a chain of FP32
 matmuls, or the user's own loss and gradient on a batch.
 
-Timings are noisy, so a calibration a user can trust does three things:
+Timings are noisy, so a calibration a user can trust:
 - it times in interleaved rounds (device 0, 1, ..., n-1, then again), so that load from
   elsewhere on the machine hits every device alike instead of whichever device was being timed;
 - it keeps, per device, the median speed over the rounds and its relative spread (a robust
@@ -12,6 +12,8 @@ Timings are noisy, so a calibration a user can trust does three things:
   absolute deviation it also sees two-valued timings, as when a busy core slows every other run);
 - it merges speeds that differ by less than the noise (`group_speeds`): identical devices then get
   exactly equal speeds and the even plan, instead of a random uneven plan built on noise;
+- a split must show twice: when devices differ, they are timed again and each keeps the faster of
+  its two medians, so a device slowed by a burst of load during one measurement rejoins its peers;
 - it splits a user step's time into fixed seconds and seconds per row only where the per-row time
   stands above the noise on every device (`resolved`); otherwise, with a warning, it counts the
   whole time as work, the same way on every device, rather than mixing two estimates.
@@ -212,6 +214,35 @@ def speed_groups(speeds: Sequence[float], spreads: Sequence[float], tolerance: f
     return [sorted(int(i) for i in g) for g in groups]
 
 
+def _groups(m: Measurement, tolerance: float) -> list[list[int]]:
+    """`speed_groups` of a measurement: with a split into fixed and per-row time, devices are alike
+    when their whole steps at the batch's rows are (one timing, far less noisy than a slope)."""
+    if m.step_speeds is not None:
+        return speed_groups(m.step_speeds, m.step_spreads, tolerance)
+    return speed_groups(m.speeds, m.spreads, tolerance)
+
+
+def faster(a: Measurement, b: Measurement) -> Measurement:
+    """Per device, every field of whichever of two measurements timed it faster (its whole step, when
+    measured, else its speed): the better of two medians, as `timeit` keeps the best of its repeats,
+    since load from elsewhere only ever slows a device down."""
+    if (a.overheads is None) != (b.overheads is None):      # one split off a fixed time, one could not:
+        a, b = _whole(a), _whole(b)                         # both count the whole step as work
+    key_a, key_b = (a.step_speeds, b.step_speeds) if a.step_speeds is not None else (a.speeds, b.speeds)
+    pick = [y > x for x, y in zip(key_a, key_b)]
+    fields = {}
+    for f in dataclasses.fields(Measurement):
+        va, vb = getattr(a, f.name), getattr(b, f.name)
+        fields[f.name] = None if va is None else tuple(y if p else x for x, y, p in zip(va, vb, pick))
+    return Measurement(**fields)
+
+
+def _whole(m: Measurement) -> Measurement:
+    """The measurement with the whole step's time counted as work (no fixed time), as `measure`
+    returns it when the per-row time is below the noise."""
+    return m if m.step_speeds is None else Measurement(m.step_speeds, m.step_spreads)
+
+
 def _check(size: int, chain: int, repeats: int, tolerance: float, loss_fn, params, batch, optimizer) -> None:
     if repeats < MIN_REPEATS:
         raise ValueError(f"calibrate needs repeats >= {MIN_REPEATS} timing rounds to measure a spread, got {repeats}.")
@@ -306,16 +337,22 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
     the fixed times of the merged devices, so identical devices give the even plan; with a split
     into fixed and per-row time, devices are alike when their whole steps at the batch's rows are.
 
+    A split must show twice: when the first measurement finds more than one group, the devices are
+    timed again in fresh rounds and each keeps the faster of its two medians (`faster`). A device
+    slowed for one measurement's length by load from elsewhere (another process's burst on a shared
+    core) then rejoins its peers, while a truly slower device is slow both times.
+
     Pass the batch the step will train on (or one as large): the fixed and per-row times are fitted
     between half its rows and all of them, which is where the plan's loads lie, and longer timings
     are less noisy.
     """
     _check(size, chain, repeats, tolerance, loss_fn, params, batch, optimizer)
-    m = measure(cluster, loss_fn, params, batch, optimizer=optimizer, size=size, chain=chain, repeats=repeats)
-    if m.step_speeds is not None:                       # alike = the whole step takes as long (one timing)
-        groups = speed_groups(m.step_speeds, m.step_spreads, tolerance)
-    else:
-        groups = speed_groups(m.speeds, m.spreads, tolerance)
+    again = functools.partial(measure, cluster, loss_fn, params, batch, optimizer=optimizer, size=size,
+                              chain=chain, repeats=repeats)
+    m = again()
+    if len(_groups(m, tolerance)) > 1:
+        m = faster(m, again())
+    groups = _groups(m, tolerance)
     speeds, overheads = np.asarray(m.speeds), None if m.overheads is None else np.asarray(m.overheads)
     for g in groups:
         speeds[g] = np.median(speeds[g])
