@@ -435,3 +435,38 @@ def test_uneven_attention_heads_on_a_declared_heterogeneous_cluster(kind, causal
     assert r.applied and [d.rows for d in r.devices] == [3] * 4 + [1] * 4
     wq = state.stored_params["query"]["kernel"]
     assert wq.shape == (D, 24, 2) and {s.data.shape for s in wq.addressable_shards} == {(D, 3, 2)}
+
+
+@pytest.mark.parametrize("counts,chunk,loops,recompute", [((4, 2), 2, True, False), ((4, 2), 2, True, True),
+                                                          ((6, 2), 1, True, True), ((6, 2), 1, True, False),
+                                                          ((2, 2), 2, False, True), ((4, 0), 2, True, False),
+                                                          ((4, 0), 2, True, True)])
+def test_uneven_blocks_write_out_the_common_blocks_and_loop_the_rest(counts, chunk, loops, recompute):
+    """The lowering of an uneven MLP on two devices equals the dense MLP on the real units, value and
+    gradients, with zero gradients on the padding: the blocks every device runs are written out
+    (1 or 2 here), only the rest loop (no loop when the counts are equal; all loop when a device has
+    no units), keeping their values in buffers or recomputing their forward."""
+    from whalex.lowering.uneven_split import UnevenColumns, mlp_stages, uneven_blocks
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("model",))
+    layout = UnevenColumns(counts, max(counts), chunk)
+    F, H = 8, sum(counts)
+    k = jax.random.split(jax.random.key(3), 4)
+    w1, b1, w2 = (jax.random.normal(k[0], (F, H)), jax.random.normal(k[1], (H,)), jax.random.normal(k[2], (H, F)))
+    x = jax.random.normal(k[3], (4, F))
+    fn = uneven_blocks(mesh, "model", (), layout, mlp_stages("gelu"), (1, 0, 0), recompute)
+    uneven = lambda ws, x: jnp.sum(jnp.sin(fn(x, *ws)))                                # noqa: E731
+    dense = lambda ws, x: jnp.sum(jnp.sin(jax.nn.gelu(x @ ws[0] + ws[1]) @ ws[2]))     # noqa: E731
+    padded = [layout.pad(w1, 1), layout.pad(b1, 0), layout.pad(w2, 0)]
+    (v, g), (rv, rg) = jax.value_and_grad(uneven, (0, 1))(padded, x), jax.value_and_grad(dense, (0, 1))((w1, b1, w2), x)
+    np.testing.assert_allclose(v, rv, rtol=1e-5)
+    assert rel_err(g[1], rg[1]) < 1e-5                                  # reassociation only
+    for got, want, axis in zip(g[0], rg[0], (1, 0, 0)):
+        assert rel_err(layout.unpad(got, axis), want) < 1e-5
+        assert float(jnp.sum(jnp.abs(got))) == pytest.approx(float(jnp.sum(jnp.abs(want))), rel=1e-5)   # padding: 0
+    text = jax.jit(jax.grad(uneven)).lower(padded, x).as_text()
+    assert ("stablehlo.while" in text) == loops
+
+    def dots(recompute):         # the backward's loop recomputes the forward's matmuls, or reads buffers
+        f = uneven_blocks(mesh, "model", (), layout, mlp_stages("gelu"), (1, 0, 0), recompute)
+        return jax.jit(jax.grad(lambda ws, x: jnp.sum(jnp.sin(f(x, *ws))))).lower(padded, x).as_text().count("dot_general")
+    assert (dots(True) > dots(False)) == loops

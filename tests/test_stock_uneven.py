@@ -103,6 +103,28 @@ def _counts_the_lowering(r):
     assert r.predicted_speedup == pytest.approx(max(d.even_time for d in r.devices) / max(d.time for d in r.devices))
 
 
+def test_the_prediction_counts_the_recomputed_forward_where_the_lowering_recomputes():
+    """On CPU the looped units (beyond those every position runs, written out) recompute their
+    forward in the backward pass, and the prediction counts it; on GPUs (an abstract cluster) they
+    keep their values in unwritten buffers and recompute nothing."""
+    loss_fn, params, batch = _problem(StockMLP())
+    reports = {}
+    for name, cluster in (("cpu", wh.Cluster(kinds=ALTERNATING)), ("gpu", wh.Cluster.abstract(ALTERNATING))):
+        plan = wh.plan(loss_fn, params, batch, cluster=cluster, optimizer=_opt("adam"))
+        assert cluster.platform == ("cpu" if name == "cpu" else "cuda")
+        reports[name] = plan.balance
+    cpu, gpu = reports["cpu"], reports["gpu"]
+    assert "recomputed forward" in cpu.basis and "recomputed" not in gpu.basis
+    assert [d.rows for d in cpu.devices] == [d.rows for d in gpu.devices]
+    peeled = min(d.rows for d in cpu.devices)
+    for c, g in zip(cpu.devices, gpu.devices):
+        looped = (c.rows - peeled) * cpu.flops_per_sample / c.speed     # seconds of the looped units
+        if looped == 0:
+            assert c.time == pytest.approx(g.time)
+        else:   # the forward's share: a third of the matmuls' FLOPs, more with gelu (its backward is cheaper)
+            assert 1 / 3 <= (c.time - g.time) / looped < 1 / 2
+
+
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
 def test_stock_dense_mlp_gets_uneven_hidden_units(kind):
     step, state = _train_and_compare(StockMLP(), kind)

@@ -94,9 +94,10 @@ def report(specs, speeds: Sequence[float], rows: Sequence[int], even_rows: Seque
 class SplitCosts:
     """What an uneven split's lowering does beyond its units' FLOPs, per model position: `shared`
     seconds both plans pay (the rest of the step at each device's share, the all-reduces of the
-    layer's output and input gradient, a calibrated fixed time), `padded_bytes` memory traffic
-    only the uneven plan pays per padding unit (the optimizer update of stored padding) and per
-    unit of the padded width (its buffers of kept values and gradients, zero-filled every step)."""
+    layer's output and input gradient, a calibrated fixed time), memory traffic only the uneven plan
+    pays per padding unit (the optimizer update of stored padding) and per unit of the padded width
+    (its weight gradients' buffers, zero-filled every step), and, where the looped units (those
+    beyond the `peeled` ones every device runs) recompute their forward, that share of their FLOPs."""
 
     shared: tuple[float, ...]
     bandwidths: tuple[float, ...]       # bytes/s of memory traffic per position
@@ -104,15 +105,19 @@ class SplitCosts:
     per_width_unit: float               # bytes
     width: int
     basis: str
+    peeled: int = 0                     # units every position runs outside the loop
+    recompute_share: float = 0.0        # of a looped unit's FLOPs, run again (its forward)
 
 
 def lowered_split(report: BalanceReport, costs: SplitCosts) -> BalanceReport:
-    """`report` with each position's times counting what both plans pay and the padded width's traffic."""
+    """`report` with each position's times counting what both plans pay, the padded width's traffic
+    and the recomputed forward of the looped units."""
     devices = []
     for d, shared, bw in zip(report.devices, costs.shared, costs.bandwidths):
         padded = ((costs.width - d.rows) * costs.per_padding_unit + costs.width * costs.per_width_unit) / bw
         work = report.flops_per_sample / d.speed
-        devices.append(dataclasses.replace(d, time=float(shared + padded + d.rows * work),
+        again = max(d.rows - costs.peeled, 0) * costs.recompute_share * work
+        devices.append(dataclasses.replace(d, time=float(shared + padded + again + d.rows * work),
                                            even_time=float(shared + d.even_rows * work), overhead=float(shared)))
     return dataclasses.replace(report, devices=tuple(devices), basis=costs.basis)
 

@@ -8,7 +8,8 @@ collective runs inside a loop), then the softmax statistics are combined with `p
 the model axis, never gathering logits. A `custom_vjp` gives the backward pass the same shape:
 chunk loops for the weight gradient and the input gradient, then one `psum`. `uneven_blocks` does
 the same for MLPs and attention (hidden units, heads), written as `Stage`s whose values between
-stages the forward loop keeps, so that the backward loop recomputes no forward matmul. The planner hands its decisions down as data,
+stages the forward keeps, so that the backward recomputes no forward matmul (on CPU, the looped
+blocks recompute theirs: see `_Blocks`); the blocks every device runs are written out, not looped. The planner hands its decisions down as data,
 `UnevenCall`s; `uneven_overrides` builds the functions that replace those equations.
 """
 from __future__ import annotations
@@ -206,7 +207,14 @@ def attention_stages(causal: bool) -> tuple[Stage, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class _Blocks:
-    """One device's side of `uneven_blocks`: its forward and backward loops over its own chunks."""
+    """One device's side of `uneven_blocks`. The `peeled` chunks every device runs (the smallest
+    count's) are written out, each block's values kept as separate outputs; only the chunks beyond
+    them loop. A device-dependent trip count keeps XLA from fusing a loop's body with what surrounds
+    it, and a loop's accumulators need initial values; peeling leaves the device with the fewest
+    units no loop at all. The looped blocks either keep their values in `slots - peeled` buffers
+    (`lax.empty`: allocated, not written, on GPU and TPU) or, with `recompute`, run their forward
+    again in the backward pass (on CPU, where `lax.empty` is a zero fill of fresh memory, which
+    costs a device that never uses the buffers more than the recomputed forward costs another)."""
 
     stages: tuple
     counts: tuple[int, ...]
@@ -215,6 +223,19 @@ class _Blocks:
     dims: tuple[int, ...]
     axis: str
     batch_axes: tuple
+    recompute: bool = False
+
+    @property
+    def buffered(self) -> bool:
+        return self.slots > self.peeled and not self.recompute
+
+    @property
+    def peeled(self) -> int:
+        return min(self.counts) // self.chunk
+
+    @property
+    def n_kept(self) -> int:
+        return sum(st.n_out for st in self.stages) - 1
 
     def slices(self, k, ws):
         return [jax.lax.dynamic_slice_in_dim(w, k * self.chunk, self.chunk, d) for w, d in zip(ws, self.dims)]
@@ -223,54 +244,74 @@ class _Blocks:
         return jnp.asarray(self.counts, jnp.int32)[jax.lax.axis_index(self.axis)] // self.chunk
 
     def fwd(self, keep: bool, x, *ws):
-        """(the psum of this device's blocks, the kept values in `slots` buffers: empty unless `keep`)."""
-        shapes = jax.eval_shape(lambda x, ws: _run_stages(self.stages, x, self.slices(0, ws)), x, list(ws))
-        kept = [jnp.zeros((self.slots if keep else 0,) + v.shape, v.dtype) for v in shapes[1:-1]]
+        """(the psum of this device's blocks, then, if `keep`, each peeled block's kept values (with a
+        leading axis of 1) and the looped blocks' kept values in `slots - peeled` buffers)."""
+        p = self.peeled
+        peeled = [_run_stages(self.stages, x, self.slices(k, ws)) for k in range(p)]
+        y = functools.reduce(jnp.add, [v[-1] for v in peeled]) if p else None
+        kept = [v[None] for vals in peeled for v in vals[1:-1]] if keep else []
+        if self.slots > p:
+            shapes = jax.eval_shape(lambda x, ws: _run_stages(self.stages, x, self.slices(0, ws)), x, list(ws))
+            keep_bufs = keep and not self.recompute
+            bufs = [jax.lax.empty((self.slots - p if keep_bufs else 0,) + v.shape, v.dtype) for v in shapes[1:-1]]
 
-        def body(k, acc):
-            vals = _run_stages(self.stages, x, self.slices(k, ws))
-            kept = [jax.lax.dynamic_update_index_in_dim(b, v, k, 0) for b, v in zip(acc[1], vals[1:-1])] \
-                if keep else acc[1]
-            return acc[0] + vals[-1], kept
+            def body(k, acc):
+                vals = _run_stages(self.stages, x, self.slices(k, ws))
+                bufs = [jax.lax.dynamic_update_index_in_dim(b, v, k - p, 0) for b, v in zip(acc[1], vals[1:-1])] \
+                    if keep_bufs else acc[1]
+                return acc[0] + vals[-1], bufs
 
-        y, kept = jax.lax.fori_loop(0, self.trips(), body, (jnp.zeros(shapes[-1].shape, shapes[-1].dtype), kept))
+            y0 = y if y is not None else jnp.zeros(shapes[-1].shape, shapes[-1].dtype)
+            y, bufs = jax.lax.fori_loop(p, self.trips(), body, (y0, bufs))
+            kept += bufs if keep_bufs else []
         return (jax.lax.psum(y, self.axis), *kept)
 
     def bwd(self, x, *args):
         """(dx, weight gradients) from the kept values: each block's stage VJPs, then one psum of dx."""
-        nw = len(self.dims)
-        ws, kept, g = args[:nw], args[nw:-1], args[-1]
-
-        def body(k, acc):
-            vals = [x] + [jax.lax.dynamic_index_in_dim(b, k, 0, keepdims=False) for b in kept] + [g]
+        nw, p, nk = len(self.dims), self.peeled, self.n_kept
+        ws, g = args[:nw], args[-1]
+        peeled, bufs = args[nw:nw + p * nk], args[nw + p * nk:-1]
+        dx, dws = None, [jnp.zeros_like(w) for w in ws]
+        for k in range(p):
+            vals = [x] + [v[0] for v in peeled[k * nk:(k + 1) * nk]] + [g]
             gx, gws = _stage_vjps(self.stages, vals, self.slices(k, ws), g)
-            return acc[0] + gx, [jax.lax.dynamic_update_slice_in_dim(dw, gw, k * self.chunk, d)
-                                 for dw, gw, d in zip(acc[1], gws, self.dims)]
+            dx = gx if dx is None else dx + gx
+            dws = [jax.lax.dynamic_update_slice_in_dim(dw, gw, k * self.chunk, d) for dw, gw, d in zip(dws, gws, self.dims)]
+        if self.slots > p:
+            def body(k, acc):
+                if self.recompute:
+                    vals = _run_stages(self.stages, x, self.slices(k, ws))[:-1] + [g]
+                else:
+                    vals = [x] + [jax.lax.dynamic_index_in_dim(b, k - p, 0, keepdims=False) for b in bufs] + [g]
+                gx, gws = _stage_vjps(self.stages, vals, self.slices(k, ws), g)
+                return acc[0] + gx, [jax.lax.dynamic_update_slice_in_dim(dw, gw, k * self.chunk, d)
+                                     for dw, gw, d in zip(acc[1], gws, self.dims)]
 
-        dx, dws = jax.lax.fori_loop(0, self.trips(), body, (jnp.zeros_like(x), [jnp.zeros_like(w) for w in ws]))
+            dx, dws = jax.lax.fori_loop(p, self.trips(), body, (jnp.zeros_like(x) if dx is None else dx, dws))
         dx = jax.lax.psum(dx, self.axis)                   # after the loop: partial sums over the units
         if self.batch_axes:
             dws = jax.lax.psum(dws, self.batch_axes)
         return (dx, *dws)
 
 
-def uneven_blocks(mesh, model_axis: str, batch_axes: tuple, layout: UnevenColumns, stages, dims: tuple[int, ...]):
+def uneven_blocks(mesh, model_axis: str, batch_axes: tuple, layout: UnevenColumns, stages, dims: tuple[int, ...],
+                  recompute: bool = False):
     """f(x, *weights_padded) -> sum over the real units of the block `stages` computes, the units
-    (hidden units, heads) uneven over `model_axis`: weight i is sliced on dims[i], device j loops
-    over its own `chunk`-unit blocks (work proportional to its share; padding never read), then one
-    psum. The forward loop keeps each block's values between stages in buffers of the padded width;
-    the custom VJP's loop runs each block's stage VJPs on them (no forward recomputed), then one
-    psum of the input gradient."""
+    (hidden units, heads) uneven over `model_axis`: weight i is sliced on dims[i], device j runs
+    its own `chunk`-unit blocks (work proportional to its share; padding never read), the blocks
+    every device has written out and the rest in a loop, then one psum. Each block's values between
+    stages are kept (peeled blocks' as they are, looped blocks' in buffers unless `recompute`); the
+    custom VJP runs each block's stage VJPs on them, then one psum of the input gradient."""
     blocks = _Blocks(tuple(stages), tuple(layout.counts), layout.chunk, layout.width // layout.chunk, tuple(dims),
-                     model_axis, tuple(batch_axes))
+                     model_axis, tuple(batch_axes), recompute)
     bspec = batch_axes if batch_axes else None
     w_specs = tuple(P(*([None] * d + [model_axis])) for d in dims)
-    n_kept = sum(st.n_out for st in stages) - 1
-    k_specs = (P(model_axis, bspec),) * n_kept
+    n_out = blocks.n_kept * (blocks.peeled + blocks.buffered)
+    k_specs = (P(model_axis, bspec),) * n_out
 
     def fwd_map(keep):
         return jax.shard_map(functools.partial(blocks.fwd, keep), mesh=mesh, in_specs=(P(bspec),) + w_specs,
-                             out_specs=(P(bspec),) + (k_specs if keep else (P(model_axis),) * n_kept), check_vma=False)
+                             out_specs=(P(bspec),) + (k_specs if keep else ()), check_vma=False)
 
     bwd_map = jax.shard_map(blocks.bwd, mesh=mesh, in_specs=(P(bspec),) + w_specs + k_specs + (P(bspec),),
                             out_specs=(P(bspec),) + w_specs, check_vma=False)
@@ -306,6 +347,7 @@ class UnevenCall:
     activation: str = ""         # mlp
     causal: bool = False         # attention
     global_batch: int = 0        # head: the loss is a mean over it
+    recompute: bool = False      # mlp, attention: looped blocks run their forward again in the backward
 
 
 def _override(call: UnevenCall, mesh):
@@ -314,20 +356,8 @@ def _override(call: UnevenCall, mesh):
         head = uneven_head(mesh, call.axis, call.batch_axes, call.columns, call.global_batch)
         return lambda *args: [head(*args)]
     stages = attention_stages(call.causal) if call.kind == "attention" else mlp_stages(call.activation)
-    fn = uneven_blocks(mesh, call.axis, call.batch_axes, call.columns, stages, call.dims)
+    fn = uneven_blocks(mesh, call.axis, call.batch_axes, call.columns, stages, call.dims, call.recompute)
     return lambda x, *ws: [fn(x, *ws[:-1]) + ws[-1]]        # the output bias, whole, added once
-
-
-def kept_bytes_per_unit(call: UnevenCall, x, weights) -> float:
-    """Bytes of the values the lowering keeps for the backward pass, per unit, for an input `x` of
-    the rows one device runs (ShapeDtypeStructs; `weights` as the call reads them, logical shapes)."""
-    if call.kind == "head":
-        return float(np.prod(x.shape[:-1])) * np.dtype(x.dtype).itemsize          # the logits
-    stages = attention_stages(call.causal) if call.kind == "attention" else mlp_stages(call.activation)
-    one = [jax.ShapeDtypeStruct(tuple(1 if i == d else n for i, n in enumerate(w.shape)), w.dtype)
-           for w, d in zip(weights, call.dims)]
-    vals = jax.eval_shape(lambda x, ws: _run_stages(stages, x, ws), x, one)
-    return float(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in vals[1:-1]))
 
 
 def uneven_overrides(calls, mesh) -> dict:

@@ -295,6 +295,7 @@ def uneven_heads(cap, vds, layout, sharding, cluster, optimizer):
     params = {v: i for i, v in enumerate(jaxpr.invars[: cap.num_params])}
     calls, padded, specs, reports = [], {}, list(sharding.param_specs), []
     opt = 2.0 if optimizer is not None else 0.0
+    recompute = cluster.platform == "cpu"      # lax.empty is a zero fill there: see uneven_split._Blocks
     for i, eqn in enumerate(jaxpr.eqns):
         name = str(eqn.params.get("name", "")) if C.is_call(eqn) else ""
         activation, causal = parse_mlp_name(name), parse_attention_name(name)
@@ -334,9 +335,11 @@ def uneven_heads(cap, vds, layout, sharding, cluster, optimizer):
         if name == HEAD_NAME:
             calls.append(UnevenCall((i,), "head", axis, batch_axes, cols, global_batch=cap.global_batch))
         elif causal is not None:
-            calls.append(UnevenCall((i,), "attention", axis, batch_axes, cols, dims, causal=causal))
+            calls.append(UnevenCall((i,), "attention", axis, batch_axes, cols, dims, causal=causal,
+                                    recompute=recompute))
         else:
-            calls.append(UnevenCall((i,), "mlp", axis, batch_axes, cols, dims, activation=activation))
+            calls.append(UnevenCall((i,), "mlp", axis, batch_axes, cols, dims, activation=activation,
+                                    recompute=recompute))
         tg_flops = taskgraph_flops(cap.jaxpr, {(j,): 0 if j == i else 1 for j in range(len(jaxpr.eqns))}, 1,
                                    cap.num_params)[0]
         even = [units // len(speeds)] * len(speeds)
