@@ -121,8 +121,8 @@ def test_the_prediction_counts_the_recomputed_forward_where_the_lowering_recompu
         looped = (c.rows - peeled) * cpu.flops_per_sample / c.speed     # seconds of the looped units
         if looped == 0:
             assert c.time == pytest.approx(g.time)
-        else:   # the forward's share: a third of the matmuls' FLOPs, more with gelu (its backward is cheaper)
-            assert 1 / 3 <= (c.time - g.time) / looped < 1 / 2
+        else:   # the first matmul (1 of the 6 per unit), its bias and gelu; the second's output is not read
+            assert 1 / 6 <= (c.time - g.time) / looped < 1 / 4
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adam"])

@@ -97,7 +97,8 @@ class SplitCosts:
     layer's output and input gradient, a calibrated fixed time), memory traffic only the uneven plan
     pays per padding unit (the optimizer update of stored padding) and per unit of the padded width
     (its weight gradients' buffers, zero-filled every step), and, where the looped units (those
-    beyond the `peeled` ones every device runs) recompute their forward, that share of their FLOPs."""
+    beyond the `peeled` ones every device runs) recompute their forward, the share of their FLOPs
+    that runs again."""
 
     shared: tuple[float, ...]
     bandwidths: tuple[float, ...]       # bytes/s of memory traffic per position
@@ -106,7 +107,7 @@ class SplitCosts:
     width: int
     basis: str
     peeled: int = 0                     # units every position runs outside the loop
-    recompute_share: float = 0.0        # of a looped unit's FLOPs, run again (its forward)
+    recompute_share: float = 0.0        # of a looped unit's FLOPs, run again (its forward but the last stage)
 
 
 def lowered_split(report: BalanceReport, costs: SplitCosts) -> BalanceReport:

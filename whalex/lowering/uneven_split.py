@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from whalex.core.flops import equation_flops
 from whalex.ops import ACTIVATIONS, attention_mix, attention_out, attention_project, attention_scores
 
 NEG = -1e30
@@ -358,6 +359,17 @@ def _override(call: UnevenCall, mesh):
     stages = attention_stages(call.causal) if call.kind == "attention" else mlp_stages(call.activation)
     fn = uneven_blocks(mesh, call.axis, call.batch_axes, call.columns, stages, call.dims, call.recompute)
     return lambda x, *ws: [fn(x, *ws[:-1]) + ws[-1]]        # the output bias, whole, added once
+
+
+def recomputed_flops_per_unit(call: UnevenCall, x, weights) -> float:
+    """FLOPs one looped unit of an mlp or attention call runs again in the backward pass when it
+    recomputes (`UnevenCall.recompute`): every stage but the last, whose output no VJP reads, for an
+    input `x` (ShapeDtypeStruct; `weights` as the call reads them, logical shapes)."""
+    stages = attention_stages(call.causal) if call.kind == "attention" else mlp_stages(call.activation)
+    one = [jax.ShapeDtypeStruct(tuple(1 if i == d else n for i, n in enumerate(w.shape)), w.dtype)
+           for w, d in zip(weights, call.dims)]
+    jaxpr = jax.make_jaxpr(lambda x, ws: _run_stages(stages[:-1], x, ws))(x, one)
+    return equation_flops(jaxpr, [False] * len(jaxpr.jaxpr.invars), [False] * len(jaxpr.jaxpr.outvars)).forward
 
 
 def uneven_overrides(calls, mesh) -> dict:

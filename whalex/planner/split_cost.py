@@ -4,7 +4,8 @@ step at each device's even share, the all-reduces of the layer's output and of i
 over the model axis, a calibrated fixed time), the memory traffic only the uneven plan pays (the
 optimizer update of the stored padding and the zero-filled gradient buffers of the padded width, at
 each device's memory bandwidth scaled by its measured speed) and, where the looped blocks recompute
-their forward (CPU), the forward's share of the FLOPs of each unit beyond those every device runs."""
+their forward (CPU), what each unit beyond those every device runs computes again (its stages but
+the last, whose output the backward pass does not read)."""
 from __future__ import annotations
 
 import jax
@@ -14,8 +15,7 @@ from whalex import _compat as C
 from whalex.balance.cost import BalanceReport, SplitCosts, lowered_split
 from whalex.balance.profile import taskgraph_flops
 from whalex.core.comm import ring_bytes
-from whalex.core.flops import equation_flops
-from whalex.lowering.uneven_split import UnevenCall
+from whalex.lowering.uneven_split import UnevenCall, recomputed_flops_per_unit
 
 _WEIGHTS = {"head": slice(1, 3), "mlp": slice(1, 4), "attention": slice(1, 8)}
 
@@ -36,15 +36,6 @@ def _rest_flops(cap, calls) -> float:
     inside = {c.path[0] for c in calls}
     assign = {(i,): int(i in inside) for i in range(len(jaxpr.eqns))}
     return taskgraph_flops(cap.jaxpr, assign, 2, cap.num_params)[0]
-
-
-def _forward_share(cap, i: int) -> float:
-    """The forward's share of equation i's training FLOPs."""
-    jaxpr, _ = C.open_jaxpr(cap.jaxpr)
-    c = equation_flops(jaxpr, [k < cap.num_params for k in range(len(jaxpr.invars))],
-                       [k == 0 for k in range(len(jaxpr.outvars))])
-    f, b = c.per_eqn[i]
-    return f / (f + b) if f + b > 0 else 0.0
 
 
 def split_costs(report: BalanceReport, calls: tuple[UnevenCall, ...], cap, cluster, optimizer,
@@ -77,7 +68,9 @@ def split_costs(report: BalanceReport, calls: tuple[UnevenCall, ...], cap, clust
         shared.append(rest / d.speed + comm + (max(fixed) if fixed else 0.0))
     cols = call.columns
     peeled = min(cols.counts) // cols.chunk * cols.chunk
-    again = _forward_share(cap, call.path[0]) if call.recompute and cols.width > peeled else 0.0
+    looped = call.recompute and cols.width > peeled
+    x_whole = jax.ShapeDtypeStruct(x.shape, x.dtype)                # flops_per_sample counts the whole batch
+    again = recomputed_flops_per_unit(call, x_whole, weights) / report.flops_per_sample if looped else 0.0
     return SplitCosts(tuple(shared), tuple(bandwidths), per_unit * passes, per_unit, cols.width,
                       "units x FLOPs per unit / speed; the rest of the step and the all-reduces both plans pay"
                       + (" and the calibrated fixed time" if fixed else "")
