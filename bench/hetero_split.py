@@ -18,14 +18,14 @@ What it measures
     * balanced:  hidden units / heads in proportion to the calibrated speeds, per-device chunk loops.
 
     Both are timed in interleaved blocks on process 0 (each step ends on the loss, which needs both
-    processes); medians. The table prints the measured speedup (median even step / median balanced
-    step) beside the planner's prediction (``plan.balance.predicted_speedup``: the slowest device's
+    processes), both processes idle between blocks; medians. The table prints the measured speedup
+    (median even step / median balanced step) beside the planner's prediction (``plan.balance.predicted_speedup``: the slowest device's
     time under the even shards over the same under the balanced ones). The prediction counts what the
-    lowering does (``whalex/planner/split_cost.py``): the units' FLOPs (the custom VJP keeps each
-    block's values between stages, so no forward is recomputed), the rest of the step, the
-    all-reduces and the calibrated fixed time that both plans pay, and the memory traffic only the
-    balanced plan pays (the optimizer update of the stored padding, the zero-filled buffers of the
-    padded width).
+    lowering does (``whalex/planner/split_cost.py``): the units' FLOPs, the forward that the units
+    beyond those every device runs compute again in the backward pass (on CPU, where the lowering
+    recomputes them rather than zero-fill buffers for them), the rest of the step, the all-reduces
+    and the calibrated fixed time that both plans pay, and the memory traffic only the balanced plan
+    pays (the optimizer update of the stored padding, the zero-filled gradients of the padded width).
 
 Run from the repo root: ``python bench/hetero_split.py`` (several minutes; needs >= 2 cores and an
 otherwise idle machine). Writes bench/results/hetero_split.json. ``--quick``: small shapes, one
@@ -148,6 +148,7 @@ def make_model(args):
 def worker(args):
     import jax
     import optax
+    from jax.experimental import multihost_utils
 
     import whalex as wh
     from whalex.balance.calibrate import calibrate
@@ -172,8 +173,16 @@ def worker(args):
         losses[name] = float(m["loss"])
         return losses[name]
 
+    def settle(name, r):
+        """Both processes done with a block before the next starts: otherwise the process a plan leaves
+        idle starts the other plan's first step early (that step times short) and the one it keeps
+        busy starts late (long)."""
+        jax.block_until_ready(states[name])
+        multihost_utils.sync_global_devices(f"hetero_split block {r} {name}")
+
     timings = harness.interleaved({n: (lambda n=n: run(n)) for n in steps}, args.rounds, block=args.block,
-                                  warmup=2, order_by="fixed", sync=None, on_round=harness.progress(log, args.rounds))
+                                  warmup=2, order_by="fixed", sync=None, after_block=settle,
+                                  on_round=harness.progress(log, args.rounds))
     times = {n: timings.times(n) for n in steps}
     report = steps["balanced"].plan.balance
     out = {"speeds": list(cluster.speeds), "times": times, "final_loss": losses,

@@ -470,3 +470,16 @@ def test_uneven_blocks_write_out_the_common_blocks_and_loop_the_rest(counts, chu
         f = uneven_blocks(mesh, "model", (), layout, mlp_stages("gelu"), (1, 0, 0), recompute)
         return jax.jit(jax.grad(lambda ws, x: jnp.sum(jnp.sin(f(x, *ws))))).lower(padded, x).as_text().count("dot_general")
     assert (dots(True) > dots(False)) == loops
+
+
+def test_looped_blocks_keep_their_values_in_unwritten_buffers_on_a_gpu():
+    """Lowered for a GPU, the buffers of the looped blocks' kept values are allocated and not written
+    (`lax.empty`: an AllocateBuffer custom call); on CPU `lax.empty` is a zero fill, which is why the
+    planner has the looped blocks recompute there (`UnevenCall.recompute`)."""
+    from whalex.lowering.uneven_split import UnevenColumns, mlp_stages, uneven_blocks
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("model",))
+    fn = uneven_blocks(mesh, "model", (), UnevenColumns((4, 2), 4, 2), mlp_stages("gelu"), (1, 0, 0), False)
+    args = ([jax.ShapeDtypeStruct(s, jnp.float32) for s in ((8, 8), (8,), (8, 8))], jax.ShapeDtypeStruct((4, 8), jnp.float32))
+    traced = jax.jit(jax.grad(lambda ws, x: jnp.sum(jnp.sin(fn(x, *ws))))).trace(*args)
+    assert "AllocateBuffer" in traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert "AllocateBuffer" not in traced.lower(lowering_platforms=("cpu",)).as_text()
