@@ -459,6 +459,8 @@ def test_uneven_blocks_write_out_the_common_blocks_and_loop_the_rest(counts, chu
     padded = [layout.pad(w1, 1), layout.pad(b1, 0), layout.pad(w2, 0)]
     (v, g), (rv, rg) = jax.value_and_grad(uneven, (0, 1))(padded, x), jax.value_and_grad(dense, (0, 1))((w1, b1, w2), x)
     np.testing.assert_allclose(v, rv, rtol=1e-5)
+    plain = jax.nn.gelu(x @ w1 + b1) @ w2                               # the forward alone (no residuals)
+    assert rel_err(fn(x, *padded), plain) < 1e-5
     assert rel_err(g[1], rg[1]) < 1e-5                                  # reassociation only
     for got, want, axis in zip(g[0], rg[0], (1, 0, 0)):
         assert rel_err(layout.unpad(got, axis), want) < 1e-5
