@@ -142,18 +142,21 @@ def affine(rows: Sequence[int], times: np.ndarray, work_per_row: float) -> tuple
     first, then the difference: a difference of single timings doubles their noise, and one slow
     round at either size would move that round's slope a long way. The spread is that of the
     per-round slopes (what one round would say). A slope that noise made non-positive counts the
-    whole time as work (no fixed part). Also returns the per-round fixed seconds."""
+    whole time as work (no fixed part), and so does a line whose intercept is negative: the time
+    grew faster than the rows (a step whose data no longer fits the caches at the larger count),
+    where the slope would overstate the time per row at the batch's rows. Also returns the
+    per-round fixed seconds."""
     (r1, r2), t = rows, np.asarray(times, np.float64)
     slope = (t[..., 1] - t[..., 0]) / (r2 - r1)
-    ok = slope > 0
+    ok = (slope > 0) & (t[..., 1] >= slope * r2)
     slope = np.where(ok, slope, t[..., 1] / r2)
-    fixed = np.where(ok, np.clip(t[..., 1] - slope * r2, 0.0, None), 0.0)
+    fixed = np.where(ok, t[..., 1] - slope * r2, 0.0)
     spreads = summarize(work_per_row / slope).spreads
     med = np.median(t, axis=0)                                          # (device, size)
     mslope = (med[:, 1] - med[:, 0]) / (r2 - r1)
-    mok = mslope > 0
+    mok = (mslope > 0) & (med[:, 1] >= mslope * r2)
     mslope = np.where(mok, mslope, med[:, 1] / r2)
-    mfixed = np.where(mok, np.clip(med[:, 1] - mslope * r2, 0.0, None), 0.0)
+    mfixed = np.where(mok, med[:, 1] - mslope * r2, 0.0)
     return Measurement(tuple(map(float, work_per_row / mslope)), spreads, tuple(map(float, mfixed))), fixed
 
 
