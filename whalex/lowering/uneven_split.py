@@ -45,6 +45,11 @@ class UnevenColumns:
     def classes(self) -> int:
         return int(sum(self.counts))
 
+    @property
+    def common(self) -> int:
+        """Units every device runs, in whole chunks (the smallest count)."""
+        return min(self.counts) // self.chunk * self.chunk
+
     def padded_index(self) -> np.ndarray:
         """For each logical class, its column in the padded layout."""
         return np.concatenate([i * self.width + np.arange(c) for i, c in enumerate(self.counts)])
@@ -218,21 +223,32 @@ class _Blocks:
     costs a device that never uses the buffers more than the recomputed forward costs another)."""
 
     stages: tuple
-    counts: tuple[int, ...]
-    chunk: int
-    slots: int
+    layout: UnevenColumns
     dims: tuple[int, ...]
     axis: str
     batch_axes: tuple
     recompute: bool = False
 
     @property
-    def buffered(self) -> bool:
-        return self.slots > self.peeled and not self.recompute
+    def chunk(self) -> int:
+        return self.layout.chunk
+
+    @property
+    def slots(self) -> int:
+        return self.layout.width // self.chunk
 
     @property
     def peeled(self) -> int:
-        return min(self.counts) // self.chunk
+        return self.layout.common // self.chunk
+
+    @property
+    def looped(self) -> bool:
+        """Whether some device runs blocks beyond the peeled ones."""
+        return self.slots > self.peeled
+
+    @property
+    def buffered(self) -> bool:
+        return self.looped and not self.recompute
 
     @property
     def n_kept(self) -> int:
@@ -242,7 +258,7 @@ class _Blocks:
         return [jax.lax.dynamic_slice_in_dim(w, k * self.chunk, self.chunk, d) for w, d in zip(ws, self.dims)]
 
     def trips(self):
-        return jnp.asarray(self.counts, jnp.int32)[jax.lax.axis_index(self.axis)] // self.chunk
+        return jnp.asarray(self.layout.counts, jnp.int32)[jax.lax.axis_index(self.axis)] // self.chunk
 
     def fwd(self, keep: bool, x, *ws):
         """(the psum of this device's blocks, then, if `keep`, each peeled block's kept values (with a
@@ -251,9 +267,9 @@ class _Blocks:
         peeled = [_run_stages(self.stages, x, self.slices(k, ws)) for k in range(p)]
         y = functools.reduce(jnp.add, [v[-1] for v in peeled]) if p else None
         kept = [v[None] for vals in peeled for v in vals[1:-1]] if keep else []
-        if self.slots > p:
+        if self.looped:
             shapes = jax.eval_shape(lambda x, ws: _run_stages(self.stages, x, self.slices(0, ws)), x, list(ws))
-            keep_bufs = keep and not self.recompute
+            keep_bufs = keep and self.buffered
             bufs = [jax.lax.empty((self.slots - p if keep_bufs else 0,) + v.shape, v.dtype) for v in shapes[1:-1]]
 
             def body(k, acc):
@@ -278,7 +294,7 @@ class _Blocks:
             gx, gws = _stage_vjps(self.stages, vals, self.slices(k, ws), g)
             dx = gx if dx is None else dx + gx
             dws = [jax.lax.dynamic_update_slice_in_dim(dw, gw, k * self.chunk, d) for dw, gw, d in zip(dws, gws, self.dims)]
-        if self.slots > p:
+        if self.looped:
             def body(k, acc):
                 if self.recompute:
                     vals = _run_stages(self.stages, x, self.slices(k, ws))[:-1] + [g]
@@ -303,8 +319,7 @@ def uneven_blocks(mesh, model_axis: str, batch_axes: tuple, layout: UnevenColumn
     every device has written out and the rest in a loop, then one psum. Each block's values between
     stages are kept (peeled blocks' as they are, looped blocks' in buffers unless `recompute`); the
     custom VJP runs each block's stage VJPs on them, then one psum of the input gradient."""
-    blocks = _Blocks(tuple(stages), tuple(layout.counts), layout.chunk, layout.width // layout.chunk, tuple(dims),
-                     model_axis, tuple(batch_axes), recompute)
+    blocks = _Blocks(tuple(stages), layout, tuple(dims), model_axis, tuple(batch_axes), recompute)
     bspec = batch_axes if batch_axes else None
     w_specs = tuple(P(*([None] * d + [model_axis])) for d in dims)
     n_out = blocks.n_kept * (blocks.peeled + blocks.buffered)
@@ -351,13 +366,17 @@ class UnevenCall:
     recompute: bool = False      # mlp, attention: looped blocks run their forward again in the backward
 
 
+def _stages(call: UnevenCall) -> tuple[Stage, ...]:
+    """The stages of an mlp or attention call."""
+    return attention_stages(call.causal) if call.kind == "attention" else mlp_stages(call.activation)
+
+
 def _override(call: UnevenCall, mesh):
     """The function of the call's inputs that replaces its equation (outputs as a list)."""
     if call.kind == "head":
         head = uneven_head(mesh, call.axis, call.batch_axes, call.columns, call.global_batch)
         return lambda *args: [head(*args)]
-    stages = attention_stages(call.causal) if call.kind == "attention" else mlp_stages(call.activation)
-    fn = uneven_blocks(mesh, call.axis, call.batch_axes, call.columns, stages, call.dims, call.recompute)
+    fn = uneven_blocks(mesh, call.axis, call.batch_axes, call.columns, _stages(call), call.dims, call.recompute)
     return lambda x, *ws: [fn(x, *ws[:-1]) + ws[-1]]        # the output bias, whole, added once
 
 
@@ -365,7 +384,7 @@ def recomputed_flops_per_unit(call: UnevenCall, x, weights) -> float:
     """FLOPs one looped unit of an mlp or attention call runs again in the backward pass when it
     recomputes (`UnevenCall.recompute`): every stage but the last, whose output no VJP reads, for an
     input `x` (ShapeDtypeStruct; `weights` as the call reads them, logical shapes)."""
-    stages = attention_stages(call.causal) if call.kind == "attention" else mlp_stages(call.activation)
+    stages = _stages(call)
     one = [jax.ShapeDtypeStruct(tuple(1 if i == d else n for i, n in enumerate(w.shape)), w.dtype)
            for w, d in zip(weights, call.dims)]
     jaxpr = jax.make_jaxpr(lambda x, ws: _run_stages(stages[:-1], x, ws))(x, one)

@@ -67,15 +67,14 @@ def split_costs(report: BalanceReport, calls: tuple[UnevenCall, ...], cap, clust
         bandwidths.append(spec.bandwidth * min(1.0, d.speed / spec.fp32_flops))
         shared.append(rest / d.speed + comm + (max(fixed) if fixed else 0.0))
     cols = call.columns
-    peeled = min(cols.counts) // cols.chunk * cols.chunk
-    looped = call.recompute and cols.width > peeled
+    looped = call.recompute and cols.width > cols.common
     x_whole = jax.ShapeDtypeStruct(x.shape, x.dtype)                # flops_per_sample counts the whole batch
     again = recomputed_flops_per_unit(call, x_whole, weights) / report.flops_per_sample if looped else 0.0
     return SplitCosts(tuple(shared), tuple(bandwidths), per_unit * passes, per_unit, cols.width,
                       "units x FLOPs per unit / speed; the rest of the step and the all-reduces both plans pay"
                       + (" and the calibrated fixed time" if fixed else "")
                       + "; the padded width's update and zero-filled gradients at memory bandwidth"
-                      + ("; the looped units' recomputed forward" if again else ""), peeled, again)
+                      + ("; the looped units' recomputed forward" if again else ""), cols.common, again)
 
 
 def lowered_split_report(report: BalanceReport | None, calls, cap, cluster, optimizer, axis_sizes: dict):
