@@ -238,6 +238,27 @@ def is_worker() -> bool:
     return pid is not None
 
 
+# glibc keeps freed blocks up to 256 MiB in its heap (no mmap per call) and never trims it: both are needed,
+# setting either alone turns off glibc's dynamic threshold and makes small temporaries fault too. XLA CPU
+# allocates an executable's temporaries on every call; above glibc's (dynamic, at most 32 MiB) mmap threshold
+# each call gets fresh pages from the kernel and faults on every first touch, and whether a buffer crosses
+# that threshold depends on what was freed before. A GPU runtime keeps its memory pooled, so the emulated
+# devices should too.
+CACHED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
+
+
+def add_allocator_arg(ap) -> None:
+    """`--allocator cached|default` on a two-process bench's parser (see `CACHED_MALLOC`)."""
+    ap.add_argument("--allocator", default="cached", choices=("cached", "default"),
+                    help="cached: glibc keeps freed memory (harness.CACHED_MALLOC), as a GPU runtime pools it; "
+                         "default: glibc's own thresholds")
+
+
+def allocator_env(env: dict, allocator: str) -> dict:
+    """`env` with `CACHED_MALLOC` for `allocator == 'cached'`, as it is otherwise."""
+    return {**env, **CACHED_MALLOC} if allocator == "cached" else dict(env)
+
+
 CPU_CGROUP = pathlib.Path("/sys/fs/cgroup/cpu")     # cgroup v1 CPU controller (CFS bandwidth)
 THROTTLE_PERIOD_US = 1000                           # quota per period: the smallest period the kernel takes
 

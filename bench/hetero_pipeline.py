@@ -27,7 +27,7 @@ What it measures
 Two global batches by default: 1024 (128-row micro-batches) and 4096 (512-row micro-batches, the
 power of two `bench/hetero.py` uses). Every program here runs with one XLA CPU library call per dot
 (`YNN` below), so that neither cut gets a slow fused kernel the other does not, and, by default
-(`--allocator cached`), with glibc's allocator keeping freed memory (`CACHED_MALLOC` below): XLA CPU
+(`--allocator cached`), with glibc's allocator keeping freed memory (`harness.CACHED_MALLOC`): XLA CPU
 allocates an executable's temporaries on every call, and above glibc's mmap threshold (at most 32 MiB)
 each call gets fresh pages from the kernel and faults on every first touch (one program writing a
 46 MB temporary: 17.2 ms per call, 1.15 ms with `CACHED_MALLOC`). A GPU runtime keeps its memory
@@ -55,9 +55,6 @@ OUT = 8
 # on 2 simulated devices), which would flatter the balanced cut; one library call per dot for every
 # program timed here
 YNN = "--xla_cpu_experimental_ynn_fusion_type=individual_dot"
-# glibc keeps freed blocks up to 256 MiB in its heap (no mmap per call) and never trims it: both are needed,
-# setting either alone turns off glibc's dynamic threshold and makes small temporaries fault too
-CACHED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
 
 
 def parse(argv=None):
@@ -73,9 +70,7 @@ def parse(argv=None):
     ap.add_argument("--calib-rows", type=int, default=1024,
                     help="rows of the calibration batch (at 4096 the slowed process's calibration outlasts gloo's "
                          "30 s start-up deadline)")
-    ap.add_argument("--allocator", default="cached", choices=("cached", "default"),
-                    help="cached: glibc keeps freed memory (CACHED_MALLOC), as a GPU runtime pools it; default: glibc's "
-                         "own thresholds (every call's large temporaries fault in fresh pages)")
+    harness.add_allocator_arg(ap)
     ap.add_argument("--timeout", type=float, default=500)
     ap.add_argument("--out", default=None, help="the results file (default bench/results/hetero_pipeline.json, "
                                                 "hetero_pipeline_default_malloc.json with --allocator default)")
@@ -212,9 +207,8 @@ def main(argv):
         return
     cores, env, load_before = setup
     env["XLA_FLAGS"] = " ".join([env["XLA_FLAGS"], YNN])
-    if args.allocator == "cached":
-        env.update(CACHED_MALLOC)
-    malloc = {k: env[k] for k in CACHED_MALLOC if k in env}
+    env = harness.allocator_env(env, args.allocator)
+    malloc = {k: env[k] for k in harness.CACHED_MALLOC if k in env}
     t0 = time.perf_counter()
     runs = [summarise(harness.run_config(args, argv, hogs, batch, cores, env, __file__))
             for hogs in [int(x) for x in args.slowdowns.split(",")]
