@@ -17,10 +17,14 @@ What it measures
     * even:      ``hardware_aware=False``: each process holds half of the units (GSPMD shardings).
     * balanced:  hidden units / heads in proportion to the calibrated speeds, per-device chunk loops.
 
-    Both are timed in interleaved blocks on process 0 (each step ends on the loss, which needs both
-    processes), both processes idle between blocks; medians. The table prints the measured speedup
-    (median even step / median balanced step) beside the planner's prediction (``plan.balance.predicted_speedup``: the slowest device's
-    time under the even shards over the same under the balanced ones). The prediction counts what the
+    Both are timed in interleaved blocks of steps on process 0, each block up to both processes being
+    done with it, both processes idle between blocks; medians over blocks of the mean step time in a
+    block. Both processes' glibc keeps freed memory (``--allocator cached``, ``harness.CACHED_MALLOC``),
+    as a GPU runtime pools it: with glibc's own thresholds, whether a step's large temporaries fault
+    in fresh pages depended on what was freed before, and the stock MLP's even step took 89 to 171 ms
+    from run to run at the same quota. The table prints the measured speedup (median even step /
+    median balanced step) beside the planner's prediction (``plan.balance.predicted_speedup``: the
+    slowest device's time under the even shards over the same under the balanced ones). The prediction counts what the
     lowering does (``whalex/planner/split_cost.py``): the units' FLOPs, the forward that the units
     beyond those every device runs compute again in the backward pass (on CPU, where the lowering
     recomputes them rather than zero-fill buffers for them), the rest of the step, the all-reduces
@@ -62,7 +66,7 @@ def parse(argv=None):
     ap.add_argument("--repeats", type=int, default=1,
                     help="2-process runs per configuration, interleaved (all configurations, then again): the "
                          "final table gives each configuration's median over its runs")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--block", type=int, default=3)
     ap.add_argument("--calib-rows", type=int, default=None,
                     help="rows of the batch calibrate() times (default: all of them, as its docstring asks)")
@@ -177,17 +181,21 @@ def worker(args):
         losses[name] = float(m["loss"])
         return losses[name]
 
-    def settle(name, r):
-        """Both processes done with a block before the next starts: otherwise the process a plan leaves
-        idle starts the other plan's first step early (that step times short) and the one it keeps
-        busy starts late (long)."""
+    def block(name):
+        """`args.block` steps, then both processes done with them. A block is timed whole: a step ends
+        on process 0 when its loss is ready, which can be before the other process has finished the
+        step (the even plan's slow process runs its backward pass after the last collective), so the
+        first step after an idle times short and the others long; the block's time over its steps
+        counts every step of both processes once. Both processes idle between blocks: otherwise the
+        process a plan leaves idle starts the other plan's block early."""
+        for _ in range(args.block):
+            run(name)
         jax.block_until_ready(states[name])
-        multihost_utils.sync_global_devices(f"hetero_split block {r} {name}")
+        multihost_utils.sync_global_devices(f"hetero_split {name}")
 
-    timings = harness.interleaved({n: (lambda n=n: run(n)) for n in steps}, args.rounds, block=args.block,
-                                  warmup=2, order_by="fixed", sync=None, after_block=settle,
-                                  on_round=harness.progress(log, args.rounds))
-    times = {n: timings.times(n) for n in steps}
+    timings = harness.interleaved({n: (lambda n=n: block(n)) for n in steps}, args.rounds, warmup=1,
+                                  order_by="fixed", sync=None, on_round=harness.progress(log, args.rounds))
+    times = {n: [t / args.block for t in timings.times(n)] for n in steps}
     report = steps["balanced"].plan.balance
     out = {"speeds": list(cluster.speeds), "times": times, "final_loss": losses,
            "counts": [d.rows for d in report.devices] if report is not None else None,
