@@ -168,6 +168,13 @@ def median(xs) -> float:
     return float(statistics.median(xs))
 
 
+def by_config(runs: list[dict], fields: tuple[str, ...]) -> list[tuple[tuple, list[dict]]]:
+    """Repeated runs grouped by their values of `fields`, in the order the configurations first ran:
+    (values, the runs of those values that did not fail)."""
+    keys = list(dict.fromkeys(tuple(r[f] for f in fields) for r in runs))
+    return [(k, [r for r in runs if tuple(r[f] for f in fields) == k and "failed" not in r]) for k in keys]
+
+
 def bootstrap_ratio(a, b, rng: np.random.Generator, n_boot: int = 2000) -> list[float]:
     """95% interval of median(a) / median(b) by the bootstrap: rows (calls, or rounds of calls when
     2-D) resampled with replacement, the same rows for `a` and `b` (they ran side by side)."""

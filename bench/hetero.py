@@ -406,15 +406,13 @@ def over_runs(rows) -> list[dict]:
     """Per (loops, batch): the medians over its repeated runs, printed as the final table. One run's
     efficiency moves by several percent with the machine's drift between its calibrations and its
     timed steps; the median over interleaved runs is the figure to quote."""
-    keys = list(dict.fromkeys((r["hogs"], r["batch"]) for r in rows))          # the order they ran in
     out = []
     print()
     print("medians over the repeated runs of each configuration")
     head = f"{'loops':>5} {'batch':>6} {'runs':>4} {'s0/s1':>6} {'speedup':>8} {'ideal':>6} {'eff':>6}  efficiency of each run"
     print(head)
     print("-" * len(head))
-    for hogs, batch in keys:
-        ok = [r for r in rows if (r["hogs"], r["batch"]) == (hogs, batch) and "failed" not in r]
+    for (hogs, batch), ok in harness.by_config(rows, ("hogs", "batch")):
         if not ok:
             print(f"{hogs:>5} {batch:>6}  every run failed")
             continue

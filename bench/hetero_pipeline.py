@@ -30,7 +30,7 @@ power of two `bench/hetero.py` uses). Every program here runs with one XLA CPU l
 (`--allocator cached`), with glibc's allocator keeping freed memory (`harness.CACHED_MALLOC`): XLA CPU
 allocates an executable's temporaries on every call, and above glibc's mmap threshold (at most 32 MiB)
 each call gets fresh pages from the kernel and faults on every first touch (one program writing a
-46 MB temporary: 17.2 ms per call, 1.15 ms with `CACHED_MALLOC`). A GPU runtime keeps its memory
+46 MB temporary: 17.2 ms per call, 1.15 ms with it). A GPU runtime keeps its memory
 pooled, so the emulated devices should too; the slowed process would otherwise pay these faults at a
 third of its core, and a narrow stage pays them for rows sized by the widest stage.
 `--allocator default` measures without it.

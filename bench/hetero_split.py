@@ -24,12 +24,13 @@ What it measures
     in fresh pages depended on what was freed before, and the stock MLP's even step took 89 to 171 ms
     from run to run at the same quota. The table prints the measured speedup (median even step /
     median balanced step) beside the planner's prediction (``plan.balance.predicted_speedup``: the
-    slowest device's time under the even shards over the same under the balanced ones). The prediction counts what the
-    lowering does (``whalex/planner/split_cost.py``): the units' FLOPs, the forward that the units
-    beyond those every device runs compute again in the backward pass (on CPU, where the lowering
-    recomputes them rather than zero-fill buffers for them), the rest of the step, the all-reduces
-    and the calibrated fixed time that both plans pay, and the memory traffic only the balanced plan
-    pays (the optimizer update of the stored padding, the zero-filled gradients of the padded width).
+    slowest device's time under the even shards over the same under the balanced ones). The
+    prediction counts what the lowering does (``whalex/planner/split_cost.py``): the units' FLOPs,
+    the forward that the units beyond those every device runs compute again in the backward pass (on
+    CPU, where the lowering recomputes them rather than zero-fill buffers for them), the rest of the
+    step, the all-reduces and the calibrated fixed time that both plans pay, and the memory traffic
+    only the balanced plan pays (the optimizer update of the stored padding, the zero-filled
+    gradients of the padded width).
 
 Run from the repo root: ``python bench/hetero_split.py`` (several minutes; needs >= 2 cores and an
 otherwise idle machine). Writes bench/results/hetero_split.json. ``--quick``: small shapes, one
@@ -222,15 +223,13 @@ def over_runs(runs) -> list[dict]:
     """Per (layer, loops, batch): the medians over its repeated runs, printed as the final table. One
     run's speeds move by several percent with the calibration (a quota's share of a core is not the same
     in every run), and its speedup with them; the median over interleaved runs is the figure to quote."""
-    keys = list(dict.fromkeys((r["op"], r["hogs"], r["batch"]) for r in runs))     # the order they ran in
     out = []
     print("\nmedians over the repeated runs of each configuration\n")
     head = f"{'layer':>15} {'loops':>5} {'batch':>6} {'runs':>4} {'s0/s1':>6} {'speedup':>8} {'pred':>6} {'vs pred':>8}" \
            "  speedup (pred) of each run"
     print(head)
     print("-" * len(head))
-    for op, hogs, batch in keys:
-        ok = [r for r in runs if (r["op"], r["hogs"], r["batch"]) == (op, hogs, batch) and "failed" not in r]
+    for (op, hogs, batch), ok in harness.by_config(runs, ("op", "hogs", "batch")):
         if not ok:
             print(f"{op:>15} {hogs:>5} {batch:>6}  every run failed")
             continue

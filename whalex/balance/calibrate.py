@@ -147,16 +147,16 @@ def affine(rows: Sequence[int], times: np.ndarray, work_per_row: float) -> tuple
     where the slope would overstate the time per row at the batch's rows. Also returns the
     per-round fixed seconds."""
     (r1, r2), t = rows, np.asarray(times, np.float64)
-    slope = (t[..., 1] - t[..., 0]) / (r2 - r1)
-    ok = (slope > 0) & (t[..., 1] >= slope * r2)
-    slope = np.where(ok, slope, t[..., 1] / r2)
-    fixed = np.where(ok, t[..., 1] - slope * r2, 0.0)
+
+    def line(t):                                                        # (..., size) -> (slope, fixed)
+        slope = (t[..., 1] - t[..., 0]) / (r2 - r1)
+        ok = (slope > 0) & (t[..., 1] >= slope * r2)
+        slope = np.where(ok, slope, t[..., 1] / r2)
+        return slope, np.where(ok, t[..., 1] - slope * r2, 0.0)
+
+    slope, fixed = line(t)
+    mslope, mfixed = line(np.median(t, axis=0))                         # (device, size)
     spreads = summarize(work_per_row / slope).spreads
-    med = np.median(t, axis=0)                                          # (device, size)
-    mslope = (med[:, 1] - med[:, 0]) / (r2 - r1)
-    mok = (mslope > 0) & (med[:, 1] >= mslope * r2)
-    mslope = np.where(mok, mslope, med[:, 1] / r2)
-    mfixed = np.where(mok, med[:, 1] - mslope * r2, 0.0)
     return Measurement(tuple(map(float, work_per_row / mslope)), spreads, tuple(map(float, mfixed))), fixed
 
 
