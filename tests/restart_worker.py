@@ -10,8 +10,8 @@ Mechanics only (no JAX: starts in milliseconds): process i evolves its own numpy
 STEPS steps of STEP_SECONDS each, checkpoints it to OUT_DIR/ckpt_{i}.npz, heartbeats by touching
 $WHALEX_HEARTBEAT_FILE itself (the file protocol whalex.distributed.heartbeat() implements; this
 mode does not import whalex, hence JAX), and writes OUT_DIR/result_{i}.npy at the end.
-`FAIL_FIRST_START=i` in the environment: process i exits 5 at once on the first start
-(WHALEX_RESTART_COUNT=0).
+`FAIL_FIRST_START=i` in the environment: process i exits 5 on the first start
+(WHALEX_RESTART_COUNT=0), once the other processes have noted theirs.
 
 Training with whalex itself (wh.CheckpointManager, a SIGKILLed or SIGSTOPped worker, fewer processes)
 is checkpoint_worker.py's job.
@@ -36,6 +36,14 @@ def note_start(out, i, nproc, step):
     with open(os.path.join(out, f"starts_{i}.txt"), "a") as f:
         f.write(f"{restart} {nproc} {step} {os.getpid()}\n")
     return restart
+
+
+def wait_for_starts(out, others, timeout=20.0):
+    """Until each of `others` has noted a start (the launcher stops them when this process fails)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not all(os.path.exists(os.path.join(out, f"starts_{j}.txt"))
+                                                  for j in others):
+        time.sleep(0.01)
 
 
 def note_progress(out, i, restart, step):
@@ -73,6 +81,7 @@ def mechanics(out, steps):
         step, x = 0, np.arange(8, dtype=np.float64) * (i + 1)
     restart = note_start(out, i, nproc, step)
     if restart == 0 and os.environ.get("FAIL_FIRST_START") == str(i):
+        wait_for_starts(out, [j for j in range(nproc) if j != i])   # the others' first start is on record
         print(f"process {i}: failing on the first start", flush=True)
         sys.exit(5)
     while step < steps:
