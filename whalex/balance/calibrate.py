@@ -48,7 +48,7 @@ MIN_REPEATS = 3              # fewer rounds give no spread to speak of
 @dataclasses.dataclass(frozen=True)
 class Measurement:
     """Per device: the median measured speed (FLOP/s, or work/s for a user loss), its spread, and, for a
-    user loss timed at two batch sizes, the fixed seconds per step that do not grow with the rows."""
+    user loss timed at several batch sizes, the fixed seconds per step that do not grow with the rows."""
 
     speeds: tuple[float, ...]
     spreads: tuple[float, ...]          # relative: 0.05 reads +-5%
@@ -135,24 +135,23 @@ def _no_gc():
 
 
 def affine(rows: Sequence[int], times: np.ndarray, work_per_row: float) -> tuple[Measurement, np.ndarray]:
-    """Speeds and fixed times from (round, device, size) timings at two row counts.
+    """Speeds and fixed times from (round, device, size) timings at two or more row counts.
 
-    Per device, the line through the median seconds at each row count gives seconds per row (the
-    slope) and fixed seconds (the intercept, at least 0); speed = work per row / slope. Medians
-    first, then the difference: a difference of single timings doubles their noise, and one slow
-    round at either size would move that round's slope a long way. The spread is that of the
-    per-round slopes (what one round would say). A slope that noise made non-positive counts the
-    whole time as work (no fixed part), and so does a line whose intercept is negative: the time
-    grew faster than the rows (a step whose data no longer fits the caches at the larger count),
-    where the slope would overstate the time per row at the batch's rows. Also returns the
-    per-round fixed seconds."""
-    (r1, r2), t = rows, np.asarray(times, np.float64)
+    Per device, the least-squares line through the median seconds at each row count gives seconds
+    per row (the slope) and fixed seconds (the intercept, at least 0); speed = work per row / slope.
+    Medians first, then the fit: one slow round at any size would move that round's line a long
+    way. The spread is that of the per-round slopes (what one round would say). A slope that noise
+    made non-positive counts the whole time as work (no fixed part), and so does a line whose
+    intercept is negative: the time grew faster than the rows (a step whose data no longer fits the
+    caches at the larger counts), where the slope would overstate the time per row at the batch's
+    rows. Also returns the per-round fixed seconds."""
+    x, t = np.asarray(rows, np.float64), np.asarray(times, np.float64)
 
     def line(t):                                                        # (..., size) -> (slope, fixed)
-        slope = (t[..., 1] - t[..., 0]) / (r2 - r1)
-        ok = (slope > 0) & (t[..., 1] >= slope * r2)
-        slope = np.where(ok, slope, t[..., 1] / r2)
-        return slope, np.where(ok, t[..., 1] - slope * r2, 0.0)
+        slope = _slopes(x, t)
+        fixed = t.mean(-1) - slope * x.mean()
+        ok = (slope > 0) & (fixed >= 0)
+        return np.where(ok, slope, t[..., -1] / x[-1]), np.where(ok, fixed, 0.0)
 
     slope, fixed = line(t)
     mslope, mfixed = line(np.median(t, axis=0))                         # (device, size)
@@ -160,12 +159,17 @@ def affine(rows: Sequence[int], times: np.ndarray, work_per_row: float) -> tuple
     return Measurement(tuple(map(float, work_per_row / mslope)), spreads, tuple(map(float, mfixed))), fixed
 
 
+def _slopes(x: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Least-squares seconds per row of timings `t` (..., size) at row counts `x`."""
+    dx = x - x.mean()
+    return ((t - t.mean(-1, keepdims=True)) @ dx) / (dx @ dx)
+
+
 def resolved(rows: Sequence[int], times: np.ndarray) -> np.ndarray:
-    """Per device: whether the per-row time stands above the noise, i.e. the step at the larger row
-    count took longer in at least three rounds of four (the slopes' first quartile is positive).
-    A tiny step whose time is nearly all fixed fails this: its slope is noise of either sign."""
-    t = np.asarray(times, np.float64)
-    return np.percentile((t[..., 1] - t[..., 0]) / (rows[1] - rows[0]), 25, axis=0) > 0
+    """Per device: whether the per-row time stands above the noise, i.e. the rounds' fitted slopes
+    are positive in at least three rounds of four (their first quartile is positive). A tiny step
+    whose time is nearly all fixed fails this: its slope is noise of either sign."""
+    return np.percentile(_slopes(np.asarray(rows, np.float64), np.asarray(times, np.float64)), 25, axis=0) > 0
 
 
 def summarize(samples) -> Measurement:
@@ -263,14 +267,18 @@ def _check(size: int, chain: int, repeats: int, tolerance: float, loss_fn, param
         raise ValueError(f"calibrate's optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}.")
 
 
-def _halves(batch):
-    """(rows, the batch's first half, the batch) when every leaf has the same leading dimension >= 2."""
+def _fractions(batch):
+    """(row counts, the batches' leading rows at each) for a quarter, half and all of the batch's
+    rows, when every leaf has the same leading dimension >= 2 (a quarter only from 4 rows up). A
+    slow device's share lies at a quarter of the rows at 3:1 speeds; three counts fit the line
+    through where the loads lie, rather than extrapolate it from two."""
     leaves = jax.tree.leaves(batch)
     rows = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
     if len(rows) != 1 or None in rows or next(iter(rows)) < 2:
         return None
     n = next(iter(rows))
-    return (n // 2, n), jax.tree.map(lambda x: x[: n // 2], batch), batch
+    counts = tuple(sorted({k for k in (n // 4, n // 2, n) if k > 0}))
+    return counts, [jax.tree.map(lambda x, k=k: x[:k], batch) for k in counts]
 
 
 def measure(cluster: Cluster, loss_fn: Callable | None = None, params=None, batch=None, *, optimizer=None,
@@ -279,14 +287,14 @@ def measure(cluster: Cluster, loss_fn: Callable | None = None, params=None, batc
     rounds (all processes' devices, all-gathered). No grouping: see `calibrate`.
 
     With a loss, each round times the user's step (value_and_grad; with `optimizer`, also its update)
-    at the batch's rows and at half of them: the slope is the speed, the intercept the device's fixed
-    seconds per step (`Measurement.overheads`)."""
+    at a quarter, half and all of the batch's rows: the fitted line's slope is the speed, its
+    intercept the device's fixed seconds per step (`Measurement.overheads`)."""
     if cluster.is_abstract:
         raise ValueError("calibrate() needs real devices; an abstract cluster has none to time.")
     _check(size, chain, repeats, 0.0, loss_fn, params, batch, optimizer)
     mine = [i for i, d in enumerate(cluster.devices) if d.process_index == jax.process_index()]
     devices = [cluster.devices[i] for i in mine]
-    two = _halves(batch) if loss_fn is not None else None
+    sized = _fractions(batch) if loss_fn is not None else None
     if jax.process_count() > 1:
         # one collective while every process is here: on CPU, the first collective sets up Gloo's
         # context and gives up after 30 s, and a slow device's timings end far later than a fast one's
@@ -294,14 +302,14 @@ def measure(cluster: Cluster, loss_fn: Callable | None = None, params=None, batc
     table = None                                        # (quantity, device) rows, this process's columns
     if loss_fn is not None:
         fn, lead, flops = _loss_work(loss_fn, params, optimizer)
-        if two is not None:
-            (r1, r2), small, whole = two
-            per_row = max(flops(whole) - flops(small), 0.0) / (r2 - r1) or 1.0
+        if sized is not None:
+            rows, parts = sized
+            per_row = max(flops(parts[-1]) - flops(parts[0]), 0.0) / (rows[-1] - rows[0]) or 1.0
             if mine:
-                t = time_rounds(devices, fn, [(*lead, small), (*lead, whole)], repeats)
-                split, total = affine((r1, r2), t, per_row)[0], summarize(per_row * r2 / t[..., 1])
+                t = time_rounds(devices, fn, [(*lead, b) for b in parts], repeats)
+                split, total = affine(rows, t, per_row)[0], summarize(per_row * rows[-1] / t[..., -1])
                 table = [split.speeds, split.spreads, split.overheads, total.speeds, total.spreads,
-                         resolved((r1, r2), t)]
+                         resolved(rows, t)]
         elif mine:
             work = flops(batch) or 1.0
             m = summarize(work / time_rounds(devices, fn, (*lead, batch), repeats))
@@ -311,16 +319,16 @@ def measure(cluster: Cluster, loss_fn: Callable | None = None, params=None, batc
         args = (jnp.asarray(np.random.default_rng(0).standard_normal((size, size)), jnp.float32) / size ** 0.5,)
         m = summarize(work / time_rounds(devices, fn, args, repeats))
         table = [m.speeds, m.spreads]
-    full = np.zeros((6 if two is not None else 2, cluster.size))   # zero where another process times
+    full = np.zeros((6 if sized is not None else 2, cluster.size))   # zero where another process times
     if table is not None:
         full[:, mine] = table
     if jax.process_count() > 1:
         full = np.asarray(multihost_utils.process_allgather(full)).reshape(jax.process_count(), len(full), -1).sum(0)
-    if two is None:
+    if sized is None:
         return Measurement(tuple(map(float, full[0])), tuple(map(float, full[1])))
     if np.all(full[5] > 0):
         return Measurement(*(tuple(map(float, r)) for r in (*full[:3], full[3], full[4])))
-    warnings.warn(f"calibrate: at {two[0][0]} and {two[0][1]} rows the step took about as long either way on "
+    warnings.warn(f"calibrate: at {', '.join(map(str, sized[0]))} rows the step took about as long either way on "
                   f"{int(np.sum(full[5] == 0))} of {cluster.size} devices (its time is nearly all fixed, or the "
                   "timings are noisy), so the per-row time and the fixed time cannot be told apart; every "
                   "device's whole step time counts as work instead (no fixed time). Pass a larger batch to "
@@ -333,8 +341,8 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
     """The cluster with measured speeds (FLOP/s, or relative work/s for a user loss) and their spreads.
 
     With `loss_fn`, `params` and a `batch`, times the user's step on each device (value_and_grad,
-    and the update of `optimizer` when given) at the batch's rows and at half of them: speeds from the
-    time per row, and each device's fixed time per step (`Cluster.overhead`), which a balanced plan
+    and the update of `optimizer` when given) at a quarter, half and all of the batch's rows: speeds
+    from the time per row, and each device's fixed time per step (`Cluster.overhead`), which a balanced plan
     adds to every device's predicted time. Without a loss, a chain of `size`x`size` matmuls. Speeds
     equal within the noise (or within `tolerance`, relative) are merged by `group_speeds`, and so are
     the fixed times of the merged devices, so identical devices give the even plan; with a split
@@ -346,8 +354,8 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
     core) then rejoins its peers, while a truly slower device is slow both times.
 
     Pass the batch the step will train on (or one as large): the fixed and per-row times are fitted
-    between half its rows and all of them, which is where the plan's loads lie, and longer timings
-    are less noisy.
+    between a quarter of its rows and all of them, which is where the plan's loads lie (a device a
+    third as fast as its peer gets a quarter), and longer timings are less noisy.
     """
     _check(size, chain, repeats, tolerance, loss_fn, params, batch, optimizer)
     again = functools.partial(measure, cluster, loss_fn, params, batch, optimizer=optimizer, size=size,
