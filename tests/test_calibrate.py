@@ -215,6 +215,25 @@ def test_calibrate_splits_fixed_time_from_per_row_time_when_the_rows_stand_above
     assert cluster.overhead is None and len(set(cluster.speeds)) == 1
 
 
+def test_the_step_is_timed_at_a_quarter_half_and_all_of_the_batchs_rows(monkeypatch):
+    # the fit spans a slow device's share (a quarter of the rows at 3:1), not only half to all
+    loss_fn, params, batch = plain_model("dp", "ctx")
+    cal = importlib.import_module("whalex.balance.calibrate")
+    seen, fake = [], _synthetic_rounds([2e-4] * 8, [2e-5] * 8, 0.01)
+
+    def spy(devices, fn, args, repeats):
+        seen.append([jax.tree.leaves(a[-1])[0].shape[0] for a in args])
+        return fake(devices, fn, args, repeats)
+    monkeypatch.setattr(cal, "time_rounds", spy)
+    m = measure(wh.Cluster.detect(), loss_fn, params, batch, optimizer=optax.adam(1e-3))
+    n = jax.tree.leaves(batch)[0].shape[0]
+    assert seen == [[n // 4, n // 2, n]]
+    assert m.overheads == pytest.approx([2e-4] * 8, rel=0.2)
+    # a 2- or 3-row batch: half and all of it; one row: the whole step counts as work
+    assert cal._fractions({"x": np.zeros((3, 2))})[0] == (1, 3)
+    assert cal._fractions({"x": np.zeros((1, 2))}) is None
+
+
 def test_a_declared_fixed_time_shifts_rows_to_the_fast_devices():
     loss_fn, params, batch = plain_model("dp", "ctx")
     plan = wh.plan(loss_fn, params, batch)
