@@ -17,9 +17,10 @@ What it measures
     * even:     whalex with ``Config(hardware_aware=False)``: the even plan.
     * balanced: whalex on the calibrated cluster: ``calibrate(cluster, loss_fn, params,
                 batch, optimizer=optimizer)`` times the user's step (loss, gradient, Adam
-                update) on each process's device at the global batch's rows and at half of them
-                (all-gathered): the time per row gives each speed, the rest each device's fixed
-                time per step, and Algorithm 1 equalises fixed time + rows x time per row.
+                update) on each process's device at a quarter, half and all of the global batch's
+                rows (all-gathered): the fitted line's time per row gives each speed, its intercept
+                each device's fixed time per step, and Algorithm 1 equalises fixed time + rows x
+                time per row.
     * same-even: the balanced program at a near-even split (the cluster declared 1 : 1.01 with
                 ``Cluster.with_speeds``): the baseline that isolates the balance (see Collectives).
 
