@@ -27,7 +27,10 @@ What it measures
     Steps are timed one by one on process 0 (each ends on the replicated loss, which needs the
     cross-process all-reduce, so process 0's clock sees the slowest process), in interleaved blocks
     (plain, even, balanced, plain, ...) so that drift hits all three alike; medians are reported.
-    Every (slowdown, batch) configuration is a separate 2-process run; one table at the end.
+    Every (slowdown, batch) configuration is a separate 2-process run; one table at the end. Both
+    processes' glibc keeps freed memory (``--allocator cached``, ``harness.CACHED_MALLOC``), as a GPU
+    runtime pools it, instead of faulting in fresh pages for a step's large temporaries depending on
+    what was freed before (``--allocator default`` measures without).
 
 Definitions (s0, s1: calibrated speeds of the two processes, W: work of one global step)
     ideal even time      (W/2) / min(s0, s1)      half the batch each, the slow one bounds the step
@@ -98,6 +101,7 @@ def parse(argv=None):
     ap.add_argument("--repeats", type=int, default=1,
                     help="2-process runs per configuration, interleaved (all configurations, then again): the "
                          "final table gives each configuration's median over its runs")
+    harness.add_allocator_arg(ap)
     ap.add_argument("--timeout", type=float, default=400, help="seconds before one run is stopped")
     ap.add_argument("--out", default=None, help="the results file (default bench/results/hetero.json, "
                                                 "hetero_hybrid.json with --model hybrid)")
@@ -204,7 +208,6 @@ def phases(args, rows, classes) -> list:
 def worker(args):
     import whalex as wh                        # joins the process group (whalex.launch env)
     import jax
-    import numpy as np
     import optax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -306,6 +309,7 @@ def driver(args, argv):
     if setup is None:
         return
     cores, env, load_before = setup
+    env = harness.allocator_env(env, args.allocator)
     t0 = time.perf_counter()
     runs = [harness.run_config(args, argv, hogs, batch, cores, env, __file__)
             for _ in range(args.repeats)
@@ -358,7 +362,7 @@ def report(args, runs, wall, load_before):
     rows = [summarise(r) for r in runs]
     print()
     print(f"2 processes x 1 CPU device; process 1 slowed by busy loops on its core; {describe(args)}; "
-          f"{args.rounds} rounds x {args.block} steps per variant, medians")
+          f"{args.rounds} rounds x {args.block} steps per variant, medians; allocator {args.allocator}")
     print()
     head = (f"{'loops':>5} {'batch':>6} {'s0/s1':>6} {'rows balanced':>14} {'grain':>5} {'even ms':>8} "
             f"{'bal ms':>8} {'speedup':>8} {'pred':>6} {'ideal':>6} {'split-lim':>9} {'eff':>6} {'same ms':>8} "
