@@ -342,11 +342,12 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
 
     With `loss_fn`, `params` and a `batch`, times the user's step on each device (value_and_grad,
     and the update of `optimizer` when given) at a quarter, half and all of the batch's rows: speeds
-    from the time per row, and each device's fixed time per step (`Cluster.overhead`), which a balanced plan
-    adds to every device's predicted time. Without a loss, a chain of `size`x`size` matmuls. Speeds
-    equal within the noise (or within `tolerance`, relative) are merged by `group_speeds`, and so are
-    the fixed times of the merged devices, so identical devices give the even plan; with a split
-    into fixed and per-row time, devices are alike when their whole steps at the batch's rows are.
+    from the time per row, and each device's fixed time per step (`Cluster.overhead`), which a
+    balanced plan adds to every device's predicted time. Without a loss, a chain of `size`x`size`
+    matmuls. Speeds equal within the noise (or within `tolerance`, relative) are merged by
+    `group_speeds`, and so are the fixed times of the merged devices, so identical devices give the
+    even plan; with a split into fixed and per-row time, devices are alike when their whole steps at
+    the batch's rows are.
 
     A split must show twice: when the first measurement finds more than one group, the devices are
     timed again in fresh rounds and each keeps the faster of its two medians (`faster`). A device
