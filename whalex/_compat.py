@@ -16,6 +16,7 @@ from flax.linen import module as linen_module
 from jax._src import core as src_core, source_info_util, xla_bridge
 from jax._src.ad_checkpoint import saved_residuals as _saved_residuals
 from jax._src.ad_util import add_jaxvals as add_any
+from jax.experimental import topologies
 from jax.extend import core as jex
 
 Literal = jex.Literal
@@ -244,3 +245,14 @@ def saved_by_policy(policy: Any, eqn: JaxprEqn) -> bool:
     except Exception:   # noqa: BLE001 (a policy that cannot judge this equation saves nothing)
         return False
     return answer is True or type(answer).__name__ in ("SaveableType", "Offloadable")
+
+
+def gpu_topology(target_config: str, hosts: int, devices_per_host: int) -> list[Any]:
+    """The devices of an XLA:GPU topology of `hosts` x `devices_per_host` GPUs described by
+    `target_config` (a `GpuTargetConfig` text proto), on a machine with no GPU: a step on a mesh of
+    them lowers and compiles with XLA's GPU compiler, and cannot run. Needs JAX's CUDA plugin (the
+    `[cuda]` extra) loaded without a driver: `JAX_PLATFORMS=cpu` or
+    `JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1` in the environment before JAX starts its backends."""
+    topo = topologies.get_topology_desc(platform="cuda", target_config=target_config,
+                                        topology=f"1x{hosts}x{devices_per_host}")
+    return list(topo.devices)

@@ -106,9 +106,11 @@ class Step:
             loss_fn = self._nnx.wrap(self.loss_fn, self.has_aux) if self._nnx is not None else self.loss_fn
             p = build_plan(loss_fn, params, batch, self.optimizer, self._config, self._cluster, self.has_aux,
                            model_state, rng)
-            if p.cluster.is_abstract:
-                raise PlanError("an abstract cluster can plan and lower but not run; use wh.plan(...) with it, "
-                                "or Cluster.detect() / Cluster(kinds=...) to train.")
+            if p.cluster.is_abstract or p.cluster.compile_only:
+                what = "an abstract cluster can plan and lower" if p.cluster.is_abstract else \
+                    "a Cluster.gpu_topology cluster can plan, lower and compile"
+                raise PlanError(f"{what} but not run; use wh.plan(...) with it, or Cluster.detect() / "
+                                "Cluster(kinds=...) to train.")
             self._plans[key] = p
             self._jitted[key] = p.jitted()
             self._last_call = None

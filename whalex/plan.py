@@ -8,6 +8,7 @@ from whalex.balance import fit
 from whalex.balance.profile import DeviceMemory
 from whalex.core.capture import Captured
 from whalex.core.comm import Comm
+from whalex.core.hlo import StepCollectives, step_collectives
 from whalex.core.program import MemoryOptions, StageBuffers, StepProgram, TracedStep
 from whalex.core.sharding_plan import Coverage, ExpertCall, PatternChoice
 from whalex.memory.host_link import HostTraffic, host_traffic
@@ -230,8 +231,9 @@ class Plan:
     def compiled_memory(self) -> dict:
         """XLA's per-device memory analysis of the compiled step (needs real devices; cached)."""
         if self.cluster.is_abstract:
-            raise ValueError("compiled_memory() needs real devices; an abstract cluster can only be lowered. "
-                             "Use plan.memory for the planned per-device state, or plan on Cluster.detect().")
+            raise ValueError("compiled_memory() needs devices; an abstract cluster can only be lowered. Use "
+                             "plan.memory for the planned per-device state, plan on Cluster.detect(), or on "
+                             "Cluster.gpu_topology(kinds=...) to compile for XLA:GPU without GPUs.")
         if "memory" not in self._cache:
             m = self.lowered().compile().memory_analysis()
             self._cache["memory"] = {k: getattr(m, k) for k in (
@@ -268,13 +270,27 @@ class Plan:
 
     def step_memory(self) -> Peak:
         """XLA's per-device figures for the training step as it runs (state donated), compiling it
-        if no step has yet (needs real devices)."""
+        if no step has yet (needs real devices, or a `Cluster.gpu_topology` for XLA:GPU's figure)."""
         if not self.step_compiled:
-            if self.cluster.is_abstract:
-                raise ValueError("step_memory() compiles the step and needs real devices; on an abstract cluster use "
-                                 "plan.predicted_memory().")
-            self.record_step_memory(self.lowered(donate=True).compile().memory_analysis())
+            self._compile_step()
         return self.compiled_step_memory
+
+    def compiled_collectives(self) -> StepCollectives:
+        """The collectives XLA compiled the step to, per device: how many, the bytes each device sends
+        per step, and how many run asynchronously with compute scheduled between start and done
+        (compiles the step once; needs real devices or a `Cluster.gpu_topology`)."""
+        if "collectives" not in self._cache:
+            self._compile_step()
+        return self._cache["collectives"]
+
+    def _compile_step(self) -> None:
+        if self.cluster.is_abstract:
+            raise ValueError("compiling the step needs devices; an abstract cluster can only be lowered: use "
+                             "plan.predicted_memory(), or plan on Cluster.gpu_topology(kinds=...) to compile for "
+                             "XLA:GPU without GPUs.")
+        compiled = self.lowered(donate=True).compile()
+        self.record_step_memory(compiled.memory_analysis())
+        self._cache["collectives"] = step_collectives(compiled.as_text(), self.layout.size)
 
     @property
     def mesh(self):

@@ -14,7 +14,7 @@ import math
 import re
 from typing import Callable
 
-from whalex.core.comm import KINDS
+from whalex.core.comm import KINDS, result_ring_bytes
 
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "token": 0,
@@ -165,3 +165,73 @@ def looped_collectives(text: str, largest_branch: Callable[[Collective], float] 
         return out
 
     return walk(entry, 1, frozenset())
+
+
+_START = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?\s(" + "|".join(KINDS) + r"|copy)-start\(")
+_DONE_OF = re.compile(r"\s(?:" + "|".join(KINDS) + r"|copy)-done\(\s*(?:[^%)]*\s)?%?([\w.\-]+)")
+_COMPUTE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=.*?\s(fusion|custom-call|convolution|dot)\(")
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncOverlap:
+    """One asynchronous operation of a scheduled program (a collective or a host copy): its kind and
+    how many compute instructions (fusions, library calls, dots) the schedule runs between its
+    `-start` and its `-done`, i.e. the work that hides it."""
+
+    kind: str
+    name: str
+    computation: str
+    overlapped_ops: int
+
+    @property
+    def overlaps(self) -> bool:
+        return self.overlapped_ops > 0
+
+
+def async_overlaps(text: str) -> list[AsyncOverlap]:
+    """Every async start/done pair of a scheduled HLO module (`is_scheduled=true`: instructions in
+    their run order), with the compute instructions scheduled between them."""
+    comps, _ = computations(text)
+    out = []
+    for comp, lines in comps.items():
+        open_: dict[str, tuple[str, int]] = {}
+        compute = 0
+        for line in lines:
+            if _COMPUTE.match(line):
+                compute += 1
+                continue
+            m = _START.match(line)
+            if m:
+                open_[m.group(1)] = (m.group(2), compute)
+                continue
+            d = _DONE_OF.search(line)
+            if d and d.group(1) in open_:
+                kind, at = open_.pop(d.group(1))
+                out.append(AsyncOverlap(kind, d.group(1), comp, compute - at))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCollectives:
+    """The collectives of one compiled step, per device: how many, the bytes each device sends for
+    them per step (ring algorithms; in loops, times the trip count; of a conditional, its heaviest
+    branch), and how many run asynchronously with compute scheduled between their start and done."""
+
+    count: int
+    ring_bytes: float
+    looped_bytes: float          # the part of ring_bytes sent from inside loops
+    asynchronous: int
+    overlapped: int
+
+
+def step_collectives(text: str, num_devices: int) -> StepCollectives:
+    """`StepCollectives` of compiled HLO text whose collectives span `num_devices` devices when their
+    replica groups say nothing."""
+    def ring(c: Collective) -> float:
+        return result_ring_bytes(c.kind, c.bytes, c.group or num_devices)
+
+    found = looped_collectives(text, largest_branch=ring)
+    looped = sum((ring(c) * trips for c, trips in found if trips > 1), 0.0)
+    total = sum((ring(c) * trips for c, trips in found), 0.0)
+    overlaps = [o for o in async_overlaps(text) if o.kind != "copy"]
+    return StepCollectives(len(found), total, looped, len(overlaps), sum(o.overlaps for o in overlaps))

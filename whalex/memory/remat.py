@@ -249,12 +249,34 @@ def remat_segment(plan: RematPlan, index: int, seg: Segment, fn: Callable, deriv
     else:
         inner = jax.checkpoint(fn, policy=level_policy(level, plan.offload)) if level is not None else fn
     if not plan.offload:
-        return inner
+        return in_order(inner) if level is not None else inner
 
     def tagged(*args):
         return [checkpoint_name(o, BOUNDARY) for o in inner(*args)]
 
     return tagged
+
+
+def in_order(fn: Callable) -> Callable:
+    """fn whose backward pass starts its recomputation only once the cotangent of its outputs has
+    arrived: the saved values pass through one `optimization_barrier` with the cotangent. Without it,
+    a scheduler that hides collectives (XLA:GPU's latency-hiding scheduler overlapping gradient
+    all-reduces) may recompute many segments' forwards early and hold them all at once."""
+
+    @jax.custom_vjp
+    def ordered(*args):
+        return fn(*args)
+
+    def forward(*args):
+        outs, vjp = jax.vjp(fn, *args)
+        return outs, vjp
+
+    def backward(vjp, cotangents):
+        vjp, cotangents = jax.lax.optimization_barrier((vjp, cotangents))
+        return jax.lax.optimization_barrier(vjp(cotangents))
+
+    ordered.defvjp(forward, backward)
+    return ordered
 
 
 def with_offload(plan: RematPlan | None, evaluate: Callable) -> Callable:

@@ -9,8 +9,10 @@ from typing import Any, Sequence
 
 import jax
 
+from whalex import _compat as C
 from whalex.distributed import maybe_initialize
 from whalex.errors import ClusterError
+from whalex.mesh.gpu_targets import gpu_target
 from whalex.mesh.specs import DeviceSpec, lookup, parse_bytes
 
 
@@ -47,6 +49,7 @@ class Cluster:
     nodes: tuple[tuple[int, ...], ...] = ()       # the devices of each node (host)
     host_memory: tuple[float, ...] = ()           # host RAM of each node, bytes (inf: unknown)
     host_source: str = ""                         # "declared", "detected" or "spec table"
+    target: str | None = None     # gpu_topology: the kind whose XLA:GPU target the devices are (compile only)
 
     def __init__(self, kinds: Sequence[str] | None = None, devices: Sequence[Any] | None = None,
                  host_memory: float | str | None = None, devices_per_node: int | None = None):
@@ -105,6 +108,60 @@ class Cluster:
         _set(obj, specs, None, None, None, nodes, tuple(ram), source)
         return obj
 
+    @classmethod
+    def gpu_topology(cls, kinds: Sequence[str], devices_per_node: int | None = None,
+                     host_memory: float | str | None = None, target: str | None = None,
+                     target_config: str | None = None) -> "Cluster":
+        """The devices of an XLA:GPU topology of these kinds, on a machine without GPUs: a plan on it
+        lowers and compiles with XLA's GPU compiler (`plan.step_memory()`, `plan.compiled_collectives()`,
+        `plan.summary(compiled_memory=True)`) but cannot run. Nodes hold `devices_per_node` GPUs (default
+        the first kind's typical node). One program compiles for one kind's target: `target` names it
+        (default the first kind); `for_target(kind)` gives the same cluster for another kind, so a
+        heterogeneous plan is compiled once per kind it uses. `target_config` is a `GpuTargetConfig`
+        text recorded from a real device, used instead of the spec table's description. Needs JAX's CUDA
+        plugin (`pip install 'whalex[cuda]'`) and `JAX_PLATFORMS=cpu` where no driver is installed."""
+        kinds = _kind_list(kinds, "Cluster.gpu_topology")
+        if not kinds:
+            raise ClusterError("Cluster.gpu_topology needs at least one device kind.")
+        specs = tuple(lookup(k) for k in kinds)
+        target_kind = lookup(target if target is not None else specs[0]).name
+        if target_kind not in {s.name for s in specs}:
+            raise ClusterError(f"Cluster.gpu_topology(target={target!r}): the target is one of the cluster's kinds "
+                               f"({', '.join(dict.fromkeys(s.name for s in specs))}).")
+        text = target_config if target_config is not None else gpu_target(target_kind).text()
+        per = _positive_int(devices_per_node) if devices_per_node is not None else min(specs[0].node_devices, len(specs))
+        if len(specs) % per:
+            raise ClusterError(f"Cluster.gpu_topology: {len(specs)} devices do not fill nodes of {per}; declare "
+                               "devices_per_node as a divisor of the device count.")
+        devices = _topology_devices(text, len(specs) // per, per)
+        nodes = _chunks(len(specs), [per] * len(specs))
+        if host_memory is not None:
+            ram, source = [parse_bytes(host_memory)] * len(nodes), "declared"
+        else:
+            ram, source = [_node_ram(specs[n[0]]) for n in nodes], "spec table"
+        obj = object.__new__(cls)
+        _set(obj, specs, tuple(devices), None, None, nodes, tuple(ram), source)
+        object.__setattr__(obj, "target", target_kind)
+        return obj
+
+    def for_target(self, kind: str) -> "Cluster":
+        """This gpu_topology cluster compiled for another of its kinds' XLA:GPU target."""
+        if self.target is None:
+            raise ClusterError("for_target() is for clusters made by Cluster.gpu_topology(...).")
+        per = len(self.nodes[0]) if self.nodes else self.size
+        return Cluster.gpu_topology(self.kinds, per, None, kind)._with_host(self.host_memory, self.host_source)
+
+    def _with_host(self, host_memory, host_source) -> "Cluster":
+        obj = object.__new__(type(self))
+        _set(obj, self.specs, self.devices, self.measured, self.spread, self.nodes, host_memory, host_source)
+        object.__setattr__(obj, "target", self.target)
+        return obj
+
+    @property
+    def compile_only(self) -> bool:
+        """Whether the devices are a GPU topology whalex compiles for but cannot run on."""
+        return self.target is not None
+
     def with_speeds(self, speeds, spread=None, overhead=None) -> "Cluster":
         """A copy whose device speeds (FLOP/s) are measured ones instead of the spec table's.
 
@@ -129,6 +186,7 @@ class Cluster:
         obj = object.__new__(type(self))
         _set(obj, self.specs, self.devices, speeds, spread, self.nodes, self.host_memory, self.host_source)
         object.__setattr__(obj, "overhead", overhead)
+        object.__setattr__(obj, "target", self.target)
         return obj
 
     @property
@@ -176,7 +234,8 @@ class Cluster:
     def platform(self) -> str:
         """The platform to lower for: the real one, or 'cuda' for an abstract GPU cluster."""
         if self.devices is not None:
-            return self.devices[0].platform
+            platform = self.devices[0].platform
+            return "cuda" if platform == "gpu" else platform
         return "cpu" if all(s.platform == "cpu" for s in self.specs) else "cuda"
 
     def __repr__(self) -> str:
@@ -185,14 +244,29 @@ class Cluster:
             counts[k] = counts.get(k, 0) + 1
         desc = " + ".join(f"{n}x {k}" for k, n in counts.items())
         extra = (", abstract" if self.is_abstract else "") + (", calibrated" if self.measured else "")
+        if self.target is not None:
+            extra += f", XLA:GPU topology for {self.target}"
         return f"Cluster({desc}{extra})"
 
 
 def _set(obj: Cluster, specs, devices, measured, spread, nodes, host_memory, host_source) -> None:
     for name, value in (("specs", specs), ("devices", devices), ("measured", measured), ("spread", spread),
                         ("nodes", nodes), ("host_memory", host_memory), ("host_source", host_source),
-                        ("overhead", None)):
+                        ("overhead", None), ("target", None)):
         object.__setattr__(obj, name, value)
+
+
+def _topology_devices(text: str, hosts: int, per_host: int) -> list:
+    try:
+        return C.gpu_topology(text, hosts, per_host)
+    except NotImplementedError as e:
+        raise ClusterError(
+            "Cluster.gpu_topology compiles with XLA's GPU compiler, which needs JAX's CUDA plugin: install it with "
+            "pip install 'whalex[cuda]' (no GPU or driver needed), and where no driver is installed set "
+            "JAX_PLATFORMS=cpu (or JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1) before JAX starts; JAX said: " + str(e)) from e
+    except RuntimeError as e:
+        raise ClusterError(f"XLA could not make a GPU topology of {hosts} x {per_host} devices from the target "
+                           f"description: {e}") from e
 
 
 def _node_ram(spec: DeviceSpec) -> float:

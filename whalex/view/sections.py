@@ -336,6 +336,13 @@ def traffic(plan) -> Section:
     rows = [[f"TG{c.taskgraph}", c.kind, "x".join(c.axes) if not isinstance(c.axes, str) else c.axes,
              fmt_bytes(c.bytes), c.reason] for c in plan.comms]
     body = [Line(f"predicted collective traffic per step and device: {fmt_bytes(plan.predicted_comm_bytes)}")]
+    compiled = plan._cache.get("collectives")
+    if compiled is not None:
+        off = plan.predicted_comm_bytes / compiled.ring_bytes - 1 if compiled.ring_bytes else 0.0
+        body.append(Line(
+            f"XLA's compiled step: {compiled.count} collectives, {fmt_bytes(compiled.ring_bytes)} per step and device "
+            f"(predicted {'+' if off >= 0 else '-'}{fmt_pct(abs(off))}); {compiled.asynchronous} asynchronous, "
+            f"{compiled.overlapped} with compute scheduled between start and done"))
     if rows:
         body.append(Table(TRAFFIC_COLUMNS, tuple(map(tuple, rows)), (False, False, False, True, False), where="html"))
     return Section("traffic", "Collective traffic", tuple(body), collapsed=len(rows) > 8)
