@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import harness  # noqa: E402
 import whalex as wh  # noqa: E402
-from models import GPT, Block  # noqa: E402
+from models import GPT  # noqa: E402
 from whalex.core import hlo  # noqa: E402
 
 SIZES = {
@@ -41,11 +41,33 @@ SIZES = {
 }
 
 
+class AnnotatedBlock(nn.Module):
+    """`models.Block` with its MLP under `wh.split(mlp_split)` (Megatron's tensor-parallel MLP) or
+    replaced by a `wh.moe.MoE` layer over `experts` experts, expert parallel."""
+
+    heads: int
+    mlp_split: int = 0
+    experts: int = 0
+
+    @nn.compact
+    def __call__(self, x):
+        d = x.shape[-1]
+        mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
+        y = nn.LayerNorm()(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads)(y, y, mask=mask)
+        y = nn.LayerNorm()(x)
+        if self.experts:
+            return x + wh.moe.MoE(num_experts=self.experts, hidden=4 * d, k=2, capacity_factor=1.0,
+                                  expert_parallel=self.experts)(y)
+        if self.mlp_split:
+            with wh.split(self.mlp_split):
+                return x + nn.Dense(d)(nn.gelu(nn.Dense(4 * d)(y)))
+        return x + nn.Dense(d)(nn.gelu(nn.Dense(4 * d)(y)))
+
+
 class AnnotatedGPT(nn.Module):
-    """`models.GPT` with whalex annotations where a user writes them: each block's MLP under
-    `wh.split(mlp_split)` (Megatron's tensor-parallel MLP) or a `wh.moe.MoE` layer over
-    `experts` experts, and the vocabulary head with its loss under `wh.split(head_split)` (Whale's
-    Example 2 with the backbone under `wh.replicate`)."""
+    """`models.GPT` of `AnnotatedBlock`s, returning the loss; with `head_split`, the vocabulary head
+    and its loss under `wh.split(head_split)` (Whale's Example 2: the rest is replicated)."""
 
     vocab: int
     d: int
@@ -60,25 +82,17 @@ class AnnotatedGPT(nn.Module):
         x = nn.Embed(self.vocab, self.d)(tokens)
         x = x + self.param("pos", nn.initializers.normal(0.02), (tokens.shape[1], self.d)).astype(x.dtype)
         for _ in range(self.layers):
-            mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
-            y = nn.LayerNorm()(x)
-            x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads)(y, y, mask=mask)
-            y = nn.LayerNorm()(x)
-            if self.experts:
-                x = x + wh.moe.MoE(num_experts=self.experts, hidden=4 * self.d, k=2, capacity_factor=1.0,
-                                   expert_parallel=self.experts)(y)
-            elif self.mlp_split:
-                with wh.split(self.mlp_split):
-                    x = x + nn.Dense(self.d)(nn.gelu(nn.Dense(4 * self.d)(y)))
-            else:
-                x = x + nn.Dense(self.d)(nn.gelu(nn.Dense(4 * self.d)(y)))
+            x = AnnotatedBlock(self.heads, self.mlp_split, self.experts)(x)
         x = nn.LayerNorm()(x)
+
+        def head(x):
+            logits = nn.Dense(self.vocab)(x).astype(jnp.float32)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
         if self.head_split:
             with wh.split(self.head_split):
-                logits = nn.Dense(self.vocab)(x).astype(jnp.float32)
-                return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-        logits = nn.Dense(self.vocab)(x).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+                return head(x)
+        return head(x)
 
 
 # case: (model annotations, Config keywords)
@@ -102,10 +116,20 @@ CASES = {
 
 
 def problem(size: dict, n: int, annotations: dict):
-    """(loss_fn, abstract params, abstract batch) of the annotated GPT at `size["batch"]` rows per device."""
-    model = AnnotatedGPT(size["vocab"], size["d"], size["heads"], size["layers"], **annotations)
+    """(loss_fn, abstract params, abstract batch) at `size["batch"]` rows per device: the stock GPT of
+    bench/gpu.py without annotations, else the annotated one."""
     tokens = jax.ShapeDtypeStruct((size["batch"] * n, size["seq"]), jnp.int32)
     batch = {"x": tokens, "y": tokens}
+    if not annotations:
+        stock = GPT(size["vocab"], size["d"], size["heads"], size["layers"])
+        params = jax.eval_shape(lambda: stock.init(jax.random.key(0), jnp.zeros((1, size["seq"]), jnp.int32))["params"])
+
+        def stock_loss(p, b):
+            logits = stock.apply({"params": p}, b["x"]).astype(jnp.float32)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+        return stock_loss, params, batch
+    model = AnnotatedGPT(size["vocab"], size["d"], size["heads"], size["layers"], **annotations)
     params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, size["seq"]), jnp.int32),
                                                jnp.zeros((1, size["seq"]), jnp.int32))["params"])
 

@@ -326,7 +326,15 @@ class Plan:
 
     @property
     def predicted_comm_bytes(self) -> float:
-        return sum(c.bytes for c in self.comms)
+        """Bytes one device sends per step for the plan's collectives: every TaskGraph's where they
+        share the devices; a pipeline's device runs its own stage's (`Comm.taskgraph` is the stage),
+        so the stage that sends the most."""
+        if self.schedule is None:
+            return sum(c.bytes for c in self.comms)
+        per_stage: dict[int, float] = {}
+        for c in self.comms:
+            per_stage[c.taskgraph] = per_stage.get(c.taskgraph, 0.0) + c.bytes
+        return max(per_stage.values(), default=0.0)
 
     # -- rendering --------------------------------------------------------------------------
     def sections(self, compiled_memory: bool = False):

@@ -169,6 +169,7 @@ def looped_collectives(text: str, largest_branch: Callable[[Collective], float] 
 
 _START = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?\s(" + "|".join(KINDS) + r"|copy)-start\(")
 _DONE_OF = re.compile(r"\s(?:" + "|".join(KINDS) + r"|copy)-done\(\s*(?:[^%)]*\s)?%?([\w.\-]+)")
+_MATMUL = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]*(?:gemm|dot)[\w.\-]*\s*=|\sdot\(|__cublas")
 _COMPUTE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=.*?\s(fusion|custom-call|convolution|dot)\(")
 
 
@@ -182,6 +183,7 @@ class AsyncOverlap:
     name: str
     computation: str
     overlapped_ops: int
+    overlapped_matmuls: int = 0      # of those, matrix multiplications (cuBLAS calls, dots, gemm fusions)
 
     @property
     def overlaps(self) -> bool:
@@ -194,20 +196,21 @@ def async_overlaps(text: str) -> list[AsyncOverlap]:
     comps, _ = computations(text)
     out = []
     for comp, lines in comps.items():
-        open_: dict[str, tuple[str, int]] = {}
-        compute = 0
+        open_: dict[str, tuple[str, int, int]] = {}
+        compute = matmuls = 0
         for line in lines:
             if _COMPUTE.match(line):
                 compute += 1
+                matmuls += bool(_MATMUL.search(line))
                 continue
             m = _START.match(line)
             if m:
-                open_[m.group(1)] = (m.group(2), compute)
+                open_[m.group(1)] = (m.group(2), compute, matmuls)
                 continue
             d = _DONE_OF.search(line)
             if d and d.group(1) in open_:
-                kind, at = open_.pop(d.group(1))
-                out.append(AsyncOverlap(kind, d.group(1), comp, compute - at))
+                kind, at, mat = open_.pop(d.group(1))
+                out.append(AsyncOverlap(kind, d.group(1), comp, compute - at, matmuls - mat))
     return out
 
 
@@ -222,6 +225,7 @@ class StepCollectives:
     looped_bytes: float          # the part of ring_bytes sent from inside loops
     asynchronous: int
     overlapped: int
+    overlapping_matmuls: int = 0     # asynchronous ones with a matrix multiplication between start and done
 
 
 def step_collectives(text: str, num_devices: int) -> StepCollectives:
@@ -234,4 +238,5 @@ def step_collectives(text: str, num_devices: int) -> StepCollectives:
     looped = sum((ring(c) * trips for c, trips in found if trips > 1), 0.0)
     total = sum((ring(c) * trips for c, trips in found), 0.0)
     overlaps = [o for o in async_overlaps(text) if o.kind != "copy"]
-    return StepCollectives(len(found), total, looped, len(overlaps), sum(o.overlaps for o in overlaps))
+    return StepCollectives(len(found), total, looped, len(overlaps), sum(o.overlaps for o in overlaps),
+                           sum(o.overlapped_matmuls > 0 for o in overlaps))

@@ -342,7 +342,8 @@ def traffic(plan) -> Section:
         body.append(Line(
             f"XLA's compiled step: {compiled.count} collectives, {fmt_bytes(compiled.ring_bytes)} per step and device "
             f"(predicted {'+' if off >= 0 else '-'}{fmt_pct(abs(off))}); {compiled.asynchronous} asynchronous, "
-            f"{compiled.overlapped} with compute scheduled between start and done"))
+            f"{compiled.overlapped} with compute scheduled between start and done ({compiled.overlapping_matmuls} "
+            "with matrix multiplications)"))
     if rows:
         body.append(Table(TRAFFIC_COLUMNS, tuple(map(tuple, rows)), (False, False, False, True, False), where="html"))
     return Section("traffic", "Collective traffic", tuple(body), collapsed=len(rows) > 8)

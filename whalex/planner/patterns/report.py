@@ -2,6 +2,7 @@
 parameters stored padded, and the coverage report of every split TaskGraph's parameters."""
 from __future__ import annotations
 
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from whalex.core.sharding_plan import Coverage
@@ -10,16 +11,34 @@ from whalex.planner.patterns.state import Walk
 
 
 def gradient_sync(w: Walk) -> None:
-    """Data-parallel gradient all-reduce per parameter, over the batch axes of its TaskGraph."""
+    """Data-parallel gradient all-reduce per parameter, over the batch axes of its TaskGraph, in the
+    dtype its gradient is summed in (`reduced_itemsize`)."""
+    jaxpr = w.cap.jaxpr.jaxpr
     for tg in w.cap.taskgraphs:
         vd = w.vds[tg.index]
         for leaf in tg.params:
-            var = w.cap.jaxpr.jaxpr.invars[leaf]
+            var = jaxpr.invars[leaf]
             spec = w.param_spec.get(leaf) or [None] * len(var.aval.shape)
             split = w.shards(next((a for a in spec if a), ()))
             axes = vd.batch_axes if w.shards(vd.batch_axes) > 1 else ()
-            w.comm(tg.index, "all-reduce", axes, cost.nbytes(var.aval) / split,
+            scale = reduced_itemsize(jaxpr, var) / np.dtype(var.aval.dtype).itemsize
+            w.comm(tg.index, "all-reduce", axes, cost.nbytes(var.aval) * scale / split,
                    f"gradient sync {w.cap.param_paths[leaf]}")
+
+
+def reduced_itemsize(jaxpr, var) -> int:
+    """Bytes per element of a parameter's data-parallel gradient sum: a parameter read only through
+    casts to one narrower dtype (mixed precision) has its gradient summed in that dtype (the partial
+    sums come out of its users' matmuls in it; XLA's partitioner all-reduces them there, before the
+    transpose of the cast)."""
+    itemsize = np.dtype(var.aval.dtype).itemsize
+    casts = set()
+    for eqn in jaxpr.eqns:
+        if any(v is var for v in eqn.invars):
+            if eqn.primitive.name != "convert_element_type":
+                return itemsize
+            casts.add(np.dtype(eqn.params["new_dtype"]).itemsize)
+    return min(casts) if len(casts) == 1 and min(casts) < itemsize else itemsize
 
 
 def padding(w: Walk) -> tuple[tuple[int, int, int], ...]:
