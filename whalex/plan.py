@@ -290,7 +290,11 @@ class Plan:
                              "XLA:GPU without GPUs.")
         compiled = self.lowered(donate=True).compile()
         self.record_step_memory(compiled.memory_analysis())
-        self._cache["collectives"] = step_collectives(compiled.as_text(), self.layout.size)
+        arms = None
+        if self.schedule is not None:     # a pipeline's tick: forward or backward, M of each per device
+            share = self.config.num_micro_batch / self.schedule.num_ticks
+            arms = (share, share)
+        self._cache["collectives"] = step_collectives(compiled.as_text(), self.layout.size, arms)
 
     @property
     def mesh(self):

@@ -136,28 +136,47 @@ def trip_count(line: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-_CALLS = re.compile(r"\b(calls|to_apply|body|true_computation|false_computation)=%?([\w.\-]+)")
+_CALLS = re.compile(r"\b(calls|to_apply|body)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_PREDICATED = re.compile(r"\btrue_computation=%?([\w.\-]+).*?\bfalse_computation=%?([\w.\-]+)")
 
 
-def looped_collectives(text: str, largest_branch: Callable[[Collective], float] | None = None
-                       ) -> list[tuple[Collective, int]]:
+def _arms(line: str) -> list[str]:
+    """A conditional's branch computations in index order (a predicated one: false, then true)."""
+    b = _BRANCHES.search(line)
+    if b:
+        return [callee.strip().lstrip("%") for callee in b.group(1).split(",")]
+    p = _PREDICATED.search(line)
+    return [p.group(2), p.group(1)] if p else []
+
+
+def looped_collectives(text: str, largest_branch: Callable[[Collective], float] | None = None,
+                       tick_arms: tuple[float, ...] | None = None) -> list[tuple[Collective, float]]:
     """(collective, trips) for every collective of compiled HLO text: in a while body, trips is its
     known trip count (nested loops multiply). Every branch of a conditional counts, or, given
     `largest_branch` (a weight per collective), only the branch whose collectives weigh the most
-    (weight x trips, summed): what one step runs at most."""
+    (weight x trips, summed): what one step runs at most. `tick_arms`: the fraction of a loop's trips
+    that runs each arm of the first conditional of its body (a pipeline tick: forward or backward),
+    instead of the largest."""
     comps, entry = computations(text)
 
-    def walk(name, trips, seen):
+    def walk(name, trips, seen, loop_body=False):
         if name in seen or name not in comps:
             return []
         lines = comps[name]
         out = [(c, trips) for c in collectives("\n".join(lines))]
+        weighted = loop_body and tick_arms is not None
         for line in lines:
             for kind, callee in _CALLS.findall(line):
-                out += walk(callee, trips * (trip_count(line) or 1) if kind == "body" else trips, seen | {name})
-            b = _BRANCHES.search(line)
-            arms = [walk(callee.strip().lstrip("%"), trips, seen | {name}) for callee in (b.group(1).split(",") if b else ())]
+                inner = trips * (trip_count(line) or 1) if kind == "body" else trips
+                out += walk(callee, inner, seen | {name}, kind == "body")
+            callees = _arms(line)
+            if weighted and callees:
+                weighted = False
+                for callee, share in zip(callees, tick_arms):
+                    out += walk(callee, trips * share, seen | {name})
+                continue
+            arms = [walk(callee, trips, seen | {name}) for callee in callees]
             if arms and largest_branch is not None:
                 arms = [max(arms, key=lambda arm: sum(largest_branch(c) * t for c, t in arm))]
             for arm in arms:
@@ -228,13 +247,13 @@ class StepCollectives:
     overlapping_matmuls: int = 0     # asynchronous ones with a matrix multiplication between start and done
 
 
-def step_collectives(text: str, num_devices: int) -> StepCollectives:
+def step_collectives(text: str, num_devices: int, tick_arms: tuple[float, ...] | None = None) -> StepCollectives:
     """`StepCollectives` of compiled HLO text whose collectives span `num_devices` devices when their
-    replica groups say nothing."""
+    replica groups say nothing (`tick_arms`: see `looped_collectives`)."""
     def ring(c: Collective) -> float:
         return result_ring_bytes(c.kind, c.bytes, c.group or num_devices)
 
-    found = looped_collectives(text, largest_branch=ring)
+    found = looped_collectives(text, largest_branch=ring, tick_arms=tick_arms)
     looped = sum((ring(c) * trips for c, trips in found if trips > 1), 0.0)
     total = sum((ring(c) * trips for c, trips in found), 0.0)
     overlaps = [o for o in async_overlaps(text) if o.kind != "copy"]

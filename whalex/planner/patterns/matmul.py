@@ -143,8 +143,11 @@ def _pick(w: Walk, s: Site, op: Operands, cand: Candidates, costs: dict, n: int)
     return Pick(pattern, cand.col, cand.row_k)
 
 
-def _record(w: Walk, s: Site, op: Operands, pick: Pick, costs: dict, x_bytes, y_bytes, x_split_k, n: int):
-    """The choice and the collectives it implies."""
+def _record(w: Walk, s: Site, op: Operands, pick: Pick, costs: dict, x_bytes, y_bytes, x_split_k, n: int,
+            x_gathered: bool = False):
+    """The choice and the collectives it implies. `x_gathered`: the input came through a bridge that
+    gathered its batch over the model axes, so its gradient's sum over them is also that bridge's
+    transpose: one reduce-scatter instead of an all-reduce."""
     ma, name = s.vd.model_axes, w.cap.param_paths[op.leaf]
     pattern, col, row_k = pick.pattern, pick.col, pick.row_k
     label = "SP1 column" if pattern == "column" else "SP2 row"
@@ -156,6 +159,8 @@ def _record(w: Walk, s: Site, op: Operands, pick: Pick, costs: dict, x_bytes, y_
         if x_split_k is not None:
             w.comm(s.tg, "all-gather", ma, x_bytes, f"SP1 {name}: gather input")
             w.comm(s.tg, "reduce-scatter", ma, x_bytes, f"SP1 {name}: input grad (bwd)")
+        elif x_gathered:
+            w.comm(s.tg, "reduce-scatter", ma, x_bytes, f"SP1 {name}: input grad (bwd), scattered back to the batch")
         else:
             w.comm(s.tg, "all-reduce", ma, x_bytes, f"SP1 {name}: input grad (bwd)")
     else:
@@ -203,7 +208,8 @@ def matmul(w: Walk, s: Site, eqn, ins) -> Info | None:
     pick = _pick(w, s, op, cand, costs, n)
     if pick is None:
         return None
-    _record(w, s, op, pick, costs, x_bytes, y_bytes, cand.x_split_k, n)
+    gathered = set(w.gathered.get((s.frame, eqn.invars[op.x_pos]), ()))
+    _record(w, s, op, pick, costs, x_bytes, y_bytes, cand.x_split_k, n, bool(ma) and set(ma) <= gathered)
     return Info(_pin(w, s, eqn, op, x, pick), x.batch)
 
 

@@ -3,8 +3,10 @@ equation's outputs laid out by its TaskGraph's rule (`split_rule`, `replicate_ru
 a bridge wherever a value enters a TaskGraph whose layout differs (Whale section 3.2.3)."""
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from whalex import _compat as C
@@ -13,7 +15,7 @@ from whalex.core.names import parse_call_name
 from whalex.core.sharding_plan import ShardingPlan
 from whalex.errors import PlanError
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
-from whalex.planner.patterns import report
+from whalex.planner.patterns import cost, report
 from whalex.planner.patterns.elementwise import replicate_rule
 from whalex.planner.patterns.experts import expert_parallel
 from whalex.planner.patterns.layout import Info, to_spec, unsplit
@@ -126,6 +128,20 @@ def _walk(w: Walk, jaxpr, frame):
             w.made_at[(frame, v)] = (path, k)
 
 
+def _sliced_gradient(w: Walk, s: Site, v, info: Info, want: tuple) -> None:
+    """A value the consumer splits over axes its producer held it whole on is sliced for free going
+    forward; its gradient, split the same way, is gathered back for the producer's backward pass
+    (once per value and consumer TaskGraph)."""
+    new = tuple(a for have, need in zip(info.spec, want) for a in (need or ()) if not have or a not in have)
+    producer = w.producer.get((s.frame, v), -1)
+    key = (s.frame, v, s.tg)
+    if not new or producer < 0 or key in w.sliced or not jnp.issubdtype(v.aval.dtype, jnp.floating):
+        return
+    w.sliced.add(key)
+    held = cost.nbytes(v.aval) / math.prod(w.shards(a) for a in info.spec if a)
+    w.comm(s.tg, "all-gather", new, held, f"bridge out of TG{producer}: its gradient gathered (bwd)")
+
+
 def _bridge(w: Walk, s: Site, pos: int, v) -> Info:
     """The layout `v` enters equation `s` with: its own, or, coming from another TaskGraph whose
     layout differs, the consumer's (gathered; a split on the consumer's own axes is kept, fused)."""
@@ -145,11 +161,15 @@ def _bridge(w: Walk, s: Site, pos: int, v) -> Info:
     want = tuple(want)
     if want == info.spec:
         return info
-    size = w.group_bytes(aval, info)
+    # the gathered buffer: the value divided only by the axes it stays split over (a batch split over
+    # the consumer's own model axes is gathered whole)
+    size = cost.nbytes(aval) / math.prod(w.shards(a) for a in want if a)
     for d, (have, need) in enumerate(zip(info.spec, want)):
         if have and have != need:
             gathered = tuple(a for a in have if not need or a not in need)
             w.comm(s.tg, "all-gather", gathered, size, f"bridge into TG{s.tg}: gather dim {d}")
+            w.gathered[(s.frame, v)] = w.gathered.get((s.frame, v), ()) + gathered
+    _sliced_gradient(w, s, v, info, want)
     w.constraints[(s.path, "in", pos)] = to_spec(want)
     made = w.made_at.get((s.frame, v))
     if made is not None:            # the producer keeps its own layout up to the bridge
