@@ -112,7 +112,10 @@ def _micro_batch_parts(cap, full, config, m: int) -> PartLoss | None:
     if config.comm_dtype is not None:
         raise PlanError(f"comm_dtype={config.comm_dtype!r} with num_micro_batch={m} on collocated TaskGraphs is "
                         "not lowered yet; use comm_dtype=None, or num_micro_batch=1.")
-    return loss_parts(cap, full, config, "micro-batches (gradient accumulation)")
+    b = cap.global_batch
+    return loss_parts(cap, full, config, "micro-batches (gradient accumulation)",
+                      f"num_micro_batch=1, or a global batch of {m * (b + 1)} or another larger multiple of {m} "
+                      f"(micro-batches of more than {b} samples)")
 
 
 def _step_comms(cap, sharding, program, mem, readers, m: int, once_axes) -> tuple:
