@@ -15,6 +15,7 @@ from whalex.balance import cost
 from whalex.balance.algorithm import balance
 from whalex.balance.profile import taskgraph_flops
 from whalex.core.part_loss import PartLoss
+from whalex.core.batch_dependence import source
 from whalex.core.parts import analyse
 from whalex.errors import PlanError
 from whalex.lowering.padding import EvenPadding
@@ -130,6 +131,18 @@ def _step_comms(cap, sharding, program, mem, readers, m: int, once_axes) -> tupl
     return comms
 
 
+def first_eqn(jaxpr, name: str):
+    """The first equation of primitive `name` in `jaxpr` or in any jaxpr inside it, else None."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == name:
+            return eqn
+        for sub in C.sub_jaxprs(eqn):
+            found = first_eqn(C.open_jaxpr(sub)[0], name)
+            if found is not None:
+                return found
+    return None
+
+
 def reduce_once(req: Request, full, m: int, layout, vds, sharding, overrides, parts, readers):
     """(Program fields, summary lines, axes whose gradient sums run once) for gradient accumulation:
     gradients kept per shard of the data axis inside the micro-batch loop and summed once after it
@@ -146,6 +159,9 @@ def reduce_once(req: Request, full, m: int, layout, vds, sharding, overrides, pa
         why = "a parameter is sharded over the data axis"
     elif full.global_batch % (m * g):
         why = f"{full.global_batch} samples do not divide into {m} x {g} parts"
+    elif (conv := first_eqn(full.jaxpr.jaxpr, "conv_general_dilated")) is not None:
+        why = (f"the convolution at {source(conv)}: its kernel gradient per shard is a feature-grouped convolution, "
+               "which XLA's SPMD partitioner computes wrongly when its operands are sharded")
     else:
         unit, why = _shard_loss(req, full, full.global_batch // (m * g), "per data shard")
     shards, inner_why = model_shards(req, full, layout, vds, unit, readers) if unit is not None else (None, None)
