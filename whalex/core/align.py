@@ -39,6 +39,8 @@ class TraceDifference:
 
     def describe(self) -> str:
         b, B = self.part_rows, self.whole_rows
+        if self.part_eqn is None and self.whole_eqn is None:
+            return f"the loss traces differently at {b} and {B} samples: its inputs or outputs differ"
         return (f"the loss traces differently at {b} and {B} samples: its first differing equation is "
                 f"{_eqn_text(self.whole_eqn)} in the trace at {B} samples, where the trace at {b} has "
                 f"{_eqn_text(self.part_eqn)}")
@@ -114,12 +116,11 @@ class _Aligner:
 
     def jaxpr(self, jp, jg):
         """`jp` aligned to `jg` (raises _Differ at the first equations that do not correspond)."""
-        env: dict = {}            # whole var -> part var
-        env.update(zip(jg.invars, jp.invars))
+        if len(jg.invars) != len(jp.invars) or len(jg.outvars) != len(jp.outvars):
+            raise _Differ(None, None)
+        env: dict = dict(zip(jg.invars, jp.invars))       # whole var -> part var
         if len(jg.constvars) == len(jp.constvars):
             env.update(zip(jg.constvars, jp.constvars))
-        if len(jg.invars) != len(jp.invars):
-            raise _Differ(jp.eqns[0] if jp.eqns else None, jg.eqns[0] if jg.eqns else None)
         same = {}                 # an inserted identity's result -> the part var it equals
         out, i = [], 0
         for eg in jg.eqns:
@@ -146,8 +147,6 @@ class _Aligner:
             if t is _NO:
                 raise _Differ(None, None)
             outvars.append(t)
-        if len(jp.outvars) != len(jg.outvars):
-            raise _Differ(None, None)
         # identities inserted into a part's equations keep its scopes' names (the scopes' uids differ per trace)
         out = [e.replace(source_info=C.rename_scopes(e.source_info, self._rename)) if id(e) in self.inserted
                else e for e in out]
