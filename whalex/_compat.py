@@ -61,6 +61,35 @@ def name_stack(eqn: JaxprEqn) -> str:
     return str(eqn.source_info.name_stack)
 
 
+def rename_scopes(source_info, rename) -> Any:
+    """`source_info` with every name-stack entry's name passed through `rename(name) -> name`."""
+    stack = source_info.name_stack
+    entries = tuple(type(e)(rename(e.name)) for e in stack.stack)    # Scope and Transform: one field, `name`
+    return source_info.replace(name_stack=type(stack)(entries))
+
+
+def with_jaxpr(value: Any, jaxpr: Jaxpr, consts: Sequence[Any]) -> Any:
+    """`jaxpr` stored as `value` was (closed with `consts`, or open)."""
+    return ClosedJaxpr(jaxpr, consts) if isinstance(value, ClosedJaxpr) else jaxpr
+
+
+# The parameters that make a shape operation an identity on its operand's shape.
+_IDENTITY_PARAMS = {
+    "broadcast_in_dim": lambda shape: {"shape": shape, "broadcast_dimensions": tuple(range(len(shape)))},
+    "reshape": lambda shape: {"new_sizes": shape, "dimensions": None},
+    "squeeze": lambda shape: {"dimensions": ()},
+}
+
+
+def identity_eqn(like: JaxprEqn, operand: Var) -> JaxprEqn:
+    """An equation of `like`'s primitive (broadcast_in_dim, reshape or squeeze) that returns
+    `operand` unchanged, with `like`'s source info. Built directly: tracing such an identity
+    records no equation."""
+    shape = tuple(operand.aval.shape)
+    params = {**like.params, **_IDENTITY_PARAMS[like.primitive.name](shape)}
+    return like.replace(invars=[operand], outvars=[Var(operand.aval)], params=params)
+
+
 def bind(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
     """Evaluate one equation on concrete or traced values (what `jax.core.eval_jaxpr` does)."""
     params = eqn.primitive.get_bind_params(eqn.params)

@@ -34,12 +34,14 @@ import jax.numpy as jnp
 from whalex import _compat as C
 from whalex.core import primitives as P
 from whalex.core import random_rows
+from whalex.core.align import refusal
 from whalex.core.batch_dependence import analyse as batch_dependence
 from whalex.core.batch_dependence import shape_of, source, traces_alike
 from whalex.core.capture import Captured
 from whalex.errors import PlanError
 
 OPT_IN = "wh.Config(batch_coupling='per_part')"
+WAY_OUT = "a larger global batch (larger parts), or a plan that does not evaluate the loss in parts"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,15 +107,15 @@ def is_floating(v) -> bool:
     return hasattr(v.aval, "dtype") and jnp.issubdtype(v.aval.dtype, jnp.floating)
 
 
-def analyse(part: Captured, whole: Captured, *, per_part: bool = False, context: str = "parts") -> Semantics:
+def analyse(part: Captured, whole: Captured, *, per_part: bool = False, context: str = "parts",
+            way_out: str = WAY_OUT) -> Semantics:
     """Find the batch reductions of the loss traced at `part.global_batch` rows and at
-    `whole.global_batch` rows; raise PlanError for couplings one pass cannot compute exactly."""
+    `whole.global_batch` rows (aligned: `whalex.core.align`); raise PlanError for traces that differ
+    (naming `way_out`) and for couplings one pass cannot compute exactly."""
     jp, jg = part.jaxpr.jaxpr, whole.jaxpr.jaxpr
     b, B = part.global_batch, whole.global_batch
     if not traces_alike(jp, jg):
-        raise PlanError(
-            f"the loss traces differently at {b} and {B} samples (its operations depend on the batch size); "
-            "whalex evaluates it in parts here, so write it without Python branches on the batch size.")
+        raise PlanError(refusal(part, whole, context, way_out))
     n = part.num_params
     found = batch_dependence(jp, range(n, len(jp.invars)), jg, (b, B))
     gvar, is_b = found.whole, found.carries

@@ -3,15 +3,17 @@ batch sizes, and the loss contract over parts (the Plan itself is assembled in `
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
 import numpy as np
 import optax
 
+from whalex.core.align import align
 from whalex.core.capture import _dtype
 from whalex.core.part_loss import PartLoss
-from whalex.core.parts import analyse
+from whalex.core.parts import WAY_OUT, analyse
 from whalex.errors import PlanError
 from whalex.memory.precision import capture     # capture: amp casts moved to their first use
 from whalex.memory.remat import configure
@@ -34,9 +36,17 @@ class Request:
     cluster: Cluster
 
     def capture(self, rows: int | None = None):
-        """The loss captured at the example batch, or at `rows` samples (abstract shapes)."""
-        batch = self.batch if rows is None else micro_batch(self.batch, rows)
-        return capture(self.loss_fn, self.params, batch, has_aux=self.has_aux, **self.inputs)
+        """The loss captured at the example batch, or at `rows` samples (abstract shapes), aligned
+        with the example batch's trace (`whalex.core.align`: identities JAX left out put back)."""
+        if rows is None:
+            return self.whole
+        part = capture(self.loss_fn, self.params, micro_batch(self.batch, rows), has_aux=self.has_aux, **self.inputs)
+        return align(part, self.whole)
+
+    @functools.cached_property
+    def whole(self):
+        """The loss captured at the example batch."""
+        return capture(self.loss_fn, self.params, self.batch, has_aux=self.has_aux, **self.inputs)
 
 
 def configure_memory(program, config, cluster, batch_axes=(), recapture=None):
@@ -85,11 +95,13 @@ def micro_batch(batch, size):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct((size,) + tuple(np.shape(x)[1:]), _dtype(x)), batch)
 
 
-def loss_parts(part, whole, config, context):
-    """The loss contract over parts of `part.global_batch` samples (analysed against the whole batch)."""
+def loss_parts(part, whole, config, context, way_out=WAY_OUT):
+    """The loss contract over parts of `part.global_batch` samples (analysed against the whole batch;
+    `way_out`: what the error offers where the traces differ)."""
+    per_part = config.batch_coupling == "per_part"
     if part.global_batch == whole.global_batch:
-        sem = analyse(whole, whole, per_part=config.batch_coupling == "per_part", context=context)
+        sem = analyse(whole, whole, per_part=per_part, context=context, way_out=way_out)
     else:
-        sem = analyse(part, whole, per_part=config.batch_coupling == "per_part", context=context)
+        sem = analyse(part, whole, per_part=per_part, context=context, way_out=way_out)
     return PartLoss(sem, part, whole)
 

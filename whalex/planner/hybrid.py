@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from whalex.balance import cost
 from whalex.balance.algorithm import balance, even
 from whalex.balance.profile import taskgraph_flops
+from whalex.core.align import refusal
 from whalex.core.batch_dependence import analyse as batch_dependence
 from whalex.core.batch_dependence import shape_of, traces_alike
 from whalex.errors import PlanError
@@ -73,9 +74,8 @@ def check_per_sample(part, whole, cut: int) -> str | None:
     cannot tell (a higher-order op it does not look into), else None."""
     jp, jg = part.jaxpr.jaxpr, whole.jaxpr.jaxpr
     if not traces_alike(jp, jg):
-        raise PlanError(f"the loss traces differently at {part.global_batch} and {whole.global_batch} samples (its "
-                        "operations depend on the batch size); uneven hybrid rows run the backbone on per-device "
-                        f"chunks: write it without Python branches on the batch size, or {WAY_OUT}.")
+        raise PlanError(refusal(part, whole, "uneven hybrid rows (the backbone on per-device chunks)",
+                                f"{WAY_OUT}, or a larger global batch (larger per-device chunks)"))
     found = batch_dependence(jp, range(part.num_params, len(jp.invars)), jg, (part.global_batch, whole.global_batch),
                              eqns=cut).couplings
     refused = [c for c in found if c.refused]

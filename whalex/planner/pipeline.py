@@ -10,6 +10,8 @@ from jax.sharding import PartitionSpec as P
 
 from whalex import _compat as C
 from whalex.balance.partition import layer_key, stage_devices
+from whalex.core.align import refusal
+from whalex.core.batch_dependence import traces_alike
 from whalex.core.comm import Comm, ring_bytes
 from whalex.errors import PlanError
 from whalex.planner.patterns import plan_shardings
@@ -56,10 +58,12 @@ def pipeline_plan(req: Request, full, stage_of_eqn, strategies, stage_layers=Non
             f"{dp} pipeline replicas; use a batch size that is a multiple of {dp * m}.")
     micro = full.global_batch // (dp * m)
     cap = req.capture(micro)
-    if len(cap.jaxpr.jaxpr.eqns) != len(stage_of_eqn):
-        raise PlanError("the loss traced differently at micro-batch size; whalex needs a loss whose "
-                        "operations do not depend on the batch size.")
-    parts = loss_parts(cap, full, config, "pipeline micro-batches")
+    way_out = (f"a global batch of {dp * m * (micro + 1)} or another larger multiple of {dp * m} ({m} micro-batches "
+               f"on each of the {dp} pipeline replicas, of more than {micro} samples each), or a plan without a "
+               "pipeline")
+    if not traces_alike(cap.jaxpr.jaxpr, full.jaxpr.jaxpr):
+        raise PlanError(refusal(cap, full, "pipeline micro-batches", way_out))
+    parts = loss_parts(cap, full, config, "pipeline micro-batches", way_out)
     if not parts.sem.affine:
         raise PlanError("the loss is not affine in its sums over the batch (e.g. the log of a mean); a pipeline "
                         "cannot split its gradient over micro-batches in one pass. Write the loss as a sum or mean "

@@ -15,6 +15,7 @@ from whalex.balance import cost
 from whalex.balance.algorithm import balance
 from whalex.balance.profile import taskgraph_flops
 from whalex.core.part_loss import PartLoss
+from whalex.core.batch_dependence import source
 from whalex.core.parts import analyse
 from whalex.errors import PlanError
 from whalex.lowering.padding import EvenPadding
@@ -112,7 +113,10 @@ def _micro_batch_parts(cap, full, config, m: int) -> PartLoss | None:
     if config.comm_dtype is not None:
         raise PlanError(f"comm_dtype={config.comm_dtype!r} with num_micro_batch={m} on collocated TaskGraphs is "
                         "not lowered yet; use comm_dtype=None, or num_micro_batch=1.")
-    return loss_parts(cap, full, config, "micro-batches (gradient accumulation)")
+    b = cap.global_batch
+    return loss_parts(cap, full, config, "micro-batches (gradient accumulation)",
+                      f"num_micro_batch=1, or a global batch of {m * (b + 1)} or another larger multiple of {m} "
+                      f"(micro-batches of more than {b} samples)")
 
 
 def _step_comms(cap, sharding, program, mem, readers, m: int, once_axes) -> tuple:
@@ -125,6 +129,18 @@ def _step_comms(cap, sharding, program, mem, readers, m: int, once_axes) -> tupl
     if m > 1 and isinstance(program, Program):
         comms = per_step(comms, m, once_axes)
     return comms
+
+
+def first_eqn(jaxpr, name: str):
+    """The first equation of primitive `name` in `jaxpr` or in any jaxpr inside it, else None."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == name:
+            return eqn
+        for sub in C.sub_jaxprs(eqn):
+            found = first_eqn(C.open_jaxpr(sub)[0], name)
+            if found is not None:
+                return found
+    return None
 
 
 def reduce_once(req: Request, full, m: int, layout, vds, sharding, overrides, parts, readers):
@@ -143,6 +159,9 @@ def reduce_once(req: Request, full, m: int, layout, vds, sharding, overrides, pa
         why = "a parameter is sharded over the data axis"
     elif full.global_batch % (m * g):
         why = f"{full.global_batch} samples do not divide into {m} x {g} parts"
+    elif (conv := first_eqn(full.jaxpr.jaxpr, "conv_general_dilated")) is not None:
+        why = (f"the convolution at {source(conv)}: its kernel gradient per shard is a feature-grouped convolution, "
+               "which XLA's SPMD partitioner computes wrongly when its operands are sharded")
     else:
         unit, why = _shard_loss(req, full, full.global_batch // (m * g), "per data shard")
     shards, inner_why = model_shards(req, full, layout, vds, unit, readers) if unit is not None else (None, None)

@@ -21,6 +21,9 @@ from whalex.mesh.virtual import MeshLayout, VirtualDevice
 from whalex.planner.assemble import Work, assemble, taskgraph_rows
 from whalex.planner.common import Request, configure_memory, loss_parts
 
+WAY_OUT = ("wh.Config(hardware_aware=False) (an even batch: the whole batch in one program), or a larger global "
+           "batch (larger per-device chunks)")
+
 
 def balance_data_parallel(req: Request, full):
     """Algorithm 1 over a data-parallel model: (report, uneven Plan or None for the even plan).
@@ -113,7 +116,7 @@ def _program(req: Request, full, cap_at, mesh, rows, unit, mem, one_size=False) 
                             grain=unit)
     context = "uneven per-device chunks"
     used = [s for j, s in enumerate(program.sizes) if any(bits[j] for bits in program.remainder_bits)]
-    parts = loss_parts(cap, full, config, context).with_variants(
-        [loss_parts(cap_at(s), full, config, context) for s in used], len(program.part_ranges()))
+    parts = loss_parts(cap, full, config, context, WAY_OUT).with_variants(
+        [loss_parts(cap_at(s), full, config, context, WAY_OUT) for s in used], len(program.part_ranges()))
     program = dataclasses.replace(program, parts=parts)
     return configure_memory(program, config, cluster, [(DATA,)] * len(cap.taskgraphs))
