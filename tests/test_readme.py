@@ -33,6 +33,8 @@ ILLUSTRATIVE = {
     ("docs/parallelism.md", "Heterogeneous GPUs"): "loss_fn, params and batch are the reader's (tests/test_hetero*.py run it)",
     ("docs/parallelism.md", "Planning without hardware"): "params_shapes and batch_shapes are the reader's (tests/test_abstract.py)",
     ("docs/parallelism.md", "Mixture of Experts"): "model and task_loss are the reader's (examples/moe_transformer.py runs it)",
+    ("docs/memory.md", "On many GPUs, without them: XLA's GPU compiler"):
+        "loss_fn, params and batch are the reader's, and it needs the [cuda] extra (tests/gpu_compile runs it)",
 }
 
 
