@@ -93,3 +93,16 @@ def test_init_sets_defaults():
         assert plan.param_specs["['wh']"] == P("model")
     finally:
         wh.init()
+
+
+def test_gpu_topology_needs_the_cuda_plugin_and_says_how_to_get_it():
+    """Without JAX's CUDA plugin (the CPU suites' environment), a GPU topology is refused with the
+    install line; with it (tests/gpu_compile's), it is 8 devices of XLA:GPU's compiler."""
+    import importlib.util
+    installed = any(importlib.util.find_spec(n) is not None for n in ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+                    if importlib.util.find_spec("jax_plugins") is not None)
+    if installed:
+        assert len(wh.Cluster.gpu_topology(kinds=["H100-80GB"] * 8).devices) == 8
+    else:
+        with pytest.raises(wh.ClusterError, match=r"pip install 'whalex\[cuda\]'.*JAX_PLATFORMS=cpu"):
+            wh.Cluster.gpu_topology(kinds=["H100-80GB"] * 8)

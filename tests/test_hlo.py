@@ -1,6 +1,7 @@
 """Acceptance 2: the split head is really sharded and its gradient is never all-reduced (read from HLO)."""
 import jax
 import optax
+import pytest
 
 import whalex as wh
 from conftest import adam
@@ -156,3 +157,49 @@ def test_looped_collectives_count_trips_and_every_branch_or_the_largest():
     assert sorted(largest) == [(256, 1), (256, 3)]
     smallest = hlo.looped_collectives(_BRANCHED, largest_branch=lambda c: -c.bytes)
     assert sorted((c.bytes, t) for c, t in smallest) == [(32, 3), (256, 1)]
+
+
+_PREDICATED = _BRANCHED.replace(
+    "%sw = f32[64]{0} conditional(s32[] %k, f32[8]{0} %u, f32[64]{0} %v), branch_computations={%small, %big}",
+    "%sw = f32[64]{0} conditional(pred[] %k, f32[64]{0} %v, f32[8]{0} %u), true_computation=%big, "
+    "false_computation=%small")
+
+
+def test_a_predicated_conditional_is_two_branches_and_a_tick_weighs_them_by_the_schedule():
+    """XLA:GPU prints a two-way cond as true/false computations: branches, not two calls. A pipeline's
+    tick runs its forward arm (false) on some trips and its backward arm (true) on others."""
+    from whalex.core import hlo
+
+    largest = hlo.looped_collectives(_PREDICATED, largest_branch=lambda c: c.bytes)
+    assert sorted((c.bytes, t) for c, t in largest) == [(256, 1), (256, 3)]
+    ticks = hlo.looped_collectives(_PREDICATED, largest_branch=lambda c: c.bytes, tick_arms=(2 / 3, 1 / 3))
+    assert sorted((c.bytes, round(t, 6)) for c, t in ticks) == [(32, 2.0), (256, 1), (256, 1.0)]
+    step = hlo.step_collectives(_PREDICATED, 2, tick_arms=(2 / 3, 1 / 3))
+    ring = 2 * (1 / 2)                       # an all-reduce over 2 devices sends its buffer once
+    assert step.ring_bytes == pytest.approx(ring * (256 + 2 * 32 + 256))
+    assert step.count == 3 and step.asynchronous == 0
+
+
+_SCHEDULED = """HloModule jit_step, is_scheduled=true
+
+ENTRY %main (p: f32[64]) -> f32[64] {
+  %p = f32[64]{0} parameter(0)
+  %ar-start = (f32[64]{0}, f32[64]{0}) all-reduce-start(f32[64]{0} %p), replica_groups={{0,1}}, to_apply=%add
+  %gemm_fusion_dot.1 = f32[64]{0} fusion(f32[64]{0} %p), kind=kCustom, calls=%g
+  %loop_add_fusion = f32[64]{0} fusion(f32[64]{0} %gemm_fusion_dot.1), kind=kLoop, calls=%a
+  %ar-done = f32[64]{0} all-reduce-done((f32[64]{0}, f32[64]{0}) %ar-start)
+  %ag-start = (f32[8]{0}, f32[64]{0}) all-gather-start(f32[8]{0} %x), replica_groups={}, dimensions={0}
+  %ag-done = f32[64]{0} all-gather-done((f32[8]{0}, f32[64]{0}) %ag-start)
+  ROOT %r = f32[64]{0} add(f32[64]{0} %ar-done, f32[64]{0} %ag-done)
+}
+"""
+
+
+def test_async_overlaps_count_the_compute_between_start_and_done():
+    from whalex.core import hlo
+
+    found = hlo.async_overlaps(_SCHEDULED)
+    assert [(o.kind, o.overlapped_ops, o.overlapped_matmuls) for o in found] == [("all-reduce", 2, 1),
+                                                                                ("all-gather", 0, 0)]
+    step = hlo.step_collectives(_SCHEDULED, 2)
+    assert (step.count, step.asynchronous, step.overlapped, step.overlapping_matmuls) == (2, 2, 1, 1)

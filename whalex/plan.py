@@ -275,6 +275,11 @@ class Plan:
             self._compile_step()
         return self.compiled_step_memory
 
+    @property
+    def compiled_step_collectives(self) -> StepCollectives | None:
+        """`compiled_collectives()` once the step has been compiled by it or by `step_memory()`; None before."""
+        return self._cache.get("collectives")
+
     def compiled_collectives(self) -> StepCollectives:
         """The collectives XLA compiled the step to, per device: how many, the bytes each device sends
         per step, and how many run asynchronously with compute scheduled between start and done

@@ -187,7 +187,7 @@ def looped_collectives(text: str, largest_branch: Callable[[Collective], float] 
 
 
 _START = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?\s(" + "|".join(KINDS) + r"|copy)-start\(")
-_DONE_OF = re.compile(r"\s(?:" + "|".join(KINDS) + r"|copy)-done\(\s*(?:[^%)]*\s)?%?([\w.\-]+)")
+_DONE_OF = re.compile(r"\s(?:" + "|".join(KINDS) + r"|copy)-done\(.*?%([\w.\-]+)")
 _MATMUL = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]*(?:gemm|dot)[\w.\-]*\s*=|\sdot\(|__cublas")
 _COMPUTE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=.*?\s(fusion|custom-call|convolution|dot)\(")
 

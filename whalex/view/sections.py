@@ -336,7 +336,7 @@ def traffic(plan) -> Section:
     rows = [[f"TG{c.taskgraph}", c.kind, "x".join(c.axes) if not isinstance(c.axes, str) else c.axes,
              fmt_bytes(c.bytes), c.reason] for c in plan.comms]
     body = [Line(f"predicted collective traffic per step and device: {fmt_bytes(plan.predicted_comm_bytes)}")]
-    compiled = plan._cache.get("collectives")
+    compiled = plan.compiled_step_collectives
     if compiled is not None:
         off = plan.predicted_comm_bytes / compiled.ring_bytes - 1 if compiled.ring_bytes else 0.0
         body.append(Line(
