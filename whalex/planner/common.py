@@ -90,6 +90,18 @@ def refuse_unbuilt(config: Config) -> None:
                             "version of whalex yet; offload 'opt_state' and/or 'params'.")
 
 
+def refuse_host_memory_without_it(config: Config, cluster) -> None:
+    """Offload on a `Cluster.gpu_topology`: XLA's deviceless topology devices address no memory kinds,
+    and JAX drops `pinned_host` from shardings over them, so the compiled program would keep the
+    offloaded state on the device: refused rather than compiled differently."""
+    if config.offload and cluster.compile_only:
+        raise PlanError(
+            f"Config.offload={config.offload!r} on a Cluster.gpu_topology: the devices of XLA's deviceless GPU "
+            "topology have no host memory space (JAX drops pinned_host from their shardings), so the compiled step "
+            "would keep the offloaded state on the device. Compile offload plans on real GPUs, or plan them on "
+            "Cluster.abstract(kinds=...) for the predicted memory (plan.predicted_memory(), plan.memory_fit()).")
+
+
 def micro_batch(batch, size):
     """Abstract leaves of `batch` with `size` rows."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct((size,) + tuple(np.shape(x)[1:]), _dtype(x)), batch)
