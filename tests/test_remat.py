@@ -71,6 +71,19 @@ def test_full_remat_saves_compiled_memory_and_recomputes_no_communication():
     assert collective_operands(full) == collective_operands(plain)
 
 
+def test_each_remat_segment_finishes_its_backward_before_the_next_starts():
+    """`remat.in_order`: a segment's recomputation waits for its cotangent, and its whole gradient
+    (inputs and weights) is produced before the previous segment's backward can start: two
+    optimization barriers per rematerialized segment beside the checkpoint's own, in the step's
+    program (XLA:GPU's scheduler otherwise defers weight-gradient matmuls, keeping every segment's
+    recomputed activations live: tests/gpu_compile/test_remat_many_gpus.py)."""
+    loss_fn, params, batch = wide_model()
+    plan = wh.plan(loss_fn, params, batch, SGD, config=wh.Config(remat="dots_saveable"))
+    barriers = plan.lower().count("optimization_barrier")
+    segments = sum(level is not None for level in plan.remat.levels)
+    assert segments == 3 and barriers >= 3 * segments           # the checkpoint's, before and after
+
+
 def test_remat_auto_fits_a_budget_the_plain_plan_exceeds_and_trains_the_same():
     """remat="auto" decides per layer from what JAX keeps for the backward pass (a figure true on every
     backend), so it fits on CPU a budget of half the no-remat step's state + saved activations."""
