@@ -20,8 +20,7 @@ MEMORY_TOL, COMM_TOL = 0.10, 0.05
 
 # "3d_4x4x4" is the 64-GPU plan (test_big_3d.py)
 GAPS = {
-    "moe": "memory: predicted 1.38x XLA:GPU's (2.57 vs 1.79 GB of temporaries at the medium size); where "
-           "the replay over-counts is not yet located",
+    "moe": "memory: the replay over-counts MoE's temporaries, where is not yet located (docs/benchmarks.md)",
 }
 
 
