@@ -82,7 +82,7 @@ TARGETS: dict[str, GpuTarget] = {
                            80 * 1024 * MiB, 2039e9),
     "H100-80GB": GpuTarget("NVIDIA H100 80GB HBM3", (9, 0), 132, 128, 2048, 228 * KiB, 227 * KiB, 50 * MiB, 1.98,
                            84929347584, 3352320000000),
-    "H200-141GB": GpuTarget("NVIDIA H200", (9, 0), 132, 128, 2048, 228 * KiB, 227 * KiB, 60 * MiB, 1.98,
+    "H200-141GB": GpuTarget("NVIDIA H200", (9, 0), 132, 128, 2048, 228 * KiB, 227 * KiB, 50 * MiB, 1.98,
                             143771 * MiB, 4.8e12),
 }
 
