@@ -290,7 +290,7 @@ def measure(cluster: Cluster, loss_fn: Callable | None = None, params=None, batc
     at a quarter, half and all of the batch's rows: the fitted line's slope is the speed, its
     intercept the device's fixed seconds per step (`Measurement.overheads`)."""
     if cluster.is_abstract or cluster.compile_only:
-        raise ValueError("calibrate() needs real devices; an abstract or gpu_topology cluster has none to time.")
+        raise ValueError("calibrate() needs real devices; an abstract cluster (or a gpu_topology one) has none to time.")
     _check(size, chain, repeats, 0.0, loss_fn, params, batch, optimizer)
     mine = [i for i, d in enumerate(cluster.devices) if d.process_index == jax.process_index()]
     devices = [cluster.devices[i] for i in mine]
