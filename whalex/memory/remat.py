@@ -258,24 +258,23 @@ def remat_segment(plan: RematPlan, index: int, seg: Segment, fn: Callable, deriv
 
 
 def in_order(fn: Callable) -> Callable:
-    """fn whose backward pass starts its recomputation only once the cotangent of its outputs has
-    arrived: the saved values pass through one `optimization_barrier` with the cotangent. Without it,
-    a scheduler that hides collectives (XLA:GPU's latency-hiding scheduler overlapping gradient
-    all-reduces) may recompute many segments' forwards early and hold them all at once."""
+    """fn whose backward pass runs as one block: its recomputation starts only once the cotangent of
+    its outputs has arrived (the saved values pass through an `optimization_barrier` with it), and
+    its whole gradient, inputs' and weights' alike, leaves through another, so the previous segment's
+    backward cannot start before this one's weight gradients are made. Without them, a scheduler that
+    hides collectives (XLA:GPU's latency-hiding scheduler overlapping gradient all-reduces) defers
+    weight-gradient matmuls to the end of the backward pass and holds every segment's recomputed
+    activations until then."""
 
     @jax.custom_vjp
     def ordered(*args):
         return fn(*args)
 
-    def forward(*args):
-        outs, vjp = jax.vjp(fn, *args)
-        return outs, vjp
-
     def backward(vjp, cotangents):
         vjp, cotangents = jax.lax.optimization_barrier((vjp, cotangents))
         return jax.lax.optimization_barrier(vjp(cotangents))
 
-    ordered.defvjp(forward, backward)
+    ordered.defvjp(lambda *args: jax.vjp(fn, *args), backward)      # residuals: the vjp's saved values
     return ordered
 
 
