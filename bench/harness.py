@@ -216,17 +216,12 @@ def by_kind(colls: list[dict]) -> dict:
 
 def looped_ring_bytes(text: str, num_devices: int) -> dict:
     """Ring bytes each device sends per step: straight-line collectives, and those in loops times the
-    trip count (a conditional: its largest branch), from `whalex.core.hlo.looped_collectives`."""
+    trip count (a conditional: its largest branch), from `whalex.core.hlo.step_collectives`."""
     from whalex.core import hlo
-    from whalex.core.comm import result_ring_bytes
 
-    def ring(c) -> float:
-        return result_ring_bytes(c.kind, c.bytes, c.group or num_devices)
-
-    found = hlo.looped_collectives(text, largest_branch=ring)
-    straight = sum((ring(c) for c, trips in found if trips == 1), 0.0)
-    looped = sum((ring(c) * trips for c, trips in found if trips > 1), 0.0)
-    return {"straight_line": straight, "in_loops": looped, "total": straight + looped}
+    found = hlo.step_collectives(text, num_devices)
+    return {"straight_line": found.ring_bytes - found.looped_bytes, "in_loops": found.looped_bytes,
+            "total": found.ring_bytes}
 
 
 # ------------------------------------------------------------------------------- two-process runs
