@@ -28,7 +28,8 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def _cuda_plugin_installed() -> bool:
+def cuda_plugin_installed() -> bool:
+    """Whether JAX's CUDA plugin (the [cuda] extra) is installed: XLA's GPU compiler is then here."""
     for name in ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13"):
         try:
             if importlib.util.find_spec(name) is not None:
@@ -41,10 +42,10 @@ def _cuda_plugin_installed() -> bool:
 # tests/gpu_compile compiles plans with XLA's GPU compiler (no GPU needed) and needs JAX's CUDA plugin
 # (the [cuda] extra). CI runs that folder in its own environment with WHALEX_GPU_COMPILE=1, where a
 # missing plugin fails the run by name; a CPU-only environment does not collect it.
-if os.environ.get("WHALEX_GPU_COMPILE") == "1" and not _cuda_plugin_installed():
+if os.environ.get("WHALEX_GPU_COMPILE") == "1" and not cuda_plugin_installed():
     raise pytest.UsageError("WHALEX_GPU_COMPILE=1 but JAX's CUDA plugin is not installed: pip install -e "
                             "'.[cuda,test]' (no GPU needed); the GPU-compile suite must not be skipped.")
-collect_ignore_glob = [] if _cuda_plugin_installed() else ["gpu_compile/*"]
+collect_ignore_glob = [] if cuda_plugin_installed() else ["gpu_compile/*"]
 
 
 def pytest_collection_modifyitems(items):

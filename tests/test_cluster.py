@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import whalex as wh
-from conftest import adam, assert_matches
+from conftest import adam, assert_matches, cuda_plugin_installed
 from whalex.mesh.virtual import mesh_layout, virtual_devices
 from whalex.primitives import Strategy
 from models import plain_params, data
@@ -98,10 +98,7 @@ def test_init_sets_defaults():
 def test_gpu_topology_needs_the_cuda_plugin_and_says_how_to_get_it():
     """Without JAX's CUDA plugin (the CPU suites' environment), a GPU topology is refused with the
     install line; with it (tests/gpu_compile's), it is 8 devices of XLA:GPU's compiler."""
-    import importlib.util
-    installed = any(importlib.util.find_spec(n) is not None for n in ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
-                    if importlib.util.find_spec("jax_plugins") is not None)
-    if installed:
+    if cuda_plugin_installed():
         assert len(wh.Cluster.gpu_topology(kinds=["H100-80GB"] * 8).devices) == 8
     else:
         with pytest.raises(wh.ClusterError, match=r"pip install 'whalex\[cuda\]'.*JAX_PLATFORMS=cpu"):

@@ -101,11 +101,8 @@ class Cluster:
             nodes = _chunks(len(specs), [_positive_int(devices_per_node)] * len(specs))
         else:                    # each kind's typical node; a new kind starts a new node
             nodes = _chunks(len(specs), [s.node_devices for s in specs], kinds=[s.name for s in specs])
-        if host_memory is not None:
-            ram, source = [parse_bytes(host_memory)] * len(nodes), "declared"
-        else:
-            ram, source = [_node_ram(specs[n[0]]) for n in nodes], "spec table"
-        _set(obj, specs, None, None, None, nodes, tuple(ram), source)
+        ram, source = _declared_or_typical(host_memory, specs, nodes)
+        _set(obj, specs, None, None, None, nodes, ram, source)
         return obj
 
     @classmethod
@@ -135,12 +132,9 @@ class Cluster:
                                "devices_per_node as a divisor of the device count.")
         devices = _topology_devices(text, len(specs) // per, per)
         nodes = _chunks(len(specs), [per] * len(specs))
-        if host_memory is not None:
-            ram, source = [parse_bytes(host_memory)] * len(nodes), "declared"
-        else:
-            ram, source = [_node_ram(specs[n[0]]) for n in nodes], "spec table"
+        ram, source = _declared_or_typical(host_memory, specs, nodes)
         obj = object.__new__(cls)
-        _set(obj, specs, tuple(devices), None, None, nodes, tuple(ram), source)
+        _set(obj, specs, tuple(devices), None, None, nodes, ram, source)
         object.__setattr__(obj, "target", target_kind)
         return obj
 
@@ -267,6 +261,14 @@ def _topology_devices(text: str, hosts: int, per_host: int) -> list:
     except RuntimeError as e:
         raise ClusterError(f"XLA could not make a GPU topology of {hosts} x {per_host} devices from the target "
                            f"description: {e}") from e
+
+
+def _declared_or_typical(host_memory, specs, nodes) -> tuple[tuple[float, ...], str]:
+    """Host RAM per node of a cluster without devices to read it from: declared, or each node's
+    kind's typical node from the spec table."""
+    if host_memory is not None:
+        return (parse_bytes(host_memory),) * len(nodes), "declared"
+    return tuple(_node_ram(specs[n[0]]) for n in nodes), "spec table"
 
 
 def _node_ram(spec: DeviceSpec) -> float:

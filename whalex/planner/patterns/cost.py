@@ -20,6 +20,11 @@ def group_bytes(aval, info, shards) -> float:
     return nbytes(aval) / div
 
 
+def laid_out_bytes(aval, spec, shards) -> float:
+    """Bytes one device holds of a value laid out by `spec` (axes per dimension, None for whole)."""
+    return nbytes(aval) / float(np.prod([shards(a) for a in spec if a]))
+
+
 def matmul_costs(x_bytes: float, y_bytes: float, n: int, column: bool, row: bool,
                  x_split_c: bool, x_on_row: bool) -> dict[str, float]:
     """Bytes per device of SP1 column and SP2 row (inf where the pattern cannot apply). Column:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from whalex import _compat as C
 from whalex.core.sharding_plan import Coverage
 from whalex.planner.patterns import cost
 from whalex.planner.patterns.state import Walk
@@ -12,8 +13,9 @@ from whalex.planner.patterns.state import Walk
 
 def gradient_sync(w: Walk) -> None:
     """Data-parallel gradient all-reduce per parameter, over the batch axes of its TaskGraph, in the
-    dtype its gradient is summed in (`reduced_itemsize`)."""
+    dtype its gradient is summed in (`reduced_itemsizes`)."""
     jaxpr = w.cap.jaxpr.jaxpr
+    reduced = reduced_itemsizes(jaxpr, jaxpr.invars[:w.cap.num_params])
     for tg in w.cap.taskgraphs:
         vd = w.vds[tg.index]
         for leaf in tg.params:
@@ -21,24 +23,28 @@ def gradient_sync(w: Walk) -> None:
             spec = w.param_spec.get(leaf) or [None] * len(var.aval.shape)
             split = w.shards(next((a for a in spec if a), ()))
             axes = vd.batch_axes if w.shards(vd.batch_axes) > 1 else ()
-            scale = reduced_itemsize(jaxpr, var) / np.dtype(var.aval.dtype).itemsize
+            scale = reduced.get(var, np.dtype(var.aval.dtype).itemsize) / np.dtype(var.aval.dtype).itemsize
             w.comm(tg.index, "all-reduce", axes, cost.nbytes(var.aval) * scale / split,
                    f"gradient sync {w.cap.param_paths[leaf]}")
 
 
-def reduced_itemsize(jaxpr, var) -> int:
-    """Bytes per element of a parameter's data-parallel gradient sum: a parameter read only through
-    casts to one narrower dtype (mixed precision) has its gradient summed in that dtype (the partial
-    sums come out of its users' matmuls in it; XLA's partitioner all-reduces them there, before the
-    transpose of the cast)."""
-    itemsize = np.dtype(var.aval.dtype).itemsize
-    casts = set()
+def reduced_itemsizes(jaxpr, params) -> dict:
+    """{parameter: bytes per element of its data-parallel gradient sum} for the parameters read only
+    through casts to one narrower dtype (mixed precision): the partial sums come out of their users'
+    matmuls in that dtype, and XLA's partitioner all-reduces them there, before the transpose of the
+    cast. One pass over the equations."""
+    wanted = set(params)
+    casts: dict = {}
+    other = set()
     for eqn in jaxpr.eqns:
-        if any(v is var for v in eqn.invars):
-            if eqn.primitive.name != "convert_element_type":
-                return itemsize
-            casts.add(np.dtype(eqn.params["new_dtype"]).itemsize)
-    return min(casts) if len(casts) == 1 and min(casts) < itemsize else itemsize
+        for v in eqn.invars:
+            if not isinstance(v, C.Literal) and v in wanted:
+                if eqn.primitive.name == "convert_element_type":
+                    casts.setdefault(v, set()).add(np.dtype(eqn.params["new_dtype"]).itemsize)
+                else:
+                    other.add(v)
+    return {v: next(iter(sizes)) for v, sizes in casts.items()
+            if v not in other and len(sizes) == 1 and next(iter(sizes)) < np.dtype(v.aval.dtype).itemsize}
 
 
 def padding(w: Walk) -> tuple[tuple[int, int, int], ...]:

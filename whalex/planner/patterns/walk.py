@@ -3,15 +3,14 @@ equation's outputs laid out by its TaskGraph's rule (`split_rule`, `replicate_ru
 a bridge wherever a value enters a TaskGraph whose layout differs (Whale section 3.2.3)."""
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from whalex import _compat as C
 from whalex.core.capture import Captured, passed_origin
 from whalex.core.names import parse_call_name
+from whalex.core.parts import is_floating
 from whalex.core.sharding_plan import ShardingPlan
 from whalex.errors import PlanError
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
@@ -135,10 +134,10 @@ def _sliced_gradient(w: Walk, s: Site, v, info: Info, want: tuple) -> None:
     new = tuple(a for have, need in zip(info.spec, want) for a in (need or ()) if not have or a not in have)
     producer = w.producer.get((s.frame, v), -1)
     key = (s.frame, v, s.tg)
-    if not new or producer < 0 or key in w.sliced or not jnp.issubdtype(v.aval.dtype, jnp.floating):
+    if not new or producer < 0 or key in w.sliced or not is_floating(v):
         return
     w.sliced.add(key)
-    held = cost.nbytes(v.aval) / math.prod(w.shards(a) for a in info.spec if a)
+    held = cost.laid_out_bytes(v.aval, info.spec, w.shards)
     w.comm(s.tg, "all-gather", new, held, f"bridge out of TG{producer}: its gradient gathered (bwd)")
 
 
@@ -161,9 +160,9 @@ def _bridge(w: Walk, s: Site, pos: int, v) -> Info:
     want = tuple(want)
     if want == info.spec:
         return info
-    # the gathered buffer: the value divided only by the axes it stays split over (a batch split over
-    # the consumer's own model axes is gathered whole)
-    size = cost.nbytes(aval) / math.prod(w.shards(a) for a in want if a)
+    # the gathered buffer: the value as the consumer lays it out (a batch split over the consumer's own
+    # model axes is gathered whole)
+    size = cost.laid_out_bytes(aval, want, w.shards)
     for d, (have, need) in enumerate(zip(info.spec, want)):
         if have and have != need:
             gathered = tuple(a for a in have if not need or a not in need)
