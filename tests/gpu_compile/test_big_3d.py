@@ -3,8 +3,6 @@ in 8 hosts (data 4 x stage 4 x model 4, 8 micro-batches): XLA:GPU compiles it on
 per-device memory and collective bytes are the plan's predictions; and bench/gpu_compile.py's small
 run, which writes its results file."""
 import json
-import os
-import sys
 import time
 
 import jax
@@ -12,8 +10,7 @@ import optax
 
 import whalex as wh
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-import gpu_compile  # noqa: E402
+from gpu_bench import gpu_compile
 
 
 def test_a_1b_gpt_3d_on_64_gpus_compiles_as_predicted():

@@ -5,15 +5,12 @@ schedule runs them). The model is bench/gpu_compile.py's GPT at its "medium" siz
 device, d=512, 4 blocks, vocabulary 8192), large enough that activations, not XLA's fixed
 workspaces, make the peak. Cases whalex does not yet predict that closely are strict xfails naming
 the check that misses, so a fix shows up as an unexpected pass."""
-import os
-import sys
 
 import pytest
 
 import whalex as wh
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-import gpu_compile  # noqa: E402
+from gpu_bench import gpu_compile
 
 SIZE = gpu_compile.SIZES["medium"]
 MEMORY_TOL, COMM_TOL = 0.10, 0.05

@@ -3,16 +3,13 @@ parameters, 16 x 1024 tokens per device, adamw, bf16 compute) data parallel over
 by XLA:GPU. Each remat segment finishes its backward pass, weight gradients included, before the
 next segment's starts (`whalex.memory.remat.in_order`), so the latency-hiding scheduler overlaps the
 gradient all-reduces with the backward pass without holding every segment's recomputed activations."""
-import os
-import sys
 
 import optax
 import pytest
 
 import whalex as wh
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-import gpu_compile  # noqa: E402
+from gpu_bench import gpu_compile
 
 GB = 1e9
 FULL = gpu_compile.SIZES["full"]
