@@ -16,9 +16,7 @@ SIZE = gpu_compile.SIZES["medium"]
 MEMORY_TOL, COMM_TOL = 0.10, 0.05
 
 # "3d_4x4x4" is the 64-GPU plan (test_big_3d.py)
-GAPS = {
-    "moe": "memory: the replay over-counts MoE's temporaries, where is not yet located (docs/benchmarks.md)",
-}
+GAPS: dict = {}
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import numpy as np
 from whalex import _compat as C
 from whalex.balance.layers import Unit, cut_penalties, granularities, layer_key, stage_names
 from whalex.balance.profile import FlopsCache, group_flops
+from whalex.core import schedules
 from whalex.errors import PlanError
 
 __all__ = ["AutoStages", "Layer", "auto_stages", "layer_key", "lockstep_time", "partition", "profile_layers",
@@ -26,7 +27,8 @@ __all__ = ["AutoStages", "Layer", "auto_stages", "layer_key", "lockstep_time", "
 
 TOLERANCE = 0.10        # a granularity is fine enough when its slowest stage is within 10% of the ideal
 SLACK = 0.05            # otherwise: the coarsest within 5% of the best granularity found
-FORWARD_SHARE = 1 / 3   # a forward task's share of a stage's forward+backward FLOPs (backward: 2 forwards)
+# a forward task's share of the FLOPs a backward task runs (its forward again, then the backward)
+FORWARD_SHARE = schedules.RECOMPUTE_COSTS[0] / schedules.RECOMPUTE_COSTS[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,9 +103,7 @@ def lockstep_time(stage_flops: Sequence[float], speeds: Sequence[float], tick_ki
     total, is what a cut changes: in 1F1B a fast stage's backward runs beside the slow stage's
     forward and the other way round, so a tick pairs unlike tasks."""
     per = np.asarray(stage_flops, np.float64) / np.asarray(speeds, np.float64)
-    kinds = np.asarray(tick_kinds)
-    cost = np.where(kinds == 1, per * FORWARD_SHARE, np.where(kinds == 2, per, 0.0))
-    return float(cost.max(axis=1).sum())
+    return schedules.lockstep_time(tick_kinds, per * FORWARD_SHARE, per)
 
 
 def partition(flops: Sequence[float], state_bytes: Sequence[float], input_bytes: Sequence[float],

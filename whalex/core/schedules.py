@@ -15,6 +15,10 @@ from whalex.errors import ConfigError
 
 SCHEDULES = ("1f1b", "gpipe")
 IDLE, FWD, BWD = 0, 1, 2
+# task costs in units of a stage's forward: a backward without recompute costs two forwards; whalex's
+# backward task recomputes its forward from the stashed stage input first, so it costs three
+UNIT_COSTS = (1.0, 2.0)
+RECOMPUTE_COSTS = (1.0, 3.0)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -63,7 +67,8 @@ class Schedule:
         """The picture: one row per stage, one column per tick (F3: forward of micro-batch 3, B3: its
         backward, ..: idle), under a one-line header."""
         head = (f"{self.name} schedule: {self.num_stages} stages, {self.num_micro_batch} micro-batches, "
-                f"{self.num_ticks} ticks, bubble {self.bubble_fraction:.1%}")
+                f"{self.num_ticks} ticks, bubble {self.bubble_fraction:.1%}, lockstep utilisation "
+                f"{self.utilisation(*RECOMPUTE_COSTS):.1%}")
         return head + "\n" + render(self)
 
     def __repr__(self) -> str:
@@ -83,6 +88,18 @@ class Schedule:
         """Idle stage-ticks over all stage-ticks (forward and backward counted as one tick each)."""
         busy = 2 * self.num_stages * self.num_micro_batch
         return 1.0 - busy / (self.num_ticks * self.num_stages)
+
+    def lockstep_time(self, forward=UNIT_COSTS[0], backward=UNIT_COSTS[1]) -> float:
+        """Time of one step run in lockstep ticks (each tick lasts its costliest task), with a
+        forward and a backward costing `forward` and `backward` (a number, or one per stage)."""
+        return lockstep_time(self.tables()["kind"], forward, backward)
+
+    def utilisation(self, forward=UNIT_COSTS[0], backward=UNIT_COSTS[1]) -> float:
+        """Useful work over stages x lockstep time: what the stages really do, where
+        `1 - bubble_fraction` counts every task as one tick."""
+        f, b = _per_stage(forward, self.num_stages), _per_stage(backward, self.num_stages)
+        work = self.num_micro_batch * float((f + b).sum())
+        return work / (self.num_stages * self.lockstep_time(f, b))
 
     def live(self, stage: int) -> list[set[int]]:
         """Per tick, the micro-batches whose activations stage `stage` holds (arrived, not yet backward)."""
@@ -177,6 +194,23 @@ class Schedule:
                     raise ValueError(f"B(stage {s}, mb {m}) at tick {t} runs before its forward")
                 if s < S - 1 and not seen[Task(s + 1, m, "B")] < t:
                     raise ValueError(f"B(stage {s}, mb {m}) at tick {t} runs before its gradient arrives")
+
+
+def _per_stage(cost, num_stages: int) -> np.ndarray:
+    c = np.broadcast_to(np.asarray(cost, np.float64), (num_stages,))
+    if not np.all(np.isfinite(c)) or np.any(c < 0):
+        raise ValueError(f"task costs must be finite and non-negative, got {cost!r}")
+    return c
+
+
+def lockstep_time(kinds, forward, backward) -> float:
+    """Time of a tick table (`kinds[t, s]`: IDLE, FWD or BWD, as `Schedule.tables()["kind"]`) run in
+    lockstep: every tick ends on a ppermute, so it lasts as long as its costliest task. `forward`
+    and `backward`: a task's cost, one number or one per stage."""
+    kinds = np.asarray(kinds)
+    f, b = _per_stage(forward, kinds.shape[1]), _per_stage(backward, kinds.shape[1])
+    cost = np.where(kinds == FWD, f, np.where(kinds == BWD, b, 0.0))
+    return float(cost.max(axis=1).sum()) if cost.size else 0.0
 
 
 def astuple(task: Task):

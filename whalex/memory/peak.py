@@ -24,17 +24,16 @@ What differs between XLA's backends and versions lives in the rules' conditions 
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
-import numpy as np
 
 from whalex import _compat as C
 from whalex.core.program import TracedStep
 from whalex.memory.buffer_schedule import BufferGraph, list_schedule, sweep
-from whalex.memory.op_kinds import (BODIES, CALLS, CHEAP, EXPENSIVE, FUSIBLE, GPU_PLATFORMS, REDUCE, UPDATES,
-                                    VIEW)
+from whalex.memory.flat import Op, aval_bytes, bodies, flatten
+from whalex.memory.gpu_fusion import shared_outputs
+from whalex.memory.op_kinds import CHEAP, EXPENSIVE, FUSIBLE, GPU_PLATFORMS, REDUCE, UPDATES, VIEW
 from whalex.memory.shard_specs import (Spec, adopt, on_host, propagate, shards, sharding_spec, spec_of, valid,
                                        wanted)
 
@@ -65,61 +64,12 @@ class _Value:
 
 
 # ----------------------------------------------------------------------------------- sizes
-def _itemsize(aval) -> int:
-    try:
-        return np.dtype(aval.dtype).itemsize
-    except TypeError:         # PRNG keys and other extended dtypes
-        return 8
-
-
-def _bytes(aval) -> float:
-    shape = getattr(aval, "shape", None)
-    if shape is None or not hasattr(aval, "dtype"):
-        return 0.0
-    return float(math.prod(shape)) * _itemsize(aval)
-
-
 # ----------------------------------------------------------------------------------- the program
 @dataclasses.dataclass(frozen=True)
 class _Env:
     axis_sizes: dict
     local: bool              # inside shard_map: avals are per device
     platform: str = "cpu"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Op:
-    """One equation of a jaxpr level with its calls inlined (XLA inlines them too): its operands and
-    results as keys unique on the level (a call's body may be shared by several call sites)."""
-
-    eqn: Any
-    ins: tuple               # per operand: a key, or a Literal
-    outs: tuple              # per result: a key
-
-
-def _flatten(jaxpr, ins: Sequence, path: tuple = ()) -> tuple[list[_Op], list]:
-    """The equations of `jaxpr` with calls (jit, checkpoint, custom derivatives) replaced by their
-    bodies, and the keys (or Literals) of its outputs; `ins` are its invars' keys."""
-    env: dict = dict(zip(jaxpr.invars, ins))
-    for v in jaxpr.constvars:
-        env[v] = (path, "const", v)
-    ops: list = []
-
-    def key(v):
-        return v if isinstance(v, C.Literal) else env[v]
-
-    for k, e in enumerate(jaxpr.eqns):
-        operands = [key(v) for v in e.invars]
-        if e.primitive.name in CALLS and _bodies(e):
-            body, _ = C.open_jaxpr(_bodies(e)[0])
-            inner, outs = _flatten(body, operands[len(operands) - len(body.invars):], path + (k,))
-            ops += inner
-            env.update(zip(e.outvars, outs))
-            continue
-        outs = tuple((path, v) for v in e.outvars)
-        env.update(zip(e.outvars, outs))
-        ops.append(_Op(e, tuple(operands), outs))
-    return ops, [key(v) for v in jaxpr.outvars]
 
 
 def _replicated(aval, env: _Env) -> _Value:
@@ -132,7 +82,7 @@ def _sized(aval, x: _Value, env: _Env) -> _Value:
     reduce-scatter as an all-reduce and a slice: the whole sum is one more buffer there."""
     if x.host:
         return dataclasses.replace(x, nbytes=0.0, partial=0.0)
-    full = _bytes(aval)
+    full = aval_bytes(aval)
     if env.local or x.spec is None:
         return dataclasses.replace(x, nbytes=full)
     n = full / shards(valid(x.spec, aval.shape, env.axis_sizes), env.axis_sizes)
@@ -142,14 +92,6 @@ def _sized(aval, x: _Value, env: _Env) -> _Value:
         if env.platform == "cpu" and partial > n:
             partial *= 2
     return dataclasses.replace(x, nbytes=n, partial=partial)
-
-
-def _bodies(eqn) -> list:
-    """The bodies of a call, loop or conditional (others, e.g. a scatter's update function, are opaque)."""
-    name = eqn.primitive.name
-    if name == "while":
-        return [eqn.params["body_jaxpr"]]
-    return C.sub_jaxprs(eqn) if name in BODIES else []
 
 
 def _body_operands(eqn, body, ins: Sequence[_Value]) -> list[_Value]:
@@ -174,7 +116,7 @@ def _carries(e) -> int:
 
 
 # ----------------------------------------------------------------------------------- shardings
-def _forward(ops: Sequence[_Op], vals: dict, env: _Env) -> None:
+def _forward(ops: Sequence[Op], vals: dict, env: _Env) -> None:
     """Sharding, all-reduce and memory kind of every result, propagated from the operands (in place)."""
     def read(x, aval):
         return _replicated(aval, env) if isinstance(x, C.Literal) else vals[x]
@@ -188,10 +130,10 @@ def _forward(ops: Sequence[_Op], vals: dict, env: _Env) -> None:
         elif name == "shard_map":
             outs = [_Value(0.0, spec_of(s, len(getattr(v.aval, "shape", ()))))
                     for s, v in zip(C.shard_map_out_specs(e), e.outvars)]
-        elif _bodies(e):                           # loops and conditionals: the (first) body's view
-            body = _bodies(e)[0]
+        elif bodies(e):                           # loops and conditionals: the (first) body's view
+            body = bodies(e)[0]
             bj, _ = C.open_jaxpr(body)
-            inner, out_keys = _flatten(bj, [("in", k) for k in range(len(bj.invars))])
+            inner, out_keys = flatten(bj, [("in", k) for k in range(len(bj.invars))])
             ivals = dict(zip([("in", k) for k in range(len(bj.invars))], _body_operands(e, body, args)))
             _forward(inner, ivals, env)
             outs = []
@@ -206,7 +148,7 @@ def _forward(ops: Sequence[_Op], vals: dict, env: _Env) -> None:
         vals.update(zip(op.outs, outs))
 
 
-def _backward(ops: Sequence[_Op], vals: dict, fixed: set, env: _Env) -> None:
+def _backward(ops: Sequence[Op], vals: dict, fixed: set, env: _Env) -> None:
     """GSPMD also propagates shardings from users to operands: a broadcast mask or a zero tangent
     used beside a batch-sharded value is sharded like it (in place; `fixed` keys keep theirs)."""
     for op in reversed(ops):
@@ -240,6 +182,7 @@ class _Level:
     vals: dict               # key -> sized _Value
     reads: list              # per op: the keys it reads
     consumers: dict          # key -> the ops reading it, in order
+    shared: dict             # key -> the key whose buffer holds it (`gpu_fusion.shared_outputs`)
 
     @property
     def outs(self) -> set:
@@ -253,7 +196,7 @@ def _level(jaxpr, ins: Sequence[_Value], env: _Env, hints=None) -> _Level:
     """`jaxpr` flattened, with every value's sharding propagated (forward, then back from its users
     and from `hints`, the outputs' shardings as the caller sees them) and its per-device size."""
     in_keys = [("in", k) for k in range(len(jaxpr.invars))]
-    ops, out_keys = _flatten(jaxpr, in_keys)
+    ops, out_keys = flatten(jaxpr, in_keys)
     avals = {("in", k): v.aval for k, v in enumerate(jaxpr.invars)}
     for op in ops:
         avals.update(zip(op.outs, [v.aval for v in op.eqn.outvars]))
@@ -273,7 +216,14 @@ def _level(jaxpr, ins: Sequence[_Value], env: _Env, hints=None) -> _Level:
     for i, rs in enumerate(reads):
         for x in rs:
             consumers.setdefault(x, []).append(i)
-    return _Level(ops, in_keys, out_keys, {x: _sized(avals[x], v, env) for x, v in vals.items()}, reads, consumers)
+    shared = {}
+    if env.platform in GPU_PLATFORMS and not env.local:
+        for op in ops:
+            if op.eqn.primitive.name == "shard_map":
+                shared.update({x: lead for x, lead in shared_outputs(op, ops, consumers).items()
+                               if x in consumers and x not in out_keys})
+    return _Level(ops, in_keys, out_keys, {x: _sized(avals[x], v, env) for x, v in vals.items()}, reads, consumers,
+                  shared)
 
 
 def _replay(jaxpr, ins: Sequence[_Value], env: _Env, aliased: Sequence[int] = (), hints=None,
@@ -333,10 +283,10 @@ def _virtual(lv: _Level, env: _Env) -> set:
             return len(cs) == 1
         return not any(kept_expensive(u) for u in op.ins if not isinstance(u, C.Literal))
 
-    return {x for op in ops for x in op.outs if fused(x, op)}
+    return {x for op in ops for x in op.outs if fused(x, op)} | set(lv.shared)
 
 
-def _sliced(op: _Op, vals: dict, env: _Env) -> dict:
+def _sliced(op: Op, vals: dict, env: _Env) -> dict:
     """key -> per-device bytes of the operands a shard_map takes more finely split than they are:
     GSPMD slices each at the entry (the whole operand can die there, the slice lives inside)."""
     if env.local or op.eqn.primitive.name != "shard_map":
@@ -345,14 +295,14 @@ def _sliced(op: _Op, vals: dict, env: _Env) -> dict:
     for x, v, spec in zip(op.ins, op.eqn.invars, C.shard_map_in_specs(op.eqn)):
         if isinstance(x, C.Literal) or vals[x].host:
             continue
-        local = _bytes(v.aval) / shards(valid(spec_of(spec, len(v.aval.shape)), v.aval.shape, env.axis_sizes),
+        local = aval_bytes(v.aval) / shards(valid(spec_of(spec, len(v.aval.shape)), v.aval.shape, env.axis_sizes),
                                           env.axis_sizes)
         if local < vals[x].nbytes:
             out[x] = local
     return out
 
 
-def _inner_peak(op: _Op, lv: _Level, env: _Env, dying: Sequence[int] = ()) -> float:
+def _inner_peak(op: Op, lv: _Level, env: _Env, dying: Sequence[int] = ()) -> float:
     """The peak of the values a loop, conditional or shard_map defines inside its body; a loop's
     carries and the operands at positions `dying` (read last here) are the body's to overwrite."""
     e = op.eqn
@@ -360,12 +310,12 @@ def _inner_peak(op: _Op, lv: _Level, env: _Env, dying: Sequence[int] = ()) -> fl
         body = C.sub_jaxprs(e)[0]
         bj, _ = C.open_jaxpr(body)
         return _replay(body, [_Value(0.0, None) for _ in bj.invars], _Env(env.axis_sizes, True, env.platform))[0]
-    if not _bodies(e):
+    if not bodies(e):
         return 0.0
     args = [lv.read(x, v.aval, env) for x, v in zip(op.ins, e.invars)]
     outs = [lv.read(x, v.aval, env) for x, v in zip(op.outs, e.outvars)]
     peaks = []
-    for b in _bodies(e):
+    for b in bodies(e):
         bj, _ = C.open_jaxpr(b)
         lead = len(e.invars) - len(bj.invars)
         owned = {k - lead for k in dying if k >= lead} | set(_carry_invars(e, len(bj.invars)))
@@ -402,7 +352,10 @@ def _readers(lv: _Level, virtual: set) -> tuple[dict, set]:
     backing = set(lv.outs)
     for i in range(len(lv.ops) - 1, -1, -1):
         outs = lv.ops[i].outs
-        through = [x for x in outs if x in virtual]
+        for x in outs:                        # read through the buffer that holds it
+            if x in lv.shared:
+                readers.setdefault(lv.shared[x], set()).update(readers.pop(x, set()))
+        through = [x for x in outs if x in virtual and x not in lv.shared]
         rs = ({i} if len(through) < len(outs) or not outs else set()).union(*[readers.get(x, set()) for x in through])
         held = any(x in backing for x in through)
         for u in lv.reads[i]:

@@ -172,6 +172,8 @@ class RematPlan:
     flops: float | None = None       # training FLOPs of the loss with this remat (recomputation included)
     baseline_flops: float | None = None    # the same without remat
     offloaded: float | None = None   # offload="activations": bytes per device sent to the host a step
+    compiled: float | None = None    # remat="auto" on an XLA topology: the compiled step's bytes per device
+    compiles: int = 0                # how many compiles that choice took
 
     @property
     def active(self) -> bool:
@@ -205,6 +207,9 @@ class RematPlan:
             line += f"; recomputation adds {self.flops / self.baseline_flops - 1:.0%} to the step's FLOPs"
         if self.budget is not None:
             line += f"; budget {_mib(self.budget)}/device with {_mib(self.state or 0)} of state"
+        if self.compiled is not None:
+            line += (f"; decided from XLA's compiled step, {_mib(self.compiled)}/device "
+                     f"({self.compiles} compile{'s' if self.compiles > 1 else ''})")
         if self.offload:
             line = (line + "; " if line else "") + "activations at layer and TaskGraph boundaries offloaded to pinned_host"
         return line

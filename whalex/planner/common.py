@@ -18,6 +18,7 @@ from whalex.errors import PlanError
 from whalex.memory.precision import capture     # capture: amp casts moved to their first use
 from whalex.memory.remat import configure
 from whalex.mesh.cluster import Cluster
+from whalex.planner.xla_fit import fit_compiled
 from whalex.primitives.config import DEFAULTS, Config
 
 
@@ -54,7 +55,10 @@ def configure_memory(program, config, cluster, batch_axes=(), recapture=None):
     them from the capture, the mesh and the stored state's layout)."""
     prec, remat = configure(program.captured, dict(program.mesh.shape), program.state_layout(), config, cluster,
                             batch_axes, recapture)
-    return dataclasses.replace(program, precision=prec, remat=remat if remat is not None else program.remat)
+    program = dataclasses.replace(program, precision=prec, remat=remat if remat is not None else program.remat)
+    if config.remat == "auto" and cluster.compile_only:
+        program = fit_compiled(program, config, cluster, batch_axes, recapture)
+    return program
 
 
 def resolve(config, cluster) -> tuple[Config, Cluster]:

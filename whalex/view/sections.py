@@ -11,6 +11,7 @@ import dataclasses
 
 from jax.sharding import PartitionSpec as P
 
+from whalex.core.schedules import RECOMPUTE_COSTS
 from whalex.core.schedules import render as render_schedule
 from whalex.view.format import fmt_bytes, fmt_devices, fmt_flops, fmt_pct, fmt_speed, fmt_time
 
@@ -117,6 +118,8 @@ def overview(plan) -> Section:
              ("collective traffic", f"{fmt_bytes(plan.predicted_comm_bytes)} per step and device")]
     if plan.schedule is not None:
         facts.append(("pipeline bubble", fmt_pct(plan.schedule.bubble_fraction)))
+        facts.append(("pipeline utilisation", f"{fmt_pct(plan.schedule.utilisation(*RECOMPUTE_COSTS))} in lockstep "
+                                              "ticks (a backward costs three forwards: it recomputes one)"))
     for r in (plan.balance, plan.head_balance):
         if r is not None:
             facts.append(("balance" if r is plan.balance else "head balance",
@@ -150,7 +153,8 @@ def pipeline(plan) -> Section | None:
     reps = plan.layout.axis_sizes[0]
     body = [Line(f"pipeline: {s.num_stages} stages x {reps} replica{'s' if reps > 1 else ''}, schedule "
                  f"{s.name}, {s.num_micro_batch} micro-batches, {s.num_ticks} ticks, bubble "
-                 f"{s.bubble_fraction:.1%}, {s.slots} stashed micro-batch(es) per stage")]
+                 f"{s.bubble_fraction:.1%}, lockstep utilisation {s.utilisation(*RECOMPUTE_COSTS):.1%}, "
+                 f"{s.slots} stashed micro-batch(es) per stage")]
     for k, layers in enumerate(plan.stage_layers):
         if layers:
             body.append(Line(f"stage {k}: {len(layers)} layer{'s' if len(layers) > 1 else ''} "

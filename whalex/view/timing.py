@@ -7,7 +7,8 @@
 The prediction is the plan's cost model of compute only: on a heterogeneous plan the balance
 report's per-device time (fixed time + rows x FLOPs per row / speed), otherwise each device's even
 share of the plan's FLOPs (counted from the jaxpr) over its speed (the spec table's peak FP32 FLOP/s,
-its bf16 tensor-core peak under amp, or calibrated speeds), stretched by the pipeline bubble.
+its bf16 tensor-core peak under amp, or calibrated speeds); a pipeline's as its ticks run in lockstep,
+each as long as its costliest task.
 Collectives, launches and memory traffic are not in it, so measured / predicted says how far a real
 step is from the compute bound.
 """
@@ -20,6 +21,7 @@ import time
 
 import jax
 
+from whalex.core import schedules
 from whalex.view.format import fmt_pct, fmt_time
 
 
@@ -53,13 +55,25 @@ def predict(plan) -> Prediction:
                 even[i] += d.overhead + (d.even_time - d.overhead) * scale
         return Prediction(tuple(times), "balance cost model: fixed time + load x FLOPs per unit / device speed"
                           + precision, tuple(even) if any(r.applied for r in reports) else None)
+    if plan.schedule is not None and len(plan.task_graphs) == plan.schedule.num_stages:
+        return _lockstep(plan, speeds, precision)
     flops = sum(t.flops for t in plan.task_graphs) / max(len(speeds), 1)
-    stretch = 1.0
-    basis = "even share of the plan's FLOPs / device speed" + precision
-    if plan.schedule is not None:
-        stretch = 1.0 / max(1.0 - plan.schedule.bubble_fraction, 1e-9)
-        basis += f", / (1 - pipeline bubble {fmt_pct(plan.schedule.bubble_fraction)})"
-    return Prediction(tuple(flops / s * stretch for s in speeds), basis)
+    return Prediction(tuple(flops / s for s in speeds), "even share of the plan's FLOPs / device speed" + precision)
+
+
+def _lockstep(plan, speeds, precision: str) -> Prediction:
+    """A pipeline's step: its ticks in lockstep, each as long as its costliest task, a stage's task
+    timed on its slowest device (a forward a third of the stage's FLOPs per micro-batch; a backward,
+    which recomputes the forward first, all of them)."""
+    s = plan.schedule
+    fwd, bwd = schedules.RECOMPUTE_COSTS
+    per = [t.flops / (max(t.nested_dp, 1) * s.num_micro_batch * max(t.device_count, 1))
+           / min(speeds[d] for d in t.devices) for t in plan.task_graphs]
+    step = s.lockstep_time([p * fwd / bwd for p in per], per)
+    basis = (f"pipeline ticks in lockstep, each as long as its costliest task (stage FLOPs / device speed"
+             f"{precision}); utilisation {fmt_pct(s.utilisation(*schedules.RECOMPUTE_COSTS))}, "
+             f"bubble {fmt_pct(s.bubble_fraction)}")
+    return Prediction(tuple(step for _ in speeds), basis)
 
 
 @dataclasses.dataclass(frozen=True)
