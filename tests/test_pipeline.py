@@ -1,4 +1,4 @@
-"""Issue 3: pipelines (1F1B and GPipe) and gradient accumulation match single-device training."""
+"""Pipelines (1F1B, GPipe, balanced 1F1B) and gradient accumulation match single-device training."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -49,7 +49,7 @@ def _two_stage(p, b):
         return jnp.mean((g @ p["w3"] - b["y"]) ** 2)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "1f1b-balanced"])
 def test_two_stage_pipeline_with_nested_dp(schedule):
     params, batch = _plain()
     step, state = _compare(_two_stage, params, batch, wh.Config(num_micro_batch=4, schedule=schedule))
@@ -105,7 +105,7 @@ class FourStages(nn.Module):
             return Head()(h, e, y)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "1f1b-balanced"])
 def test_four_stage_pipeline_different_stages_uneven_layers(schedule):
     model = FourStages()
     k = jax.random.split(jax.random.key(1), 3)
@@ -115,7 +115,7 @@ def test_four_stage_pipeline_different_stages_uneven_layers(schedule):
     step, _ = _compare(loss_fn, params, batch, wh.Config(num_micro_batch=8, schedule=schedule))
     assert step.plan.layout.axis_sizes == (2, 4)
     assert [len(l) for l in step.plan.stage_layers] == [1, 3, 1, 2]
-    assert step.plan.schedule.slots == (4 if schedule == "1f1b" else 8)
+    assert step.plan.schedule.slots == {"1f1b": 4, "gpipe": 8, "1f1b-balanced": 7}[schedule]
 
 
 def test_stages_with_replicate_2_fold_into_data_parallelism():

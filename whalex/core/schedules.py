@@ -5,6 +5,11 @@ PipeDream-flush, backward-first; "gpipe": all forwards then all backwards) under
 dependencies: F(s, m) after F(s-1, m), B(s, m) after B(s+1, m) and after F(s, m), each message
 arriving one tick after it is sent. The result is validated at construction and is everything the
 runtime needs: it executes `ticks` in lockstep inside one jitted program.
+
+Lockstep ticks last their costliest task, so 1F1B, whose steady state pairs one stage's backward
+with its neighbour's forward, idles the forward's stage. "1f1b-balanced" keeps 1F1B's order but
+alternates forward ticks and backward ticks, so no tick mixes kinds: it runs as fast as GPipe in
+lockstep while a stage holds at most 2(S-1-s)+1 micro-batches instead of GPipe's M.
 """
 from __future__ import annotations
 
@@ -12,8 +17,7 @@ import dataclasses
 import numpy as np
 
 from whalex.errors import ConfigError
-
-SCHEDULES = ("1f1b", "gpipe")
+from whalex.primitives.config import SCHEDULES
 IDLE, FWD, BWD = 0, 1, 2
 # task costs in units of a stage's forward: a backward without recompute costs two forwards; whalex's
 # backward task recomputes its forward from the stashed stage input first, so it costs three
@@ -224,6 +228,8 @@ def make_schedule(name: str, num_stages: int, num_micro_batch: int) -> Schedule:
     if num_stages < 1 or num_micro_batch < 1:
         raise ConfigError("a pipeline needs at least one stage and one micro-batch.")
     S, M = num_stages, num_micro_batch
+    if name == "1f1b-balanced":
+        return Schedule(name, S, M, _alternating_ticks(S, M))
     orders = [stage_order(name, S, M, s) for s in range(S)]
     pos = [0] * S
     done: dict[Task, int] = {}
@@ -245,6 +251,41 @@ def make_schedule(name: str, num_stages: int, num_micro_batch: int) -> Schedule:
             raise RuntimeError(f"schedule {name} deadlocked at tick {t}")   # cannot happen for valid orders
         ticks.append(tuple(row))
     return Schedule(name, S, M, tuple(ticks))
+
+
+def _alternating_ticks(S: int, M: int) -> tuple:
+    """Forward ticks and backward ticks in turn (a kind with nothing ready anywhere is skipped): at a
+    forward tick each stage runs its next forward if its input has arrived and it holds fewer than
+    2(S-1-s)+1 micro-batches, the round trip of a message through the later stages in such ticks;
+    at a backward tick its next backward if the gradient has arrived."""
+    done: dict[Task, int] = {}
+    nf, nb, ticks, kind = [0] * S, [0] * S, [], "F"
+
+    def ready(k: str, t: int) -> list:
+        row: list[Task | None] = []
+        for s in range(S):
+            if k == "F":
+                task = Task(s, nf[s], "F") if nf[s] < M and nf[s] - nb[s] < 2 * (S - 1 - s) + 1 else None
+            else:
+                task = Task(s, nb[s], "B") if nb[s] < M else None
+            row.append(task if task is not None and _ready(task, done, t, S) else None)
+        return row
+
+    while min(nb) < M:
+        t = len(ticks)
+        row = ready(kind, t)
+        if all(task is None for task in row):
+            kind = "B" if kind == "F" else "F"
+            row = ready(kind, t)
+        if all(task is None for task in row):
+            raise RuntimeError(f"1f1b-balanced deadlocked at tick {t}")      # cannot happen
+        for task in row:
+            if task is not None:
+                done[task] = t
+                (nf if task.kind == "F" else nb)[task.stage] += 1
+        ticks.append(tuple(row))
+        kind = "B" if kind == "F" else "F"
+    return tuple(ticks)
 
 
 def _ready(task: Task, done: dict, t: int, S: int) -> bool:

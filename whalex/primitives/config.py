@@ -12,7 +12,7 @@ import jax
 
 from whalex.errors import ConfigError
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "1f1b-balanced")
 MATMUL_PATTERNS = ("auto", "column", "row")
 BATCH_COUPLINGS = ("exact", "per_part")
 
