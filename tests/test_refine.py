@@ -1,0 +1,72 @@
+"""Refining a balanced split on the real step: the search over a synthetic cost, and a Step that
+refines while it trains exactly as one device."""
+import numpy as np
+import pytest
+
+from whalex.balance.algorithm import proportional
+from whalex.balance.refine import (HI, LO, POINTS, golden_search, max_steps, scaled_speeds, search)
+
+BATCH = 4096
+
+
+def _synthetic(speeds, fixed, predicted_speeds):
+    """A step whose device i takes fixed[i] + rows_i / speeds[i] seconds, the split made by a model
+    that knows only `predicted_speeds` (no fixed time), its slow device's speed scaled: (cost of a
+    scale, rows of a scale, the true optimum's step time)."""
+    def rows(scale):
+        return tuple(proportional(BATCH, scaled_speeds(predicted_speeds, scale)[0]))
+
+    def cost(scale):
+        return max(f + r / s for f, r, s in zip(fixed, rows(scale), speeds))
+    best = max(f + r / s for f, r, s in zip(fixed, proportional(BATCH, speeds, fixed), speeds))
+    return cost, rows, best
+
+
+@pytest.mark.parametrize("fixed", [(0.0, 0.15), (0.25, 0.0), (0.0, 0.0)])
+def test_the_search_finds_the_fastest_split_when_fixed_time_differs_per_device(fixed):
+    # 3:1 speeds; the model that made the split saw no fixed time, the real step has some on one device
+    cost, rows, best = _synthetic((3000.0, 1000.0), fixed, (3.0, 1.0))
+    calls = []
+    scale, timed = search(lambda s: calls.append(s) or cost(s), key=rows)
+    assert timed[0][0] == 1.0                                          # the prediction is timed first
+    assert len(calls) == len({rows(s) for s in calls}) <= POINTS      # no placement timed twice, within budget
+    assert cost(scale) <= 1.01 * best                                  # within 1% of the true optimum
+    assert cost(scale) == min(t for _, t in timed) <= cost(1.0)       # never slower than the prediction
+    if fixed == (0.0, 0.0):                                            # the model was right: kept
+        assert scale == 1.0
+    else:                                                              # the slow side's fixed time moves rows away
+        assert (scale < 1.0) == (fixed[1] > fixed[0])
+
+
+def test_noise_cannot_make_the_kept_split_slower_than_the_best_timed():
+    cost, rows, best = _synthetic((3000.0, 1000.0), (0.0, 0.15), (3.0, 1.0))
+    rng = np.random.default_rng(0)
+    noisy = {}
+
+    def timed(s):
+        noisy[s] = cost(s) * (1 + 0.02 * rng.standard_normal())
+        return noisy[s]
+    scale, _ = search(timed, key=rows)
+    assert noisy[scale] == min(noisy.values())
+    assert cost(scale) <= 1.05 * best
+
+
+def test_the_search_is_a_generator_a_step_can_drive_and_its_cost_is_bounded():
+    gen = golden_search()
+    s, n = next(gen), 0
+    assert s == 1.0
+    try:
+        while True:
+            n += 1
+            assert LO <= s <= HI
+            s = gen.send(abs(s - 0.9))
+    except StopIteration as stop:
+        assert abs(stop.value - 0.9) < 0.05
+    assert n <= POINTS and max_steps() == POINTS * 4
+
+
+def test_bad_brackets_are_clear_errors():
+    with pytest.raises(ValueError, match="0 < lo < 1 < hi"):
+        next(golden_search(1.1, 1.3))
+    with pytest.raises(ValueError, match="points >= 3"):
+        next(golden_search(points=2))
