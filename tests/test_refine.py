@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from whalex.balance.algorithm import proportional
-from whalex.balance.refine import (HI, LO, POINTS, golden_search, max_steps, scaled_speeds, search)
+from whalex.balance.refine import (HI, LO, POINTS, bracket_search, max_steps, scaled_speeds, search)
 
 BATCH = 4096
 
@@ -52,7 +52,7 @@ def test_noise_cannot_make_the_kept_split_slower_than_the_best_timed():
 
 
 def test_the_search_is_a_generator_a_step_can_drive_and_its_cost_is_bounded():
-    gen = golden_search()
+    gen = bracket_search()
     s, n = next(gen), 0
     assert s == 1.0
     try:
@@ -67,6 +67,28 @@ def test_the_search_is_a_generator_a_step_can_drive_and_its_cost_is_bounded():
 
 def test_bad_brackets_are_clear_errors():
     with pytest.raises(ValueError, match="0 < lo < 1 < hi"):
-        next(golden_search(1.1, 1.3))
+        next(bracket_search(1.1, 1.3))
     with pytest.raises(ValueError, match="points >= 3"):
-        next(golden_search(points=2))
+        next(bracket_search(points=2))
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_a_refining_step_trains_exactly_as_one_device_and_keeps_its_fastest_timed_split(opt):
+    import optax
+
+    import whalex as wh
+    from conftest import HETERO, adam, assert_matches
+    from models import plain_model
+    loss_fn, params, batch = plain_model("dp", "ctx")
+    optimizer = optax.sgd(0.1) if opt == "sgd" else adam()
+    steps = max_steps() + 2
+    step, _ = assert_matches(loss_fn, params, batch, steps=steps, optimizer=optimizer,
+                             config=wh.Config(hardware_aware="refine"), cluster=wh.Cluster(kinds=HETERO))
+    r = step.plan.refinement
+    assert r is not None and r.steps <= max_steps()                    # settled within the stated budget
+    assert len({p.rows for p in r.points}) == len(r.points) >= 2       # it moved the split, each placement once
+    assert r.predicted.rows == wh.plan(loss_fn, params, batch, optimizer, cluster=wh.Cluster(kinds=HETERO)).batch_sizes
+    assert step.plan.batch_sizes == r.chosen.rows and r.chosen.seconds == min(p.seconds for p in r.points)
+    assert r.slow == (4, 5, 6, 7)                                      # the T4s' speed was scaled
+    text = step.plan.summary()
+    assert "refined on the real step" in text and f"{r.steps} steps" in text

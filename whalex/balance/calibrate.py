@@ -356,7 +356,10 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
 
     Pass the batch the step will train on (or one as large): the fixed and per-row times are fitted
     between a quarter of its rows and all of them, which is where the plan's loads lie (a device a
-    third as fast as its peer gets a quarter), and longer timings are less noisy.
+    third as fast as its peer gets a quarter), and longer timings are less noisy. The rows timed are
+    kept (`Cluster.calibrated_rows`): `plan.summary()` says when a device's share falls outside them.
+    What the plan's whole step costs beyond the timed work (collectives, launches; the optimizer
+    update when `optimizer` is not passed) a refinement measures: `Config(hardware_aware="refine")`.
     """
     _check(size, chain, repeats, tolerance, loss_fn, params, batch, optimizer)
     again = functools.partial(measure, cluster, loss_fn, params, batch, optimizer=optimizer, size=size,
@@ -370,4 +373,6 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
         speeds[g] = np.median(speeds[g])
         if overheads is not None:
             overheads[g] = np.median(overheads[g])
-    return cluster.with_speeds(speeds, spread=m.spreads, overhead=overheads)
+    sized = _fractions(batch) if loss_fn is not None else None
+    rows = None if sized is None else (sized[0][0] if overheads is not None else sized[0][-1], sized[0][-1])
+    return cluster.with_speeds(speeds, spread=m.spreads, overhead=overheads, rows=rows)

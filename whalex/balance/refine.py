@@ -6,12 +6,12 @@ Refinement times the real step at a few splits around the prediction and keeps t
 
 The split is moved by one number, `scale`: the speed of the slowest devices (a group of equal speeds)
 multiplied by it, every other speed and every fixed time kept, so `scale` 1 is the prediction and a
-scale below 1 gives the slow devices fewer rows. The search is a golden-section search over
-[lo, hi] (the step's time is unimodal in the slow devices' share: one side waits for the slow
-devices, the other for the fast ones) plus the prediction itself, timed first: the prediction is
-kept unless a timed split beat it.
+scale below 1 gives the slow devices fewer rows. The step's time is unimodal in the slow devices'
+share (one side waits for the slow devices, the other for the fast ones), so a bracketing search
+starting at the prediction finds its minimum: the prediction is timed first and kept unless a
+timed split beats it.
 
-The search is a generator (`golden_search`) that yields the scale to time next and receives its
+The search is a generator (`bracket_search`) that yields the scale to time next and receives its
 seconds, so a training step can drive it one point at a time; `search` runs it over a timing
 callback. Splits that round to the same placement (`key`) are timed once.
 """
@@ -23,9 +23,9 @@ from typing import Callable, Generator, Hashable, Sequence
 
 import numpy as np
 
-GOLDEN = (math.sqrt(5) - 1) / 2        # 0.618...: the golden section's shrink per point
 LO, HI = 0.7, 1.3                      # the bracket on the slow devices' speed, relative to the prediction
-POINTS = 8                             # the most distinct splits one search times (the prediction included)
+POINTS = 9                             # the most distinct splits one search times (the prediction included)
+MIN_STEP = 0.01                        # the search stops when its step on the scale is below this
 STEPS_PER_POINT = 3                    # timed steps per split (their median counts)
 WARMUP_STEPS = 1                       # untimed steps per split first (its compile, its first run)
 
@@ -55,6 +55,7 @@ class Refinement:
     points: tuple[SplitTiming, ...]
     slow: tuple[int, ...]              # the devices whose speed the scale multiplies
     steps: int                         # training steps it ran (warm-up steps included)
+    kept: float = 1.0                  # the scale of the split kept
 
     @property
     def predicted(self) -> SplitTiming:
@@ -62,7 +63,7 @@ class Refinement:
 
     @property
     def chosen(self) -> SplitTiming:
-        return min(self.points, key=lambda p: (p.seconds, abs(p.scale - 1.0)))
+        return next(p for p in self.points if p.scale == self.kept)
 
     @property
     def gain(self) -> float:
@@ -77,16 +78,19 @@ def check_bracket(lo: float, hi: float, points: int) -> None:
         raise ValueError(f"a refinement needs points >= 3 (the prediction and two to bracket it), got {points!r}.")
 
 
-def golden_search(lo: float = LO, hi: float = HI, points: int = POINTS,
-                  key: Callable[[float], Hashable] | None = None) -> Generator[float, float, float]:
+def bracket_search(lo: float = LO, hi: float = HI, points: int = POINTS, min_step: float = MIN_STEP,
+                   key: Callable[[float], Hashable] | None = None) -> Generator[float, float, float]:
     """Yields scales to time (the prediction 1.0 first), receives each one's seconds, and returns the
-    fastest scale timed. At most `points` distinct placements are yielded: scales whose `key` (the
-    placement they round to; default the scale itself) was timed already reuse that time without a
-    yield, and the golden section stops when its next point would repeat the two it holds."""
+    fastest scale timed.
+
+    A bracketing search around the best split so far: its neighbours `step` either side (within
+    [lo, hi]) are timed; the faster neighbour, if either beats it, becomes the best, else the step
+    halves, until it is below `min_step` or `points` distinct placements were timed. Scales whose
+    `key` (the placement they round to; default the scale itself) was timed already reuse that time
+    without a yield, so a placement too coarse to move at a step counts as no better."""
     check_bracket(lo, hi, points)
     key = key or (lambda s: s)
     seen: dict = {}
-    best: list = [1.0, math.inf]
 
     def cost(s):
         k = key(s)
@@ -94,34 +98,27 @@ def golden_search(lo: float = LO, hi: float = HI, points: int = POINTS,
             if len(seen) >= points:
                 return None
             seen[k] = yield s
-        t = seen[k]
-        if t < best[1] or (t == best[1] and abs(s - 1.0) < abs(best[0] - 1.0)):
-            best[:] = [s, t]
-        return t
+        return seen[k]
 
-    yield from cost(1.0)
-    a, b = lo, hi
-    c, d = b - GOLDEN * (b - a), a + GOLDEN * (b - a)
-    fc = yield from cost(c)
-    fd = yield from cost(d)
-    while fc is not None and fd is not None:
-        if key(c) == key(d):                 # both interior points round to one placement: nothing left to split
-            break
-        if fc <= fd:                         # the minimum lies in [a, d]
-            b, d, fd = d, c, fc
-            c = b - GOLDEN * (b - a)
-            fc = yield from cost(c)
-        else:                                # in [c, b]
-            a, c, fc = c, d, fd
-            d = a + GOLDEN * (b - a)
-            fd = yield from cost(d)
-    return best[0]
+    best, step = 1.0, (hi - lo) / 4
+    f_best = yield from cost(best)
+    while step >= min_step and f_best is not None:
+        moved = False
+        for s in sorted({min(max(best - step, lo), hi), min(max(best + step, lo), hi)} - {best}):
+            t = yield from cost(s)
+            if t is None:
+                return best
+            if t < f_best:
+                best, f_best, moved = s, t, True
+        if not moved:
+            step /= 2
+    return best
 
 
 def search(cost: Callable[[float], float], lo: float = LO, hi: float = HI, points: int = POINTS,
            key: Callable[[float], Hashable] | None = None) -> tuple[float, list[tuple[float, float]]]:
-    """Runs `golden_search` over a timing callback: (the fastest scale, [(scale, seconds) timed, in order])."""
-    gen = golden_search(lo, hi, points, key)
+    """Runs `bracket_search` over a timing callback: (the fastest scale, [(scale, seconds) timed, in order])."""
+    gen = bracket_search(lo, hi, points, key=key)
     timed = []
     try:
         s = next(gen)
