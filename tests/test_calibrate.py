@@ -229,6 +229,19 @@ def test_the_step_is_timed_at_a_quarter_half_and_all_of_the_batchs_rows(monkeypa
     n = jax.tree.leaves(batch)[0].shape[0]
     assert seen == [[n // 4, n // 2, n]]
     assert m.overheads == pytest.approx([2e-4] * 8, rel=0.2)
+    # the rows timed are kept, and the summary names the devices whose shares fall outside them
+    cluster = calibrate(wh.Cluster.detect(), loss_fn, params, batch, optimizer=optax.adam(1e-3))
+    assert cluster.calibrated_rows == (n // 4, n)
+    two = cluster.with_speeds([2.0] * 4 + [1.0] * 4, overhead=cluster.overhead, rows=cluster.calibrated_rows)
+    plan = wh.plan(loss_fn, params, batch, cluster=two)
+    assert max(plan.batch_sizes) < n // 4
+    text = plan.summary()
+    assert f"calibrated at {n // 4} to {n} rows per device; outside it: devices 0-7" in text
+    assert f"a calibration batch of at most {4 * min(plan.batch_sizes)} rows" in text
+    inside = two.with_speeds(two.speeds, overhead=two.overhead, rows=(1, n))
+    assert "every device's share lies inside" in wh.plan(loss_fn, params, batch, cluster=inside).summary()
+    with pytest.raises(wh.ClusterError, match=r"rows=.*fewest, most"):
+        cluster.with_speeds(cluster.speeds, rows=(8, 4))
     # a 2- or 3-row batch: half and all of it; one row: the whole step counts as work
     assert cal._fractions({"x": np.zeros((3, 2))})[0] == (1, 3)
     assert cal._fractions({"x": np.zeros((1, 2))}) is None

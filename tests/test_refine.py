@@ -92,3 +92,18 @@ def test_a_refining_step_trains_exactly_as_one_device_and_keeps_its_fastest_time
     assert r.slow == (4, 5, 6, 7)                                      # the T4s' speed was scaled
     text = step.plan.summary()
     assert "refined on the real step" in text and f"{r.steps} steps" in text
+
+
+def test_refine_is_refused_where_it_does_not_move_the_split_yet_and_bad_values_are_clear_errors():
+    import whalex as wh
+    from conftest import HETERO
+    from test_hetero import _head_model
+    loss_fn, params, batch = _head_model()
+    step = wh.parallelize(loss_fn, __import__("optax").sgd(0.1), config=wh.Config(hardware_aware="refine"),
+                          cluster=wh.Cluster(kinds=HETERO))
+    with pytest.raises(wh.PlanError, match=r"refines data-parallel row splits.*hardware_aware=True"):
+        step.init(params, batch)
+    for bad in ("Refine", 1, None):
+        with pytest.raises(wh.ConfigError, match=r"hardware_aware must be True.*'refine'"):
+            wh.Config(hardware_aware=bad)
+    assert wh.Config({"cluster.hardware_aware": "refine"}).hardware_aware == "refine"
