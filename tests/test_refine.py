@@ -94,14 +94,32 @@ def test_a_refining_step_trains_exactly_as_one_device_and_keeps_its_fastest_time
     assert "refined on the real step" in text and f"{r.steps} steps" in text
 
 
-def test_refine_is_refused_where_it_does_not_move_the_split_yet_and_bad_values_are_clear_errors():
+def test_a_refining_split_head_trains_exactly_as_one_device():
+    # Whale's Example 2 on a declared V100+T4 cluster: the backbone's rows and the head's classes move together
+    import optax
+
     import whalex as wh
-    from conftest import HETERO
+    from conftest import HETERO, assert_matches
     from test_hetero import _head_model
     loss_fn, params, batch = _head_model()
-    step = wh.parallelize(loss_fn, __import__("optax").sgd(0.1), config=wh.Config(hardware_aware="refine"),
+    step, _ = assert_matches(loss_fn, params, batch, steps=max_steps() + 2, optimizer=optax.sgd(0.1),
+                             config=wh.Config(hardware_aware="refine"), cluster=wh.Cluster(kinds=HETERO))
+    r = step.plan.refinement
+    assert r is not None and r.steps <= max_steps() and len(r.points) >= 2
+    assert step.plan.head_balance.applied and step.plan.batch_sizes == r.chosen.rows
+
+
+def test_refine_is_refused_on_annotated_stages_and_bad_values_are_clear_errors():
+    import jax
+    import jax.numpy as jnp
+
+    import whalex as wh
+    from conftest import HETERO, adam
+    from test_pipeline import _plain, _two_stage
+    params, batch = _plain()
+    step = wh.parallelize(_two_stage, adam(), config=wh.Config(hardware_aware="refine", num_micro_batch=4),
                           cluster=wh.Cluster(kinds=HETERO))
-    with pytest.raises(wh.PlanError, match=r"refines data-parallel row splits.*hardware_aware=True"):
+    with pytest.raises(wh.PlanError, match=r"annotated scopes.*hardware_aware=True.*auto_parallel=True"):
         step.init(params, batch)
     for bad in ("Refine", 1, None):
         with pytest.raises(wh.ConfigError, match=r"hardware_aware must be True.*'refine'"):

@@ -192,6 +192,7 @@ class Step:
         _check_not_donated(jax.tree.leaves(state))
         self._last = refiner.current()[0]
         state, metrics = refiner.run(state, batch, self._relayout)
+        self._refiners[self._key(state.stored_params, batch)] = refiner     # a split head's layout may change
         if refiner.result is not None:
             for key in [k for k, r in self._refiners.items() if r is refiner]:
                 self._plans[key], self._jitted[key] = refiner.result, refiner.jitted[refiner.scale]

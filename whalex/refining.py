@@ -22,20 +22,26 @@ from whalex.balance.refine import (LO, HI, POINTS, STEPS_PER_POINT, WARMUP_STEPS
 from whalex.errors import PlanError
 from whalex.plan import Plan
 
-REFINABLE = ("UnevenProgram",)         # the programs whose split a refinement moves: data-parallel rows
-
-
 def refinable(plan: Plan) -> bool:
-    """Whether `plan` has a balanced split to refine: uneven data-parallel rows. Refuses (PlanError) the
-    plans whose balance a refinement does not move yet; an even plan has nothing to refine."""
-    balanced = any(r is not None and r.applied for r in (plan.balance, plan.head_balance))
-    if plan.program_kind in REFINABLE and plan.balance is not None and plan.balance.applied:
+    """Whether `plan` has a balanced split to refine: uneven data-parallel rows, uneven split shards
+    (a hybrid's rows and head classes move together), or an auto_parallel pipeline's stage cut on
+    devices of different speeds. An even plan has nothing to refine; an annotated pipeline's stages
+    are the user's, and a refinement refuses it (PlanError) rather than time one split."""
+    if any(r is not None and r.applied for r in (plan.balance, plan.head_balance)):
         return True
-    if balanced or (plan.schedule is not None and len(set(plan.cluster.speeds)) > 1):
-        raise PlanError(f"Config(hardware_aware='refine') refines data-parallel row splits; this plan is a "
-                        f"{plan.program_kind} ({plan.placement or 'split shards'}), whose split shards or stage cut "
-                        "it does not refine yet. Use Config(hardware_aware=True) (the predicted balance) for it.")
+    if plan.schedule is not None and len(set(plan.cluster.speeds)) > 1:
+        if plan.config.auto_parallel:
+            return True
+        raise PlanError("Config(hardware_aware='refine') moves a balanced split; this pipeline's stages are the "
+                        "annotated scopes, which it does not move. Use Config(hardware_aware=True), or "
+                        "auto_parallel=True to let whalex cut the stages (and refine the cut).")
     return False
+
+
+def placement(plan: Plan) -> tuple:
+    """What a refinement moves, as a key: rows per device, a split head's units per device, stage layers."""
+    head = () if plan.head_balance is None else tuple(d.rows for d in plan.head_balance.devices)
+    return tuple(plan.batch_sizes), head, tuple(map(tuple, plan.stage_layers))
 
 
 class Refiner:
@@ -45,7 +51,7 @@ class Refiner:
         self.base, self.make_plan, self.clock = base, make_plan, clock
         self.plans = {1.0: base}
         self.jitted: dict = {}
-        self.search = bracket_search(LO, HI, POINTS, key=lambda s: self.plan_at(s).batch_sizes)
+        self.search = bracket_search(LO, HI, POINTS, key=lambda s: placement(self.plan_at(s)))
         self.scale = next(self.search)
         self.times: list[float] = []
         self.points: list[SplitTiming] = []
