@@ -107,6 +107,8 @@ def test_a_refining_split_head_trains_exactly_as_one_device():
     r = step.plan.refinement
     assert r is not None and r.steps <= max_steps() and len(r.points) >= 2
     assert step.plan.head_balance.applied and step.plan.batch_sizes == r.chosen.rows
+    assert r.chosen.units == tuple(d.rows for d in step.plan.head_balance.devices)
+    assert "(head " in step.plan.summary()
 
 
 def test_refine_is_refused_on_annotated_stages_and_bad_values_are_clear_errors():

@@ -94,7 +94,8 @@ class Refiner:
 
     def _next(self, p: Plan) -> None:
         med, spread = median_spread(_slowest(self.times))
-        self.points.append(SplitTiming(self.scale, tuple(p.batch_sizes), med, spread, len(self.times)))
+        self.points.append(SplitTiming(self.scale, tuple(p.batch_sizes), med, spread, len(self.times),
+                                       placement(p)[1]))
         self.times, self.at_point = [], 0
         try:
             self.scale = self.search.send(med)

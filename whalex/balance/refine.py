@@ -45,6 +45,7 @@ class SplitTiming:
     seconds: float
     spread: float = 0.0
     steps: int = 0                     # timed steps behind the median
+    units: tuple[int, ...] = ()        # a split head's units (classes) per device, where the plan has one
 
 
 @dataclasses.dataclass(frozen=True)

@@ -214,8 +214,8 @@ def calibrated_range_lines(plan, report) -> list[str]:
             f"calibrate with {' or '.join(fix)}, or refine on the real step (Config(hardware_aware='refine'))"]
 
 
-def _rows(rows) -> str:
-    return "/".join(map(str, rows))
+def _rows(rows, units=()) -> str:
+    return "/".join(map(str, rows)) + (f" (head {'/'.join(map(str, units))})" if units else "")
 
 
 def refinement_items(plan, report) -> list:
@@ -228,12 +228,12 @@ def refinement_items(plan, report) -> list:
         return []
     p, c = ref.predicted, ref.chosen
     slow = fmt_devices(ref.slow)
-    kept = (f"kept rows {_rows(c.rows)} (device{'s' if len(ref.slow) > 1 else ''} {slow} at x{c.scale:.3g} of "
+    kept = (f"kept rows {_rows(c.rows, c.units)} (device{'s' if len(ref.slow) > 1 else ''} {slow} at x{c.scale:.3g} of "
             f"the predicted speed) {fmt_time(c.seconds)}: {ref.gain:.2f}x the prediction's speed"
             if c is not p else "kept the prediction (no timed split was faster)")
     items = [Line(f"refined on the real step ({len(ref.points)} splits timed, {ref.steps} steps): predicted rows "
-                  f"{_rows(p.rows)} {fmt_time(p.seconds)} ± {fmt_pct(p.spread)}; {kept}", 1)]
-    table = [[f"x{t.scale:.3g}", _rows(t.rows), fmt_time(t.seconds), fmt_pct(t.spread), str(t.steps),
+                  f"{_rows(p.rows, p.units)} {fmt_time(p.seconds)} ± {fmt_pct(p.spread)}; {kept}", 1)]
+    table = [[f"x{t.scale:.3g}", _rows(t.rows, t.units), fmt_time(t.seconds), fmt_pct(t.spread), str(t.steps),
               "predicted" if t is p else ("kept" if t is c else "")] for t in ref.points]
     items.append(Table(REFINE_COLUMNS, tuple(map(tuple, table)), (True, False, True, True, True, False), where="html"))
     return items
