@@ -1,5 +1,6 @@
 """`Config(hardware_aware="refine")`: a Step's first calls time the real jitted step at splits around
-the predicted balance and keep the fastest.
+the predicted balance and keep the fastest: data-parallel rows, uneven split shards, an auto_parallel
+pipeline's stage cut (whatever the cluster's speeds decide).
 
 The search is `whalex.balance.refine.bracket_search` over the slow devices' speed scale; each split is
 a whole plan (`build_plan` on the cluster with that speed), run for `WARMUP_STEPS` untimed steps (its
