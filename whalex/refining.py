@@ -23,6 +23,7 @@ from whalex.balance.refine import (LO, HI, POINTS, STEPS_PER_POINT, WARMUP_STEPS
 from whalex.errors import PlanError
 from whalex.plan import Plan
 
+
 def refinable(plan: Plan) -> bool:
     """Whether `plan` has a balanced split to refine: uneven data-parallel rows, uneven split shards
     (a hybrid's rows and head classes move together), or an auto_parallel pipeline's stage cut on
