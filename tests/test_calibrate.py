@@ -229,9 +229,43 @@ def test_the_step_is_timed_at_a_quarter_half_and_all_of_the_batchs_rows(monkeypa
     n = jax.tree.leaves(batch)[0].shape[0]
     assert seen == [[n // 4, n // 2, n]]
     assert m.overheads == pytest.approx([2e-4] * 8, rel=0.2)
+    # the rows timed are kept, and the summary names the devices whose shares fall outside them
+    cluster = calibrate(wh.Cluster.detect(), loss_fn, params, batch, optimizer=optax.adam(1e-3))
+    assert cluster.calibrated_rows == (n // 4, n)
+    two = cluster.with_speeds([2.0] * 4 + [1.0] * 4, overhead=cluster.overhead, rows=cluster.calibrated_rows)
+    plan = wh.plan(loss_fn, params, batch, cluster=two)
+    assert max(plan.batch_sizes) < n // 4
+    text = plan.summary()
+    assert f"calibrated at {n // 4} to {n} rows per device; outside it: devices 0-7" in text
+    assert f"a calibration batch of at most {4 * min(plan.batch_sizes)} rows" in text
+    inside = two.with_speeds(two.speeds, overhead=two.overhead, rows=(1, n))
+    assert "every device's share lies inside" in wh.plan(loss_fn, params, batch, cluster=inside).summary()
+    with pytest.raises(wh.ClusterError, match=r"rows=.*fewest, most"):
+        cluster.with_speeds(cluster.speeds, rows=(8, 4))
     # a 2- or 3-row batch: half and all of it; one row: the whole step counts as work
     assert cal._fractions({"x": np.zeros((3, 2))})[0] == (1, 3)
     assert cal._fractions({"x": np.zeros((1, 2))}) is None
+
+
+def test_devices_that_differ_are_timed_again_around_the_shares_the_plan_gives(monkeypatch):
+    # 8 devices, half 2x slower per row, with fixed time: the balanced shares (a few rows of 32) lie
+    # below the quarter first timed, so the step is timed again at counts spanning them, and kept
+    loss_fn, params, batch = plain_model("dp", "ctx")
+    cal = importlib.import_module("whalex.balance.calibrate")
+    seen, fake = [], _synthetic_rounds([2e-4] * 8, [2e-5] * 4 + [4e-5] * 4, 0.01)
+
+    def spy(devices, fn, args, repeats):
+        seen.append(tuple(jax.tree.leaves(a[-1])[0].shape[0] for a in args))
+        return fake(devices, fn, args, repeats)
+    monkeypatch.setattr(cal, "time_rounds", spy)
+    cluster = calibrate(wh.Cluster.detect(), loss_fn, params, batch, optimizer=optax.adam(1e-3))
+    plan = wh.plan(loss_fn, params, batch, cluster=cluster)
+    lo, hi = cluster.calibrated_rows
+    assert seen[0] == (8, 16, 32) and seen[-1][0] == lo and seen[-1][-1] == hi and hi < 8
+    assert lo <= min(plan.batch_sizes) and max(plan.batch_sizes) <= hi
+    assert cluster.speeds[0] / cluster.speeds[4] == pytest.approx(2.0, rel=0.1)
+    assert all(o == pytest.approx(2e-4, rel=0.2) for o in cluster.overhead)
+    assert "every device's share lies inside" in plan.summary()
 
 
 def test_a_declared_fixed_time_shifts_rows_to_the_fast_devices():

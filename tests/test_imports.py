@@ -34,6 +34,7 @@ LAYERS = (
     ("whalex.view",),                 # the Plan's text, HTML, pictures, timing: functions of a Plan given to them
     ("whalex.plan",),                 # the Plan (data) and its views
     ("whalex.planner",),              # calls balance, hands its decisions to lowering, builds the Plan
+    ("whalex.refining",),             # a Step's refinement: times the real step at splits, builds their plans
     ("whalex.api",),                  # the public face
     ("whalex.checkpoint",),           # plan-independent checkpoints (orbax): saves and restores Steps' states
     ("whalex", "whalex.launch"),      # the package itself; the multi-process launcher

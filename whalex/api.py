@@ -23,6 +23,7 @@ from whalex.plan import Plan
 from whalex.planner import build_plan
 from whalex.planner.common import check_optimizer
 from whalex.primitives.config import Config
+from whalex.refining import Refiner, refinable
 from whalex.state import TrainState
 from whalex.validate import check_placeable
 
@@ -89,6 +90,7 @@ class Step:
         self._last: Plan | None = None
         self._nnx: NnxModel | None = None        # step.init(nnx_module, batch): the module's static structure
         self._last_call: _LastCall | None = None  # the fast path of __call__
+        self._refiners: dict = {}                 # plan key -> the Refiner of Config(hardware_aware="refine")
 
     @property
     def plan(self) -> Plan:
@@ -114,6 +116,9 @@ class Step:
             self._plans[key] = p
             self._jitted[key] = p.jitted()
             self._last_call = None
+            if p.config.hardware_aware == "refine" and refinable(p):
+                self._refiners[key] = Refiner(p, lambda c: build_plan(
+                    loss_fn, params, batch, self.optimizer, self._config, c, self.has_aux, model_state, rng))
         self._last = self._plans[key]
         return self._plans[key]
 
@@ -148,6 +153,8 @@ class Step:
         key = self._key(state.stored_params, example_batch)       # padded uneven heads store their own layout
         self._plans[key] = self._plans[caller]
         self._jitted[key] = self._jitted[caller]
+        if caller in self._refiners:
+            self._refiners[key] = self._refiners[caller]
         self._last_call = None
         return state
 
@@ -155,6 +162,10 @@ class Step:
         if not isinstance(state, TrainState):
             raise PlanError("step(state, batch) takes the wh.TrainState returned by step.init(params, batch).")
         heartbeat()                                        # whalex.launch --heartbeat-timeout (<= 1 touch/s)
+        if self._refiners:
+            refiner = self._refiners.get(self._key(state.stored_params, batch))
+            if refiner is not None:
+                return self._refine(refiner, state, batch)
         batch_leaves, batch_tree = jax.tree.flatten(batch)
         batch_signature = _signature(batch_leaves)
         last = self._last_call
@@ -173,6 +184,21 @@ class Step:
             p.record_step_memory(jitted.lower(state, batch).compile().memory_analysis())   # XLA's figures
         state, metrics = jitted(state, batch)
         self._last_call = _LastCall(weakref.ref(state), batch_tree, batch_signature, p, jitted)
+        return state, metrics
+
+    def _refine(self, refiner: Refiner, state: TrainState, batch):
+        """One step of a refinement (Config(hardware_aware="refine")); when it ends, the kept plan is this
+        step's plan for these shapes."""
+        _check_not_donated(jax.tree.leaves(state))
+        self._last = refiner.current()[0]
+        state, metrics = refiner.run(state, batch, self._relayout)
+        self._refiners[self._key(state.stored_params, batch)] = refiner     # a split head's layout may change
+        if refiner.result is not None:
+            for key in [k for k, r in self._refiners.items() if r is refiner]:
+                self._plans[key], self._jitted[key] = refiner.result, refiner.jitted[refiner.scale]
+                del self._refiners[key]
+            self._last = refiner.result
+        self._last_call = None
         return state, metrics
 
     def _resolve(self, state: TrainState, batch):

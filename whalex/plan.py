@@ -69,6 +69,7 @@ class Plan:
     balance: Any = None                       # the hardware-aware BalanceReport, on heterogeneous clusters
     head_balance: Any = None                  # the split head's class shards when `balance` is the batch's (hybrid)
     coverage: tuple[Coverage, ...] = ()       # every parameter a split TaskGraph reads, and its layout
+    refinement: Any = None                    # the splits Config(hardware_aware="refine") timed, and the one kept
     batch_couplings: Any = dataclasses.field(default=(), repr=False, compare=False)   # lines, or a function of none
     # the step's predicted per-device memory (a Peak), or a function of none finding it (one trace of the step)
     predicted_peak: Any = dataclasses.field(default=None, repr=False, compare=False)

@@ -38,6 +38,7 @@ import optax
 from jax.experimental import multihost_utils
 
 from whalex import _compat as C
+from whalex.balance.algorithm import proportional
 from whalex.core.flops import training_flops
 from whalex.mesh.cluster import Cluster
 
@@ -267,34 +268,52 @@ def _check(size: int, chain: int, repeats: int, tolerance: float, loss_fn, param
         raise ValueError(f"calibrate's optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}.")
 
 
-def _fractions(batch):
-    """(row counts, the batches' leading rows at each) for a quarter, half and all of the batch's
-    rows, when every leaf has the same leading dimension >= 2 (a quarter only from 4 rows up). A
-    slow device's share lies at a quarter of the rows at 3:1 speeds; three counts fit the line
+def _fractions(batch, counts: Sequence[int] | None = None):
+    """(row counts, the batches' leading rows at each) for `counts` (default a quarter, half and all of
+    the batch's rows), when every leaf has the same leading dimension >= 2 (a quarter only from 4 rows
+    up). A slow device's share lies at a quarter of the rows at 3:1 speeds; three counts fit the line
     through where the loads lie, rather than extrapolate it from two."""
     leaves = jax.tree.leaves(batch)
     rows = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
     if len(rows) != 1 or None in rows or next(iter(rows)) < 2:
         return None
     n = next(iter(rows))
-    counts = tuple(sorted({k for k in (n // 4, n // 2, n) if k > 0}))
+    counts = tuple(sorted({int(k) for k in (counts or (n // 4, n // 2, n)) if 0 < k <= n}))
+    if len(counts) < 2:
+        return None
     return counts, [jax.tree.map(lambda x, k=k: x[:k], batch) for k in counts]
 
 
+def _around(shares: Sequence[int], n: int) -> tuple[int, ...]:
+    """Three row counts spanning a plan's `shares` of an `n`-row batch (a little beyond each end)."""
+    lo, hi = max(1, int(0.8 * min(shares))), min(n, int(np.ceil(1.25 * max(shares))))
+    return tuple(sorted({lo, int(round(np.sqrt(lo * hi))), hi}))
+
+
+def _shares(loss_fn, params, batch, optimizer, speeds, overheads, counts) -> list[int]:
+    """The rows per device a balanced plan gives for these speeds (work/s) and fixed seconds."""
+    parts = _fractions(batch, counts)[1]
+    flops = _loss_work(loss_fn, params, optimizer)[2]
+    per_row = max(flops(parts[-1]) - flops(parts[0]), 0.0) / (counts[-1] - counts[0]) or 1.0
+    n = jax.tree.leaves(batch)[0].shape[0]
+    return proportional(n, [s / per_row for s in speeds], overheads)
+
+
 def measure(cluster: Cluster, loss_fn: Callable | None = None, params=None, batch=None, *, optimizer=None,
-            size: int = 384, chain: int = 4, repeats: int = 7) -> Measurement:
+            size: int = 384, chain: int = 4, repeats: int = 7, rows: Sequence[int] | None = None) -> Measurement:
     """Median speed and relative spread of every device of `cluster`, over `repeats` interleaved
     rounds (all processes' devices, all-gathered). No grouping: see `calibrate`.
 
     With a loss, each round times the user's step (value_and_grad; with `optimizer`, also its update)
     at a quarter, half and all of the batch's rows: the fitted line's slope is the speed, its
-    intercept the device's fixed seconds per step (`Measurement.overheads`)."""
+    intercept the device's fixed seconds per step (`Measurement.overheads`); `rows` times other
+    counts of the batch's rows instead."""
     if cluster.is_abstract or cluster.compile_only:
         raise ValueError("calibrate() needs real devices; an abstract cluster (or a gpu_topology one) has none to time.")
     _check(size, chain, repeats, 0.0, loss_fn, params, batch, optimizer)
     mine = [i for i, d in enumerate(cluster.devices) if d.process_index == jax.process_index()]
     devices = [cluster.devices[i] for i in mine]
-    sized = _fractions(batch) if loss_fn is not None else None
+    sized = _fractions(batch, rows) if loss_fn is not None else None
     if jax.process_count() > 1:
         # one collective while every process is here: on CPU, the first collective sets up Gloo's
         # context and gives up after 30 s, and a slow device's timings end far later than a fast one's
@@ -356,7 +375,13 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
 
     Pass the batch the step will train on (or one as large): the fixed and per-row times are fitted
     between a quarter of its rows and all of them, which is where the plan's loads lie (a device a
-    third as fast as its peer gets a quarter), and longer timings are less noisy.
+    third as fast as its peer gets a quarter), and longer timings are less noisy. When the devices
+    differ and the shares a balanced plan would give them fall outside those rows (many devices, or
+    speeds far apart), the step is timed once more at counts spanning the shares, and that fit is
+    kept. The rows timed are kept (`Cluster.calibrated_rows`): `plan.summary()` says when a device's
+    share falls outside them.
+    What the plan's whole step costs beyond the timed work (collectives, launches; the optimizer
+    update when `optimizer` is not passed) a refinement measures: `Config(hardware_aware="refine")`.
     """
     _check(size, chain, repeats, tolerance, loss_fn, params, batch, optimizer)
     again = functools.partial(measure, cluster, loss_fn, params, batch, optimizer=optimizer, size=size,
@@ -370,4 +395,21 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
         speeds[g] = np.median(speeds[g])
         if overheads is not None:
             overheads[g] = np.median(overheads[g])
-    return cluster.with_speeds(speeds, spread=m.spreads, overhead=overheads)
+    sized = _fractions(batch) if loss_fn is not None else None
+    spreads = m.spreads
+    counts = None if sized is None else sized[0]
+    if overheads is not None and len(groups) > 1:
+        shares = _shares(loss_fn, params, batch, optimizer, speeds, overheads, counts)
+        if min(shares) < counts[0] or max(shares) > counts[-1]:
+            # the plan's loads lie outside the rows timed: time the step again around them, and keep
+            # that fit where it resolves the per-row time (the grouping stays the first pass's)
+            around = _around(shares, jax.tree.leaves(batch)[0].shape[0])
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                m2 = again(rows=around) if len(around) > 1 else m
+            if m2 is not m and m2.overheads is not None:
+                speeds, overheads, spreads, counts = np.asarray(m2.speeds), np.asarray(m2.overheads), m2.spreads, around
+                for g in groups:
+                    speeds[g], overheads[g] = np.median(speeds[g]), np.median(overheads[g])
+    rows = None if counts is None else (counts[0] if overheads is not None else counts[-1], counts[-1])
+    return cluster.with_speeds(speeds, spread=spreads, overhead=overheads, rows=rows)

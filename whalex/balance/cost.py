@@ -28,6 +28,11 @@ class DeviceLoad:
     even_time: float
     spread: float | None = None     # relative noise of a calibrated speed (0.05: +-5%)
     overhead: float = 0.0           # calibrated fixed seconds per step, whatever the load
+    per_unit: float = 0.0           # predicted seconds per row (or unit) of load: time = overhead + rows x per_unit
+
+    def share(self, total: int) -> float:
+        """This device's fraction of the `total` load."""
+        return self.rows / total if total else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +53,16 @@ class BalanceReport:
     @property
     def even_time(self) -> float:
         return max(d.even_time for d in self.devices)
+
+    @property
+    def total(self) -> int:
+        """The load shared out: rows of the batch, or units of a split."""
+        return sum(d.rows for d in self.devices)
+
+    @property
+    def bound(self) -> DeviceLoad:
+        """The device whose predicted time bounds the step (the first of equals)."""
+        return max(self.devices, key=lambda d: d.time if self.applied else d.even_time)
 
     @property
     def balanced_time(self) -> float:
@@ -85,7 +100,7 @@ def report(specs, speeds: Sequence[float], rows: Sequence[int], even_rows: Seque
         devices.append(DeviceLoad(i, spec.name, float(speed), int(r), int(e),
                                   state_bytes + act_base + r * act_per_sample, float(spec.memory_bytes),
                                   o + r * flops_per_sample / speed, o + e * flops_per_sample / speed,
-                                  None if sp is None else float(sp), float(o)))
+                                  None if sp is None else float(sp), float(o), flops_per_sample / speed))
     return BalanceReport(source, unit, tuple(devices), applied, shifted, flops_per_sample, state_bytes,
                          act_per_sample)
 
@@ -119,7 +134,8 @@ def lowered_split(report: BalanceReport, costs: SplitCosts) -> BalanceReport:
         work = report.flops_per_sample / d.speed
         again = max(d.rows - costs.peeled, 0) * costs.recompute_share * work
         devices.append(dataclasses.replace(d, time=float(shared + padded + again + d.rows * work),
-                                           even_time=float(shared + d.even_rows * work), overhead=float(shared)))
+                                           even_time=float(shared + d.even_rows * work), overhead=float(shared),
+                                           per_unit=float((padded + again) / d.rows + work if d.rows else work)))
     return dataclasses.replace(report, devices=tuple(devices), basis=costs.basis)
 
 

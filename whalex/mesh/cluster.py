@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from typing import Any, Sequence
 
 import jax
+import numpy as np
 
 from whalex import _compat as C
 from whalex.distributed import maybe_initialize
@@ -46,6 +47,7 @@ class Cluster:
     measured: tuple[float, ...] | None = None     # calibrated FLOP/s per device, when measured
     spread: tuple[float, ...] | None = None       # relative spread of each measured speed (0.05: +-5%)
     overhead: tuple[float, ...] | None = None     # measured fixed seconds per step of each device
+    calibrated_rows: tuple[int, int] | None = None   # the fewest and most rows a device's step was timed at
     nodes: tuple[tuple[int, ...], ...] = ()       # the devices of each node (host)
     host_memory: tuple[float, ...] = ()           # host RAM of each node, bytes (inf: unknown)
     host_source: str = ""                         # "declared", "detected" or "spec table"
@@ -156,13 +158,15 @@ class Cluster:
         """Whether the devices are a GPU topology whalex compiles for but cannot run on."""
         return self.target is not None
 
-    def with_speeds(self, speeds, spread=None, overhead=None) -> "Cluster":
+    def with_speeds(self, speeds, spread=None, overhead=None, rows=None) -> "Cluster":
         """A copy whose device speeds (FLOP/s) are measured ones instead of the spec table's.
 
         `spread`: optional relative noise of each speed (0.05 reads +-5%), shown beside the speed in
         `plan.summary()`. `overhead`: optional seconds each device spends per step whatever its load
         (the optimizer update, kernel launches); a balanced plan then equalises overhead + rows x
-        time per row instead of splitting in proportion to speed. `calibrate()` fills both in.
+        time per row instead of splitting in proportion to speed. `rows`: optional (fewest, most) rows
+        per device the speeds and fixed times were measured at; `plan.summary()` says when a device's
+        share falls outside them (its time extrapolated). `calibrate()` fills all three in.
         """
         speeds = tuple(float(s) for s in speeds)
         if len(speeds) != self.size or not all(math.isfinite(s) and s > 0 for s in speeds):
@@ -177,9 +181,16 @@ class Cluster:
             if len(overhead) != self.size or not all(math.isfinite(s) and s >= 0 for s in overhead):
                 raise ClusterError(f"with_speeds needs {self.size} non-negative overheads (seconds per step), "
                                    f"got {overhead}.")
+        if rows is not None:
+            if len(tuple(rows)) != 2 or not all(isinstance(r, (int, np.integer)) and not isinstance(r, bool)
+                                                for r in rows) or not 1 <= rows[0] <= rows[1]:
+                raise ClusterError(f"with_speeds(rows=...) is the (fewest, most) rows per device the speeds were "
+                                   f"measured at, two integers 1 <= fewest <= most, got {rows!r}.")
+            rows = (int(rows[0]), int(rows[1]))
         obj = object.__new__(type(self))
         _set(obj, self.specs, self.devices, speeds, spread, self.nodes, self.host_memory, self.host_source)
         object.__setattr__(obj, "overhead", overhead)
+        object.__setattr__(obj, "calibrated_rows", rows)
         object.__setattr__(obj, "target", self.target)
         return obj
 
@@ -246,7 +257,7 @@ class Cluster:
 def _set(obj: Cluster, specs, devices, measured, spread, nodes, host_memory, host_source) -> None:
     for name, value in (("specs", specs), ("devices", devices), ("measured", measured), ("spread", spread),
                         ("nodes", nodes), ("host_memory", host_memory), ("host_source", host_source),
-                        ("overhead", None), ("target", None)):
+                        ("overhead", None), ("calibrated_rows", None), ("target", None)):
         object.__setattr__(obj, name, value)
 
 

@@ -50,7 +50,7 @@ class Config:
     num_task_graph: int = 1
     auto_parallel: bool = False
     schedule: str = "1f1b"
-    hardware_aware: bool = True
+    hardware_aware: Any = True     # True, False, or "refine": time the real step at splits around the prediction
     zero_level: int = 0
     remat: Any = None
     amp: Any = None
@@ -97,7 +97,12 @@ class Config:
         if self.batch_coupling not in BATCH_COUPLINGS:
             raise ConfigError(f"unknown batch_coupling {self.batch_coupling!r}; use 'exact' (statistics over the "
                               "global batch, refused where a plan cannot) or 'per_part' (statistics per part).")
-        for name in ("auto_parallel", "hardware_aware", "share_devices"):
+        if not (isinstance(self.hardware_aware, bool) or (isinstance(self.hardware_aware, str)
+                                                           and self.hardware_aware == "refine")):
+            raise ConfigError(f"hardware_aware must be True (balance by the cost model), False (the even plan) or "
+                              f"'refine' (balance, then time the real step at splits around the prediction during "
+                              f"the first steps and keep the fastest), got {self.hardware_aware!r}.")
+        for name in ("auto_parallel", "share_devices"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         if self.num_task_graph != 1 and not self.auto_parallel:

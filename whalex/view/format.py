@@ -30,7 +30,9 @@ def fmt_time(s: float) -> str:
         return f"{s:.2f} s"
     if s >= 1e-3:
         return f"{s * 1e3:.2f} ms"
-    return f"{s * 1e6:.2f} us"
+    if s >= 1e-6 or s == 0:
+        return f"{s * 1e6:.2f} us"
+    return f"{s * 1e9:.2f} ns"
 
 
 def fmt_devices(ids: tuple[int, ...]) -> str:

@@ -21,7 +21,9 @@ PATTERN_COLUMNS = ("TaskGraph", "unit", "parameter", "pattern", "candidate costs
 COVERAGE_COLUMNS = ("TaskGraph", "parameter", "shape", "layout", "note")
 MEMORY_COLUMNS = ("device ids", "kind", "batch", "params", "grads", "opt state", "activations", "host", "peak",
                   "capacity")
-BALANCE_COLUMNS = ("device", "kind", "capacity", "even", "balanced", "predicted time", "predicted memory", "memory")
+BALANCE_COLUMNS = ("device", "kind", "capacity", "fixed", "per unit", "even", "balanced", "share", "predicted time",
+                   "predicted memory", "memory")
+REFINE_COLUMNS = ("speed scale", "rows", "step (median)", "spread", "timed steps", "")
 TRAFFIC_COLUMNS = ("TaskGraph", "collective", "mesh axes", "bytes/device", "why")
 
 
@@ -169,16 +171,76 @@ def balance(plan, report, key: str) -> Section:
     how = (f"{'applied' if r.applied else 'not applied: even plan'}; speeds from the {r.source}; unit {r.unit}; "
            f"Algorithm 1 moved {r.shifted} units for memory")
     head = f"hardware-aware balance of the {r.kind} ({how}):"
-    rows = [[str(d.device), d.kind, fmt_speed(d.speed, d.spread), str(d.even_rows), str(d.rows),
-             fmt_time(d.time), fmt_bytes(d.memory), fmt_bytes(d.capacity)] for d in r.devices]
-    numeric = {"device", "capacity", "even", "balanced", "predicted time", "predicted memory", "memory"}
+    bound = r.bound
+    rows = [[str(d.device), d.kind, fmt_speed(d.speed, d.spread), fmt_time(d.overhead), fmt_time(d.per_unit),
+             str(d.even_rows), str(d.rows), fmt_pct(d.share(r.total)),
+             fmt_time(d.time) + (" (bounds)" if d is bound else ""), fmt_bytes(d.memory), fmt_bytes(d.capacity)]
+            for d in r.devices]
     load = "rows" if r.kind.startswith("batch") else r.kind.split()[0]
-    units = {"capacity": "speed", "even": load, "balanced": load, "predicted time": "compute per step",
-             "memory": "capacity"}
-    tail = (f"predicted step compute: even {fmt_time(r.even_time)}, balanced "
-            f"{fmt_time(r.balanced_time)} ({r.predicted_speedup:.2f}x)")
-    return Section(key, f"Hardware-aware balance of the {r.kind}",
-                   (Line(head, where="text"), Line(how[0].upper() + how[1:] + ".", where="html"), _table(BALANCE_COLUMNS, rows, numeric, units), Line(tail, 1)))
+    per = "per row" if load == "rows" else "per unit"
+    columns = tuple(per if c == "per unit" else c for c in BALANCE_COLUMNS)
+    numeric = set(columns) - {"kind"}
+    units = {"capacity": "speed", "fixed": "per step", per: "predicted", "even": load, "balanced": load,
+             "share": load, "predicted time": "per step", "memory": "capacity"}
+    d = bound
+    loads = d.rows if r.applied else d.even_rows
+    tail = [f"predicted step compute: even {fmt_time(r.even_time)}, balanced "
+            f"{fmt_time(r.balanced_time)} ({r.predicted_speedup:.2f}x)",
+            f"device {d.device} ({d.kind}) bounds the step: fixed {fmt_time(d.overhead)} + {loads} {load} x "
+            f"{fmt_time(d.per_unit)} = {fmt_time(d.overhead + loads * d.per_unit)}"]
+    body = [Line(head, where="text"), Line(how[0].upper() + how[1:] + ".", where="html"),
+            _table(columns, rows, numeric, units), *(Line(t, 1) for t in tail)]
+    body += [Line(t, 1) for t in calibrated_range_lines(plan, r)]
+    if key == "balance":
+        body += refinement_items(plan, r)
+    return Section(key, f"Hardware-aware balance of the {r.kind}", tuple(body))
+
+
+def calibrated_range_lines(plan, report) -> list[str]:
+    """Where the plan's row shares fall outside the rows calibrate timed (their times extrapolated)."""
+    span = plan.cluster.calibrated_rows
+    if span is None or not report.kind.startswith("batch"):
+        return []
+    lo, hi = span
+    rows = [d.rows if report.applied else d.even_rows for d in report.devices]
+    out = [i for i, n in enumerate(rows) if not lo <= n <= hi]
+    line = f"calibrated at {lo} to {hi} rows per device"
+    if not out:
+        return [line + ": every device's share lies inside"]
+    fewest, most = min(rows[i] for i in out), max(rows[i] for i in out)
+    fix = []
+    if fewest < lo:
+        fix.append(f"a calibration batch of at most {4 * fewest} rows (its quarter is timed)")
+    if most > hi:
+        fix.append(f"one of at least {most} rows")
+    return [f"{line}; outside it: device{'s' if len(out) > 1 else ''} {fmt_devices(tuple(out))} "
+            f"({', '.join(str(rows[i]) for i in out)} rows), whose fixed and per-row times are extrapolated: "
+            f"calibrate with {' or '.join(fix)}, or refine on the real step (Config(hardware_aware='refine'))"]
+
+
+def _rows(rows, units=()) -> str:
+    return "/".join(map(str, rows)) + (f" (head {'/'.join(map(str, units))})" if units else "")
+
+
+def refinement_items(plan, report) -> list:
+    """The splits a refinement timed on the real step, predicted beside kept; or that it is still to run."""
+    ref = plan.refinement
+    if ref is None:
+        if plan.config.hardware_aware == "refine" and report.applied:
+            return [Line("refinement on the real step (Config(hardware_aware='refine')): runs during the step's "
+                         "first calls; step.plan then holds the split it keeps", 1)]
+        return []
+    p, c = ref.predicted, ref.chosen
+    slow = fmt_devices(ref.slow)
+    kept = (f"kept rows {_rows(c.rows, c.units)} (device{'s' if len(ref.slow) > 1 else ''} {slow} at x{c.scale:.3g} of "
+            f"the predicted speed) {fmt_time(c.seconds)}: {ref.gain:.2f}x the prediction's speed"
+            if c is not p else "kept the prediction (no timed split was faster)")
+    items = [Line(f"refined on the real step ({len(ref.points)} splits timed, {ref.steps} steps): predicted rows "
+                  f"{_rows(p.rows, p.units)} {fmt_time(p.seconds)} ± {fmt_pct(p.spread)}; {kept}", 1)]
+    table = [[f"x{t.scale:.3g}", _rows(t.rows, t.units), fmt_time(t.seconds), fmt_pct(t.spread), str(t.steps),
+              "predicted" if t is p else ("kept" if t is c else "")] for t in ref.points]
+    items.append(Table(REFINE_COLUMNS, tuple(map(tuple, table)), (True, False, True, True, True, False), where="html"))
+    return items
 
 
 def experts(plan) -> Section | None:

@@ -1,0 +1,164 @@
+"""Is whalex's balanced split the fastest split? A sweep of the real step around it, on the emulated cluster.
+
+What it measures
+    The 2-process cluster and the stock Flax MLP (Adam) of `bench/hetero.py`, process 1 slowed by a
+    CPU quota (``--slow-by quota``, 1/2 or 1/3 of its core) or by busy loops sharing its core
+    (``--slow-by busy``). In each run:
+
+    * calibrate: ``calibrate(Cluster.detect(), loss_fn, params, batch, optimizer=adam)`` twice, on
+      a quarter of the global batch and on all of it (the user's two likely choices);
+    * whalex:  the balanced plan on each calibration (``wh.parallelize(..., cluster=calibrated)``);
+    * refined: ``Config(hardware_aware="refine")`` on each calibration: its first steps time the real
+      step at splits around the prediction and keep the fastest (the steps it took are reported);
+    * sweep:   the same step with the slow process's calibrated speed (whole batch) scaled by
+      ``--factors`` (default 9 points over x0.7-x1.3), fixed times kept (`Cluster.with_speeds`):
+      the fastest of these is "the fastest split found".
+
+    All variants are timed in interleaved blocks on process 0 (each step ends on the replicated
+    loss, so process 0's clock sees the slower process); per variant the median step and its spread
+    (interquartile range / 2 / median). The table gives each variant's rows (fast/slow) and its median
+    over the fastest found (acceptance: whalex within 1.05, refined within 1.03).
+
+Run from the repo root on an otherwise idle machine with >= 2 cores: ``python bench/hetero_sweep.py``
+(every combination of ``--slow-by``, ``--slowdowns`` and ``--batches``; several minutes each).
+Writes bench/results/hetero_sweep.json.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+import harness
+import hetero                 # bench/hetero.py: its model and defaults
+
+FACTORS = tuple(round(0.7 + 0.075 * i, 3) for i in range(9))      # x0.7 ... x1.3 of the slow speed
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="1024,4096", help="global batches, comma-separated")
+    ap.add_argument("--slowdowns", default="1,2", help="1: process 1 at 1/2 of its core; 2: at 1/3")
+    ap.add_argument("--slow-by", default="quota,busy", help="emulations, comma-separated: quota (a CPU cgroup "
+                                                            "quota; busy loops where it cannot be written), busy")
+    ap.add_argument("--factors", default=",".join(map(str, FACTORS)),
+                    help="the slow process's speed relative to its calibrated one, per sweep point")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--block", type=int, default=4)
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--out", default=None, help="the results file (default bench/results/hetero_sweep.json)")
+    ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    for k, v in vars(hetero.parse([])).items():      # the model of bench/hetero.py, its defaults
+        if not hasattr(args, k):
+            setattr(args, k, v)
+    args.factors = [float(f) for f in args.factors.split(",")]
+    return args
+
+
+def spread(xs) -> float:
+    q1, med, q3 = np.percentile(np.asarray(xs, np.float64), [25, 50, 75])
+    return float((q3 - q1) / 2 / med) if med > 0 else 0.0
+
+
+def worker(args):
+    import jax
+    import optax
+    import whalex as wh
+
+    from whalex.balance.calibrate import calibrate
+    from whalex.balance.refine import max_steps, scaled_speeds
+
+    pid = jax.process_index()
+    loss_fn, params, batch = hetero.make_model(args)
+    optimizer = optax.adam(1e-3)
+    log = harness.process0_log(pid)
+    quarter = {k: v[: args.batch // 4] for k, v in batch.items()}
+    clusters = {c: calibrate(wh.Cluster.detect(), loss_fn, params, b, optimizer=optimizer, repeats=9)
+                for c, b in (("quarter", quarter), ("whole", batch))}
+    base = clusters["whole"]
+    steps, states, rows, refine_steps = {}, {}, {}, {}
+
+    def add(name, cluster, config=None):
+        s = wh.parallelize(loss_fn, optimizer, cluster=cluster, config=config)
+        steps[name], states[name] = s, s.init(params, batch)
+
+    for c, cluster in clusters.items():
+        add(f"whalex ({c})", cluster)
+        add(f"refined ({c})", cluster, wh.Config(hardware_aware="refine"))
+        name = f"refined ({c})"
+        balanced = steps[name].plan.balance is not None and steps[name].plan.balance.applied
+        for _ in range(max_steps() if balanced else 0):     # its first steps refine, then it runs the split kept
+            states[name], m = steps[name](states[name], batch)
+            if steps[name].plan.refinement is not None:
+                break
+        ref = steps[name].plan.refinement
+        refine_steps[name] = None if ref is None else ref.steps
+        log(f"{name}: " + (f"kept x{ref.kept:.3g} ({'/'.join(map(str, ref.chosen.rows))} rows) after {ref.steps} "
+                           "steps" if ref else "nothing refined (an even plan)"))
+    for f in args.factors:
+        add(f"x{f:g}", base.with_speeds(scaled_speeds(base.speeds, f)[0], overhead=base.overhead))
+    for name, s in steps.items():
+        rows[name] = list(s.plan.batch_sizes)
+
+    def run(name):
+        states[name], m = steps[name](states[name], batch)
+        return float(m["loss"])                    # waits for the step on both processes
+
+    timings = harness.interleaved({n: (lambda n=n: run(n)) for n in steps}, args.rounds, block=args.block,
+                                  warmup=2, order_by="fixed", sync=None)
+    out = {"speeds": {c: list(cl.speeds) for c, cl in clusters.items()},
+           "overheads": {c: list(cl.overhead or ()) for c, cl in clusters.items()},
+           "calibrated_rows": {c: cl.calibrated_rows for c, cl in clusters.items()},
+           "refine_steps": refine_steps,
+           "variants": [{"name": n, "rows": rows[n], "median_s": harness.median(timings.times(n)),
+                         "spread": spread(timings.times(n))} for n in steps]}
+    harness.write_worker_result(args.worker_out, out, pid)
+
+
+def table(runs) -> list[str]:
+    head = ("emulation", "batch", "variant", "rows (fast/slow)", "median", "spread", "/ fastest")
+    body = []
+    for r in runs:
+        what = f"{r['slow_by']} {'1/2' if r['hogs'] == 1 else '1/3' if r['hogs'] == 2 else r['hogs']}"
+        if "failed" in r:
+            body.append((what, str(r["batch"]), "FAILED", r["failed"], "", "", ""))
+            continue
+        sweep = [v for v in r["variants"] if v["name"].startswith("x")]
+        best = min(sweep, key=lambda v: v["median_s"])
+        for v in [v for v in r["variants"] if not v["name"].startswith("x")] + [best]:
+            name = v["name"] if v is not best else f"fastest found ({v['name']})"
+            body.append((what, str(r["batch"]), name, "/".join(map(str, v["rows"])), f"{1e3 * v['median_s']:.1f} ms",
+                         f"±{100 * v['spread']:.1f}%", f"{v['median_s'] / best['median_s']:.3f}"))
+    return _table(head, body)
+
+
+def _table(head, rows) -> list[str]:
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    fmt = "  ".join("{:<%d}" % w for w in widths)
+    return [fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows]
+
+
+def main(argv):
+    args = parse(argv)
+    if harness.is_worker():
+        return worker(args)
+    setup = harness.launch_env()
+    if setup is None:
+        return
+    cores, env, load_before = setup
+    runs = []
+    for slow_by in args.slow_by.split(","):
+        for hogs in [int(x) for x in args.slowdowns.split(",")]:
+            for batch in [int(x) for x in args.batches.split(",")]:
+                ns = argparse.Namespace(**{**vars(args), "slow_by": slow_by})
+                runs.append({"slow_by": slow_by, **harness.run_config(ns, argv, hogs, batch, cores, env, __file__)})
+    print(f"\nstock Flax MLP {args.depth} x Dense({args.width}), Adam; load before {load_before:.2f}")
+    print("\n".join(table(runs)))
+    print(f"wrote {harness.write_result('hetero_sweep', {'load_before': load_before, 'runs': runs}, args.out)}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,146 @@
+"""Refining a balanced split on the real step: a bracketing search over the slow devices' speed.
+
+A calibrated cost model predicts the split (fixed time + rows x time per row, equalised); what the
+whole jitted step costs also holds what the model does not see (collectives, launches, cache effects).
+Refinement times the real step at a few splits around the prediction and keeps the fastest.
+
+The split is moved by one number, `scale`: the speed of the slowest devices (a group of equal speeds)
+multiplied by it, every other speed and every fixed time kept, so `scale` 1 is the prediction and a
+scale below 1 gives the slow devices fewer rows. The step's time is unimodal in the slow devices'
+share (one side waits for the slow devices, the other for the fast ones), so a bracketing search
+starting at the prediction finds its minimum: the prediction is timed first and kept unless a
+timed split beats it.
+
+The search is a generator (`bracket_search`) that yields the scale to time next and receives its
+seconds, so a training step can drive it one point at a time; `search` runs it over a timing
+callback. Splits that round to the same placement (`key`) are timed once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Generator, Hashable, Sequence
+
+import numpy as np
+
+LO, HI = 0.7, 1.3                      # the bracket on the slow devices' speed, relative to the prediction
+POINTS = 9                             # the most distinct splits one search times (the prediction included)
+MIN_STEP = 0.01                        # the search stops when its step on the scale is below this
+STEPS_PER_POINT = 3                    # timed steps per split (their median counts)
+WARMUP_STEPS = 1                       # untimed steps per split first (its compile, its first run)
+
+
+def max_steps(points: int = POINTS, steps_per_point: int = STEPS_PER_POINT, warmup: int = WARMUP_STEPS) -> int:
+    """The most training steps a refinement runs before it settles on a split."""
+    return points * (steps_per_point + warmup)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitTiming:
+    """One split timed on the real step: the slow devices' speed scale, the rows (or units) per
+    device it gives, and the median seconds and relative spread of its timed steps."""
+
+    scale: float
+    rows: tuple[int, ...]
+    seconds: float
+    spread: float = 0.0
+    steps: int = 0                     # timed steps behind the median
+    units: tuple[int, ...] = ()        # a split head's units (classes) per device, where the plan has one
+
+
+@dataclasses.dataclass(frozen=True)
+class Refinement:
+    """What a refinement timed, in order, and what it kept: the fastest timed split (the prediction
+    unless another split beat it)."""
+
+    points: tuple[SplitTiming, ...]
+    slow: tuple[int, ...]              # the devices whose speed the scale multiplies
+    steps: int                         # training steps it ran (warm-up steps included)
+    kept: float = 1.0                  # the scale of the split kept
+
+    @property
+    def predicted(self) -> SplitTiming:
+        return next(p for p in self.points if p.scale == 1.0)
+
+    @property
+    def chosen(self) -> SplitTiming:
+        return next(p for p in self.points if p.scale == self.kept)
+
+    @property
+    def gain(self) -> float:
+        """The prediction's step time over the chosen split's (1.0: the prediction was the fastest)."""
+        return self.predicted.seconds / self.chosen.seconds if self.chosen.seconds > 0 else 1.0
+
+
+def check_bracket(lo: float, hi: float, points: int) -> None:
+    if not (0 < lo < 1 < hi and math.isfinite(hi)):
+        raise ValueError(f"a refinement brackets the prediction (scale 1): needs 0 < lo < 1 < hi, got lo={lo}, hi={hi}.")
+    if isinstance(points, bool) or not isinstance(points, int) or points < 3:
+        raise ValueError(f"a refinement needs points >= 3 (the prediction and two to bracket it), got {points!r}.")
+
+
+def bracket_search(lo: float = LO, hi: float = HI, points: int = POINTS, min_step: float = MIN_STEP,
+                   key: Callable[[float], Hashable] | None = None) -> Generator[float, float, float]:
+    """Yields scales to time (the prediction 1.0 first), receives each one's seconds, and returns the
+    fastest scale timed.
+
+    A bracketing search around the best split so far: its neighbours `step` either side (within
+    [lo, hi]) are timed; the faster neighbour, if either beats it, becomes the best, else the step
+    halves, until it is below `min_step` or `points` distinct placements were timed. Scales whose
+    `key` (the placement they round to; default the scale itself) was timed already reuse that time
+    without a yield, so a placement too coarse to move at a step counts as no better."""
+    check_bracket(lo, hi, points)
+    key = key or (lambda s: s)
+    seen: dict = {}
+
+    def cost(s):
+        k = key(s)
+        if k not in seen:
+            if len(seen) >= points:
+                return None
+            seen[k] = yield s
+        return seen[k]
+
+    best, step = 1.0, (hi - lo) / 4
+    f_best = yield from cost(best)
+    while step >= min_step and f_best is not None:
+        moved = False
+        for s in sorted({min(max(best - step, lo), hi), min(max(best + step, lo), hi)} - {best}):
+            t = yield from cost(s)
+            if t is None:
+                return best
+            if t < f_best:
+                best, f_best, moved = s, t, True
+        if not moved:
+            step /= 2
+    return best
+
+
+def search(cost: Callable[[float], float], lo: float = LO, hi: float = HI, points: int = POINTS,
+           key: Callable[[float], Hashable] | None = None) -> tuple[float, list[tuple[float, float]]]:
+    """Runs `bracket_search` over a timing callback: (the fastest scale, [(scale, seconds) timed, in order])."""
+    gen = bracket_search(lo, hi, points, key=key)
+    timed = []
+    try:
+        s = next(gen)
+        while True:
+            t = float(cost(s))
+            timed.append((s, t))
+            s = gen.send(t)
+    except StopIteration as stop:
+        return stop.value, timed
+
+
+def scaled_speeds(speeds: Sequence[float], scale: float) -> tuple[tuple[float, ...], tuple[int, ...]]:
+    """(the speeds with the slowest devices' multiplied by `scale`, those devices)."""
+    s = np.asarray(speeds, np.float64)
+    slow = tuple(int(i) for i in np.flatnonzero(s == s.min()))
+    s[list(slow)] *= scale
+    return tuple(map(float, s)), slow
+
+
+def median_spread(times: Sequence[float]) -> tuple[float, float]:
+    """Median seconds of a split's timed steps and their relative spread ((max - min) / 2 / median)."""
+    t = np.asarray(times, np.float64)
+    med = float(np.median(t))
+    return med, float((t.max() - t.min()) / 2 / med) if med > 0 else 0.0

@@ -1,0 +1,115 @@
+"""`Config(hardware_aware="refine")`: a Step's first calls time the real jitted step at splits around
+the predicted balance and keep the fastest: data-parallel rows, uneven split shards, an auto_parallel
+pipeline's stage cut (whatever the cluster's speeds decide).
+
+The search is `whalex.balance.refine.bracket_search` over the slow devices' speed scale; each split is
+a whole plan (`build_plan` on the cluster with that speed), run for `WARMUP_STEPS` untimed steps (its
+compile) and `STEPS_PER_POINT` timed ones. Every step trains: only where the rows run changes, so
+training equals one device's throughout. In a multi-process run each split's time is the slowest
+process's, so every process settles on the same plan.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from whalex.balance.refine import (LO, HI, POINTS, STEPS_PER_POINT, WARMUP_STEPS, Refinement, SplitTiming,
+                                   bracket_search, median_spread, scaled_speeds)
+from whalex.errors import PlanError
+from whalex.plan import Plan
+
+
+def refinable(plan: Plan) -> bool:
+    """Whether `plan` has a balanced split to refine: uneven data-parallel rows, uneven split shards
+    (a hybrid's rows and head classes move together), or an auto_parallel pipeline's stage cut on
+    devices of different speeds. An even plan has nothing to refine; an annotated pipeline's stages
+    are the user's, and a refinement refuses it (PlanError) rather than time one split."""
+    if any(r is not None and r.applied for r in (plan.balance, plan.head_balance)):
+        return True
+    if plan.schedule is not None and len(set(plan.cluster.speeds)) > 1:
+        if plan.config.auto_parallel:
+            return True
+        raise PlanError("Config(hardware_aware='refine') moves a balanced split; this pipeline's stages are the "
+                        "annotated scopes, which it does not move. Use Config(hardware_aware=True), or "
+                        "auto_parallel=True to let whalex cut the stages (and refine the cut).")
+    return False
+
+
+def placement(plan: Plan) -> tuple:
+    """What a refinement moves, as a key: rows per device, a split head's units per device, stage layers."""
+    head = () if plan.head_balance is None else tuple(d.rows for d in plan.head_balance.devices)
+    return tuple(plan.batch_sizes), head, tuple(map(tuple, plan.stage_layers))
+
+
+class Refiner:
+    """Drives one bracketing search over a Step's calls for one plan (one batch shape)."""
+
+    def __init__(self, base: Plan, make_plan: Callable, clock: Callable[[], float] = time.perf_counter):
+        self.base, self.make_plan, self.clock = base, make_plan, clock
+        self.plans = {1.0: base}
+        self.jitted: dict = {}
+        self.search = bracket_search(LO, HI, POINTS, key=lambda s: placement(self.plan_at(s)))
+        self.scale = next(self.search)
+        self.times: list[float] = []
+        self.points: list[SplitTiming] = []
+        self.steps = self.at_point = 0
+        self.result: Plan | None = None
+        self.slow = scaled_speeds(base.cluster.speeds, 1.0)[1]
+
+    def plan_at(self, scale: float) -> Plan:
+        if scale not in self.plans:
+            c = self.base.cluster
+            speeds, _ = scaled_speeds(c.speeds, scale)
+            self.plans[scale] = self.make_plan(c.with_speeds(speeds, spread=c.spread, overhead=c.overhead,
+                                                             rows=c.calibrated_rows))
+        return self.plans[scale]
+
+    def current(self) -> tuple[Plan, Callable]:
+        """The plan to run the next step with, and its jitted step."""
+        p = self.plan_at(self.scale)
+        if self.scale not in self.jitted:
+            self.jitted[self.scale] = p.jitted()
+        return p, self.jitted[self.scale]
+
+    def run(self, state, batch, relayout: Callable):
+        """One training step of the search: (state, metrics). When the search ends, `result` holds the
+        kept plan (its `refinement` filled in)."""
+        p, jitted = self.current()
+        state = relayout(state, p)
+        batch = p.place_batch(batch)
+        t0 = self.clock()
+        state, metrics = jitted(state, batch)
+        jax.block_until_ready((state, metrics))
+        seconds = self.clock() - t0
+        self.steps += 1
+        self.at_point += 1
+        if self.at_point > WARMUP_STEPS:            # the first steps at a split compile it and warm it up
+            self.times.append(seconds)
+        if len(self.times) == STEPS_PER_POINT:
+            self._next(p)
+        return state, metrics
+
+    def _next(self, p: Plan) -> None:
+        med, spread = median_spread(_slowest(self.times))
+        self.points.append(SplitTiming(self.scale, tuple(p.batch_sizes), med, spread, len(self.times),
+                                       placement(p)[1]))
+        self.times, self.at_point = [], 0
+        try:
+            self.scale = self.search.send(med)
+        except StopIteration as stop:
+            record = Refinement(tuple(self.points), self.slow, self.steps, stop.value)
+            self.result = dataclasses.replace(self.plan_at(stop.value), refinement=record)
+            self.scale = stop.value
+
+
+def _slowest(times: list[float]) -> list[float]:
+    """Each step's seconds on the slowest process (the same list on every process)."""
+    if jax.process_count() == 1:
+        return times
+    every = np.asarray(multihost_utils.process_allgather(np.asarray(times, np.float64)))
+    return every.reshape(jax.process_count(), -1).max(0).tolist()
