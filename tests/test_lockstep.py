@@ -65,3 +65,25 @@ def test_a_pipeline_plans_step_time_is_its_lockstep_time():
     assert "lockstep" in got.basis
     text = plan.summary()
     assert f"lockstep utilisation {s.utilisation(*RECOMPUTE_COSTS):.1%}" in text
+
+
+@pytest.mark.parametrize("S, M", [(2, 8), (4, 8), (4, 16), (8, 16)])
+def test_balanced_1f1b_never_pairs_a_backward_with_a_forward(S, M):
+    b, a, g = (make_schedule(n, S, M) for n in ("1f1b-balanced", "1f1b", "gpipe"))
+    kinds = b.tables()["kind"]                         # the table the tick loop scans
+    assert all(len(set(row) - {0}) == 1 for row in kinds)
+    assert lockstep_time(kinds, 1, 2) == pytest.approx(g.lockstep_time(1, 2))     # GPipe's speed
+    assert b.utilisation(1, 2) > a.utilisation(1, 2) + 0.1
+    assert b.utilisation(1, 3) == pytest.approx(b.utilisation(1, 2))             # any backward cost
+    for s in range(S):
+        assert b.max_in_flight(s) <= 2 * (S - 1 - s) + 2 and b.max_in_flight(0) <= 2 * S - 1
+
+
+def test_a_balanced_pipeline_plan_runs_its_table_at_072_or_more():
+    loss_fn, params, batch = lm(4, batch=32)
+    plan = wh.plan(loss_fn, params, batch, optax.sgd(0.1), cluster=wh.Cluster.abstract(kinds=["H100-80GB"] * 8),
+                   config=wh.Config(auto_parallel=True, num_task_graph=4, num_micro_batch=8, schedule="1f1b-balanced"))
+    kinds = plan.program.schedule.tables()["kind"]
+    S, M = kinds.shape[1], plan.schedule.num_micro_batch
+    assert (S, M) == (4, 8)
+    assert M * S * 3 / (S * lockstep_time(kinds, 1, 2)) >= 0.72
