@@ -211,10 +211,12 @@ class Plan:
     # -- memory -------------------------------------------------------------------------------------
     def memory_fit(self) -> fit.MemoryFit:
         """The per-device footprint from abstract shapes, whether the plan fits, and which of ZeRO,
-        remat, bf16 and offload it would need (`whalex.balance.fit`)."""
+        remat, bf16 and offload it would need (`whalex.balance.fit`). On a `Cluster.gpu_topology`
+        fitting is judged on XLA:GPU's compiled step (compiled once, as `step_memory()`)."""
         n = self.layout.size
+        compiled = self.step_memory().total if self.cluster.compile_only else None
         return fit.memory_fit(self.program.state_layout(), self.captured, self.virtual_devices,
-                              self.cluster.specs[:n], self.cluster.host_bytes[:n], self.experts)
+                              self.cluster.specs[:n], self.cluster.host_bytes[:n], self.experts, compiled)
 
     # -- lowering ---------------------------------------------------------------------------
     def lowered(self, donate: bool = False):

@@ -72,10 +72,16 @@ class MemoryFit:
     replicated_fraction: float      # share of per-device parameter bytes that ZeRO could shard
     replicas: int                   # data-parallel replicas of the replicated leaves
     host_capacity: float = float("inf")     # host RAM per device (its share of its node's)
+    compiled: float | None = None   # XLA's per-device bytes of the plan as it is, where it compiles
+
+    @property
+    def offset(self) -> float:
+        """What XLA's figure adds to the model's (the ladder is judged on the model plus this)."""
+        return 0.0 if self.compiled is None else self.compiled - self.plain.device_total
 
     @property
     def fits(self) -> bool:
-        return self.plain.device_total <= self.capacity
+        return self.plain.device_total + self.offset <= self.capacity
 
     @property
     def needs(self) -> tuple[str, ...] | None:
@@ -103,6 +109,12 @@ class MemoryFit:
     def verdict(self) -> str:
         """One line: fits, fits with which options, or what is short and by how much."""
         gib = 2.0 ** 30
+        if self.compiled is not None:
+            return f"{self._verdict()} (judged on XLA's compiled step, {self.compiled / 2.0 ** 30:.2f} GiB per device)"
+        return self._verdict()
+
+    def _verdict(self) -> str:
+        gib = 2.0 ** 30
         if self.fits:
             return "fits"
         if self.needs is not None:
@@ -112,7 +124,8 @@ class MemoryFit:
             return (f"does not fit: host memory is the limit ({step.option}: {step.footprint.host / gib:.1f} GiB "
                     f"per device on the host, which holds {self.host_capacity / gib:.1f} GiB per device)")
         last = self.ladder[-1].footprint if self.ladder else self.plain
-        return (f"does not fit: device memory is the limit (every option applied: {last.device_total / gib:.1f} "
+        total = last.device_total + self.offset
+        return (f"does not fit: device memory is the limit (every option applied: {total / gib:.1f} "
                 f"GiB per device, capacity {self.capacity / gib:.1f} GiB)")
 
 
@@ -163,10 +176,13 @@ def _closure(inputs, fn, consts) -> tuple[list, list]:
 
 
 def memory_fit(state: StateLayout, cap: Captured, virtual_devices: Sequence, device_specs: Sequence,
-               host_bytes: Sequence[float], experts: Sequence[ExpertCall] = ()) -> MemoryFit:
+               host_bytes: Sequence[float], experts: Sequence[ExpertCall] = (),
+               compiled: float | None = None) -> MemoryFit:
     """The per-device footprint of a plan and the options that would make it fit, from plain
     records: the state as its program stores it (`state`), the capture it runs, its VirtualDevices,
-    and the spec and host bytes of each of its devices (`Plan.memory_fit` hands them over)."""
+    and the spec and host bytes of each of its devices (`Plan.memory_fit` hands them over). With
+    `compiled` (XLA's bytes for the plan as it is), fitting is judged on XLA's figure: each option's
+    saving from the model, applied to it."""
     sizes = dict(state.axis_sizes)
     n = len(device_specs)
     leaves = [v.aval for v in cap.jaxpr.jaxpr.invars[: cap.num_params]]
@@ -194,11 +210,12 @@ def memory_fit(state: StateLayout, cap: Captured, virtual_devices: Sequence, dev
 
     steps, cur = [], plain
     saved_p = rep_params - sharded_params
+    offset = 0.0 if compiled is None else compiled - plain.device_total
 
     def add(option, **changes):
         nonlocal cur
         cur = dataclasses.replace(cur, **changes)
-        short = [what for what, need, have in (("device memory", cur.device_total, cap_bytes),
+        short = [what for what, need, have in (("device memory", cur.device_total + offset, cap_bytes),
                                                ("host memory", cur.host, host_bytes)) if need > have]
         steps.append(FitStep(option, cur, not short, " and ".join(short) or None))
 
@@ -212,4 +229,5 @@ def memory_fit(state: StateLayout, cap: Captured, virtual_devices: Sequence, dev
     add("offload params", params=0.0, host=cur.host + cur.params)
     add("offload grads", grads=0.0, host=cur.host + cur.grads)
     rep = max(replicas) if replicas else 1
-    return MemoryFit(cap_bytes, plain, tuple(steps), rep_params / params if params else 0.0, rep, host_bytes)
+    return MemoryFit(cap_bytes, plain, tuple(steps), rep_params / params if params else 0.0, rep, host_bytes,
+                     compiled)
