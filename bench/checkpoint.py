@@ -50,7 +50,7 @@ import numpy as np
 import optax
 
 import whalex as wh
-from models import MLP          # bench/models.py: a stock Flax MLP
+from models import MLP  # bench/models.py: a stock Flax MLP
 
 N_DEV = 8
 

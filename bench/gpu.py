@@ -53,7 +53,8 @@ def gpt(size: dict, remat_block: bool = False):
     import jax.numpy as jnp
     import numpy as np
     import optax
-    from models import GPT           # a sibling module: imports flax, so loaded with jax
+
+    from models import GPT  # a sibling module: imports flax, so loaded with jax
 
     model = GPT(size["vocab"], size["d"], size["heads"], size["layers"], remat_block)
     rng = np.random.default_rng(0)
@@ -123,6 +124,7 @@ def case_pair(size: dict, res: dict, amp: bool):
     """whalex and the hand-written step in one process, rounds interleaved, the order alternating."""
     import jax
     import optax
+
     import whalex as wh
     from whalex.view.timing import predict
 

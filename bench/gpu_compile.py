@@ -27,7 +27,10 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import (
+    NamedSharding,  # noqa: E402
+    PartitionSpec as P,
+)
 
 import harness  # noqa: E402
 import whalex as wh  # noqa: E402

@@ -132,6 +132,7 @@ def make_mlp(args):
 
     def loss_fn(p, b):
         import jax.numpy as jnp
+
         import whalex as wh
         with wh.replicate():                   # data parallel over every device of every process
             return jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
@@ -147,6 +148,7 @@ def make_hybrid(args):
     import jax.numpy as jnp
     import numpy as np
     import optax
+
     from models import MLP
 
     backbone, head = MLP(args.width, args.depth, args.width), nn.Dense(args.classes)
@@ -206,11 +208,11 @@ def phases(args, rows, classes) -> list:
 # ------------------------------------------------------------------------------------- worker
 
 def worker(args):
-    import whalex as wh                        # joins the process group (whalex.launch env)
     import jax
     import optax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
+    import whalex as wh  # joins the process group (whalex.launch env)
     from whalex.balance.calibrate import calibrate
     from whalex.distributed import place_global
 

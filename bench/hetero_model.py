@@ -472,7 +472,7 @@ def pp_row(name: str, micro_batches: int, stages: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 def _table(head, rows) -> list[str]:
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    fmt = "  ".join("{:<%d}" % w for w in widths)
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return [fmt.format(*head), "  ".join("-" * w for w in widths)] + [fmt.format(*map(str, r)) for r in rows]
 
 

@@ -22,7 +22,7 @@ import argparse
 import sys
 
 import harness
-import hetero                 # bench/hetero.py: its model and defaults
+import hetero  # bench/hetero.py: its model and defaults
 
 SIZES = (512, 1024, 2048, 3072, 4096)
 FACTORS = (0.85, 0.92, 1.0, 1.1, 1.2)     # the slow process's declared slowdown, relative to the calibrated one
@@ -49,9 +49,9 @@ def worker(args):
     import jax
     import numpy as np
     import optax
-    import whalex as wh
     from jax.experimental import multihost_utils
 
+    import whalex as wh
     from whalex.balance.calibrate import _loss_work, calibrate, time_rounds
 
     pid = jax.process_index()

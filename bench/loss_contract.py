@@ -173,7 +173,7 @@ def while_bodies(compiled) -> list[dict]:
         return seen
 
     out = []
-    for c, ls in comps.items():
+    for ls in comps.values():
         for line in ls:
             m = re.search(r" while\(.*body=%?([\w.\-]+)", line)
             if not m:
@@ -380,8 +380,8 @@ def main():
     print("  " + "-" * (len(hdr) - 2))
     for (mode, pname), r in rows.items():
         print(f"  {pname:<7} {mode:<8} {r['a_median_ms']:>8.2f} {r['b_median_ms']:>8.2f} {r['ratio']:>6.3f} "
-              f"{r['overhead_pct']:>+8.1f}% {'[%.3f,%.3f]' % tuple(r['ratio_ci95']):>14} {r['cpu_ratio']:>8.3f} "
-              f"{'[%.3f,%.3f]' % tuple(r['cpu_ratio_ci95']):>14} {r['plain_single_device_a_ms']:>13.2f}")
+              f"{r['overhead_pct']:>+8.1f}% {'[{:.3f},{:.3f}]'.format(*r['ratio_ci95']):>14} {r['cpu_ratio']:>8.3f} "
+              f"{'[{:.3f},{:.3f}]'.format(*r['cpu_ratio_ci95']):>14} {r['plain_single_device_a_ms']:>13.2f}")
     print()
     print("the pre-pass alone (parts.prepass with the plan's PartLoss and loops, as its own jitted program; "
           "'null': a trivial program on the same inputs, the cost of a call):")

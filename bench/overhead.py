@@ -56,7 +56,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import whalex as wh
-from models import MLP          # bench/models.py: a stock Flax MLP
+from models import MLP  # bench/models.py: a stock Flax MLP
 from whalex.core.hlo import KINDS
 
 N_DEV = 8

@@ -132,10 +132,8 @@ from tqdm.auto import tqdm  # noqa: E402
 
 import whalex as wh  # noqa: E402
 
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import single_device_check  # noqa: E402  (--check)
-
 
 # --------------------------------------------------------------------------------------------
 # Model

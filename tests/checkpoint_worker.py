@@ -21,10 +21,10 @@ import numpy as np
 
 
 def main(out: str, steps: int, kill_at: int, sig: str = "KILL"):
-    import whalex as wh                                    # joins the process group (whalex.launch env)
     import jax
 
     import launch_worker
+    import whalex as wh  # joins the process group (whalex.launch env)
 
     i, nproc = jax.process_index(), jax.process_count()
     restart = int(os.environ.get("WHALEX_RESTART_COUNT", "0"))

@@ -10,13 +10,13 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import importlib.util  # noqa: E402
+import tempfile  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import pytest  # noqa: E402
-import tempfile  # noqa: E402
+
 # one compilation cache for the whole run, shared by pytest-xdist's workers (the same programs
 # compile once, not once per worker); a fresh directory per run
 _run = os.environ.get("PYTEST_XDIST_TESTRUNUID")

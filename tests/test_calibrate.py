@@ -7,14 +7,13 @@ import warnings
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 import whalex as wh
 from models import plain_model
 from test_launch import child_env, run_launch
-import optax
-
-from whalex.balance.calibrate import Measurement, affine, faster, resolved, calibrate, group_speeds, measure, summarize
+from whalex.balance.calibrate import Measurement, affine, calibrate, faster, group_speeds, measure, resolved, summarize
 
 # medians and spreads measured on the 8 simulated CPU devices of this machine (size 128, 5 rounds):
 # identical devices, 28 to 53 GFLOP/s apart, each with a large spread

@@ -9,7 +9,6 @@ from conftest import HETERO, adam, assert_matches
 from models import flax_model, plain_model
 
 
-
 @pytest.mark.parametrize("builder", [plain_model, flax_model])
 def test_balanced_data_parallel_matches_single_device(builder):
     loss_fn, params, batch = builder("dp", "ctx")
@@ -136,10 +135,10 @@ def test_even_split_head_on_a_homogeneous_cluster_uses_plain_sharding():
 def test_memory_model_predicts_xla_memory_analysis():
     """The per-device activation model (a line through XLA's temp bytes at 16 and 64 rows)
     predicts the compiled temp memory at another batch size."""
-    from whalex.planner.common import micro_batch
     from whalex.balance.cost import activation_model, temp_bytes
     from whalex.core.capture import capture
     from whalex.core.interpret import make_evaluator
+    from whalex.planner.common import micro_batch
     loss_fn, params, batch = plain_model("dp", "ctx")
 
     def make(rows):
@@ -205,6 +204,7 @@ def test_power_of_two_batch_follows_a_two_to_one_split(b):
     unit gave 5:3 at 4096), the parts cover every row once, the gradient is one all-reduce operand,
     and training equals one device (SGD)."""
     import optax
+
     from hlo import shapes_of
     loss_fn, params, batch = _mlp_problem(b)
     cluster = wh.Cluster(devices=jax.devices()[:2]).with_speeds([2e12, 1e12])

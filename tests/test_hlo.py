@@ -1,12 +1,11 @@
 """Acceptance 2: the split head is really sharded and its gradient is never all-reduced (read from HLO)."""
-import jax
 import optax
 import pytest
 
 import whalex as wh
 from conftest import adam
 from hlo import collectives, shapes_of
-from models import B, CLASSES, D_HID, flax_model, plain_model
+from models import CLASSES, D_HID, B, flax_model, plain_model
 
 
 def _compiled_text(loss_fn, params, batch, **kw):

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import whalex as wh
-from whalex.balance.profile import taskgraph_flops, taskgraph_eqns
+from whalex.balance.profile import taskgraph_eqns, taskgraph_flops
 from whalex.core.interpret import subgraph_functions, subgraph_key
 from whalex.errors import ClusterError
 

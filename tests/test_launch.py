@@ -7,15 +7,18 @@ is NaN). Losses and parameters must match single-device training in this process
 """
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
 import pytest
 
-from conftest import reference_train, rel_err
 import launch_worker as worker
+import restart_worker
+from conftest import reference_train, rel_err
 
 HERE = pathlib.Path(__file__).parent
 ROOT = HERE.parent
@@ -168,12 +171,7 @@ def test_touching_devices_before_joining_is_a_clear_error():
     assert "raised: this is process 1 of 2" in r.stdout and "maybe_initialize()" in r.stdout
 
 
-# ---- restarts and heartbeats (issue 11 item 5) ---------------------------------------------------
-
-import signal
-import time
-
-import restart_worker
+# ---- restarts and heartbeats ---------------------------------------------------------------------
 
 
 def start_launch(args, env, out_dir):

@@ -240,7 +240,7 @@ def test_moe_transformer_example_trains_and_matches_single_device():
 def test_giant_style_plan_on_an_abstract_cluster_memory_and_lowering():
     """Example 5 planned for 64 abstract V100s from shapes only; memory model checked by hand."""
     import optax
-    e, n, d, h, seq = 128, 64, 64, 256, 32
+    e, n, seq = 128, 64, 32
     model = Block(experts=e, split=n, k=2, capacity_factor=1.25)
     x = jax.ShapeDtypeStruct((n, seq, D_IN), jnp.float32)
     params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, seq, D_IN))))["params"]

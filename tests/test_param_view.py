@@ -2,13 +2,12 @@
 own storage (padded uneven head shards) unpack on read and pack on replace. Pipelines store the
 caller's pytree itself (spread over every device) and pack stage rows inside the step."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 import whalex as wh
-from conftest import HETERO, rel_err, reference_train
+from conftest import HETERO, reference_train, rel_err
 from test_hetero import _head_model
 from test_pipeline import _plain, _two_stage
 

@@ -10,8 +10,8 @@ import numpy as np
 import optax
 import pytest
 
-import whalex as wh
 import test_auto_parallel as lm_model
+import whalex as wh
 from conftest import adam, assert_matches
 
 WIDTH = lm_model.WIDTH
@@ -52,7 +52,7 @@ def test_split_inside_stages_trains_like_one_device(split_lm, stages, schedule, 
     for i in range(4):
         assert chosen[f"['decoder']['block_{i}']['mlp']['up']['kernel']"] == "SP1 column", chosen
         assert chosen[f"['decoder']['block_{i}']['mlp']['down']['kernel']"] == "SP2 row", chosen
-    assert "mesh (data=%d x stage=%d x model=2)" % (dp, stages) in plan.summary()
+    assert f"mesh (data={dp} x stage={stages} x model=2)" in plan.summary()
     if schedule == "gpipe":                     # the Adam run
         check_checkpoint(step, state, loss_fn, params, batch, tmp_path)
 

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import whalex as wh
-from conftest import rel_err, reference_train, whalex_train
+from conftest import reference_train, rel_err, whalex_train
 
 V, D, T, B = 32, 16, 8, 16          # vocabulary, width, sequence length, global batch
 

@@ -8,7 +8,7 @@ import pytest
 
 import whalex as wh
 from conftest import adam, assert_matches
-from test_gpt import D, LAYERS, SEQ, VOCAB, Block, loss_fn, problem
+from test_gpt import LAYERS, SEQ, VOCAB, Block, D, loss_fn, problem
 from whalex.core.capture import capture
 from whalex.core.flops import training_flops
 from whalex.memory import vjp_residual_bytes

@@ -12,8 +12,8 @@ import optax
 import pytest
 
 import whalex as wh
-from whalex import _compat as C
 from conftest import adam, reference_train, rel_err
+from whalex import _compat as C
 
 B, L, D, H = 16, 6, 16, 64
 # the mesh is (data 4, model 2): model position 0 holds the V100s, position 1 the T4s
@@ -159,8 +159,8 @@ def test_other_stock_layers_keep_even_shards_and_train_exactly(model):
 
 def test_fused_regions_match_the_ops_and_keep_their_taskgraph():
     """The rewritten capture: one named call per layer, the same loss at the example batch."""
-    from whalex.mesh.virtual import mesh_layout, virtual_devices
     from whalex.memory.precision import capture
+    from whalex.mesh.virtual import mesh_layout, virtual_devices
     from whalex.planner.patterns.stock import fuse_stock_layers
 
     class Both(nn.Module):

@@ -18,9 +18,7 @@ from whalex.memory.remat import RematPlan, summary_lines
 from whalex.mesh.cluster import Cluster
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
 from whalex.primitives.config import Config
-from whalex.view import html as view_html
-from whalex.view import sections as view_sections
-from whalex.view import text as view_text
+from whalex.view import html as view_html, sections as view_sections, text as view_text
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -44,7 +45,7 @@ class TrainState:
         """The parameters as the caller's pytree, whatever the plan stores."""
         return self.stored_params if self.view is None else self.view.unpack(self.stored_params)
 
-    def replace(self, **updates) -> "TrainState":
+    def replace(self, **updates) -> TrainState:
         """`dataclasses.replace`; `params=` takes the caller's pytree (packed per `view`)."""
         if "params" in updates:
             params = updates.pop("params")

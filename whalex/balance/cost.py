@@ -8,7 +8,7 @@ compiled forward+backward at two batch sizes (the slope), not estimated.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Generator, Hashable, Sequence
+from collections.abc import Callable, Generator, Hashable, Sequence
 
 import numpy as np
 

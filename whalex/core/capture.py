@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
 
-from whalex import _compat as C
-from whalex import validate
+from whalex import _compat as C, validate
 from whalex.errors import PlanError
 from whalex.primitives.config import DEFAULTS
 from whalex.primitives.scopes import Strategy, parse_scope, recording_default

@@ -6,7 +6,8 @@ emits the collectives. Calls are entered so constraints inside them apply too.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np

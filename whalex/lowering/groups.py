@@ -10,14 +10,13 @@ split head) run as planned. docs/architecture.md#how-a-step-is-built
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from whalex.core.segments import Segment, run_segments, segment_function, segments
 from whalex.memory.remat import RematPlan, comm_overrides, remat_segment, with_offload
-
 
 SHARDS = "whalex_model_shards"      # the vmap axis of the model shards
 

@@ -11,7 +11,7 @@ every parameter); on 8 CPU devices both cost the same time, the all-to-all less 
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp

@@ -19,7 +19,6 @@ from whalex.core.program import MemoryOptions, StateLayout
 from whalex.core.shardings import opt_state_specs
 from whalex.memory import zero
 
-
 OFFLOADED = "offload to pinned_host"     # the `Share.by` of state kept in host memory between steps
 
 

@@ -2,7 +2,7 @@
 after partitioning and fuses element-wise values into element-wise users, recomputing them there."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from whalex import _compat as C
 from whalex.memory.flat import Op, aval_bytes, flatten

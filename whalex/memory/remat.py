@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -35,9 +36,7 @@ from whalex.core.flops import training_flops
 from whalex.core.primitives import REDUCTIONS
 from whalex.core.segments import Segment, run_segments, segment_function, segments
 from whalex.errors import PlanError
-from whalex.memory import offload as offload_lib
-from whalex.memory import plan_memory, vjp_residual_bytes as residual_bytes
-from whalex.memory import precision as pr
+from whalex.memory import offload as offload_lib, plan_memory, precision as pr, vjp_residual_bytes as residual_bytes
 from whalex.memory.layers import find_layers
 from whalex.memory.precision import Precision, describe, local_captures
 

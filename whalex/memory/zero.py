@@ -11,7 +11,7 @@ with `shard_map` use `scatter_sum` and `gather` for the explicit reduce-scatter 
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np

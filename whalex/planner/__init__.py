@@ -12,11 +12,11 @@ by its own module and handed to lowering with every decision already made:
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 from whalex.balance.partition import auto_stages
-from whalex.errors import PlanError
 from whalex.core.schedules import make_schedule
+from whalex.errors import PlanError
 from whalex.memory.precision import amp_loss
 from whalex.plan import Plan
 from whalex.planner.common import Request, check_optimizer, refuse_host_memory_without_it, refuse_unbuilt, resolve

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -15,7 +16,7 @@ from whalex.core.capture import _dtype
 from whalex.core.part_loss import PartLoss
 from whalex.core.parts import WAY_OUT, analyse
 from whalex.errors import PlanError
-from whalex.memory.precision import capture     # capture: amp casts moved to their first use
+from whalex.memory.precision import capture  # capture: amp casts moved to their first use
 from whalex.memory.remat import configure
 from whalex.mesh.cluster import Cluster
 from whalex.planner.xla_fit import fit_compiled

@@ -20,8 +20,7 @@ from whalex.balance import cost
 from whalex.balance.algorithm import balance, even
 from whalex.balance.profile import taskgraph_flops
 from whalex.core.align import refusal
-from whalex.core.batch_dependence import analyse as batch_dependence
-from whalex.core.batch_dependence import shape_of, traces_alike
+from whalex.core.batch_dependence import analyse as batch_dependence, shape_of, traces_alike
 from whalex.errors import PlanError
 from whalex.lowering.step import Program
 from whalex.lowering.uneven import UnevenProgram

@@ -13,15 +13,15 @@ from whalex.balance.partition import layer_key, stage_devices
 from whalex.core.align import refusal
 from whalex.core.batch_dependence import traces_alike
 from whalex.core.comm import Comm, ring_bytes
-from whalex.errors import PlanError
-from whalex.planner.patterns import plan_shardings
-from whalex.lowering.pipeline import DATA, MODEL, STAGE, PipelineProgram
 from whalex.core.schedules import make_schedule
+from whalex.errors import PlanError
+from whalex.lowering.pipeline import DATA, MODEL, STAGE, PipelineProgram
 from whalex.memory import MemoryOptions
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
 from whalex.plan import Plan
 from whalex.planner.assemble import Row, Work, assemble
 from whalex.planner.common import Request, configure_memory, loss_parts
+from whalex.planner.patterns import plan_shardings
 from whalex.planner.stage_cut import cut_stages
 from whalex.primitives.scopes import Strategy
 

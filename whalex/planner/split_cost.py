@@ -62,7 +62,7 @@ def split_costs(report: BalanceReport, calls: tuple[UnevenCall, ...], cap, clust
     rest = _rest_flops(cap, calls) / cluster.size
     fixed = cluster.overhead if getattr(cluster, "overhead", None) is not None else None
     shared, bandwidths = [], []
-    for j, d in enumerate(report.devices):
+    for d in report.devices:
         spec = specs[d.kind]
         bandwidths.append(spec.bandwidth * min(1.0, d.speed / spec.fp32_flops))
         shared.append(rest / d.speed + comm + (max(fixed) if fixed else 0.0))

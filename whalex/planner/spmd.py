@@ -5,7 +5,7 @@ data parallelism as explicit collectives."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from jax.sharding import PartitionSpec as P
@@ -14,26 +14,26 @@ from whalex import _compat as C
 from whalex.balance import cost
 from whalex.balance.algorithm import balance
 from whalex.balance.profile import taskgraph_flops
-from whalex.core.part_loss import PartLoss
 from whalex.core.batch_dependence import source
+from whalex.core.names import parse_attention_name, parse_mlp_name
+from whalex.core.part_loss import PartLoss
 from whalex.core.parts import analyse
 from whalex.errors import PlanError
-from whalex.lowering.padding import EvenPadding
-from whalex.planner.patterns import plan_shardings
-from whalex.planner.patterns.stock import fuse_stock_layers
-from whalex.planner.split_cost import lowered_split_report
 from whalex.lowering.groups import ShardGroups, runs_per_shard, same_outputs
+from whalex.lowering.padding import EvenPadding
 from whalex.lowering.step import Program
 from whalex.lowering.uneven import UnevenProgram
 from whalex.lowering.uneven_split import UnevenCall, UnevenColumns, uneven_overrides
 from whalex.memory import MemoryOptions, zero, zero_sharded
 from whalex.mesh.virtual import DATA, mesh_layout, virtual_devices
 from whalex.moe.parallel import expert_overrides
-from whalex.core.names import parse_attention_name, parse_mlp_name
 from whalex.ops import HEAD_NAME
 from whalex.plan import Plan
 from whalex.planner.assemble import Work, assemble, taskgraph_rows
 from whalex.planner.common import Request, configure_memory, loss_parts
+from whalex.planner.patterns import plan_shardings
+from whalex.planner.patterns.stock import fuse_stock_layers
+from whalex.planner.split_cost import lowered_split_report
 
 
 def spmd_plan(req: Request, cap, report=None) -> Plan:

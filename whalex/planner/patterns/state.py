@@ -3,7 +3,7 @@ decided splits, and what the walk has decided (constraints, pattern choices, col
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
