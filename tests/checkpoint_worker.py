@@ -1,4 +1,4 @@
-"""Helper for tests/test_launch.py's checkpoint-restart tests (issue 11, acceptance 3 and 4): one process of
+"""Helper for tests/test_launch.py's checkpoint-restart tests: one process of
 `python -m whalex.launch -n N --restarts K [--min-processes P] ... checkpoint_worker.py OUT_DIR STEPS KILL_AT [SIG]`.
 
 Trains launch_worker's MLP (Adam) with wh.parallelize over every process's devices and saves a

@@ -1,4 +1,4 @@
-"""Issue 13, Build 4: auto_parallel finds repeated blocks at any depth of the module tree (a
+"""auto_parallel finds repeated blocks at any depth of the module tree (a
 TransformerLM-like model: blocks under `decoder/`, attention and MLP under each block), balances
 the stages' FLOPs, names the blocks in the plan, and trains like one device."""
 import flax.linen as nn

@@ -1,4 +1,4 @@
-"""Acceptance 5: each bad input in docs/errors.md raises the documented error, and loses nothing."""
+"""Each bad input in docs/errors.md raises the documented error, and loses nothing."""
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -1,4 +1,4 @@
-"""Issue 25, Build 4: training FLOPs counted from the jaxpr (whalex.core.flops), checked against XLA
+"""Training FLOPs counted from the jaxpr (whalex.core.flops), checked against XLA
 CPU's cost analysis of the same forward + vjp, and counted without lowering anything."""
 import flax.linen as nn
 import jax

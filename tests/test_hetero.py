@@ -1,4 +1,4 @@
-"""Issue 4: hardware-aware balance on a declared heterogeneous cluster (8 simulated devices)."""
+"""Hardware-aware balance on a declared heterogeneous cluster (8 simulated devices)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -156,7 +156,7 @@ def test_memory_model_predicts_xla_memory_analysis():
         assert abs(predicted - temp_bytes(*make(rows))) / temp_bytes(*make(rows)) < 0.10
 
 
-# ---- issue 12, Build 1: loads at a fine grain (full chunks plus binary remainder chunks) ----------------
+# ---- loads at a fine grain (full chunks plus binary remainder chunks) ----------------
 
 @pytest.mark.parametrize("ratio", [2.0, 3.0, 15.7 / 8.1, 1.3])
 @pytest.mark.parametrize("devices", [2, 8])

@@ -1,4 +1,4 @@
-"""Acceptance 2: the split head is really sharded and its gradient is never all-reduced (read from HLO)."""
+"""The split head is really sharded and its gradient is never all-reduced (read from HLO)."""
 import optax
 import pytest
 

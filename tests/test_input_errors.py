@@ -1,4 +1,4 @@
-"""Issue 28, Build 3: inputs a new user gets wrong each get a whalex error naming the argument (down to
+"""Inputs a new user gets wrong each get a whalex error naming the argument (down to
 the leaf) and the fix, raised before anything is placed or donated; a TrainState from another step of
 the same parameters is re-laid out to this step's plan, exactly; launcher argument errors exit 2."""
 import subprocess

@@ -1,4 +1,4 @@
-"""Issue 10: model state (BatchNorm statistics) and randomness (dropout) under every plan.
+"""Model state (BatchNorm statistics) and randomness (dropout) under every plan.
 
 Plans that see the whole batch keep global statistics (synchronised BatchNorm) and one device's
 dropout masks. Plans that evaluate the loss in parts refuse a BatchNorm in training mode by name,

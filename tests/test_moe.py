@@ -1,4 +1,4 @@
-"""Issue 5: the MoE layer (routing rule, dense equivalence) and expert parallelism under split."""
+"""The MoE layer (routing rule, dense equivalence) and expert parallelism under split."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""Issue 27, Build 2: offload="params" per layer (ZeRO-Offload style). Parameters stay in pinned host
+"""`offload="params"` per layer (ZeRO-Offload style). Parameters stay in pinned host
 memory; each layer fetches its own for its forward pass and again for its backward pass, so no
 device copy of a parameter is kept from one to the other, and training equals one device."""
 import collections

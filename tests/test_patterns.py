@@ -1,4 +1,4 @@
-"""Acceptance 3: both matmul patterns, the embedding patterns, chosen by communication cost."""
+"""Both matmul patterns, the embedding patterns, chosen by communication cost."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp

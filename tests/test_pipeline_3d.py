@@ -1,4 +1,4 @@
-"""Issue 13, Build 1: pipeline x tensor x data (3D) parallelism. `wh.split(2)` inside the stages of an
+"""Pipeline x tensor x data (3D) parallelism. `wh.split(2)` inside the stages of an
 auto_parallel pipeline gives a ('data', 'stage', 'model') mesh: the stages are manual inside one
 shard_map, the split layers are sharded over `model` by the same sharding patterns as a GSPMD plan
 (Megatron's column-then-row MLP falls out), each model device holds its block of the split weights,

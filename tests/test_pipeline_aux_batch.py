@@ -1,4 +1,4 @@
-"""Issue 13, Builds 5 and 6: `has_aux` in pipelines, and each stage device holds only its batch leaves.
+"""`has_aux` in pipelines, and each stage device holds only its batch leaves.
 
 A tiny language model on padded sequences (token-weighted cross-entropy, some rows all padding) in
 2 and 4 stages, both schedules, SGD and Adam, against single-device training; its aux has

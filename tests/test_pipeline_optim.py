@@ -1,4 +1,4 @@
-"""Issue 13, Builds 2 and 3: pipelines train exactly with any optax transformation (factored, masked,
+"""Pipelines train exactly with any optax transformation (factored, masked,
 multi_transform, global-norm clipping) and with tied parameters (one embedding read by the first
 stage's lookup and the last stage's logits), against single-device training of the same model."""
 import jax

@@ -1,4 +1,4 @@
-"""Issue 15: the plan's notebook view, pictures, short repr, schedule picture and measured-vs-predicted.
+"""The plan's notebook view, pictures, short repr, schedule picture and measured-vs-predicted.
 
 The four plans are tools/render_plans.py's (hybrid, pipeline, heterogeneous, MoE), built once.
 """

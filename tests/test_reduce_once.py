@@ -1,4 +1,4 @@
-"""Gradient accumulation reduces the gradients once a step, not once per micro-batch (issue 28).
+"""Gradient accumulation reduces the gradients once a step, not once per micro-batch.
 
 The compiled HLO of a micro-batched GSPMD step is read for its gradient collectives (results shaped
 like a parameter, possibly with a leading per-shard dimension of 1), a collective inside a `while`

@@ -1,4 +1,4 @@
-"""Issue 14: `split` shards transformer layers. Attention heads (linen MultiHeadDotProductAttention,
+"""`split` shards transformer layers. Attention heads (linen MultiHeadDotProductAttention,
 nnx.MultiHeadAttention, grouped-query attention, a fused qkv kernel) and an einsum-written MLP,
 under split(2), split(4) and split(8) (nested data parallelism on the rest of the 8 devices):
 training equals single-device training (SGD and Adam, a token-weighted loss on a padded batch),

@@ -1,4 +1,4 @@
-"""Issue 28 (Build 4): stock Flax layers get uneven shards on a heterogeneous model axis. A stock
+"""Stock Flax layers get uneven shards on a heterogeneous model axis. A stock
 `nn.Dense` MLP (Dense -> gelu -> Dense) and a stock `nn.MultiHeadDotProductAttention` under
 `wh.split(2)`, on a cluster whose two model positions are V100s and T4s: the planner finds them in
 the captured program and runs them as `wh.ops.mlp` / `wh.ops.attention` do (hidden units and heads in

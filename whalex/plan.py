@@ -385,8 +385,8 @@ class Plan:
 
 
 def _plot_view():
-    """whalex.view.plot, imported on first use: it imports matplotlib, which would add 0.55-0.60 s to
-    `import whalex` (measured on the 2-core dev machine: import whalex 1.9-2.3 s, then whalex.view.plot
-    0.55-0.60 s, matplotlib 3.11), a cost users who never plot should not pay."""
+    """whalex.view.plot, imported on first use: it imports matplotlib, which would add a quarter to
+    the time of `import whalex` (docs/architecture.md#layers-and-data-flow), a cost users who never
+    plot should not pay."""
     from whalex.view import plot
     return plot

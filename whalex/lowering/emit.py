@@ -144,7 +144,7 @@ class Emitter(CallerLayout):
         offloaded = self.memory_options.offloads("params")
         read = lambda p: self.unpack_params(offload.fetch(p, compute) if offloaded else p)  # noqa: E731
         # each caller leaf spread over every device (its largest divisible dimension): one copy of the
-        # parameters in all, and 2.9x faster to produce than replicated leaves (bench/params_view.py)
+        # parameters in all, and faster to produce than replicated leaves (bench/params_view.py)
         spread = lambda s: NamedSharding(self.mesh, spread_spec(s.shape, self.mesh))  # noqa: E731
         unpack = jax.jit(read, out_shardings=jax.tree.map(spread, jax.eval_shape(self.unpack_params,
                                                                                  self.param_shapes())))

@@ -22,8 +22,8 @@ from whalex.core.collectives import fused_all_gather, fused_psum
 
 
 def pad_to(x, n: int):
-    """The 1-D `x` followed by zeros to length `n`, as a concatenated zero block: XLA CPU ran the
-    equivalent `jnp.pad` in the pipeline step as one 60-97 ms loop fusion per step."""
+    """The 1-D `x` followed by zeros to length `n`, as a concatenated zero block: XLA CPU runs the
+    equivalent `jnp.pad` in the pipeline step as a slow loop fusion (docs/benchmarks.md)."""
     if x.shape[0] == n:
         return x
     return jnp.concatenate([x, jnp.zeros((n - x.shape[0],), x.dtype)])

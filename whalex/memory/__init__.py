@@ -1,4 +1,5 @@
-"""Memory optimizations of the training state (issue 6): ZeRO levels and host offload.
+"""Memory optimizations of the training state and their accounting: ZeRO, remat, precision, host
+offload, and the predicted per-device peak.
 
 `MemoryOptions` (a plain record, defined in `whalex.core.program`) is what a program needs from
 `wh.Config` to lay out and update its state; `plan_memory` turns a program's `StateLayout` (its

@@ -126,7 +126,7 @@ OFFLOAD_TARGETS = ("opt_state", "params", "activations")
 
 
 def _validate_memory_options(cfg: Config) -> None:
-    """Issue-6 options: ZeRO level, remat, amp, gradient communication dtype, offload."""
+    """Memory options: ZeRO level, remat, amp, gradient communication dtype, offload."""
     if cfg.remat is not None and cfg.remat not in REMAT_MODES and not (
             isinstance(cfg.remat, str) and hasattr(jax.checkpoint_policies, cfg.remat)):
         names = [n for n in dir(jax.checkpoint_policies) if not n.startswith("_")]
