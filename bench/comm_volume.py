@@ -307,9 +307,11 @@ def main():
                 print(f"  N={r['n']:<3} {mode:<7} {desc}")
         if args.micro_batches:
             print()
-            print(f"Gradient collectives per step with gradient accumulation (global batch {max(args.micro_batches)} x N; "
+            print(f"Gradient collectives per step with gradient accumulation "
+                  f"(global batch {max(args.micro_batches)} x N; "
                   "a collective in the micro-batch loop counted once per trip):")
-            print(f"  {'N':>3}  {'mode':<7} {'M':>3}  {'count':>6}  {'grad bytes/step':>15}  {'in loops':>12}  plan says")
+            print(f"  {'N':>3}  {'mode':<7} {'M':>3}  {'count':>6}  {'grad bytes/step':>15}  {'in loops':>12}  "
+                  "plan says")
             for r in results:
                 for mode in ("dp", "hybrid"):
                     for row in r["modes"][mode].get("micro_batches", []):
@@ -338,7 +340,8 @@ def main():
                      "hybrid_ring_bytes": r["modes"]["hybrid"]["ring_bytes"],
                      "ring_reduction_pct": _red(r["modes"]["dp"]["ring_bytes"], r["modes"]["hybrid"]["ring_bytes"]),
                      "grad_bytes_per_step_by_micro_batches": {
-                         mode: {str(row["num_micro_batch"]): row["bytes"] for row in r["modes"][mode].get("micro_batches", [])}
+                         mode: {str(row["num_micro_batch"]): row["bytes"]
+                                for row in r["modes"][mode].get("micro_batches", [])}
                          for mode in ("dp", "hybrid")}}
                     for r in results],
            "details": results, "failures": {str(k): v for k, v in failures.items()},

@@ -509,7 +509,8 @@ def main():
     table = []
     for r in rows:
         t = f"{r['plan_seconds']:.1f} s" + (f" + {r['plan_seconds_even']:.1f} s" if "plan_seconds_even" in r else "")
-        table.append([r["model"], r["setup_short"], f"{r['predicted_speedup']:.3f}x", r["paper_speedup"], r["split"], t])
+        table.append([r["model"], r["setup_short"], f"{r['predicted_speedup']:.3f}x", r["paper_speedup"], r["split"],
+                      t])
     for line in _table(head, table):
         print("  " + line)
     print()

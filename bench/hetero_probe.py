@@ -106,11 +106,13 @@ def main(argv):
         c = r["curve_s"]
         print(f"\n{r['hogs']} busy loop(s), batch {r['batch']}: local step, ms (us per row)")
         for p in range(2):
-            print(f"  process {p}: " + "  ".join(f"{n}: {1e3 * t:.1f} ({1e6 * t / n:.0f})" for n, t in zip(r["sizes"], c[p])))
+            print(f"  process {p}: " + "  ".join(f"{n}: {1e3 * t:.1f} ({1e6 * t / n:.0f})"
+                                                 for n, t in zip(r["sizes"], c[p])))
         print("  slow/fast per size: " + "  ".join(f"{n}: {b / a:.2f}" for n, a, b in zip(r["sizes"], c[0], c[1])))
         best = min(r["sweep"], key=lambda s: s["median_s"])
         cal = next(s for s in r["sweep"] if s["factor"] == 1.0)
-        print(f"  calibrated ratio {r['speed_ratio']:.2f}, fixed ms per step {[round(1e3 * o, 1) for o in r['overhead']]}")
+        print(f"  calibrated ratio {r['speed_ratio']:.2f}, "
+              f"fixed ms per step {[round(1e3 * o, 1) for o in r['overhead']]}")
         for s in r["sweep"]:
             mark = " <- calibrated" if s["factor"] == 1.0 else ""
             mark += " <- fastest" if s is best else ""

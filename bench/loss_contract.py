@@ -354,8 +354,9 @@ def main():
                            "prepass_minus_null_pct_of_step_b": (p_ms - n_ms) / step_b * 100,
                            "hlo": alone[pname]["hlo"], "while_loops": alone[pname]["while_loops"]}
 
-    print(f"loss-contract pre-pass benchmark: {N_DEV} simulated CPU devices ({platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cores shared; load average {load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end), "
+    print(f"loss-contract pre-pass benchmark: {N_DEV} simulated CPU devices "
+          f"({platform.processor() or platform.machine()}, {os.cpu_count()} cores shared; "
+          f"load average {load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end), "
           f"jax {jax.__version__}")
     print(f"model: GPT (Flax nn.Embed + {args.layers} x [LayerNorm, nn.SelfAttention(causal), Dense MLP] + Dense), "
           f"vocab {args.vocab}, d {args.d}, {args.heads} heads, {n_params:,} params, SGD({args.lr})")
@@ -369,8 +370,8 @@ def main():
         print(f"  {name:<8} pre-pass {'yes' if c['has_prepass'] else 'no ':<3} loss {c['loss']:.6f} (single device "
               f"{c['single_device_loss']:.6f}, rel {c['loss_rel_err']:.0e}), SGD update rel err "
               f"{c['sgd_update_rel_err']:.0e}, rows/device {c['rows_per_device']}")
-        print(f"  {'':<8} HLO: {h['while']} while, {h['dot']} dot, {h['all-reduce']} all-reduce, flops {h['flops']:.4e}; "
-              f"loops: {loop_text(c['while_loops'])}")
+        print(f"  {'':<8} HLO: {h['while']} while, {h['dot']} dot, {h['all-reduce']} all-reduce, "
+              f"flops {h['flops']:.4e}; loops: {loop_text(c['while_loops'])}")
     print()
     print(f"timing: {args.rounds} ('program') and {args.step_rounds} ('step') interleaved rounds, one call per variant "
           "per round, rotating order, block_until_ready after each; medians (ms); 95% CI: bootstrap")
@@ -418,7 +419,8 @@ def main():
         "batch": {"sequences": args.batch, "tokens": args.seq, "all_padding_rows": args.pad_rows,
                   "real_target_tokens": real_tokens},
         "losses": {"a": "sum(ce*w)/sum(w), w = targets > 0 (pre-pass)", "b": "ce.mean() (no pre-pass)"},
-        "plans": {"uneven": f"Cluster(kinds=[{HETERO[0]!r}]*4 + [{HETERO[-1]!r}]*4)", "micro4": "Config(num_micro_batch=4)"},
+        "plans": {"uneven": f"Cluster(kinds=[{HETERO[0]!r}]*4 + [{HETERO[-1]!r}]*4)",
+                  "micro4": "Config(num_micro_batch=4)"},
         "method": "interleaved rounds (rotating order, modes shuffled in time), one call per variant per round, "
                   "per-call wall time (and process CPU time) with block_until_ready, medians; 95% CI: bootstrap of "
                   "the ratio of medians; 'program' mode: compiled whalex step on a batch placed by the plan; 'step' "

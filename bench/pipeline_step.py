@@ -204,8 +204,9 @@ def main():
     print(f"  {'model':<22} {'pipeline ms':>11} {'plain ms':>9} {'ratio':>6}")
     for r in rows:
         print(f"  {r['model']:<22} {r['pipeline_ms']:>11.2f} {r['plain_ms']:>9.2f} {r['ratio']:>6.2f}")
-    path = harness.write_result(f"pipeline_step_{args.label}", {"label": args.label, "rows": rows, "jax": jax.__version__,
-                                                                "cpu_count": os.cpu_count()}, args.out)
+    path = harness.write_result(f"pipeline_step_{args.label}", {"label": args.label, "rows": rows,
+                                                                "jax": jax.__version__, "cpu_count": os.cpu_count()},
+                                args.out)
     print(f"wrote {path}")
 
 

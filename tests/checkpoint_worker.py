@@ -9,9 +9,9 @@ whatever plan or process count saved it) or starts fresh (`step.init`).
 
 On the first start (WHALEX_RESTART_COUNT=0) the last process sends itself SIG (KILL, or STOP: a hung
 worker, which only the launcher's heartbeat timeout detects) right after step KILL_AT's checkpoint is
-committed (every process waits for it: `wait_until_finished`), so the restart resumes from step KILL_AT. Every start is appended to OUT_DIR/starts_{i}.txt
-("restart nproc first_step devices pid"); at the end process 0 writes OUT_DIR/result.npz
-(losses of this start, param_*, steps).
+committed (every process waits for it: `wait_until_finished`), so the restart resumes from step KILL_AT.
+Every start is appended to OUT_DIR/starts_{i}.txt ("restart nproc first_step devices pid"); at the end
+process 0 writes OUT_DIR/result.npz (losses of this start, param_*, steps).
 """
 import os
 import signal

@@ -2,8 +2,9 @@
 import os
 
 # --xla_backend_optimization_level=0: LLVM without its optimisation passes. The suite's models are tiny, so
-# compiling is most of its time, and the suite takes about 30% less (docs/benchmarks.md). Results differ from the default level in the last bits (LLVM fuses multiply-adds at -O2), but whalex
-# and the single-device reference it is compared with are compiled alike, under the same tolerances.
+# compiling is most of its time, and the suite takes about 30% less (docs/benchmarks.md). Results differ from
+# the default level in the last bits (LLVM fuses multiply-adds at -O2), but whalex and the single-device
+# reference it is compared with are compiled alike, under the same tolerances.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
                            " --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -78,7 +78,8 @@ class Gpt(nn.Module):
 def mlp():
     model = Mlp()
     rng = np.random.default_rng(0)
-    batch = {"x": rng.standard_normal((64, 128)).astype(np.float32), "y": rng.standard_normal((64, 10)).astype(np.float32)}
+    batch = {"x": rng.standard_normal((64, 128)).astype(np.float32),
+             "y": rng.standard_normal((64, 10)).astype(np.float32)}
     params = model.init(jax.random.key(0), batch["x"][:1])["params"]
     return (lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)), params, batch
 

@@ -264,7 +264,8 @@ def test_giant_style_plan_on_an_abstract_cluster_memory_and_lowering():
     assert abs(fit.plain.opt_state - 2 * fit.plain.params) < 16      # Adam: mu and nu
     assert fit.plain.activations > 0 and fit.fits and fit.needs == ()
     # the plain footprint is the model's, whatever memory options the plan itself uses
-    opts = wh.plan(loss_fn, params, batch, optimizer=optax.adam(1e-3), config=wh.Config(zero_level=1, offload="opt_state"),
+    opts = wh.plan(loss_fn, params, batch, optimizer=optax.adam(1e-3),
+                   config=wh.Config(zero_level=1, offload="opt_state"),
                    cluster=wh.Cluster.abstract(kinds=["V100-32GB"] * n))
     assert opts.memory_fit().plain == fit.plain
     # on a (made-up) tiny device the ladder says what it would take

@@ -140,6 +140,6 @@ def test_padding_a_split_dimension_inside_a_stage_is_refused_by_name(monkeypatch
     monkeypatch.setattr(lm_model, "Mlp", Odd)
     loss_fn, params, batch = lm_model.lm(num_blocks=2, batch=8)
     config = wh.Config(auto_parallel=True, num_task_graph=2, num_micro_batch=2)
-    with pytest.raises(wh.PlanError, match=r"split\(2\) inside a pipeline stage would pad .*\['odd'\]\['(kernel|bias)'\].*"
-                                           r"which 2 does not divide"):
+    with pytest.raises(wh.PlanError, match=r"split\(2\) inside a pipeline stage would pad "
+                                           r".*\['odd'\]\['(kernel|bias)'\].*which 2 does not divide"):
         wh.plan(loss_fn, params, batch, config=config)

@@ -94,7 +94,8 @@ SHAPES = [tuple(x.shape) for x in jax.tree.leaves(params0())]
 def test_hlo_reader_counts_loop_trips():
     """The reader multiplies a while body's collectives by its trip count (so the tests below could fail):
     the hybrid's activation collectives run once per micro-batch."""
-    per_step = [sum(trips for c, trips in hlo.looped_collectives(compiled("hybrid", m)[1]) if trips > 1) for m in (4, 16)]
+    per_step = [sum(trips for c, trips in hlo.looped_collectives(compiled("hybrid", m)[1]) if trips > 1)
+                for m in (4, 16)]
     assert per_step[0] > 0 and per_step[1] == 4 * per_step[0]
 
 

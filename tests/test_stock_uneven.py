@@ -185,7 +185,8 @@ def test_fused_regions_match_the_ops_and_keep_their_taskgraph():
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
 
 
-@pytest.mark.parametrize("model,kind", [(StockMLP(), "sgd"), (StockMLP(), "adam"), (StockAttention(causal=True), "sgd")],
+@pytest.mark.parametrize("model,kind",
+                         [(StockMLP(), "sgd"), (StockMLP(), "adam"), (StockAttention(causal=True), "sgd")],
                          ids=["mlp-sgd", "mlp-adam", "attention-sgd"])
 def test_stock_layers_train_exactly_on_a_masked_token_mean(model, kind):
     """The uneven stock layers under a token-masked mean on a padded batch (two rows all padding).

@@ -11,8 +11,9 @@ import jax
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ParamView:
-    """How a plan that stores the parameters in its own layout (padded uneven shards) reads and writes them as the caller's pytree. Compared by identity: a state carries its
-    plan's view as static pytree data, so jit caches and sharding trees match it exactly."""
+    """How a plan that stores the parameters in its own layout (padded uneven shards) reads and writes
+    them as the caller's pytree. Compared by identity: a state carries its plan's view as static pytree
+    data, so jit caches and sharding trees match it exactly."""
 
     unpack: Callable     # stored layout -> the caller's pytree
     pack: Callable       # the caller's pytree -> stored layout, placed per the plan

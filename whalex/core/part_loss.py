@@ -163,7 +163,8 @@ class PartLoss:
         rows = iter(self.sem.row_outputs)
         out = []
         for v, k in zip(outvars, kinds):
-            out.append(jnp.zeros(jg.outvars[next(rows)].aval.shape, v.aval.dtype) if k == "rows" else identity(k, v.aval))
+            out.append(jnp.zeros(jg.outvars[next(rows)].aval.shape, v.aval.dtype) if k == "rows"
+                       else identity(k, v.aval))
         return out
 
     def head(self, inputs: Sequence[Any], given: dict, values: Sequence[Any]) -> list:

@@ -139,7 +139,8 @@ class StepProgram(Protocol):
     def row_ranges(self) -> tuple[tuple[int, int], ...] | None: ...   # per device [start, stop); None: even
 
     # -- the step --------------------------------------------------------------------------------
-    def value_and_grad(self) -> Callable: ...            # (params, batch, extra[, scale]) -> ((loss, aux, state), grads)
+    # (params, batch, extra[, scale]) -> ((loss, aux, state), grads)
+    def value_and_grad(self) -> Callable: ...
     def train_step(self) -> Callable: ...                # (state, batch) -> (state, metrics)
     def grad_step(self) -> Callable: ...                 # (params, batch) -> (loss, grads): no optimizer
     def jitted(self, donate: bool = True) -> Any: ...    # the jitted step with the plan's shardings

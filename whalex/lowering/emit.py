@@ -300,7 +300,8 @@ class Emitter(CallerLayout):
         """The jitted training step, or a loss-and-gradient step when there is no optimizer."""
         replicated = NamedSharding(self.mesh, P())
         if self.optimizer is None:
-            grads = self._param_named(self.zero_specs()) if self.memory_options.zero_level >= 2 else self.param_shardings
+            grads = self._param_named(self.zero_specs()) if self.memory_options.zero_level >= 2 \
+                else self.param_shardings
             return jax.jit(self.grad_step(), in_shardings=(self.stored_param_shardings(), self.batch_shardings),
                            out_shardings=(replicated, grads))
         state = self.state_shardings()

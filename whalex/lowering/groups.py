@@ -116,7 +116,8 @@ def grouped_evaluator(body, inner_body, groups: ShardGroups, constraints: dict, 
             fn = segment_function(body, seg, constraints, mesh, outer)
             fn = _first_copy(fn, [params.get(v) in groups.copied for v in seg.inputs])
         else:
-            fn = _per_shard(segment_function(inner_body, inner, inner_constraints, mesh, inner_ovr), kinds, groups, mesh)
+            fn = _per_shard(segment_function(inner_body, inner, inner_constraints, mesh, inner_ovr), kinds, groups,
+                            mesh)
         parts.append((seg, remat_segment(remat, k, seg, fn) if remat is not None else fn))
     return with_offload(remat, run_segments(body, parts))
 

@@ -202,7 +202,8 @@ def loss_scaled_step(value_and_grad: Callable, build: Callable, period: int) -> 
         new, metrics = build(vg)(state.replace(loss_scale=None), batch)
         finite = box["finite"]
         keep = lambda a, b: jax.tree.map(lambda x, y: jnp.where(finite, x, y), a, b)  # noqa: E731
-        new = new.replace(stored_params=keep(new.stored_params, state.stored_params), opt_state=keep(new.opt_state, state.opt_state),
+        new = new.replace(stored_params=keep(new.stored_params, state.stored_params),
+                          opt_state=keep(new.opt_state, state.opt_state),
                           model_state=keep(new.model_state, state.model_state),
                           loss_scale=ls.adjust(finite, period))
         return new, {**metrics, "loss_scale": ls.scale, "grads_finite": finite}

@@ -210,7 +210,8 @@ class RematPlan:
             line += (f"; decided from XLA's compiled step, {_mib(self.compiled)}/device "
                      f"({self.compiles} compile{'s' if self.compiles > 1 else ''})")
         if self.offload:
-            line = (line + "; " if line else "") + "activations at layer and TaskGraph boundaries offloaded to pinned_host"
+            line = (line + "; " if line else "") + \
+                "activations at layer and TaskGraph boundaries offloaded to pinned_host"
         return line
 
 
@@ -238,7 +239,8 @@ def _mib(n) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def remat_segment(plan: RematPlan, index: int, seg: Segment, fn: Callable, derived: frozenset | None = None) -> Callable:
+def remat_segment(plan: RematPlan, index: int, seg: Segment, fn: Callable,
+                  derived: frozenset | None = None) -> Callable:
     """fn under its segment's checkpoint policy; outputs tagged BOUNDARY when offloading. `derived`
     (not None when fn fetches host-stored parameters, `fetching_segment`): the checkpoint, with the
     level's policy or saving everything, never keeps device copies of those parameters, nor values

@@ -128,7 +128,8 @@ class Cluster:
             raise ClusterError(f"Cluster.gpu_topology(target={target!r}): the target is one of the cluster's kinds "
                                f"({', '.join(dict.fromkeys(s.name for s in specs))}).")
         text = target_config if target_config is not None else gpu_target(target_kind).text()
-        per = _positive_int(devices_per_node) if devices_per_node is not None else min(specs[0].node_devices, len(specs))
+        per = _positive_int(devices_per_node) if devices_per_node is not None else \
+            min(specs[0].node_devices, len(specs))
         if len(specs) % per:
             raise ClusterError(f"Cluster.gpu_topology: {len(specs)} devices do not fill nodes of {per}; declare "
                                "devices_per_node as a divisor of the device count.")

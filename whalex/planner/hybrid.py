@@ -137,7 +137,8 @@ def hybrid_plan(req: Request, full, plan: Plan) -> Plan:
     reason = check_per_sample(rows_program.captured, full, cut)
     if reason is not None:
         return _note(plan, reason)
-    sizes = [chunk] + [s for j, s in enumerate(rows_program.sizes) if any(bits[j] for bits in rows_program.remainder_bits)]
+    sizes = [chunk] + [s for j, s in enumerate(rows_program.sizes)
+                       if any(bits[j] for bits in rows_program.remainder_bits)]
     backbones = []
     for s in sizes:
         part = rows_program.captured if s == chunk else req.capture(s)

@@ -177,10 +177,12 @@ def reduce_once(req: Request, full, m: int, layout, vds, sharding, overrides, pa
         fields.update(shard_groups=groups, shard_parts=inner)
         once += groups.axes
         tgs = ", ".join(f"TG{t}" for t in sorted(groups.taskgraphs))
-        line += f", and per {list(groups.axes)} shard for {tgs} (rows spread over them too), summed over them once a step"
+        line += f", and per {list(groups.axes)} shard for {tgs} (rows spread over them too), " \
+            "summed over them once a step"
         line += inner_why or ""
     elif inner_why:
-        line += f"; replicate TaskGraphs' gradients are still summed over the model axes once per micro-batch: {inner_why}"
+        line += "; replicate TaskGraphs' gradients are still summed over the model axes once per micro-batch: " \
+            f"{inner_why}"
     return fields, (line,), once
 
 
@@ -222,7 +224,8 @@ def model_shards(req: Request, full, layout, vds, unit: PartLoss, readers):
     left = [cap_path for i, cap_path in enumerate(unit.part.param_paths) if readers[i] and set(readers[i]) & tgs
             and i not in copied]
     note = (f"; {len(left)} parameter leaves they share or read outside such segments ({', '.join(left[:3])}"
-            f"{', ...' if len(left) > 3 else ''}) are still summed over {list(axes)} once per micro-batch") if left else None
+            f"{', ...' if len(left) > 3 else ''}) are still summed over {list(axes)} once per micro-batch") \
+        if left else None
     return (dataclasses.replace(groups, copied=copied), inner), note
 
 

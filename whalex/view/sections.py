@@ -124,7 +124,8 @@ def overview(plan) -> Section:
     for r in (plan.balance, plan.head_balance):
         if r is not None:
             facts.append(("balance" if r is plan.balance else "head balance",
-                          f"{r.kind}: " + (f"predicted speedup {r.predicted_speedup:.2f}x" if r.applied else "even plan")))
+                          f"{r.kind}: " + (f"predicted speedup {r.predicted_speedup:.2f}x" if r.applied
+                                           else "even plan")))
     header = (f"whalex plan: {c!r}, mesh ({mesh_text(plan)}), global batch {plan.global_batch}, "
               f"{plan.config.num_micro_batch} micro-batch(es)")
     facts_table = Table(("fact", "value"), tuple(facts), (False, False), where="html", facts=True)
