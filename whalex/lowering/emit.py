@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -98,6 +98,18 @@ class Emitter(CallerLayout):
     precision: Precision | None
     remat: RematPlan | None
     parts: PartLoss | None
+
+    if TYPE_CHECKING:                      # what each program class provides, for type checkers only
+        def param_shapes(self) -> Any: ...
+        def param_spec_list(self) -> list: ...
+        def batch_shapes(self) -> Any: ...
+        def value_and_grad(self) -> Callable: ...
+        @property
+        def param_shardings(self) -> Any: ...
+        @property
+        def batch_shardings(self) -> Any: ...
+        @property
+        def has_aux(self) -> bool: ...
 
     @property
     def experts(self) -> tuple[ExpertCall, ...]:
