@@ -50,7 +50,7 @@ import numpy as np
 import optax
 
 import whalex as wh
-from models import MLP          # bench/models.py: a stock Flax MLP
+from models import MLP  # bench/models.py: a stock Flax MLP
 
 N_DEV = 8
 
@@ -178,8 +178,8 @@ def main():
     print()
     print(f"kept steps: {kept}; restore of k={intervals[0]}'s latest at step {restored_step} "
           f"(its last save: {last_saved[conditions[1]]}): {'ok' if restored_ok else 'MISMATCH'}")
-    print(f"load average (1 min) {load_start:.2f} -> {load_end:.2f}; warm-up {warm_time:.1f}s, timed {timed_time:.1f}s, "
-          f"total {time.perf_counter() - t_start:.1f}s")
+    print(f"load average (1 min) {load_start:.2f} -> {load_end:.2f}; warm-up {warm_time:.1f}s, "
+          f"timed {timed_time:.1f}s, total {time.perf_counter() - t_start:.1f}s")
 
     out = {
         "benchmark": "checkpoint", "devices": N_DEV, "device_kind": "simulated CPU", "cpu_cores": os.cpu_count(),

@@ -112,9 +112,9 @@ def micro_batch_rows(wh, jax, jnp, loss_fn, params, param_dims, n, feat, micro) 
 
 # ------------------------------------------------------------------------------------------
 def worker(args) -> dict:
+    import flax.linen as nn
     import jax
     import jax.numpy as jnp
-    import flax.linen as nn
     import optax
 
     import whalex as wh
@@ -153,7 +153,7 @@ def worker(args) -> dict:
     out = {"n": n, "global_batch": batch, "classes": classes, "modes": {}}
     for mode, strategy in (("dp", wh.replicate), ("hybrid", wh.split)):
         model = make_model(strategy)
-        params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, feat)),
+        params = jax.eval_shape(lambda: model.init(  # noqa: B023  (called at once)jax.random.key(0), jnp.zeros((1, feat)),
                                                    jnp.zeros((1,), jnp.int32))["params"])
         leaves = jax.tree.leaves(params)
         backbone_n = sum(int(np.prod(l.shape)) for l in jax.tree.leaves(params["Backbone_0"]))
@@ -265,7 +265,7 @@ def main():
     if results:
         m0 = results[0]["modes"]
         print()
-        print(f"Collective bytes per training step and device, from compiled HLO (SGD; nothing executed).")
+        print("Collective bytes per training step and device, from compiled HLO (SGD; nothing executed).")
         print(f"Model: backbone {args.features} -> {args.depth} x Dense(2048), {m0['dp']['backbone_params']:,} params "
               f"({_mb(4 * m0['dp']['backbone_params'])}); FC head 2048 x {args.classes:,} + softmax CE, "
               f"{m0['dp']['head_params']:,} params ({_mb(4 * m0['dp']['head_params'])}); "
@@ -307,9 +307,11 @@ def main():
                 print(f"  N={r['n']:<3} {mode:<7} {desc}")
         if args.micro_batches:
             print()
-            print(f"Gradient collectives per step with gradient accumulation (global batch {max(args.micro_batches)} x N; "
+            print(f"Gradient collectives per step with gradient accumulation "
+                  f"(global batch {max(args.micro_batches)} x N; "
                   "a collective in the micro-batch loop counted once per trip):")
-            print(f"  {'N':>3}  {'mode':<7} {'M':>3}  {'count':>6}  {'grad bytes/step':>15}  {'in loops':>12}  plan says")
+            print(f"  {'N':>3}  {'mode':<7} {'M':>3}  {'count':>6}  {'grad bytes/step':>15}  {'in loops':>12}  "
+                  "plan says")
             for r in results:
                 for mode in ("dp", "hybrid"):
                     for row in r["modes"][mode].get("micro_batches", []):
@@ -338,7 +340,8 @@ def main():
                      "hybrid_ring_bytes": r["modes"]["hybrid"]["ring_bytes"],
                      "ring_reduction_pct": _red(r["modes"]["dp"]["ring_bytes"], r["modes"]["hybrid"]["ring_bytes"]),
                      "grad_bytes_per_step_by_micro_batches": {
-                         mode: {str(row["num_micro_batch"]): row["bytes"] for row in r["modes"][mode].get("micro_batches", [])}
+                         mode: {str(row["num_micro_batch"]): row["bytes"]
+                                for row in r["modes"][mode].get("micro_batches", [])}
                          for mode in ("dp", "hybrid")}}
                     for r in results],
            "details": results, "failures": {str(k): v for k, v in failures.items()},

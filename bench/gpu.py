@@ -53,7 +53,8 @@ def gpt(size: dict, remat_block: bool = False):
     import jax.numpy as jnp
     import numpy as np
     import optax
-    from models import GPT           # a sibling module: imports flax, so loaded with jax
+
+    from models import GPT  # a sibling module: imports flax, so loaded with jax
 
     model = GPT(size["vocab"], size["d"], size["heads"], size["layers"], remat_block)
     rng = np.random.default_rng(0)
@@ -123,6 +124,7 @@ def case_pair(size: dict, res: dict, amp: bool):
     """whalex and the hand-written step in one process, rounds interleaved, the order alternating."""
     import jax
     import optax
+
     import whalex as wh
     from whalex.view.timing import predict
 
@@ -267,7 +269,8 @@ def checks(results: dict) -> dict:
             whalex["peak_bytes"] - off["peak_bytes"] >= 0.9 * off["offloaded_bytes"]
     # per layer, one block's parameters (and the embedding or head) are on the device at a time
     for name, case, base in (("offload params", offp, whalex),
-                             ("remat full + offload params", results.get("whalex_remat_full_offload_params", {}), remat)):
+                             ("remat full + offload params", results.get("whalex_remat_full_offload_params", {}),
+                              remat)):
         if case.get("ok") and base.get("ok") and case.get("peak_bytes") and base.get("peak_bytes"):
             out[f"{name}: peak lowered by >= 50% of the offloaded bytes"] = \
                 base["peak_bytes"] - case["peak_bytes"] >= 0.5 * case["offloaded_bytes"]
@@ -301,7 +304,8 @@ def main(argv=None):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     results = {}
     for name in args.cases:
-        cmd = [sys.executable, os.path.abspath(__file__), "--case", name, "--workdir", work] + (["--small"] if args.small else [])
+        cmd = [sys.executable, os.path.abspath(__file__), "--case", name, "--workdir", work] + \
+            (["--small"] if args.small else [])
         try:
             p = subprocess.run(cmd, env=env, timeout=args.timeout, capture_output=True, text=True)
             tail = (p.stdout + p.stderr)[-2000:]
@@ -309,7 +313,8 @@ def main(argv=None):
             tail = f"timed out after {args.timeout} s"
         path = os.path.join(work, f"{name}.json")
         results[name] = json.load(open(path)) if os.path.exists(path) else {"ok": False, "error": tail}
-        print(f"{name}: {'ok' if results[name].get('ok') else 'FAILED'} ({results[name].get('wall_s', 0):.0f} s)", flush=True)
+        print(f"{name}: {'ok' if results[name].get('ok') else 'FAILED'} ({results[name].get('wall_s', 0):.0f} s)",
+              flush=True)
         first, out = write(results, size, args)          # after every case: a time-out keeps what finished
     print(f"{first.get('device')} ({first.get('platform')}), jax {first.get('jax')}, model {size}")
     print(table(results))

@@ -27,7 +27,10 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import (
+    NamedSharding,  # noqa: E402
+    PartitionSpec as P,
+)
 
 import harness  # noqa: E402
 import whalex as wh  # noqa: E402
@@ -238,7 +241,8 @@ def main(argv=None) -> int:
             for r in made:
                 rows.append(r)
                 print(row_text(r), flush=True)
-    harness.write_result(f"gpu_compile_{size_name}", {"size": size, "kind": args.kind, "jax": jax.__version__, "rows": rows,
+    harness.write_result(f"gpu_compile_{size_name}", {"size": size, "kind": args.kind, "jax": jax.__version__,
+                                                      "rows": rows,
                              "method": "predicted: plan.predicted_memory(); XLA:GPU: plan.step_memory() on "
                                        "Cluster.gpu_topology (arguments + outputs + temp - aliased, per device); "
                                        "collectives: plan.compiled_collectives() (ring bytes per device)"}, args.out)

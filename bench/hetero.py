@@ -84,7 +84,8 @@ def parse(argv=None):
     ap.add_argument("--batches", default=None, help="global batches (rows), comma-separated "
                                                      "(default: mlp 4096,2048,4116; hybrid 4096)")
     ap.add_argument("--slowdowns", default=None, help="busy loops on process 1's core per configuration "
-                                                      "(1: near 2:1, 2: near 3:1, 0: control; default: mlp 1,2; hybrid 1)")
+                                                      "(1: near 2:1, 2: near 3:1, 0: control; "
+                                                      "default: mlp 1,2; hybrid 1)")
     ap.add_argument("--model", choices=("mlp", "hybrid"), default="mlp",
                     help="mlp: a replicate MLP (MSE); hybrid: Whale's Example 2, the MLP as a replicate backbone "
                          "and a split classification head")
@@ -132,6 +133,7 @@ def make_mlp(args):
 
     def loss_fn(p, b):
         import jax.numpy as jnp
+
         import whalex as wh
         with wh.replicate():                   # data parallel over every device of every process
             return jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
@@ -147,6 +149,7 @@ def make_hybrid(args):
     import jax.numpy as jnp
     import numpy as np
     import optax
+
     from models import MLP
 
     backbone, head = MLP(args.width, args.depth, args.width), nn.Dense(args.classes)
@@ -206,11 +209,11 @@ def phases(args, rows, classes) -> list:
 # ------------------------------------------------------------------------------------- worker
 
 def worker(args):
-    import whalex as wh                        # joins the process group (whalex.launch env)
     import jax
     import optax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
+    import whalex as wh  # joins the process group (whalex.launch env)
     from whalex.balance.calibrate import calibrate
     from whalex.distributed import place_global
 
@@ -345,9 +348,10 @@ def summarise(res: dict) -> dict:
     s = [(a + b) / 2 for a, b in zip(res["speeds"], res["speeds_after"])]
     med = {n: harness.median(v) for n, v in res["times"].items()}
     actual = med["even"] / med["balanced"]
-    out = {k: res[k] for k in ("hogs", "batch", "speeds", "speeds_after", "overheads", "overheads_after", "rows_even", "rows_balanced",
-                               "local_rows_balanced", "balance_applied", "balance_unit", "predicted_speedup",
-                               "predicted_speedup_head", "balance_kind", "phases_balanced", "final_loss", "times")}
+    out = {k: res[k] for k in ("hogs", "batch", "speeds", "speeds_after", "overheads", "overheads_after",
+                               "rows_even", "rows_balanced", "local_rows_balanced", "balance_applied", "balance_unit",
+                               "predicted_speedup", "predicted_speedup_head", "balance_kind", "phases_balanced",
+                               "final_loss", "times")}
     same = med["same-even"] / med["balanced"]
     out.update(speeds_mean=s, speed_ratio=s[0] / s[1], median_step_s=med, speedup_actual=actual,
                speedup_ideal=ideal(s), speedup_split_limited=ideal(s, res["phases_balanced"]),
@@ -414,7 +418,8 @@ def over_runs(rows) -> list[dict]:
     out = []
     print()
     print("medians over the repeated runs of each configuration")
-    head = f"{'loops':>5} {'batch':>6} {'runs':>4} {'s0/s1':>6} {'speedup':>8} {'ideal':>6} {'eff':>6}  efficiency of each run"
+    head = f"{'loops':>5} {'batch':>6} {'runs':>4} {'s0/s1':>6} {'speedup':>8} {'ideal':>6} {'eff':>6}  " \
+           "efficiency of each run"
     print(head)
     print("-" * len(head))
     for (hogs, batch), ok in harness.by_config(rows, ("hogs", "batch")):

@@ -472,7 +472,7 @@ def pp_row(name: str, micro_batches: int, stages: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 def _table(head, rows) -> list[str]:
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    fmt = "  ".join("{:<%d}" % w for w in widths)
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return [fmt.format(*head), "  ".join("-" * w for w in widths)] + [fmt.format(*map(str, r)) for r in rows]
 
 
@@ -509,7 +509,8 @@ def main():
     table = []
     for r in rows:
         t = f"{r['plan_seconds']:.1f} s" + (f" + {r['plan_seconds_even']:.1f} s" if "plan_seconds_even" in r else "")
-        table.append([r["model"], r["setup_short"], f"{r['predicted_speedup']:.3f}x", r["paper_speedup"], r["split"], t])
+        table.append([r["model"], r["setup_short"], f"{r['predicted_speedup']:.3f}x", r["paper_speedup"], r["split"],
+                      t])
     for line in _table(head, table):
         print("  " + line)
     print()

@@ -81,6 +81,7 @@ def parse(argv=None):
 
 def make_model(args):
     import jax.numpy as jnp
+
     from models import mlp_regression
 
     model, params, batch = mlp_regression(args.width, args.depth, OUT, args.batch)
@@ -136,10 +137,10 @@ def tick_program(kinds, layers, rows: int, width: int):
 
 
 def worker(args):
-    import whalex as wh
     import jax
     import optax
 
+    import whalex as wh
     from whalex.balance.calibrate import calibrate
 
     pid = jax.process_index()

@@ -22,7 +22,7 @@ import argparse
 import sys
 
 import harness
-import hetero                 # bench/hetero.py: its model and defaults
+import hetero  # bench/hetero.py: its model and defaults
 
 SIZES = (512, 1024, 2048, 3072, 4096)
 FACTORS = (0.85, 0.92, 1.0, 1.1, 1.2)     # the slow process's declared slowdown, relative to the calibrated one
@@ -49,9 +49,9 @@ def worker(args):
     import jax
     import numpy as np
     import optax
-    import whalex as wh
     from jax.experimental import multihost_utils
 
+    import whalex as wh
     from whalex.balance.calibrate import _loss_work, calibrate, time_rounds
 
     pid = jax.process_index()
@@ -106,11 +106,13 @@ def main(argv):
         c = r["curve_s"]
         print(f"\n{r['hogs']} busy loop(s), batch {r['batch']}: local step, ms (us per row)")
         for p in range(2):
-            print(f"  process {p}: " + "  ".join(f"{n}: {1e3 * t:.1f} ({1e6 * t / n:.0f})" for n, t in zip(r["sizes"], c[p])))
+            print(f"  process {p}: " + "  ".join(f"{n}: {1e3 * t:.1f} ({1e6 * t / n:.0f})"
+                                                 for n, t in zip(r["sizes"], c[p])))
         print("  slow/fast per size: " + "  ".join(f"{n}: {b / a:.2f}" for n, a, b in zip(r["sizes"], c[0], c[1])))
         best = min(r["sweep"], key=lambda s: s["median_s"])
         cal = next(s for s in r["sweep"] if s["factor"] == 1.0)
-        print(f"  calibrated ratio {r['speed_ratio']:.2f}, fixed ms per step {[round(1e3 * o, 1) for o in r['overhead']]}")
+        print(f"  calibrated ratio {r['speed_ratio']:.2f}, "
+              f"fixed ms per step {[round(1e3 * o, 1) for o in r['overhead']]}")
         for s in r["sweep"]:
             mark = " <- calibrated" if s["factor"] == 1.0 else ""
             mark += " <- fastest" if s is best else ""

@@ -80,8 +80,8 @@ def parse(argv=None):
     return ap.parse_args(argv)
 
 
-QUICK = {"declared": "V100-32GB,T4-16GB", "batches": "64", "slowdowns": "1", "width": 64, "hidden": 512, "heads": 8, "seq": 8, "rounds": 1,
-         "block": 1, "calib_rows": 32}
+QUICK = {"declared": "V100-32GB,T4-16GB", "batches": "64", "slowdowns": "1", "width": 64, "hidden": 512, "heads": 8,
+         "seq": 8, "rounds": 1, "block": 1, "calib_rows": 32}
 
 
 class _Stock:
@@ -225,8 +225,8 @@ def over_runs(runs) -> list[dict]:
     in every run), and its speedup with them; the median over interleaved runs is the figure to quote."""
     out = []
     print("\nmedians over the repeated runs of each configuration\n")
-    head = f"{'layer':>15} {'loops':>5} {'batch':>6} {'runs':>4} {'s0/s1':>6} {'speedup':>8} {'pred':>6} {'vs pred':>8}" \
-           "  speedup (pred) of each run"
+    head = f"{'layer':>15} {'loops':>5} {'batch':>6} {'runs':>4} {'s0/s1':>6} {'speedup':>8} {'pred':>6} " \
+           f"{'vs pred':>8}  speedup (pred) of each run"
     print(head)
     print("-" * len(head))
     for (op, hogs, batch), ok in harness.by_config(runs, ("op", "hogs", "batch")):
@@ -285,7 +285,8 @@ def main(argv):
           f"predicted one, minus 1; total wall time {time.perf_counter() - t0:.0f} s; load before {load_before:.2f}")
     medians = over_runs(runs) if args.repeats > 1 else []
     path = harness.write_result(
-        "hetero_split", {"config": {k: v for k, v in vars(args).items() if k not in ("worker_out", "batch", "op", "out")},
+        "hetero_split", {"config": {k: v for k, v in vars(args).items()
+                                    if k not in ("worker_out", "batch", "op", "out")},
                          "machine": {"platform": platform.platform(), "load_before": load_before},
                          "runs": runs, "medians": medians}, args.out)
     print(f"wrote {path}")

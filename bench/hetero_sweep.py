@@ -31,7 +31,7 @@ import sys
 import numpy as np
 
 import harness
-import hetero                 # bench/hetero.py: its model and defaults
+import hetero  # bench/hetero.py: its model and defaults
 
 FACTORS = tuple(round(0.7 + 0.075 * i, 3) for i in range(9))      # x0.7 ... x1.3 of the slow speed
 
@@ -66,8 +66,8 @@ def spread(xs) -> float:
 def worker(args):
     import jax
     import optax
-    import whalex as wh
 
+    import whalex as wh
     from whalex.balance.calibrate import calibrate
     from whalex.balance.refine import max_steps, scaled_speeds
 
@@ -137,7 +137,7 @@ def table(runs) -> list[str]:
 
 def _table(head, rows) -> list[str]:
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    fmt = "  ".join("{:<%d}" % w for w in widths)
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return [fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows]
 
 

@@ -173,7 +173,7 @@ def while_bodies(compiled) -> list[dict]:
         return seen
 
     out = []
-    for c, ls in comps.items():
+    for ls in comps.values():
         for line in ls:
             m = re.search(r" while\(.*body=%?([\w.\-]+)", line)
             if not m:
@@ -354,8 +354,9 @@ def main():
                            "prepass_minus_null_pct_of_step_b": (p_ms - n_ms) / step_b * 100,
                            "hlo": alone[pname]["hlo"], "while_loops": alone[pname]["while_loops"]}
 
-    print(f"loss-contract pre-pass benchmark: {N_DEV} simulated CPU devices ({platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cores shared; load average {load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end), "
+    print(f"loss-contract pre-pass benchmark: {N_DEV} simulated CPU devices "
+          f"({platform.processor() or platform.machine()}, {os.cpu_count()} cores shared; "
+          f"load average {load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end), "
           f"jax {jax.__version__}")
     print(f"model: GPT (Flax nn.Embed + {args.layers} x [LayerNorm, nn.SelfAttention(causal), Dense MLP] + Dense), "
           f"vocab {args.vocab}, d {args.d}, {args.heads} heads, {n_params:,} params, SGD({args.lr})")
@@ -369,8 +370,8 @@ def main():
         print(f"  {name:<8} pre-pass {'yes' if c['has_prepass'] else 'no ':<3} loss {c['loss']:.6f} (single device "
               f"{c['single_device_loss']:.6f}, rel {c['loss_rel_err']:.0e}), SGD update rel err "
               f"{c['sgd_update_rel_err']:.0e}, rows/device {c['rows_per_device']}")
-        print(f"  {'':<8} HLO: {h['while']} while, {h['dot']} dot, {h['all-reduce']} all-reduce, flops {h['flops']:.4e}; "
-              f"loops: {loop_text(c['while_loops'])}")
+        print(f"  {'':<8} HLO: {h['while']} while, {h['dot']} dot, {h['all-reduce']} all-reduce, "
+              f"flops {h['flops']:.4e}; loops: {loop_text(c['while_loops'])}")
     print()
     print(f"timing: {args.rounds} ('program') and {args.step_rounds} ('step') interleaved rounds, one call per variant "
           "per round, rotating order, block_until_ready after each; medians (ms); 95% CI: bootstrap")
@@ -380,8 +381,8 @@ def main():
     print("  " + "-" * (len(hdr) - 2))
     for (mode, pname), r in rows.items():
         print(f"  {pname:<7} {mode:<8} {r['a_median_ms']:>8.2f} {r['b_median_ms']:>8.2f} {r['ratio']:>6.3f} "
-              f"{r['overhead_pct']:>+8.1f}% {'[%.3f,%.3f]' % tuple(r['ratio_ci95']):>14} {r['cpu_ratio']:>8.3f} "
-              f"{'[%.3f,%.3f]' % tuple(r['cpu_ratio_ci95']):>14} {r['plain_single_device_a_ms']:>13.2f}")
+              f"{r['overhead_pct']:>+8.1f}% {'[{:.3f},{:.3f}]'.format(*r['ratio_ci95']):>14} {r['cpu_ratio']:>8.3f} "
+              f"{'[{:.3f},{:.3f}]'.format(*r['cpu_ratio_ci95']):>14} {r['plain_single_device_a_ms']:>13.2f}")
     print()
     print("the pre-pass alone (parts.prepass with the plan's PartLoss and loops, as its own jitted program; "
           "'null': a trivial program on the same inputs, the cost of a call):")
@@ -418,7 +419,8 @@ def main():
         "batch": {"sequences": args.batch, "tokens": args.seq, "all_padding_rows": args.pad_rows,
                   "real_target_tokens": real_tokens},
         "losses": {"a": "sum(ce*w)/sum(w), w = targets > 0 (pre-pass)", "b": "ce.mean() (no pre-pass)"},
-        "plans": {"uneven": f"Cluster(kinds=[{HETERO[0]!r}]*4 + [{HETERO[-1]!r}]*4)", "micro4": "Config(num_micro_batch=4)"},
+        "plans": {"uneven": f"Cluster(kinds=[{HETERO[0]!r}]*4 + [{HETERO[-1]!r}]*4)",
+                  "micro4": "Config(num_micro_batch=4)"},
         "method": "interleaved rounds (rotating order, modes shuffled in time), one call per variant per round, "
                   "per-call wall time (and process CPU time) with block_until_ready, medians; 95% CI: bootstrap of "
                   "the ratio of medians; 'program' mode: compiled whalex step on a batch placed by the plan; 'step' "

@@ -393,7 +393,8 @@ def main():
         "method": "wh.plan on ShapeDtypeStructs, compiled (not run); plan.compiled_memory() per device (state not "
                   "donated); params/opt_state/host split from the step's argument shardings; total = argument + "
                   "output + temp - alias - 2 * host",
-        "remat": remat_out, "plain_jax": plain, "rows": rows, "zero1_opt_state_ratio": opt_ratio, "zero3_params_ratio": param_ratio,
+        "remat": remat_out, "plain_jax": plain, "rows": rows, "zero1_opt_state_ratio": opt_ratio,
+        "zero3_params_ratio": param_ratio,
         "checks": checks, "seconds": elapsed,
     }
     path = harness.write_result("memory", out, args.out, default=str, newline=True)

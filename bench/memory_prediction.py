@@ -31,7 +31,8 @@ def gpt(size: dict):
     import jax.numpy as jnp
     import numpy as np
     import optax
-    from models import GPT           # a sibling module: imports flax, so loaded with jax
+
+    from models import GPT  # a sibling module: imports flax, so loaded with jax
 
     model = GPT(size["vocab"], size["d"], size["heads"], size["layers"])
 
@@ -64,6 +65,7 @@ def two_stages(rows: int = 256):
     """The MLP as two annotated TaskGraphs (a pipeline with num_micro_batch > 1)."""
     import jax
     import jax.numpy as jnp
+
     import whalex as wh
     _, params, batch = mlp(rows)
 
@@ -93,6 +95,7 @@ def cases(with_gpt: bool, devices: int) -> dict:
 def measure(name: str, build, config: dict) -> dict:
     import jax
     import optax
+
     import whalex as wh
     from whalex.memory import residual_bytes
 

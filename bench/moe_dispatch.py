@@ -358,7 +358,8 @@ def main():
     print(f"timing: {args.steps} steps per variant after {args.warmup} warm-up, alternating A B / B A, each step "
           f"ended with block_until_ready")
     print()
-    hdr = f"  {'variant':<26} {'collectives in compiled HLO':<44} {'HLO bytes':>11} {'ring bytes':>11} {'median ms':>10}"
+    hdr = f"  {'variant':<26} {'collectives in compiled HLO':<44} {'HLO bytes':>11} {'ring bytes':>11} " \
+          f"{'median ms':>10}"
     print(hdr)
     print("  " + "-" * (len(hdr) - 2))
     names = {"whalex": "A whalex (shard_map a2a)", "gspmd": "B plain GSPMD"}

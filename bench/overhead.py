@@ -56,7 +56,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import whalex as wh
-from models import MLP          # bench/models.py: a stock Flax MLP
+from models import MLP  # bench/models.py: a stock Flax MLP
 from whalex.core.hlo import KINDS
 
 N_DEV = 8
@@ -240,7 +240,8 @@ def main():
     print(f"after {steps_each} steps each: |loss_whalex - loss_plain| = {loss_diff:.3e} "
           f"(losses {wl:.6f} / {pl:.6f}); max relative param error {param_err:.2e}")
     print(f"{verdict}: whalex/plain median step time ratio {ratio:.3f} (placed batch; 95% CI "
-          f"[{step_res['placed']['ratio_ci95'][0]:.3f}, {step_res['placed']['ratio_ci95'][1]:.3f}]) vs target <= {TARGET}")
+          f"[{step_res['placed']['ratio_ci95'][0]:.3f}, {step_res['placed']['ratio_ci95'][1]:.3f}]) "
+          f"vs target <= {TARGET}")
     print(f"(setup: whalex plan+init {pair.wh_setup:.2f}s, plain {pair.plain_setup:.2f}s; warm-up {warm_time:.1f}s, "
           f"timed {timed_time:.1f}s)")
 

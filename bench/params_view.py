@@ -25,7 +25,6 @@ Run from the repo root: ``python bench/params_view.py``.
 """
 from __future__ import annotations
 
-
 import harness
 
 harness.simulate_devices(8)
@@ -37,7 +36,7 @@ import numpy as np
 import optax
 
 import whalex as wh
-from models import MLP          # bench/models.py: a stock Flax MLP
+from models import MLP  # bench/models.py: a stock Flax MLP
 
 
 def main():

@@ -33,7 +33,6 @@ import time
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import optax
 
 import whalex as wh

@@ -265,7 +265,8 @@ def main():
     print("Batch per stage device, MiB (Build 6: each stage device receives only the leaves its stage reads;")
     print("every device holds the widest stage's row of each dtype buffer; 'before' = the replica's whole batch;")
     print(" old = the peak with the whole batch: peak + before - held)")
-    bhead = (f"{'sched':<6}{'M':>4}{'before':>9}{'held':>9}" + "".join(f"{'s' + str(s) + ' reads':>10}" for s in range(STAGES))
+    bhead = (f"{'sched':<6}{'M':>4}{'before':>9}{'held':>9}"
+             + "".join(f"{'s' + str(s) + ' reads':>10}" for s in range(STAGES))
              + f"{'held/peak':>11}{'before/old':>13}")
     print(bhead)
     print("-" * len(bhead))
@@ -309,7 +310,8 @@ def main():
     # ---- checks ----------------------------------------------------------------------------
     lo, mid, hi = Ms[0], Ms[len(Ms) // 2], Ms[-1]
     t = {(s, M): by[(s, M)]["memory"]["temp_size_in_bytes"] for s in ("1f1b", "gpipe") for M in Ms}
-    per_mb = by[("gpipe", lo)]["message_width_floats"] * 4                # predicted GPipe bytes per micro-batch (one stashed input)
+    # predicted GPipe bytes per micro-batch (one stashed input)
+    per_mb = by[("gpipe", lo)]["message_width_floats"] * 4
     slope = (t[("gpipe", hi)] - t[("gpipe", lo)]) / (hi - lo)
     inc1 = t[("gpipe", mid)] - t[("gpipe", lo)]
     inc2 = t[("gpipe", hi)] - t[("gpipe", mid)]
@@ -346,7 +348,8 @@ def main():
           f"the leaves its stage reads (x on stage 0, y on stage {STAGES - 1}), padded to the widest stage: at "
           f"M={Ms[-1]} the batch is {100 * b_hi['batch_bytes_per_device'] / b_hi['memory']['peak_bytes']:.0f}% of "
           f"a 1F1B device's peak; the replica's whole batch ({mib(b_hi['batch_bytes_per_device_before']).strip()}"
-          f" MiB, what every device held before) was {100 * b_hi['batch_bytes_per_device_before'] / old_peak(b_hi):.0f}%"
+          f" MiB, what every device held before) was "
+          f"{100 * b_hi['batch_bytes_per_device_before'] / old_peak(b_hi):.0f}%"
           f" of the peak it made.")
     d = by[("1f1b", Ms[0])]
     print(f"  * donation (the step wh.parallelize runs): alias = "

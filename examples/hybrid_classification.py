@@ -102,7 +102,6 @@ from tqdm.auto import tqdm  # noqa: E402
 
 import whalex as wh  # noqa: E402
 
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import single_device_check  # noqa: E402  (--check)
 
@@ -238,7 +237,8 @@ def main(args) -> dict:
     data = SyntheticImages(args.classes, args.image_size, args.noise, args.seed, args.zipf)
     model, loss_fn = build_model(args.devices, args.classes, args.width)
     example = data.batch(args.batch)
-    params = jax.jit(model.init)(jax.random.key(args.seed), example["image"])["params"]   # jit: eager init compiles op by op
+    # jit: eager init compiles op by op
+    params = jax.jit(model.init)(jax.random.key(args.seed), example["image"])["params"]
     n_params = sum(x.size for x in jax.tree.leaves(params))
     n_head = sum(x.size for x in jax.tree.leaves(params["ClassifierHead_0"]))
     print(f"{args.classes:,} classes, {args.image_size}x{args.image_size} images, global batch {args.batch}, "

@@ -83,7 +83,6 @@ if ARGS is not None and "jax" not in sys.modules:
 
 import flax.linen as nn  # noqa: E402  (after XLA_FLAGS)
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
@@ -91,8 +90,8 @@ from tqdm.auto import tqdm  # noqa: E402
 import whalex as wh  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pipeline_transformer import INIT, MLP, CausalSelfAttention, Embeddings, MarkovTokens  # noqa: E402
 import single_device_check  # noqa: E402
+from pipeline_transformer import INIT, MLP, CausalSelfAttention, Embeddings, MarkovTokens  # noqa: E402
 
 
 class MoEBlock(nn.Module):

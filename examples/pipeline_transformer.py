@@ -1,13 +1,13 @@
 #!/usr/bin/env python
 """A GPT-style language model trained as a 4-stage pipeline with nested data parallelism.
 
-Whale section 3.1.2 and its Examples 1 (pipeline) and 3 (auto pipeline): consecutive `wh.replicate(1)` scopes are pipeline
-stages once `wh.Config(num_micro_batch=M)` has M > 1. Each stage runs on its own device and holds
-only its own parameters (and Adam moments); micro-batches flow through the stages under a 1F1B
-(PipeDream-flush) or GPipe schedule. When the cluster has more devices than the stages ask for,
-whalex replicates the whole pipeline (nested data parallelism): 8 devices and 4 stages of
-`replicate(1)` give 2 pipeline replicas, each taking half of the global batch. In Whale
-(TensorFlow) the same model is written as:
+Whale section 3.1.2 and its Examples 1 (pipeline) and 3 (auto pipeline): consecutive
+`wh.replicate(1)` scopes are pipeline stages once `wh.Config(num_micro_batch=M)` has M > 1. Each
+stage runs on its own device and holds only its own parameters (and Adam moments); micro-batches
+flow through the stages under a 1F1B (PipeDream-flush) or GPipe schedule. When the cluster has
+more devices than the stages ask for, whalex replicates the whole pipeline (nested data
+parallelism): 8 devices and 4 stages of `replicate(1)` give 2 pipeline replicas, each taking half
+of the global batch. In Whale (TensorFlow) the same model is written as:
 
     with wh.replicate(1):              # stage 0
         x = embeddings(tokens); x = blocks[0](x)
@@ -132,10 +132,8 @@ from tqdm.auto import tqdm  # noqa: E402
 
 import whalex as wh  # noqa: E402
 
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import single_device_check  # noqa: E402  (--check)
-
 
 # --------------------------------------------------------------------------------------------
 # Model

@@ -8,8 +8,9 @@ device) must stay within `--check-tol`.
 A wrong plan (a missing 1/n, a gradient summed twice) shows up as 1e-2 or more; float
 reassociation stays near 1e-6. Adam's eps is 1e-4 here: with eps=1e-8 an element whose true
 gradient is ~1e-9 moves by ~lr on reassociation noise alone, which measures the optimizer, not
-the plan (measured on the MoE example: 5e-4 with eps=1e-8, 4e-6 with eps=1e-4). The hidden `--perturb` flag makes the whalex side deliberately wrong (its learning rate
-doubled), so tests can see the check fail.
+the plan (measured on the MoE example: 5e-4 with eps=1e-8, 4e-6 with eps=1e-4).
+The hidden `--perturb` flag makes the whalex side deliberately wrong (its learning rate doubled), so
+tests can see the check fail.
 """
 from __future__ import annotations
 

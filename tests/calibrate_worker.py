@@ -8,9 +8,11 @@ import sys
 
 def main(out_dir: str):
     import os
-    import numpy as np
-    import whalex as wh                                    # joins the process group (whalex.launch env)
+
     import jax
+    import numpy as np
+
+    import whalex as wh  # joins the process group (whalex.launch env)
     from whalex.balance.calibrate import calibrate
 
     cluster = calibrate(wh.Cluster.detect(), size=128, chain=2, repeats=5)

@@ -1,4 +1,4 @@
-"""Helper for tests/test_launch.py's checkpoint-restart tests (issue 11, acceptance 3 and 4): one process of
+"""Helper for tests/test_launch.py's checkpoint-restart tests: one process of
 `python -m whalex.launch -n N --restarts K [--min-processes P] ... checkpoint_worker.py OUT_DIR STEPS KILL_AT [SIG]`.
 
 Trains launch_worker's MLP (Adam) with wh.parallelize over every process's devices and saves a
@@ -9,9 +9,9 @@ whatever plan or process count saved it) or starts fresh (`step.init`).
 
 On the first start (WHALEX_RESTART_COUNT=0) the last process sends itself SIG (KILL, or STOP: a hung
 worker, which only the launcher's heartbeat timeout detects) right after step KILL_AT's checkpoint is
-committed (every process waits for it: `wait_until_finished`), so the restart resumes from step KILL_AT. Every start is appended to OUT_DIR/starts_{i}.txt
-("restart nproc first_step devices pid"); at the end process 0 writes OUT_DIR/result.npz
-(losses of this start, param_*, steps).
+committed (every process waits for it: `wait_until_finished`), so the restart resumes from step KILL_AT.
+Every start is appended to OUT_DIR/starts_{i}.txt ("restart nproc first_step devices pid"); at the end
+process 0 writes OUT_DIR/result.npz (losses of this start, param_*, steps).
 """
 import os
 import signal
@@ -21,10 +21,10 @@ import numpy as np
 
 
 def main(out: str, steps: int, kill_at: int, sig: str = "KILL"):
-    import whalex as wh                                    # joins the process group (whalex.launch env)
     import jax
 
     import launch_worker
+    import whalex as wh  # joins the process group (whalex.launch env)
 
     i, nproc = jax.process_index(), jax.process_count()
     restart = int(os.environ.get("WHALEX_RESTART_COUNT", "0"))

@@ -2,21 +2,21 @@
 import os
 
 # --xla_backend_optimization_level=0: LLVM without its optimisation passes. The suite's models are tiny, so
-# compiling is most of its time: the suite 900 -> 625 s on 2 cores (tests/test_pipeline_optim.py: 68 -> 43
-# s). Results differ from the default level in the last bits (LLVM fuses multiply-adds at -O2), but whalex
-# and the single-device reference it is compared with are compiled alike, under the same tolerances.
+# compiling is most of its time, and the suite takes about 30% less (docs/benchmarks.md). Results differ from
+# the default level in the last bits (LLVM fuses multiply-adds at -O2), but whalex and the single-device
+# reference it is compared with are compiled alike, under the same tolerances.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
                            " --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import importlib.util  # noqa: E402
+import tempfile  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import pytest  # noqa: E402
-import tempfile  # noqa: E402
+
 # one compilation cache for the whole run, shared by pytest-xdist's workers (the same programs
 # compile once, not once per worker); a fresh directory per run
 _run = os.environ.get("PYTEST_XDIST_TESTRUNUID")

@@ -29,6 +29,7 @@ def data():
 
 def loss_fn(p, b):
     import jax.numpy as jnp
+
     import whalex as wh
     with wh.replicate():                                   # every device of every process
         h = jnp.tanh(b["x"] @ p["w1"] + p["b1"])
@@ -42,9 +43,11 @@ def optimizer():
 
 def main(out_dir: str):
     import os
-    import numpy as np
-    import whalex as wh                                    # joins the process group (whalex.launch env)
+
     import jax
+    import numpy as np
+
+    import whalex as wh  # joins the process group (whalex.launch env)
 
     pid, nproc = jax.process_index(), jax.process_count()
     if "WHALEX_PROCESS_ID" in os.environ:                  # started by whalex.launch (else: a scheduler)

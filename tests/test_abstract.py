@@ -1,4 +1,4 @@
-"""Acceptance 4: planning and lowering for 64 GPUs without 64 devices."""
+"""Planning and lowering for 64 GPUs without 64 devices."""
 import jax
 import jax.numpy as jnp
 import optax

@@ -1,4 +1,4 @@
-"""Issue 4 acceptance 4: Algorithm 1 (memory-constrained balancing) as a pure function."""
+"""Algorithm 1 (memory-constrained balancing) as a pure function."""
 import numpy as np
 import pytest
 

@@ -1,4 +1,4 @@
-"""Issue 6 part B: mixed precision (amp bf16/fp16 with dynamic loss scaling) and half-precision
+"""Mixed precision (amp bf16/fp16 with dynamic loss scaling) and half-precision
 gradient communication (comm_dtype), on replicate, hybrid (split head), pipeline and uneven plans.
 
 Tolerances. A half-precision run cannot match fp32 to 1e-5: every activation and gradient is

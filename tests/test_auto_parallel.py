@@ -1,4 +1,4 @@
-"""Issue 13, Build 4: auto_parallel finds repeated blocks at any depth of the module tree (a
+"""auto_parallel finds repeated blocks at any depth of the module tree (a
 TransformerLM-like model: blocks under `decoder/`, attention and MLP under each block), balances
 the stages' FLOPs, names the blocks in the plan, and trains like one device."""
 import flax.linen as nn
@@ -12,8 +12,8 @@ import whalex as wh
 from conftest import adam, assert_matches, reference_train, rel_err, whalex_train
 from whalex.balance.layers import granularities
 from whalex.balance.partition import lockstep_time, partition
-from whalex.core.schedules import make_schedule
 from whalex.core.capture import capture
+from whalex.core.schedules import make_schedule
 
 VOCAB, WIDTH, LENGTH = 32, 16, 8
 BIAS = nn.initializers.normal(0.5)      # a zero bias (the keys': zero gradient) would measure float noise

@@ -1,4 +1,4 @@
-"""whalex/core/batch_dependence.py: the one batch-dependence analysis (issue 26, Build 3) that the
+"""whalex/core/batch_dependence.py: the one batch-dependence analysis that the
 loss contract, the uneven hybrid and comm_dtype read. It looks into calls: a coupling inside a
 jitted function is found like one at the top level."""
 import jax

@@ -1,4 +1,4 @@
-"""Issue 12: calibration a user can trust. Interleaved timing rounds give each device a median speed
+"""Calibration a user can trust. Interleaved timing rounds give each device a median speed
 and a relative spread; speeds that differ by less than the noise are merged, so identical devices get
 the even plan every time, while a truly slower device keeps its speed; plans print speed ± spread."""
 import importlib
@@ -7,14 +7,13 @@ import warnings
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 import whalex as wh
 from models import plain_model
 from test_launch import child_env, run_launch
-import optax
-
-from whalex.balance.calibrate import Measurement, affine, faster, resolved, calibrate, group_speeds, measure, summarize
+from whalex.balance.calibrate import Measurement, affine, calibrate, faster, group_speeds, measure, resolved, summarize
 
 # medians and spreads measured on the 8 simulated CPU devices of this machine (size 128, 5 rounds):
 # identical devices, 28 to 53 GFLOP/s apart, each with a large spread
@@ -133,9 +132,8 @@ def test_affine_splits_time_into_fixed_seconds_and_speed():
     assert m.speeds == pytest.approx((1e11, 1e6 / 3e-5))
     assert m.overheads == pytest.approx((0.002, 0.006))
     assert fixed.shape == (5, 2) and np.all(fixed >= 0)
-    # three row counts: the least-squares line; a step slower than the line at its middle count (as
-    # the stock MLP's at 512 of 1024 rows, above its line through 256 and 1024 by 2-5 ms of 60-120) moves
-    # the fixed time a quarter as far as the line through the upper two counts alone does
+    # three row counts: the least-squares line; a step slower than the line at its middle count (as a
+    # stock MLP's step can be) moves the fixed time a quarter as far as the line through the upper two counts alone does
     rows3 = (256, 512, 1024)
     truth3 = np.array([[0.002 + 1e-5 * r for r in rows3], [0.006 + 3e-5 * r for r in rows3]])
     m, fixed = affine(rows3, np.stack([truth3] * 3), work_per_row=1e6)
@@ -148,9 +146,9 @@ def test_affine_splits_time_into_fixed_seconds_and_speed():
     # a slope that noise made non-positive: the whole time counts as work, nothing fixed
     m, _ = affine(rows, np.array([[[0.01, 0.009]]] * 3), work_per_row=1.0)
     assert m.overheads == (0.0,) and m.speeds[0] == pytest.approx(512 / 0.009)
-    # time growing faster than the rows (measured on one core: a stock Dense MLP step, 4096 hidden
-    # units, 33.8 ms at 512 rows and 88.6 ms at 1024; here at 256 and 512): the line's intercept is
-    # negative, so the step at the batch's rows counts as work (the slope would predict 109.6 ms)
+    # time growing faster than the rows (a stock Dense MLP step of 4096 hidden units on one core, at
+    # 512 and 1024 rows; here at 256 and 512): the line's intercept is negative, so the step at the
+    # batch's rows counts as work (the slope would predict 109.6 ms)
     m, fixed = affine(rows, np.array([[[0.0338, 0.0886]]] * 3), work_per_row=1.0)
     assert m.overheads == (0.0,) and m.speeds[0] == pytest.approx(512 / 0.0886) and np.all(fixed == 0)
     # resolved: the larger step took longer in at least 3 rounds of 4 (first device); the second's

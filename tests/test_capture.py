@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import optax
 
 import whalex as wh
-from whalex.core.capture import capture, scope_of
 from models import flax_model, plain_model
+from whalex.core.capture import capture, scope_of
 
 
 def test_taskgraphs_from_scopes_and_default_runs():

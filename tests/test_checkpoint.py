@@ -1,4 +1,4 @@
-"""Issue 11: plan-independent checkpoints (wh.CheckpointManager on orbax-checkpoint).
+"""Plan-independent checkpoints (wh.CheckpointManager on orbax-checkpoint).
 
 (a) same plan: save at step N, restore into a new Step, train M more == N+M uninterrupted, bit for bit;
 (b) across plans: saved under A, restored under B, training goes on and matches single-device training;

@@ -7,9 +7,9 @@ from jax.sharding import PartitionSpec as P
 
 import whalex as wh
 from conftest import adam, assert_matches, cuda_plugin_installed
+from models import data, plain_params
 from whalex.mesh.virtual import mesh_layout, virtual_devices
 from whalex.primitives import Strategy
-from models import plain_params, data
 
 
 def test_spec_table_covers_the_required_kinds():

@@ -1,4 +1,4 @@
-"""Acceptance 1: every strategy trains to the same loss and parameters as single-device training."""
+"""Every strategy trains to the same loss and parameters as single-device training."""
 import jax
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Acceptance 5: each bad input in docs/errors.md raises the documented error, and loses nothing."""
+"""Each bad input in docs/errors.md raises the documented error, and loses nothing."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +7,7 @@ import pytest
 
 import whalex as wh
 from conftest import adam
-from models import plain_model, plain_params, data
+from models import data, plain_model, plain_params
 
 
 def _plan(loss_fn, params=None, batch=None, **kw):
@@ -148,7 +148,7 @@ def test_not_an_optax_optimizer():
 def test_plan_before_init():
     step = wh.parallelize(_head, adam())
     with pytest.raises(wh.PlanError, match="call step.init"):
-        step.plan
+        _ = step.plan
 
 
 def test_micro_batches_that_do_not_divide_over_replicas():
@@ -197,6 +197,7 @@ def test_reusing_a_donated_state():
 
 def test_default_strategy_inside_a_trace_leaves_the_process_default():
     import flax.linen as nn
+
     from whalex.primitives.config import DEFAULTS
 
     class Net(nn.Module):

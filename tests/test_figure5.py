@@ -1,4 +1,4 @@
-"""Issue 28, Build 1: Whale's Figure 5 (section 3.2.1). Two consecutive TaskGraphs, `replicate(2)` then
+"""Whale's Figure 5 (section 3.2.1). Two consecutive TaskGraphs, `replicate(2)` then
 `split(2)`, with 4 micro-batches on 8 devices, are two pipeline stages on disjoint devices (2 per stage
 and replica: the replicate stage's 2 devices each take half of a micro-batch, the split stage's shard
 the class head), with nested data parallelism 2 around the pipeline; training equals one device.

@@ -1,4 +1,4 @@
-"""Issue 25, Build 4: training FLOPs counted from the jaxpr (whalex.core.flops), checked against XLA
+"""Training FLOPs counted from the jaxpr (whalex.core.flops), checked against XLA
 CPU's cost analysis of the same forward + vjp, and counted without lowering anything."""
 import flax.linen as nn
 import jax
@@ -78,7 +78,8 @@ class Gpt(nn.Module):
 def mlp():
     model = Mlp()
     rng = np.random.default_rng(0)
-    batch = {"x": rng.standard_normal((64, 128)).astype(np.float32), "y": rng.standard_normal((64, 10)).astype(np.float32)}
+    batch = {"x": rng.standard_normal((64, 128)).astype(np.float32),
+             "y": rng.standard_normal((64, 10)).astype(np.float32)}
     params = model.init(jax.random.key(0), batch["x"][:1])["params"]
     return (lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)), params, batch
 

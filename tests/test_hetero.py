@@ -1,4 +1,4 @@
-"""Issue 4: hardware-aware balance on a declared heterogeneous cluster (8 simulated devices)."""
+"""Hardware-aware balance on a declared heterogeneous cluster (8 simulated devices)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +7,6 @@ import pytest
 import whalex as wh
 from conftest import HETERO, adam, assert_matches
 from models import flax_model, plain_model
-
 
 
 @pytest.mark.parametrize("builder", [plain_model, flax_model])
@@ -136,10 +135,10 @@ def test_even_split_head_on_a_homogeneous_cluster_uses_plain_sharding():
 def test_memory_model_predicts_xla_memory_analysis():
     """The per-device activation model (a line through XLA's temp bytes at 16 and 64 rows)
     predicts the compiled temp memory at another batch size."""
-    from whalex.planner.common import micro_batch
     from whalex.balance.cost import activation_model, temp_bytes
     from whalex.core.capture import capture
     from whalex.core.interpret import make_evaluator
+    from whalex.planner.common import micro_batch
     loss_fn, params, batch = plain_model("dp", "ctx")
 
     def make(rows):
@@ -157,7 +156,7 @@ def test_memory_model_predicts_xla_memory_analysis():
         assert abs(predicted - temp_bytes(*make(rows))) / temp_bytes(*make(rows)) < 0.10
 
 
-# ---- issue 12, Build 1: loads at a fine grain (full chunks plus binary remainder chunks) ----------------
+# ---- loads at a fine grain (full chunks plus binary remainder chunks) ----------------
 
 @pytest.mark.parametrize("ratio", [2.0, 3.0, 15.7 / 8.1, 1.3])
 @pytest.mark.parametrize("devices", [2, 8])
@@ -205,6 +204,7 @@ def test_power_of_two_batch_follows_a_two_to_one_split(b):
     unit gave 5:3 at 4096), the parts cover every row once, the gradient is one all-reduce operand,
     and training equals one device (SGD)."""
     import optax
+
     from hlo import shapes_of
     loss_fn, params, batch = _mlp_problem(b)
     cluster = wh.Cluster(devices=jax.devices()[:2]).with_speeds([2e12, 1e12])

@@ -1,12 +1,11 @@
-"""Acceptance 2: the split head is really sharded and its gradient is never all-reduced (read from HLO)."""
-import jax
+"""The split head is really sharded and its gradient is never all-reduced (read from HLO)."""
 import optax
 import pytest
 
 import whalex as wh
 from conftest import adam
 from hlo import collectives, shapes_of
-from models import B, CLASSES, D_HID, flax_model, plain_model
+from models import CLASSES, D_HID, B, flax_model, plain_model
 
 
 def _compiled_text(loss_fn, params, batch, **kw):
@@ -103,7 +102,8 @@ def test_the_parser_reads_groups_async_pairs_and_loops():
 
     found = hlo.collectives(_TEXT)
     assert [(c.kind, c.is_async, c.group) for c in found] == [
-        ("all-reduce", False, 4), ("all-reduce", False, 4), ("collective-permute", False, 2), ("all-gather", True, None)]
+        ("all-reduce", False, 4), ("all-reduce", False, 4), ("collective-permute", False, 2),
+        ("all-gather", True, None)]
     assert found[-1].arrays == (("f32", (64, 16)),) and found[-1].bytes == 64 * 16 * 4      # the -done's result
     assert found[1].op_name == "jit(step)/psum" and found[2].bytes == 8 * 16 * 2
     assert shapes_of(_TEXT, "all-gather") == [(16, 64)]

@@ -1,4 +1,4 @@
-"""Issue 27, Build 2: the plan predicts what offload moves over the host link a step and the least
+"""The plan predicts what offload moves over the host link a step and the least
 time that takes at the device kind's host bandwidth."""
 import optax
 import pytest

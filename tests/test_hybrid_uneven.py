@@ -1,4 +1,4 @@
-"""Issue 12, Build 2 / Acceptance 2: uneven batches in hybrid plans. On a declared V100x4+T4x4
+"""Uneven batches in hybrid plans. On a declared V100x4+T4x4
 cluster, the replicate backbone of Whale's Example 2 runs speed-proportional rows, the split head
 keeps its layout (even or uneven class shards), and training equals one device."""
 import jax

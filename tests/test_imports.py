@@ -57,7 +57,7 @@ OPTIONAL = {"matplotlib", "IPython"}
 # ... and deliberate lazy imports, by (file, module): the reason.
 LAZY = {
     ("whalex/plan.py", "whalex.view.plot"):
-        "Plan.plot and the HTML picture load matplotlib on first use: it adds ~0.55 s to `import whalex` (~2 s)",
+        "Plan.plot and the HTML picture load matplotlib on first use: it adds a quarter to `import whalex`'s time",
     ("whalex/distributed.py", "jax"):
         "the process group is joined from os.environ before JAX is imported (import whalex joins first)",
     ("whalex/distributed.py", "whalex._compat"):

@@ -1,4 +1,4 @@
-"""Issue 28, Build 3: inputs a new user gets wrong each get a whalex error naming the argument (down to
+"""Inputs a new user gets wrong each get a whalex error naming the argument (down to
 the leaf) and the fix, raised before anything is placed or donated; a TrainState from another step of
 the same parameters is re-laid out to this step's plan, exactly; launcher argument errors exit 2."""
 import subprocess
@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import whalex as wh
-from conftest import HETERO, adam, rel_err, reference_train
+from conftest import HETERO, adam, reference_train, rel_err
 from models import data, plain_model, plain_params
 from test_checkpoint import _dp4
 from test_launch import HERE, child_env
@@ -108,7 +108,7 @@ def test_integer_leaf_in_params(used):
     with pytest.raises(wh.PlanError, match=r"params\['count'\] has dtype int32.*no gradient.*model_state="):
         step.init(params, data())
     with pytest.raises(wh.PlanError, match="call step.init"):   # nothing was planned or placed
-        step.plan
+        _ = step.plan
 
 
 def test_an_integer_counter_in_model_state_trains_as_on_one_device():
@@ -132,7 +132,7 @@ def test_shape_dtype_structs_to_init():
                                            r"restore\(step, params, batch\), which takes ShapeDtypeStructs"):
         step.init(abstract, data())
     with pytest.raises(wh.PlanError, match="call step.init"):
-        step.plan
+        _ = step.plan
     assert wh.plan(_loss, abstract, data(), SGD).task_graphs      # planning from shapes stays allowed
 
 

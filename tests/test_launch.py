@@ -1,4 +1,4 @@
-"""Issue 4 (launch): real multi-process runs on loopback through `python -m whalex.launch`.
+"""Real multi-process runs on loopback through `python -m whalex.launch`.
 
 Two processes, each with 1 or 2 CPU devices, join one jax.distributed group (gloo collectives)
 and train a data-parallel MLP with whalex, with the even plan and with a balanced plan that gives
@@ -7,15 +7,18 @@ is NaN). Losses and parameters must match single-device training in this process
 """
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
 import pytest
 
-from conftest import reference_train, rel_err
 import launch_worker as worker
+import restart_worker
+from conftest import reference_train, rel_err
 
 HERE = pathlib.Path(__file__).parent
 ROOT = HERE.parent
@@ -168,12 +171,7 @@ def test_touching_devices_before_joining_is_a_clear_error():
     assert "raised: this is process 1 of 2" in r.stdout and "maybe_initialize()" in r.stdout
 
 
-# ---- restarts and heartbeats (issue 11 item 5) ---------------------------------------------------
-
-import signal
-import time
-
-import restart_worker
+# ---- restarts and heartbeats ---------------------------------------------------------------------
 
 
 def start_launch(args, env, out_dir):
@@ -315,7 +313,7 @@ def test_heartbeat_touches_the_file_at_most_once_a_second(tmp_path, monkeypatch)
     assert distributed.heartbeat() is True and path.stat().st_mtime > time.time() - 10
 
 
-# ---- restarts from real checkpoints: wh.CheckpointManager (issue 11 acceptance 3 and 4) ------------
+# ---- restarts from real checkpoints: wh.CheckpointManager ------------------------------------------
 
 CKPT_STEPS, KILL_AT = 8, 3
 
@@ -360,7 +358,7 @@ def check_checkpoint_result(out_dir, reference, first=KILL_AT):
 
 
 def test_checkpoint_manager_restart_after_a_killed_worker(tmp_path, ckpt_reference):
-    """Acceptance 3: two jax.distributed processes save a wh.CheckpointManager checkpoint every step; one is
+    """Two jax.distributed processes save a wh.CheckpointManager checkpoint every step; one is
     SIGKILLed; the launcher restarts both, they restore the latest checkpoint and finish, equal to an
     uninterrupted single-device run."""
     err = run_checkpoint_worker(tmp_path, 1)
@@ -371,7 +369,7 @@ def test_checkpoint_manager_restart_after_a_killed_worker(tmp_path, ckpt_referen
 
 
 def test_checkpoint_manager_restart_after_a_stopped_worker(tmp_path, ckpt_reference):
-    """Acceptance 3, a hung worker: SIGSTOP instead of SIGKILL. Nothing exits, so only the heartbeat shows it:
+    """A hung worker: SIGSTOP instead of SIGKILL. Nothing exits, so only the heartbeat shows it:
     the launcher stops both within the timeout, restarts, and the run resumes from the latest checkpoint.
     (The stop sends SIGTERM and SIGCONT before SIGKILL; jax.distributed handles SIGTERM, so the woken
     processes may train and checkpoint a few more steps first: the restart resumes from whichever is latest.)"""
@@ -385,7 +383,7 @@ def test_checkpoint_manager_restart_after_a_stopped_worker(tmp_path, ckpt_refere
 
 
 def test_checkpoint_manager_restart_on_fewer_processes(tmp_path, ckpt_reference):
-    """Acceptance 4: with --min-processes 1 the run restarts with the one process left, re-plans onto its
+    """With --min-processes 1 the run restarts with the one process left, re-plans onto its
     2 devices (4 before), restores the checkpoint 2 processes saved, and equals the reference."""
     err = run_checkpoint_worker(tmp_path, 2, "--min-processes", "1")
     assert "restart 1 of 1 with 1 process(es)" in err and "attempt 1: all 1 process(es) exited with status 0" in err

@@ -1,4 +1,4 @@
-"""Issue 10: every plan trains the same model, whatever the loss computes (docs/architecture.md#the-loss-contract).
+"""Every plan trains the same model, whatever the loss computes (docs/architecture.md#the-loss-contract).
 
 A tiny language model on padded sequences, with the losses real training code writes: a plain
 mean, a sum, a masked mean over examples, lm1b's token-weighted cross-entropy (some rows all

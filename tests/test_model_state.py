@@ -1,4 +1,4 @@
-"""Issue 10: model state (BatchNorm statistics) and randomness (dropout) under every plan.
+"""Model state (BatchNorm statistics) and randomness (dropout) under every plan.
 
 Plans that see the whole batch keep global statistics (synchronised BatchNorm) and one device's
 dropout masks. Plans that evaluate the loss in parts refuse a BatchNorm in training mode by name,
@@ -69,7 +69,7 @@ def reference(loss_fn, params, state, batch, optimizer, steps, rng=None, parts=N
             return loss_fn(p, batch, ms, **kw)
         loss, news = 0.0, []
         for rows in parts:
-            sub = jax.tree.map(lambda a: a[rows], batch)
+            sub = jax.tree.map(lambda a: a[rows], batch)  # noqa: B023  (called at once)
             l_k, s_k = loss_fn(p, sub, ms, **kw)
             loss = loss + l_k * len(rows) / B
             news.append(s_k)

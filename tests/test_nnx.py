@@ -1,4 +1,4 @@
-"""Issue 10: Flax NNX models under whalex plans equal plain NNX training on one device.
+"""Flax NNX models under whalex plans equal plain NNX training on one device.
 
 `step.init(model, batch)` trains the module's nnx.Params; BatchStats and the dropout streams'
 RngKey/RngCount are model state, carried in `TrainState.model_state`; `step.model(state)` is the

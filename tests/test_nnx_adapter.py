@@ -14,9 +14,9 @@ import pytest
 from flax import nnx
 
 import whalex as wh
+from conftest import adam, rel_err
 from whalex.core.capture import capture
 from whalex.nnx import NnxModel, is_key, is_module
-from conftest import adam, rel_err
 
 STEPS = 3
 

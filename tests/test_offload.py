@@ -1,5 +1,5 @@
-"""Issue 6 part A: optimizer state and parameters offloaded to pinned host memory (acceptance 5),
-alone and with ZeRO 1 (acceptance 1: "zero 1 + offload")."""
+"""Optimizer state and parameters offloaded to pinned host memory,
+alone and with ZeRO 1."""
 import jax
 import pytest
 from jax.sharding import PartitionSpec as P

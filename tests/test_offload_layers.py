@@ -1,4 +1,4 @@
-"""Issue 27, Build 2: offload="params" per layer (ZeRO-Offload style). Parameters stay in pinned host
+"""`offload="params"` per layer (ZeRO-Offload style). Parameters stay in pinned host
 memory; each layer fetches its own for its forward pass and again for its backward pass, so no
 device copy of a parameter is kept from one to the other, and training equals one device."""
 import collections
@@ -43,7 +43,8 @@ def test_no_device_copy_of_a_parameter_is_kept_for_the_backward_pass(amp):
     broadcast): the backward pass fetches each layer's weights again, inside its checkpoint's
     recomputation. Without offload those values are kept (the check below can fail)."""
     params, batch = problem()
-    shapes = {tuple(x.shape) for x in jax.tree.leaves(params)} | {(1, 1, d) for d in {x.shape[-1] for x in jax.tree.leaves(params)}}
+    leaves = jax.tree.leaves(params)
+    shapes = {tuple(x.shape) for x in leaves} | {(1, 1, d) for d in {x.shape[-1] for x in leaves}}
 
     def kept(offload):
         plan = wh.plan(loss_fn, params, batch, optax.sgd(0.1), config=wh.Config(offload=offload, amp=amp))

@@ -1,4 +1,4 @@
-"""Issue 27: offload="opt_state" keeps the optimizer state off the device through the backward pass.
+"""`offload="opt_state"` keeps the optimizer state off the device through the backward pass.
 
 The step reads each offloaded leaf only through an `optimization_barrier` shared with the gradient it
 updates (or with every gradient), so XLA cannot move it to the device before the backward pass has

@@ -1,14 +1,13 @@
-"""Issue 11, Build 3: `state.params` reads as the caller's pytree under every plan; plans with their
+"""`state.params` reads as the caller's pytree under every plan; plans with their
 own storage (padded uneven head shards) unpack on read and pack on replace. Pipelines store the
 caller's pytree itself (spread over every device) and pack stage rows inside the step."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 import whalex as wh
-from conftest import HETERO, rel_err, reference_train
+from conftest import HETERO, reference_train, rel_err
 from test_hetero import _head_model
 from test_pipeline import _plain, _two_stage
 
@@ -87,7 +86,7 @@ def test_padded_uneven_head_reads_unpadded_and_a_new_batch_size_relays_out_the_s
 
 def test_a_state_from_another_step_is_relaid_out():
     """A padded state made by another step (its own ParamView) is unpacked through that view and packed
-    into this step's layout (issue 28): training goes on exactly as under the step that made it."""
+    into this step's layout: training goes on exactly as under the step that made it."""
     loss_fn, params, batch = _head_model()
     cluster = wh.Cluster(kinds=HETERO)
     maker = wh.parallelize(loss_fn, SGD, cluster=cluster)

@@ -1,15 +1,14 @@
-"""Acceptance 3: both matmul patterns, the embedding patterns, chosen by communication cost."""
+"""Both matmul patterns, the embedding patterns, chosen by communication cost."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import whalex as wh
-from conftest import adam, assert_matches, rel_err, whalex_train
-from models import CLASSES, D_HID, plain_model
+from conftest import adam, assert_matches, rel_err
+from models import plain_model
 
 
 @pytest.mark.parametrize("how", ["scope", "config"])

@@ -3,12 +3,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import whalex as wh
-from conftest import adam, assert_matches, rel_err, reference_train
+from conftest import adam, assert_matches, reference_train, rel_err
 from whalex.balance.partition import partition
 
 # Non-zero bias init: a zero-initialised bias has a scale of lr*steps, which makes the

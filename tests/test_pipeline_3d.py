@@ -1,4 +1,4 @@
-"""Issue 13, Build 1: pipeline x tensor x data (3D) parallelism. `wh.split(2)` inside the stages of an
+"""Pipeline x tensor x data (3D) parallelism. `wh.split(2)` inside the stages of an
 auto_parallel pipeline gives a ('data', 'stage', 'model') mesh: the stages are manual inside one
 shard_map, the split layers are sharded over `model` by the same sharding patterns as a GSPMD plan
 (Megatron's column-then-row MLP falls out), each model device holds its block of the split weights,
@@ -10,8 +10,8 @@ import numpy as np
 import optax
 import pytest
 
-import whalex as wh
 import test_auto_parallel as lm_model
+import whalex as wh
 from conftest import adam, assert_matches
 
 WIDTH = lm_model.WIDTH
@@ -52,7 +52,7 @@ def test_split_inside_stages_trains_like_one_device(split_lm, stages, schedule, 
     for i in range(4):
         assert chosen[f"['decoder']['block_{i}']['mlp']['up']['kernel']"] == "SP1 column", chosen
         assert chosen[f"['decoder']['block_{i}']['mlp']['down']['kernel']"] == "SP2 row", chosen
-    assert "mesh (data=%d x stage=%d x model=2)" % (dp, stages) in plan.summary()
+    assert f"mesh (data={dp} x stage={stages} x model=2)" in plan.summary()
     if schedule == "gpipe":                     # the Adam run
         check_checkpoint(step, state, loss_fn, params, batch, tmp_path)
 
@@ -140,6 +140,6 @@ def test_padding_a_split_dimension_inside_a_stage_is_refused_by_name(monkeypatch
     monkeypatch.setattr(lm_model, "Mlp", Odd)
     loss_fn, params, batch = lm_model.lm(num_blocks=2, batch=8)
     config = wh.Config(auto_parallel=True, num_task_graph=2, num_micro_batch=2)
-    with pytest.raises(wh.PlanError, match=r"split\(2\) inside a pipeline stage would pad .*\['odd'\]\['(kernel|bias)'\].*"
-                                           r"which 2 does not divide"):
+    with pytest.raises(wh.PlanError, match=r"split\(2\) inside a pipeline stage would pad "
+                                           r".*\['odd'\]\['(kernel|bias)'\].*which 2 does not divide"):
         wh.plan(loss_fn, params, batch, config=config)

@@ -1,4 +1,4 @@
-"""Issue 13, Builds 5 and 6: `has_aux` in pipelines, and each stage device holds only its batch leaves.
+"""`has_aux` in pipelines, and each stage device holds only its batch leaves.
 
 A tiny language model on padded sequences (token-weighted cross-entropy, some rows all padding) in
 2 and 4 stages, both schedules, SGD and Adam, against single-device training; its aux has
@@ -132,7 +132,8 @@ def test_each_stage_device_holds_only_its_batch_leaves():
     batch_in = jax.tree.leaves(compiled.input_shardings[0][1])
     assert batch_in and all(s.spec == jax.sharding.PartitionSpec("stage", "data") for s in batch_in)
     # int32 row: the widest int stage (T tokens); float32 row: the weight; was the whole batch (2T+1)
-    assert layout.device_bytes(dp) == per_replica * (T + 1) * 4 < layout.whole_bytes(dp) == per_replica * (2 * T + 1) * 4
+    assert layout.device_bytes(dp) == per_replica * (T + 1) * 4 < \
+        layout.whole_bytes(dp) == per_replica * (2 * T + 1) * 4
     assert [layout.stage_bytes(s, dp) for s in range(4)] == [per_replica * T * 4, 0, 0, per_replica * (T + 1) * 4]
 
 

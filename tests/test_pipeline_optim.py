@@ -1,4 +1,4 @@
-"""Issue 13, Builds 2 and 3: pipelines train exactly with any optax transformation (factored, masked,
+"""Pipelines train exactly with any optax transformation (factored, masked,
 multi_transform, global-norm clipping) and with tied parameters (one embedding read by the first
 stage's lookup and the last stage's logits), against single-device training of the same model."""
 import jax
@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import whalex as wh
-from conftest import rel_err, reference_train, whalex_train
+from conftest import reference_train, rel_err, whalex_train
 
 V, D, T, B = 32, 16, 8, 16          # vocabulary, width, sequence length, global batch
 

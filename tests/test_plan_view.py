@@ -1,4 +1,4 @@
-"""Issue 15: the plan's notebook view, pictures, short repr, schedule picture and measured-vs-predicted.
+"""The plan's notebook view, pictures, short repr, schedule picture and measured-vs-predicted.
 
 The four plans are tools/render_plans.py's (hybrid, pipeline, heterogeneous, MoE), built once.
 """
@@ -14,10 +14,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 import whalex as wh
 from whalex.core.schedules import make_schedule, render
-from whalex.view import StepTiming
+from whalex.view import StepTiming, plot as plot_view, text as view_text
 from whalex.view.sections import Line, Pre, Table
-from whalex.view import plot as plot_view
-from whalex.view import text as view_text
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 import render_plans  # noqa: E402

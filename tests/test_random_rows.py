@@ -11,8 +11,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from whalex import _compat
-from whalex.core.random_rows import (
-    UnsupportedKeyError, bits_rows, flat_index_2x32, row_bits_override, threefry_words)
+from whalex.core.random_rows import UnsupportedKeyError, bits_rows, flat_index_2x32, row_bits_override, threefry_words
 
 SHAPES = [(13,), (13, 3, 7), (9, 1, 5)]
 PARTS = [(0, 5), (4, 5), (8, 5), (0, 9), (8, 1), (3, 0)]
@@ -168,7 +167,7 @@ def test_flat_index_words_beyond_two_to_the_32(shape):
                + np.arange(stride, dtype=np.uint64).reshape(shape[1:]))
         got = (np.asarray(hi, np.uint64) << np.uint64(32)) | np.asarray(lo, np.uint64)
         np.testing.assert_array_equal(got, idx)
-        jax_hi, jax_lo = jax.jit(lambda: [x[offset:offset + rows] for x in _compat.bind(eqn, [])])()
+        jax_hi, jax_lo = jax.jit(lambda: [x[offset:offset + rows] for x in _compat.bind(eqn, [])])()  # noqa: B023
         np.testing.assert_array_equal(hi, jax_hi)
         np.testing.assert_array_equal(lo, jax_lo)
         crossed |= bool(np.any(np.diff(np.asarray(hi).ravel()) != 0))
@@ -270,11 +269,11 @@ def test_bernoulli_jaxpr_with_random_bits_replaced(kind):
     B = 13
     whole = jax.random.bernoulli(key, 0.7, (B, 5))
     for offset, rows in [(0, 4), (4, 5), (9, 4), (12, 1)]:
-        closed = jax.make_jaxpr(lambda k: jax.random.bernoulli(k, 0.7, (rows, 5)))(key)
+        closed = jax.make_jaxpr(lambda k: jax.random.bernoulli(k, 0.7, (rows, 5)))(key)  # noqa: B023
         part, = eval_parts(closed, [key], offset, B)
         np.testing.assert_array_equal(part, whole[offset:offset + rows])
         # Under jit with a traced offset too.
-        f = jax.jit(lambda k, o: eval_parts(closed, [k], o, B)[0])
+        f = jax.jit(lambda k, o: eval_parts(closed, [k], o, B)[0])  # noqa: B023  (called in this iteration)
         np.testing.assert_array_equal(f(key, jnp.int32(offset)), whole[offset:offset + rows])
 
 

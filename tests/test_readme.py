@@ -30,9 +30,12 @@ FRESH = (
 ILLUSTRATIVE = {
     ("docs/parallelism.md", "Pipelines"): "stage0 and stage1 are the reader's model",
     ("docs/parallelism.md", "3D parallelism"): "a fragment: d, loss_fn and the model are the reader's",
-    ("docs/parallelism.md", "Heterogeneous GPUs"): "loss_fn, params and batch are the reader's (tests/test_hetero*.py run it)",
-    ("docs/parallelism.md", "Planning without hardware"): "params_shapes and batch_shapes are the reader's (tests/test_abstract.py)",
-    ("docs/parallelism.md", "Mixture of Experts"): "model and task_loss are the reader's (examples/moe_transformer.py runs it)",
+    ("docs/parallelism.md", "Heterogeneous GPUs"):
+        "loss_fn, params and batch are the reader's (tests/test_hetero*.py run it)",
+    ("docs/parallelism.md", "Planning without hardware"):
+        "params_shapes and batch_shapes are the reader's (tests/test_abstract.py)",
+    ("docs/parallelism.md", "Mixture of Experts"):
+        "model and task_loss are the reader's (examples/moe_transformer.py runs it)",
     ("docs/memory.md", "On many GPUs, without them: XLA's GPU compiler"):
         "loss_fn, params and batch are the reader's, and it needs the [cuda] extra (tests/gpu_compile runs it)",
 }
@@ -141,7 +144,8 @@ def test_links_between_pages_resolve():
 def test_files_the_pages_name_exist():
     """A page that names a file by its path from the repository root names one that is there."""
     for page in PAGES:
-        for path in set(re.findall(r"\b((?:whalex|tests|bench|examples|tools)/[\w/]+\.(?:py|ipynb))", page.read_text())):
+        cited = re.findall(r"\b((?:whalex|tests|bench|examples|tools)/[\w/]+\.(?:py|ipynb))", page.read_text())
+        for path in set(cited):
             assert (ROOT / path).exists(), f"{page.relative_to(ROOT)} names {path}, which does not exist"
 
 
@@ -181,6 +185,8 @@ def test_code_cites_the_design_document_in_the_repository():
     for folder in ("whalex", "tests", "bench", "tools", "examples"):
         for path in sorted((ROOT / folder).rglob("*.py")):
             text = path.read_text()
-            assert old not in text, f"{path.relative_to(ROOT)} cites {old}, which is not in the repository: cite docs/architecture.md"
+            assert old not in text, \
+                f"{path.relative_to(ROOT)} cites {old}, which is not in the repository: cite docs/architecture.md"
             for anchor in re.findall(r"docs/architecture\.md#([\w-]+)", text):
-                assert anchor in anchors, f"{path.relative_to(ROOT)} cites docs/architecture.md#{anchor}: no such section"
+                assert anchor in anchors, \
+                    f"{path.relative_to(ROOT)} cites docs/architecture.md#{anchor}: no such section"

@@ -1,4 +1,4 @@
-"""Gradient accumulation reduces the gradients once a step, not once per micro-batch (issue 28).
+"""Gradient accumulation reduces the gradients once a step, not once per micro-batch.
 
 The compiled HLO of a micro-batched GSPMD step is read for its gradient collectives (results shaped
 like a parameter, possibly with a leading per-shard dimension of 1), a collective inside a `while`
@@ -16,8 +16,8 @@ import optax
 import pytest
 
 import whalex as wh
-from whalex.core import hlo
 from conftest import adam, assert_matches, reference_train, rel_err, whalex_train
+from whalex.core import hlo
 
 B, T, F, H1, H2, C = 128, 3, 12, 20, 24, 40     # 3-d activations: no activation looks like a parameter
 none = contextlib.nullcontext
@@ -94,7 +94,8 @@ SHAPES = [tuple(x.shape) for x in jax.tree.leaves(params0())]
 def test_hlo_reader_counts_loop_trips():
     """The reader multiplies a while body's collectives by its trip count (so the tests below could fail):
     the hybrid's activation collectives run once per micro-batch."""
-    per_step = [sum(trips for c, trips in hlo.looped_collectives(compiled("hybrid", m)[1]) if trips > 1) for m in (4, 16)]
+    per_step = [sum(trips for c, trips in hlo.looped_collectives(compiled("hybrid", m)[1]) if trips > 1)
+                for m in (4, 16)]
     assert per_step[0] > 0 and per_step[1] == 4 * per_step[0]
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from whalex.balance.algorithm import proportional
-from whalex.balance.refine import (HI, LO, POINTS, bracket_search, max_steps, scaled_speeds, search)
+from whalex.balance.refine import HI, LO, POINTS, bracket_search, max_steps, scaled_speeds, search
 
 BATCH = 4096
 
@@ -132,8 +132,6 @@ def test_a_refining_auto_parallel_pipeline_moves_its_stage_cut_and_trains_exactl
 
 
 def test_refine_is_refused_on_annotated_stages_and_bad_values_are_clear_errors():
-    import jax
-    import jax.numpy as jnp
 
     import whalex as wh
     from conftest import HETERO, adam

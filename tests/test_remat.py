@@ -1,4 +1,4 @@
-"""Issue 6 part B: remat ("full", a jax.checkpoint_policies name, "auto" under a memory budget) and
+"""Remat ("full", a jax.checkpoint_policies name, "auto" under a memory budget) and
 activation offload. Every option trains to the plain plan's parameters (rtol 1e-5: recomputation
 repeats the same float operations); remat="auto" is checked on XLA's compiled memory, not on a
 prediction; communication is never recomputed (the compiled HLO has the same collectives)."""
@@ -161,7 +161,7 @@ def test_offload_activations_combines_with_offloaded_optimizer_state():
 
 
 def test_zero3_with_auto_remat_and_bf16_amp():
-    """Acceptance 1's combination: ZeRO 3 + remat="auto" + amp="bf16" fits its budget (state + what the
+    """ZeRO 3 + remat="auto" + amp="bf16" fits its budget (state + what the
     backward pass keeps) and trains like fp32 within bf16's tolerance (see test_amp)."""
     loss_fn, params, batch = wide_model()
     base = wh.Config(zero_level=3, amp="bf16")

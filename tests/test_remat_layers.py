@@ -1,4 +1,4 @@
-"""Issue 27: remat per layer without annotations. The layers of an un-annotated model are found in
+"""Remat per layer without annotations. The layers of an un-annotated model are found in
 the captured program (module paths that repeat), remat applies per layer, and training is exact."""
 import flax.linen as nn
 import jax
@@ -8,7 +8,7 @@ import pytest
 
 import whalex as wh
 from conftest import adam, assert_matches
-from test_gpt import D, LAYERS, SEQ, VOCAB, Block, loss_fn, problem
+from test_gpt import LAYERS, SEQ, VOCAB, Block, D, loss_fn, problem
 from whalex.core.capture import capture
 from whalex.core.flops import training_flops
 from whalex.memory import vjp_residual_bytes
@@ -58,7 +58,7 @@ def _saved(fn, params, batch) -> float:
 
 
 def test_full_remat_of_an_unannotated_model_saves_like_nn_remat_per_block():
-    """Issue 27, acceptance 1: the plan's activation bytes with remat="full" over those without,
+    """The plan's activation bytes with remat="full" over those without,
     at most 1.10x the same fraction of the hand-written nn.remat(Block) model."""
     params, batch = problem()
     hand = _saved(_hand_loss, params, batch) / _saved(loss_fn, params, batch)
@@ -71,7 +71,7 @@ def test_full_remat_of_an_unannotated_model_saves_like_nn_remat_per_block():
 
 @pytest.mark.parametrize("optimizer", [optax.sgd(0.5), adam()], ids=["sgd", "adam"])
 def test_auto_remat_fits_half_the_no_remat_step_and_trains_as_one_device(optimizer):
-    """Issue 27, acceptance 1: remat="auto" fits 50% of the no-remat step (state + what the backward
+    """`remat="auto"` fits 50% of the no-remat step (state + what the backward
     keeps, as JAX counts it: true on CPU too), choosing per layer. A batch of 256 rows: activations,
     not the state, fill the step (as in the models remat is for)."""
     params, batch = problem(rows=256)

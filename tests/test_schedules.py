@@ -1,4 +1,4 @@
-"""Acceptance 3 (issue 3): schedules as data, checked without devices."""
+"""Schedules as data, checked without devices."""
 import pytest
 
 import whalex as wh

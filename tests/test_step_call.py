@@ -1,4 +1,4 @@
-"""Issue 12, Build 6: the fast path of `Step.__call__` (the state the step just returned, a batch like
+"""The fast path of `Step.__call__` (the state the step just returned, a batch like
 the last one) runs what the full path would run and skips no check that matters."""
 import gc
 import weakref

@@ -1,4 +1,4 @@
-"""Issue 28 (Build 4): stock Flax layers get uneven shards on a heterogeneous model axis. A stock
+"""Stock Flax layers get uneven shards on a heterogeneous model axis. A stock
 `nn.Dense` MLP (Dense -> gelu -> Dense) and a stock `nn.MultiHeadDotProductAttention` under
 `wh.split(2)`, on a cluster whose two model positions are V100s and T4s: the planner finds them in
 the captured program and runs them as `wh.ops.mlp` / `wh.ops.attention` do (hidden units and heads in
@@ -12,8 +12,8 @@ import optax
 import pytest
 
 import whalex as wh
-from whalex import _compat as C
 from conftest import adam, reference_train, rel_err
+from whalex import _compat as C
 
 B, L, D, H = 16, 6, 16, 64
 # the mesh is (data 4, model 2): model position 0 holds the V100s, position 1 the T4s
@@ -159,8 +159,8 @@ def test_other_stock_layers_keep_even_shards_and_train_exactly(model):
 
 def test_fused_regions_match_the_ops_and_keep_their_taskgraph():
     """The rewritten capture: one named call per layer, the same loss at the example batch."""
-    from whalex.mesh.virtual import mesh_layout, virtual_devices
     from whalex.memory.precision import capture
+    from whalex.mesh.virtual import mesh_layout, virtual_devices
     from whalex.planner.patterns.stock import fuse_stock_layers
 
     class Both(nn.Module):
@@ -185,7 +185,8 @@ def test_fused_regions_match_the_ops_and_keep_their_taskgraph():
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
 
 
-@pytest.mark.parametrize("model,kind", [(StockMLP(), "sgd"), (StockMLP(), "adam"), (StockAttention(causal=True), "sgd")],
+@pytest.mark.parametrize("model,kind",
+                         [(StockMLP(), "sgd"), (StockMLP(), "adam"), (StockAttention(causal=True), "sgd")],
                          ids=["mlp-sgd", "mlp-adam", "attention-sgd"])
 def test_stock_layers_train_exactly_on_a_masked_token_mean(model, kind):
     """The uneven stock layers under a token-masked mean on a padded batch (two rows all padding).

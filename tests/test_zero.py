@@ -1,4 +1,4 @@
-"""Issue 6 part A: ZeRO levels 1/2/3 on replicate, hybrid, pipeline and heterogeneous plans."""
+"""ZeRO levels 1/2/3 on replicate, hybrid, pipeline and heterogeneous plans."""
 import jax
 import jax.numpy as jnp
 import pytest

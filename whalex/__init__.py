@@ -2,6 +2,7 @@
 from whalex.distributed import maybe_initialize as _join
 
 _join(strict=False)     # under `python -m whalex.launch`: join the process group before devices are touched
+from whalex import moe as moe, ops as ops  # public submodules: wh.moe, wh.ops
 from whalex.api import Step, parallelize, plan
 from whalex.checkpoint import CheckpointManager
 from whalex.errors import ClusterError, ConfigError, PlanError, ScopeError, WhalexError
@@ -10,7 +11,6 @@ from whalex.mesh.specs import SPECS, DeviceSpec
 from whalex.mesh.virtual import VirtualDevice
 from whalex.plan import Plan, TaskGraphInfo
 from whalex.primitives import Config, Strategy, init, replicate, set_default_strategy, split
-from whalex import moe, ops
 from whalex.state import TrainState
 
 __version__ = "0.1.0"

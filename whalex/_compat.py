@@ -9,13 +9,14 @@ import functools
 import importlib.util
 import os
 import sysconfig
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 from flax.linen import module as linen_module
 from jax._src import core as src_core, source_info_util, xla_bridge
 from jax._src.ad_checkpoint import saved_residuals as _saved_residuals
-from jax._src.ad_util import add_jaxvals as add_any
+from jax._src.ad_util import add_jaxvals as add_any  # noqa: F401  (re-exported: the sum autodiff adds cotangents with)
 from jax.experimental import topologies
 from jax.extend import core as jex
 
@@ -136,7 +137,7 @@ def in_flax_module() -> bool:
 LIBRARY_PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax", "whalex", "chex", "numpy", "ml_dtypes")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _library_dirs() -> tuple[str, ...]:
     """Directories of the library packages and of the standard library, found by module location
     (JAX's own filter tests one path prefix, which misses flax in a virtual environment)."""

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import operator
 import weakref
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import numpy as np

@@ -113,7 +113,7 @@ class CheckpointManager:
     def close(self) -> None:
         self._manager.close()
 
-    def __enter__(self) -> "CheckpointManager":
+    def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -104,7 +104,7 @@ def launch_env() -> tuple[str, int, int] | None:
 
 
 def is_initialized() -> bool:
-    import jax          # lazily, here and below: the environment is read before JAX is imported
+    import jax  # lazily, here and below: the environment is read before JAX is imported
     return jax.distributed.is_initialized()
 
 
@@ -124,7 +124,7 @@ def maybe_initialize(initialization_timeout: int = 120, strict: bool = True) -> 
         return False
     import jax
 
-    from whalex._compat import backends_initialized     # lazily: it imports JAX
+    from whalex._compat import backends_initialized  # lazily: it imports JAX
 
     if jax.distributed.is_initialized():
         return False

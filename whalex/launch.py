@@ -211,7 +211,8 @@ def _run_once(n, command, sets, base, host, attempt, hb_dir, heartbeat_timeout, 
                         beating.add(i)
                         log(f"process {i}: first heartbeat {now - t0:.1f} s after start")
                     if age > heartbeat_timeout:
-                        log(f"process {i}: heartbeat timeout (last heartbeat {age:.1f} s ago > {heartbeat_timeout:g} s)")
+                        log(f"process {i}: heartbeat timeout "
+                            f"(last heartbeat {age:.1f} s ago > {heartbeat_timeout:g} s)")
                         hung.append(i)
                 if hung:                                 # every stale one is logged; the first is blamed
                     outcome = ("hung", hung[0], 124)

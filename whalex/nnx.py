@@ -48,7 +48,8 @@ Facts measured on jax 0.10.2 / flax 0.12.8 (tests/test_nnx_adapter.py):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -90,7 +91,7 @@ class NnxModel:
 
     # -- construction ------------------------------------------------------------------------------
     @classmethod
-    def split(cls, model: nnx.Module) -> tuple["NnxModel", Any, Any]:
+    def split(cls, model: nnx.Module) -> tuple[NnxModel, Any, Any]:
         """`(NnxModel, params, model_state)`: `nnx.Param`s are params, all other variables state.
 
         Split the model in the mode it should train in (`model.train()`): static attributes such as

@@ -49,7 +49,7 @@ ACTIVATIONS = {"relu": jax.nn.relu, "gelu": jax.nn.gelu, "silu": jax.nn.silu, "t
 assert tuple(ACTIVATIONS) == EXPERT_ACTIVATIONS       # the names the planner recognises
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _named_mlp(activation: str):
     act = ACTIVATIONS[activation]
 
@@ -99,7 +99,7 @@ def attention_heads(x, wq, bq, wk, bk, wv, bv, wo, causal: bool):
     return attention_out(attention_mix(attention_scores(q, k, causal), v), wo)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _named_attention(causal: bool):
     def fn(x, wq, bq, wk, bk, wv, bv, wo, bo):
         return attention_heads(x, wq, bq, wk, bk, wv, bv, wo, causal) + bo

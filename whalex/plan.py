@@ -18,9 +18,7 @@ from whalex.memory.remat import RematPlan, summary_lines
 from whalex.mesh.cluster import Cluster
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
 from whalex.primitives.config import Config
-from whalex.view import html as view_html
-from whalex.view import sections as view_sections
-from whalex.view import text as view_text
+from whalex.view import html as view_html, sections as view_sections, text as view_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -389,8 +387,8 @@ class Plan:
 
 
 def _plot_view():
-    """whalex.view.plot, imported on first use: it imports matplotlib, which would add 0.55-0.60 s to
-    `import whalex` (measured on the 2-core dev machine: import whalex 1.9-2.3 s, then whalex.view.plot
-    0.55-0.60 s, matplotlib 3.11), a cost users who never plot should not pay."""
+    """whalex.view.plot, imported on first use: it imports matplotlib, which would add a quarter to
+    the time of `import whalex` (docs/architecture.md#layers-and-data-flow), a cost users who never
+    plot should not pay."""
     from whalex.view import plot
     return plot

@@ -12,14 +12,24 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from whalex.balance.refine import (LO, HI, POINTS, STEPS_PER_POINT, WARMUP_STEPS, Refinement, SplitTiming,
-                                   bracket_search, median_spread, scaled_speeds)
+from whalex.balance.refine import (
+    HI,
+    LO,
+    POINTS,
+    STEPS_PER_POINT,
+    WARMUP_STEPS,
+    Refinement,
+    SplitTiming,
+    bracket_search,
+    median_spread,
+    scaled_speeds,
+)
 from whalex.errors import PlanError
 from whalex.plan import Plan
 

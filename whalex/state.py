@@ -3,15 +3,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ParamView:
-    """How a plan that stores the parameters in its own layout (padded uneven shards) reads and writes them as the caller's pytree. Compared by identity: a state carries its
-    plan's view as static pytree data, so jit caches and sharding trees match it exactly."""
+    """How a plan that stores the parameters in its own layout (padded uneven shards) reads and writes
+    them as the caller's pytree. Compared by identity: a state carries its plan's view as static pytree
+    data, so jit caches and sharding trees match it exactly."""
 
     unpack: Callable     # stored layout -> the caller's pytree
     pack: Callable       # the caller's pytree -> stored layout, placed per the plan
@@ -33,7 +35,7 @@ class TrainState:
 
     stored_params: Any           # the parameters as the step takes them (padded where `view` is set)
     opt_state: Any
-    step: jax.Array
+    step: Any                    # a jax.Array; a sharding or a ShapeDtypeStruct in the plan's trees of those
     loss_scale: Any = None       # amp="fp16": whalex.memory.precision.LossScale (scale, finite steps)
     model_state: Any = None      # updated by the step, untouched by the optimizer
     rng: Any = None              # split every step: the loss gets a fresh key
@@ -44,7 +46,7 @@ class TrainState:
         """The parameters as the caller's pytree, whatever the plan stores."""
         return self.stored_params if self.view is None else self.view.unpack(self.stored_params)
 
-    def replace(self, **updates) -> "TrainState":
+    def replace(self, **updates) -> TrainState:
         """`dataclasses.replace`; `params=` takes the caller's pytree (packed per `view`)."""
         if "params" in updates:
             params = updates.pop("params")

@@ -1,1 +1,2 @@
-"""Profiling (FLOPs, memory) and, later, hardware-aware balancing (Algorithm 1)."""
+"""Hardware-aware balance: profiling (FLOPs, memory), Algorithm 1 and the cost model, memory fit,
+automatic pipeline partitioning, device calibration and refinement of a split on the real step."""

@@ -29,7 +29,7 @@ import functools
 import gc
 import time
 import warnings
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -265,7 +265,8 @@ def _check(size: int, chain: int, repeats: int, tolerance: float, loss_fn, param
         raise ValueError("calibrate(..., optimizer=) times the user's step (loss, gradient and update): pass loss_fn, "
                          "params and a batch with it.")
     if optimizer is not None and not isinstance(optimizer, optax.GradientTransformation):
-        raise ValueError(f"calibrate's optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}.")
+        raise ValueError(f"calibrate's optimizer must be an optax.GradientTransformation, "
+                         f"got {type(optimizer).__name__}.")
 
 
 def _fractions(batch, counts: Sequence[int] | None = None):
@@ -309,7 +310,8 @@ def measure(cluster: Cluster, loss_fn: Callable | None = None, params=None, batc
     intercept the device's fixed seconds per step (`Measurement.overheads`); `rows` times other
     counts of the batch's rows instead."""
     if cluster.is_abstract or cluster.compile_only:
-        raise ValueError("calibrate() needs real devices; an abstract cluster (or a gpu_topology one) has none to time.")
+        raise ValueError("calibrate() needs real devices; an abstract cluster (or a gpu_topology one) has none "
+                         "to time.")
     _check(size, chain, repeats, 0.0, loss_fn, params, batch, optimizer)
     mine = [i for i, d in enumerate(cluster.devices) if d.process_index == jax.process_index()]
     devices = [cluster.devices[i] for i in mine]

@@ -8,7 +8,7 @@ compiled forward+backward at two batch sizes (the slope), not estimated.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 
@@ -175,8 +175,7 @@ def split_chunk(units: int, speeds: Sequence[float], columns_per_unit: int = 1) 
     time within SPLIT_ROUNDING of the ideal (units / total speed), else the largest of those closest
     to it. A coarse chunk costs balance (32 heads in chunks of 4 give 24/8 for 2.2:1 speeds, 9.6%
     over the ideal 21.9); a narrow one costs matmul efficiency and loop trips over buffers of the
-    padded width (heads of 32 one at a time ran 15% slower per head than in fours; 8 heads of a
-    24-wide padded layout took 304 ms in chunks of 4 and 223 ms in chunks of 8, on CPU)."""
+    padded width (docs/parallelism.md#heterogeneous-gpus has the figures)."""
     ideal = units / sum(speeds)
     divisors = [c for c in range(1, units // len(speeds) + 1) if units % c == 0]
     wide = [c for c in divisors if c * columns_per_unit >= MIN_CHUNK_COLUMNS] or divisors

@@ -23,7 +23,7 @@ activation estimate is compared against XLA's compiled temp memory in `bench/moe
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np

@@ -10,7 +10,7 @@ the readers of one parameter inside one top-level layer (a pipeline stage owns i
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 

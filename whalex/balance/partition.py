@@ -11,7 +11,7 @@ split is within `TOLERANCE` of the ideal (total time / total speed) is used.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np

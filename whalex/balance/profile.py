@@ -115,6 +115,7 @@ def spec_shards(spec, axis_sizes: dict) -> int:
 def sharded_bytes(shapes, specs, axis_sizes: dict) -> float:
     """Per-device bytes of a pytree of ShapeDtypeStructs under PartitionSpecs (even shards)."""
     total = 0.0
-    for s, spec in zip(jax.tree.leaves(shapes), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))):
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+    for s, spec in zip(jax.tree.leaves(shapes), jax.tree.leaves(specs, is_leaf=is_spec)):
         total += float(np.prod(s.shape, dtype=np.float64)) * np.dtype(s.dtype).itemsize / spec_shards(spec, axis_sizes)
     return total

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Generator, Hashable, Sequence
+from collections.abc import Callable, Generator, Hashable, Sequence
 
 import numpy as np
 
@@ -74,7 +74,8 @@ class Refinement:
 
 def check_bracket(lo: float, hi: float, points: int) -> None:
     if not (0 < lo < 1 < hi and math.isfinite(hi)):
-        raise ValueError(f"a refinement brackets the prediction (scale 1): needs 0 < lo < 1 < hi, got lo={lo}, hi={hi}.")
+        raise ValueError(f"a refinement brackets the prediction (scale 1): needs 0 < lo < 1 < hi, "
+                         f"got lo={lo}, hi={hi}.")
     if isinstance(points, bool) or not isinstance(points, int) or points < 3:
         raise ValueError(f"a refinement needs points >= 3 (the prediction and two to bracket it), got {points!r}.")
 

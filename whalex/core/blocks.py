@@ -11,7 +11,7 @@ Segments that occur once are evaluated inline, and a loss without repeats by `ma
 from __future__ import annotations
 
 import collections
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 

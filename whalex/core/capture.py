@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
 
-from whalex import _compat as C
-from whalex import validate
+from whalex import _compat as C, validate
 from whalex.errors import PlanError
 from whalex.primitives.config import DEFAULTS
 from whalex.primitives.scopes import Strategy, parse_scope, recording_default
@@ -166,7 +166,7 @@ def capture(loss_fn: Callable, params, batch, *, has_aux: bool = False,
         return (jax.tree.leaves(out)[0], *new_state)
 
     leaves = flat_params + flat_batch + flat_state + ([rng] if rng is not None else [])
-    abstract = [jax.ShapeDtypeStruct(np.shape(x), _dtype(x)) for x in leaves]
+    abstract = [jax.ShapeDtypeStruct(np.shape(x), dtype_of(x)) for x in leaves]
     with recording_default() as defaults:
         try:
             jaxpr = C.make_jaxpr(flat_loss, *abstract)
@@ -186,7 +186,7 @@ def capture(loss_fn: Callable, params, batch, *, has_aux: bool = False,
     aux_tree, num_aux = aux_box[0] if aux_box else (None, 0)
     return Captured(jaxpr, taskgraphs, assign, n, params_tree, batch_tree, param_paths, b, has_aux,
                     aux_tree, default, nb, state_tree, ns,
-                    jax.ShapeDtypeStruct(np.shape(rng), _dtype(rng)) if rng is not None else None, num_aux)
+                    jax.ShapeDtypeStruct(np.shape(rng), dtype_of(rng)) if rng is not None else None, num_aux)
 
 
 _STATE_COLLECTIONS = ("batch_stats", "cache", "intermediates", "moe_losses")
@@ -220,7 +220,8 @@ def _unbound_axis(e: NameError) -> None:
         f"{name!r} / the explicit collective over {name!r}.") from None
 
 
-def _dtype(x):
+def dtype_of(x):
+    """The dtype of an array, a ShapeDtypeStruct or a Python / numpy scalar."""
     return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
 
 

@@ -42,13 +42,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
 
 from whalex import _compat as C
 from whalex.core import flop_rules as R
+
 
 @dataclasses.dataclass(frozen=True)
 class Counts:

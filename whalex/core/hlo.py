@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Callable
+from collections.abc import Callable
 
 from whalex.core.comm import KINDS, result_ring_bytes
 

@@ -6,7 +6,8 @@ emits the collectives. Calls are entered so constraints inside them apply too.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -15,7 +16,8 @@ from jax.sharding import NamedSharding
 from whalex import _compat as C
 
 
-def make_evaluator(closed: C.ClosedJaxpr, constraints: dict, mesh, overrides: dict | None = None) -> Callable[..., list]:
+def make_evaluator(closed: C.ClosedJaxpr, constraints: dict, mesh,
+                   overrides: dict | None = None) -> Callable[..., list]:
     """A function of the jaxpr's inputs that applies `constraints[(path, "in"|"out", pos)]`.
 
     `overrides[path]` replaces one equation by a function of its inputs (e.g. an uneven split).

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +29,7 @@ def random_overrides(draws, where) -> dict:
     ((offset, rows) segments)."""
     out = {}
     for path, eqn, gs, exact in draws:
-        bw, shape = int(eqn.params["bit_width"]), tuple(eqn.params["shape"])
+        bw = int(eqn.params["bit_width"])
         if exact:
             def fn(key, *_, bw=bw, gs=gs):
                 parts = [random_rows.bits_rows(key, bw, gs, off, n) for off, n in where]
@@ -57,7 +58,7 @@ class PartLoss:
     variants: tuple = ()         # the same loss at other part sizes (a program with parts of several sizes)
     total_parts: int | None = None   # parts per step when they are not global_rows / part_rows
 
-    def with_variants(self, variants, total_parts: int) -> "PartLoss":
+    def with_variants(self, variants, total_parts: int) -> PartLoss:
         """This loss evaluated in `total_parts` parts of several sizes: `variants` are `loss_parts` at the
         other sizes. Their analyses must agree with this one (same reductions, terms and outputs), so a
         part of any size returns the same part outputs; else PlanError (the loss depends on the size)."""
@@ -69,7 +70,7 @@ class PartLoss:
         return dataclasses.replace(self, total_parts=total_parts, variants=tuple(
             dataclasses.replace(v, total_parts=total_parts) for v in variants))
 
-    def at(self, rows: int) -> "PartLoss":
+    def at(self, rows: int) -> PartLoss:
         """The loss for a part of `rows` samples (this one, or the variant of that size)."""
         if rows == self.sem.part_rows:
             return self
@@ -162,7 +163,8 @@ class PartLoss:
         rows = iter(self.sem.row_outputs)
         out = []
         for v, k in zip(outvars, kinds):
-            out.append(jnp.zeros(jg.outvars[next(rows)].aval.shape, v.aval.dtype) if k == "rows" else identity(k, v.aval))
+            out.append(jnp.zeros(jg.outvars[next(rows)].aval.shape, v.aval.dtype) if k == "rows"
+                       else identity(k, v.aval))
         return out
 
     def head(self, inputs: Sequence[Any], given: dict, values: Sequence[Any]) -> list:

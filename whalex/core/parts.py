@@ -32,11 +32,9 @@ from typing import Any
 import jax.numpy as jnp
 
 from whalex import _compat as C
-from whalex.core import primitives as P
-from whalex.core import random_rows
+from whalex.core import primitives as P, random_rows
 from whalex.core.align import refusal
-from whalex.core.batch_dependence import analyse as batch_dependence
-from whalex.core.batch_dependence import shape_of, source, traces_alike
+from whalex.core.batch_dependence import analyse as batch_dependence, shape_of, source, traces_alike
 from whalex.core.capture import Captured
 from whalex.errors import PlanError
 
@@ -276,7 +274,7 @@ def random_draws(part: Captured, whole: Captured) -> list[tuple[tuple, Any, tupl
 
 def _random_lines(part, whole) -> list[str]:
     lines = []
-    for path, eqn, gs, exact in random_draws(part, whole):
+    for _path, eqn, gs, exact in random_draws(part, whole):
         how = "each part draws its rows of the whole-batch draw (equal to one device)" if exact else \
             "each part folds its first row into the key (distinct per part, not equal to one device)"
         lines.append(f"random bits {list(gs)} at {source(eqn)}: {how}")

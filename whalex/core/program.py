@@ -15,7 +15,8 @@ Memory and balance never receive a program: the planner hands them records made 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, TypeVar, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from jax.sharding import PartitionSpec as P
 
@@ -40,7 +41,7 @@ class MemoryOptions:
     zero_axes: tuple[tuple[str, ...], ...] | None = None  # None: ZeRO has no axes to shard over
 
     @classmethod
-    def from_config(cls, config, zero_axes: Sequence[Sequence[str]] | None) -> "MemoryOptions":
+    def from_config(cls, config, zero_axes: Sequence[Sequence[str]] | None) -> MemoryOptions:
         offload = tuple(t for t in (config.offload or ()) if t in STATE_OFFLOAD)
         axes = None if zero_axes is None else tuple(tuple(a) for a in zero_axes)
         return cls(config.zero_level, offload, axes)
@@ -138,7 +139,8 @@ class StepProgram(Protocol):
     def row_ranges(self) -> tuple[tuple[int, int], ...] | None: ...   # per device [start, stop); None: even
 
     # -- the step --------------------------------------------------------------------------------
-    def value_and_grad(self) -> Callable: ...            # (params, batch, extra[, scale]) -> ((loss, aux, state), grads)
+    # (params, batch, extra[, scale]) -> ((loss, aux, state), grads)
+    def value_and_grad(self) -> Callable: ...
     def train_step(self) -> Callable: ...                # (state, batch) -> (state, metrics)
     def grad_step(self) -> Callable: ...                 # (params, batch) -> (loss, grads): no optimizer
     def jitted(self, donate: bool = True) -> Any: ...    # the jitted step with the plan's shardings

@@ -29,7 +29,8 @@ primitive jax's own draw binds), ``jax.random.key_data`` and ``jax.random.key_dt
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -14,10 +14,12 @@ lockstep while a stage holds at most 2(S-1-s)+1 micro-batches instead of GPipe's
 from __future__ import annotations
 
 import dataclasses
+
 import numpy as np
 
 from whalex.errors import ConfigError
 from whalex.primitives.config import SCHEDULES
+
 IDLE, FWD, BWD = 0, 1, 2
 # task costs in units of a stage's forward: a backward without recompute costs two forwards; whalex's
 # backward task recomputes its forward from the stashed stage input first, so it costs three

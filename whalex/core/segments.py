@@ -5,7 +5,7 @@ TaskGraph, each evaluated as a function of the values crossing its edges (throug
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from whalex import _compat as C
 from whalex.core.interpret import make_evaluator

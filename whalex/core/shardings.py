@@ -2,7 +2,8 @@
 memory's accounting and lowering's emission)."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from whalex.core.shardings import param_tree_test
 from whalex.errors import PlanError
 from whalex.memory import offload
-from whalex.state import TrainState
+from whalex.state import ParamView, TrainState
+
+if TYPE_CHECKING:
+    import optax
 
 
 def map_param_trees(tree, param_shapes, fn: Callable):
@@ -98,6 +102,19 @@ class CallerLayout:
     """Conversions between a program's stored state and the caller's layout. A mixin of `Emitter`: it
     uses the program's `state_shardings()`, `compute_shardings()`, `abstract_args()`, `param_shapes()`,
     `prepare_params` / `unpack_params` / `param_layout()`, `param_view`, `optimizer` and `_loss_scale`."""
+
+    if TYPE_CHECKING:                      # what `Emitter` and the program classes provide
+        mesh: Any
+        optimizer: optax.GradientTransformation | None
+        param_view: ParamView | None
+        def state_shardings(self) -> TrainState: ...
+        def compute_shardings(self) -> TrainState: ...
+        def abstract_args(self) -> tuple: ...
+        def param_shapes(self) -> Any: ...
+        def prepare_params(self, params) -> Any: ...
+        def unpack_params(self, params) -> Any: ...
+        def param_layout(self) -> str | None: ...
+        def _loss_scale(self, leaf: Callable) -> Any: ...
 
     # -- a state made by another plan or step -------------------------------------------------------
     @functools.cached_property

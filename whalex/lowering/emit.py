@@ -10,7 +10,8 @@ defaults a program may override.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -98,6 +99,18 @@ class Emitter(CallerLayout):
     remat: RematPlan | None
     parts: PartLoss | None
 
+    if TYPE_CHECKING:                      # what each program class provides, for type checkers only
+        def param_shapes(self) -> Any: ...
+        def param_spec_list(self) -> list: ...
+        def batch_shapes(self) -> Any: ...
+        def value_and_grad(self) -> Callable: ...
+        @property
+        def param_shardings(self) -> Any: ...
+        @property
+        def batch_shardings(self) -> Any: ...
+        @property
+        def has_aux(self) -> bool: ...
+
     @property
     def experts(self) -> tuple[ExpertCall, ...]:
         """MoE calls run expert-parallel (none by default)."""
@@ -143,7 +156,7 @@ class Emitter(CallerLayout):
         offloaded = self.memory_options.offloads("params")
         read = lambda p: self.unpack_params(offload.fetch(p, compute) if offloaded else p)  # noqa: E731
         # each caller leaf spread over every device (its largest divisible dimension): one copy of the
-        # parameters in all, and 2.9x faster to produce than replicated leaves (bench/params_view.py)
+        # parameters in all, and faster to produce than replicated leaves (bench/params_view.py)
         spread = lambda s: NamedSharding(self.mesh, spread_spec(s.shape, self.mesh))  # noqa: E731
         unpack = jax.jit(read, out_shardings=jax.tree.map(spread, jax.eval_shape(self.unpack_params,
                                                                                  self.param_shapes())))
@@ -299,7 +312,8 @@ class Emitter(CallerLayout):
         """The jitted training step, or a loss-and-gradient step when there is no optimizer."""
         replicated = NamedSharding(self.mesh, P())
         if self.optimizer is None:
-            grads = self._param_named(self.zero_specs()) if self.memory_options.zero_level >= 2 else self.param_shardings
+            grads = self._param_named(self.zero_specs()) if self.memory_options.zero_level >= 2 \
+                else self.param_shardings
             return jax.jit(self.grad_step(), in_shardings=(self.stored_param_shardings(), self.batch_shardings),
                            out_shardings=(replicated, grads))
         state = self.state_shardings()

@@ -10,14 +10,13 @@ split head) run as planned. docs/architecture.md#how-a-step-is-built
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from whalex.core.segments import Segment, run_segments, segment_function, segments
 from whalex.memory.remat import RematPlan, comm_overrides, remat_segment, with_offload
-
 
 SHARDS = "whalex_model_shards"      # the vmap axis of the model shards
 
@@ -117,7 +116,8 @@ def grouped_evaluator(body, inner_body, groups: ShardGroups, constraints: dict, 
             fn = segment_function(body, seg, constraints, mesh, outer)
             fn = _first_copy(fn, [params.get(v) in groups.copied for v in seg.inputs])
         else:
-            fn = _per_shard(segment_function(inner_body, inner, inner_constraints, mesh, inner_ovr), kinds, groups, mesh)
+            fn = _per_shard(segment_function(inner_body, inner, inner_constraints, mesh, inner_ovr), kinds, groups,
+                            mesh)
         parts.append((seg, remat_segment(remat, k, seg, fn) if remat is not None else fn))
     return with_offload(remat, run_segments(body, parts))
 

@@ -1,8 +1,8 @@
-"""Each pipeline stage receives only the batch leaves it reads (issue 13, Build 6).
+"""Each pipeline stage receives only the batch leaves it reads.
 
 A stage reads few of the batch leaves: the tokens the first stage, the targets and weights the
-last. Handing every stage device its replica's whole batch made the batch 39% of a 1F1B device's
-peak memory (bench/pipeline_memory.py, M=32). Here the leaves are packed per stage into one
+last. Handing every stage device its replica's whole batch made the batch a large part of a 1F1B
+device's peak memory (bench/pipeline_memory.py, docs/benchmarks.md). Here the leaves are packed per stage into one
 `[stages, global_batch, width]` buffer per dtype, sharded over (`stage`, `data`): the device of
 stage s in replica r holds replica r's rows of the leaves stage s reads, side by side (each leaf
 flattened after its batch dimension), padded to the widest stage of that dtype. Leaves keep their
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -11,7 +11,7 @@ every parameter); on 8 CPU devices both cost the same time, the all-to-all less 
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +22,8 @@ from whalex.core.collectives import fused_all_gather, fused_psum
 
 
 def pad_to(x, n: int):
-    """The 1-D `x` followed by zeros to length `n`, as a concatenated zero block: XLA CPU ran the
-    equivalent `jnp.pad` in the pipeline step as one 60-97 ms loop fusion per step."""
+    """The 1-D `x` followed by zeros to length `n`, as a concatenated zero block: XLA CPU runs the
+    equivalent `jnp.pad` in the pipeline step as a slow loop fusion (docs/benchmarks.md)."""
     if x.shape[0] == n:
         return x
     return jnp.concatenate([x, jnp.zeros((n - x.shape[0],), x.dtype)])

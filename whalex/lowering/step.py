@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -15,10 +16,10 @@ from whalex.core import part_loss as parts_lib
 from whalex.core.capture import Captured
 from whalex.core.part_loss import PartLoss
 from whalex.core.program import MemoryOptions, step_program
+from whalex.core.sharding_plan import ExpertCall, ShardingPlan
 from whalex.lowering.emit import Emitter
 from whalex.lowering.groups import ShardGroups, grouped_evaluator, same_outputs
 from whalex.lowering.padding import EvenPadding
-from whalex.core.sharding_plan import ExpertCall, ShardingPlan
 from whalex.memory import precision as precision_lib
 from whalex.memory.precision import Precision, value_and_grad as scaled_value_and_grad
 from whalex.memory.remat import RematPlan, program_evaluator

@@ -231,7 +231,6 @@ class UnevenProgram(Emitter):
     def loss_and_grads(self):
         cap = self.captured
         pl = self.parts
-        has_aux = cap.has_aux
         prec = self.precision
         scaled = prec is not None and prec.scaled
         level = self.memory_options.zero_level

@@ -33,8 +33,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from whalex.core.capture import Captured
 from whalex.core.collectives import fused_psum
 from whalex.core.interpret import make_evaluator, subgraph_function
-from whalex.distributed import place_global
 from whalex.core.program import step_program
+from whalex.distributed import place_global
 from whalex.lowering.step import Program
 from whalex.lowering.stored_vjp import part_vjp
 from whalex.lowering.uneven import UnevenProgram
@@ -104,7 +104,7 @@ class HybridProgram(Program):
     head_batch: Any = P()        # the split head's batch layout (its VirtualDevice's batch axes)
 
     @classmethod
-    def over(cls, head: Program, rows: UnevenProgram, backbones: tuple, cut: int, head_batch=P()) -> "HybridProgram":
+    def over(cls, head: Program, rows: UnevenProgram, backbones: tuple, cut: int, head_batch=P()) -> HybridProgram:
         """The hybrid program of the even GSPMD program `head`, its backbone on `rows`."""
         fields = {f.name: getattr(head, f.name) for f in dataclasses.fields(Program)}
         return cls(**fields, rows=rows, backbones=backbones, cut=cut, head_batch=head_batch)

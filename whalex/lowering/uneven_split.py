@@ -1,22 +1,23 @@
 """Uneven `split` of the classification head (Whale section 3.3.1, intra-TaskGraph balance for split).
 
-Device i of the model axis owns `counts[i]` classes (proportional to its speed, under memory;
-chosen by the planner with Algorithm 1, `whalex.planner.spmd.plan_columns`), stored padded to a
-common `width` so the weight is one evenly sharded buffer `[features, devices * width]`. The head runs in `shard_map`: each device loops over its own number of
-`chunk`-column blocks (per-device work proportional to its real shard; trip counts differ, so no
-collective runs inside a loop), then the softmax statistics are combined with `pmax`/`psum` over
-the model axis, never gathering logits. A `custom_vjp` gives the backward pass the same shape:
-chunk loops for the weight gradient and the input gradient, then one `psum`. `uneven_blocks` does
-the same for MLPs and attention (hidden units, heads), written as `Stage`s whose values between
-stages the forward keeps, so that the backward recomputes no forward matmul (on CPU, the looped
-blocks recompute theirs: see `_Blocks`); the blocks every device runs are written out, not looped. The planner hands its decisions down as data,
+Device i of the model axis owns `counts[i]` classes (proportional to its speed, under memory; chosen
+by the planner with Algorithm 1, `whalex.planner.spmd.plan_columns`), stored padded to a common
+`width` so the weight is one evenly sharded buffer `[features, devices * width]`. The head runs in
+`shard_map`: each device loops over its own number of `chunk`-column blocks (per-device work
+proportional to its real shard; trip counts differ, so no collective runs inside a loop), then the
+softmax statistics are combined with `pmax`/`psum` over the model axis, never gathering logits. A
+`custom_vjp` gives the backward pass the same shape: chunk loops for the weight gradient and the
+input gradient, then one `psum`. `uneven_blocks` does the same for MLPs and attention (hidden units,
+heads), written as `Stage`s whose values between stages the forward keeps, so that the backward
+recomputes no forward matmul (on CPU, the looped blocks recompute theirs: see `_Blocks`); the blocks
+every device runs are written out, not looped. The planner hands its decisions down as data,
 `UnevenCall`s; `uneven_overrides` builds the functions that replace those equations.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -293,7 +294,8 @@ class _Blocks:
             vals = [x] + [v[0] for v in peeled[k * nk:(k + 1) * nk]] + [g]
             gx, gws = _stage_vjps(self.stages, vals, self.slices(k, ws), g)
             dx = gx if dx is None else dx + gx
-            dws = [jax.lax.dynamic_update_slice_in_dim(dw, gw, k * self.chunk, d) for dw, gw, d in zip(dws, gws, self.dims)]
+            dws = [jax.lax.dynamic_update_slice_in_dim(dw, gw, k * self.chunk, d)
+                   for dw, gw, d in zip(dws, gws, self.dims)]
         if self.looped:
             def body(k, acc):
                 if self.recompute:

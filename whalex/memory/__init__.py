@@ -1,4 +1,5 @@
-"""Memory optimizations of the training state (issue 6): ZeRO levels and host offload.
+"""Memory optimizations of the training state and their accounting: ZeRO, remat, precision, host
+offload, and the predicted per-device peak.
 
 `MemoryOptions` (a plain record, defined in `whalex.core.program`) is what a program needs from
 `wh.Config` to lay out and update its state; `plan_memory` turns a program's `StateLayout` (its
@@ -18,7 +19,6 @@ from whalex.balance.profile import DeviceMemory, Share, sharded_bytes
 from whalex.core.program import MemoryOptions, StateLayout
 from whalex.core.shardings import opt_state_specs
 from whalex.memory import zero
-
 
 OFFLOADED = "offload to pinned_host"     # the `Share.by` of state kept in host memory between steps
 

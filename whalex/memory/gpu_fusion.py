@@ -2,7 +2,7 @@
 after partitioning and fuses element-wise values into element-wise users, recomputing them there."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from whalex import _compat as C
 from whalex.memory.flat import Op, aval_bytes, flatten
@@ -56,4 +56,5 @@ def fused_into(user: Op, x) -> bool:
     inner, outs = flatten(body, keys)
     mine = {keys[k] for k, u in enumerate(user.ins) if not isinstance(u, C.Literal) and u == x}
     return not mine & {u for u in outs if not isinstance(u, C.Literal)} and \
-        all(o.eqn.primitive.name in FUSIBLE for o in inner if any(u in mine for u in o.ins if not isinstance(u, C.Literal)))
+        all(o.eqn.primitive.name in FUSIBLE for o in inner
+            if any(u in mine for u in o.ins if not isinstance(u, C.Literal)))

@@ -18,7 +18,6 @@ import dataclasses
 from whalex.balance.layers import BASE_DEPTH, name_parts, split_layers
 from whalex.core.interpret import subgraph_function, subgraph_key
 
-
 COVERAGE = 0.9
 
 

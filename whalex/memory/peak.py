@@ -24,7 +24,7 @@ What differs between XLA's backends and versions lives in the rules' conditions 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 
@@ -34,8 +34,7 @@ from whalex.memory.buffer_schedule import BufferGraph, list_schedule, sweep
 from whalex.memory.flat import Op, aval_bytes, bodies, flatten
 from whalex.memory.gpu_fusion import shared_outputs
 from whalex.memory.op_kinds import CHEAP, EXPENSIVE, FUSIBLE, GPU_PLATFORMS, REDUCE, UPDATES, VIEW
-from whalex.memory.shard_specs import (Spec, adopt, on_host, propagate, shards, sharding_spec, spec_of, valid,
-                                       wanted)
+from whalex.memory.shard_specs import Spec, adopt, on_host, propagate, sharding_spec, shards, spec_of, valid, wanted
 
 
 @dataclasses.dataclass(frozen=True)

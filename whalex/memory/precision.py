@@ -19,7 +19,8 @@ gradients in bf16/fp16: the all-reduce XLA emits is in that dtype.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +50,7 @@ class Precision:
     local: Any = dataclasses.field(default_factory=dict, compare=False)   # n -> loss captured at batch / n
 
     @classmethod
-    def from_config(cls, config) -> "Precision | None":
+    def from_config(cls, config) -> Precision | None:
         if config.amp is None and config.comm_dtype is None:
             return None
         return cls(config.amp, config.comm_dtype, config.loss_scale_period)
@@ -144,10 +145,10 @@ class LossScale(struct.PyTreeNode):
     good_steps: jax.Array
 
     @classmethod
-    def initial(cls) -> "LossScale":
+    def initial(cls) -> LossScale:
         return cls(jnp.asarray(INITIAL_SCALE, jnp.float32), jnp.asarray(0, jnp.int32))
 
-    def adjust(self, finite, period: int) -> "LossScale":
+    def adjust(self, finite, period: int) -> LossScale:
         """Halve on overflow; double after `period` finite steps in a row (at most MAX_SCALE)."""
         grown = self.good_steps + 1 >= period
         scale = jnp.where(finite, jnp.where(grown, jnp.minimum(self.scale * 2, MAX_SCALE), self.scale),
@@ -201,7 +202,8 @@ def loss_scaled_step(value_and_grad: Callable, build: Callable, period: int) -> 
         new, metrics = build(vg)(state.replace(loss_scale=None), batch)
         finite = box["finite"]
         keep = lambda a, b: jax.tree.map(lambda x, y: jnp.where(finite, x, y), a, b)  # noqa: E731
-        new = new.replace(stored_params=keep(new.stored_params, state.stored_params), opt_state=keep(new.opt_state, state.opt_state),
+        new = new.replace(stored_params=keep(new.stored_params, state.stored_params),
+                          opt_state=keep(new.opt_state, state.opt_state),
                           model_state=keep(new.model_state, state.model_state),
                           loss_scale=ls.adjust(finite, period))
         return new, {**metrics, "loss_scale": ls.scale, "grads_finite": finite}

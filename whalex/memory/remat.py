@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -35,9 +36,7 @@ from whalex.core.flops import training_flops
 from whalex.core.primitives import REDUCTIONS
 from whalex.core.segments import Segment, run_segments, segment_function, segments
 from whalex.errors import PlanError
-from whalex.memory import offload as offload_lib
-from whalex.memory import plan_memory, vjp_residual_bytes as residual_bytes
-from whalex.memory import precision as pr
+from whalex.memory import offload as offload_lib, plan_memory, precision as pr, vjp_residual_bytes as residual_bytes
 from whalex.memory.layers import find_layers
 from whalex.memory.precision import Precision, describe, local_captures
 
@@ -211,7 +210,8 @@ class RematPlan:
             line += (f"; decided from XLA's compiled step, {_mib(self.compiled)}/device "
                      f"({self.compiles} compile{'s' if self.compiles > 1 else ''})")
         if self.offload:
-            line = (line + "; " if line else "") + "activations at layer and TaskGraph boundaries offloaded to pinned_host"
+            line = (line + "; " if line else "") + \
+                "activations at layer and TaskGraph boundaries offloaded to pinned_host"
         return line
 
 
@@ -239,7 +239,8 @@ def _mib(n) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def remat_segment(plan: RematPlan, index: int, seg: Segment, fn: Callable, derived: frozenset | None = None) -> Callable:
+def remat_segment(plan: RematPlan, index: int, seg: Segment, fn: Callable,
+                  derived: frozenset | None = None) -> Callable:
     """fn under its segment's checkpoint policy; outputs tagged BOUNDARY when offloading. `derived`
     (not None when fn fetches host-stored parameters, `fetching_segment`): the checkpoint, with the
     level's policy or saving everything, never keeps device copies of those parameters, nor values

@@ -9,7 +9,7 @@ dimension: partial sums first); `wanted` what an operand takes from its result.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from jax.sharding import PartitionSpec as P
 

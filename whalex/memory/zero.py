@@ -11,7 +11,7 @@ with `shard_map` use `scatter_sum` and `gather` for the explicit reduce-scatter 
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -89,7 +89,8 @@ def data_parallel_axes(param_taskgraphs: Sequence[Sequence[int]], batch_axes: Se
     return out
 
 
-def comms(planned: Sequence, level: int, sharded: Mapping[str, tuple[float, int, tuple]], taskgraph_of: Mapping[str, int]):
+def comms(planned: Sequence, level: int, sharded: Mapping[str, tuple[float, int, tuple]],
+          taskgraph_of: Mapping[str, int]):
     """The plan's collectives under ZeRO. `sharded[path] = (bytes per device as planned, ZeRO
     degree, axes)` for each leaf ZeRO divides. Level >= 2 turns its gradient all-reduce into a
     reduce-scatter; every level all-gathers the parameter over its ZeRO axes once a step (after

@@ -4,8 +4,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Iterable
-from typing import Any, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -84,14 +84,14 @@ class Cluster:
         _set(self, specs, devs, None, None, nodes, tuple(ram), source)
 
     @classmethod
-    def detect(cls, host_memory: float | str | None = None, devices_per_node: int | None = None) -> "Cluster":
+    def detect(cls, host_memory: float | str | None = None, devices_per_node: int | None = None) -> Cluster:
         """Every device `jax.devices()` reports (all processes), kinds read from the devices."""
         maybe_initialize()
         return cls(devices=jax.devices(), host_memory=host_memory, devices_per_node=devices_per_node)
 
     @classmethod
     def abstract(cls, kinds: Sequence[str], host_memory: float | str | None = None,
-                 devices_per_node: int | None = None) -> "Cluster":
+                 devices_per_node: int | None = None) -> Cluster:
         """Kinds only, no devices: enough to plan and lower, not to run. Nodes (host RAM, devices
         per node) are declared, or each kind's typical node from the spec table."""
         obj = object.__new__(cls)
@@ -110,7 +110,7 @@ class Cluster:
     @classmethod
     def gpu_topology(cls, kinds: Sequence[str], devices_per_node: int | None = None,
                      host_memory: float | str | None = None, target: str | None = None,
-                     target_config: str | None = None) -> "Cluster":
+                     target_config: str | None = None) -> Cluster:
         """The devices of an XLA:GPU topology of these kinds, on a machine without GPUs: a plan on it
         lowers and compiles with XLA's GPU compiler (`plan.step_memory()`, `plan.compiled_collectives()`,
         `plan.summary(compiled_memory=True)`) but cannot run. Nodes hold `devices_per_node` GPUs (default
@@ -128,7 +128,8 @@ class Cluster:
             raise ClusterError(f"Cluster.gpu_topology(target={target!r}): the target is one of the cluster's kinds "
                                f"({', '.join(dict.fromkeys(s.name for s in specs))}).")
         text = target_config if target_config is not None else gpu_target(target_kind).text()
-        per = _positive_int(devices_per_node) if devices_per_node is not None else min(specs[0].node_devices, len(specs))
+        per = _positive_int(devices_per_node) if devices_per_node is not None else \
+            min(specs[0].node_devices, len(specs))
         if len(specs) % per:
             raise ClusterError(f"Cluster.gpu_topology: {len(specs)} devices do not fill nodes of {per}; declare "
                                "devices_per_node as a divisor of the device count.")
@@ -140,14 +141,14 @@ class Cluster:
         object.__setattr__(obj, "target", target_kind)
         return obj
 
-    def for_target(self, kind: str) -> "Cluster":
+    def for_target(self, kind: str) -> Cluster:
         """This gpu_topology cluster compiled for another of its kinds' XLA:GPU target."""
         if self.target is None:
             raise ClusterError("for_target() is for clusters made by Cluster.gpu_topology(...).")
         per = len(self.nodes[0]) if self.nodes else self.size
         return Cluster.gpu_topology(self.kinds, per, None, kind)._with_host(self.host_memory, self.host_source)
 
-    def _with_host(self, host_memory, host_source) -> "Cluster":
+    def _with_host(self, host_memory, host_source) -> Cluster:
         obj = object.__new__(type(self))
         _set(obj, self.specs, self.devices, self.measured, self.spread, self.nodes, host_memory, host_source)
         object.__setattr__(obj, "target", self.target)
@@ -158,7 +159,7 @@ class Cluster:
         """Whether the devices are a GPU topology whalex compiles for but cannot run on."""
         return self.target is not None
 
-    def with_speeds(self, speeds, spread=None, overhead=None, rows=None) -> "Cluster":
+    def with_speeds(self, speeds, spread=None, overhead=None, rows=None) -> Cluster:
         """A copy whose device speeds (FLOP/s) are measured ones instead of the spec table's.
 
         `spread`: optional relative noise of each speed (0.05 reads +-5%), shown beside the speed in

@@ -93,5 +93,6 @@ def gpu_target(kind: str | DeviceSpec) -> GpuTarget:
     if spec.name not in TARGETS:
         raise ClusterError(
             f"no XLA:GPU target description for {spec.name}; whalex has one for {', '.join(TARGETS)}. Record "
-            "the real device's (the GpuTargetConfig text) and pass it as Cluster.gpu_topology(..., target_config=TEXT).")
+            "the real device's (the GpuTargetConfig text) and pass it as "
+            "Cluster.gpu_topology(..., target_config=TEXT).")
     return TARGETS[spec.name]

@@ -10,7 +10,7 @@ Devices are taken sequentially, so each split group is a run of consecutive devi
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh

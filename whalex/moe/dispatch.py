@@ -56,7 +56,7 @@ def feed_forward(buf, w_in, b_in, w_out, b_out, activation: str):
     return jnp.einsum("gech,ehd->gecd", h, w_out) + b_out[None, :, None, :]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _named(activation: str):
     def f(buf, w_in, b_in, w_out, b_out):
         return feed_forward(buf, w_in, b_in, w_out, b_out, activation)

@@ -39,8 +39,8 @@ def capacity(group_size: int, num_experts: int, k: int, capacity_factor: float |
 
 def _top_k(probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """`lax.top_k` as k argmax passes (lowest index wins ties): XLA's SPMD partitioner keeps these
-    sharded over the batch, while it gathers the whole tensor for a TopK (measured in
-    bench/moe_dispatch.py: a 262 KB all-gather per step)."""
+    sharded over the batch, while it gathers the whole tensor for a TopK (an all-gather every step,
+    bench/moe_dispatch.py)."""
     gates, experts, p = [], [], probs
     for _ in range(k):
         idx = jnp.argmax(p, axis=-1)

@@ -9,7 +9,8 @@ layer: the experts run under `wh.split(n)`, gating and combine with the default 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax

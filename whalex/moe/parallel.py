@@ -9,7 +9,7 @@ The backward pass is the transposed all-to-alls; expert weight gradients stay on
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 from jax.sharding import PartitionSpec as P

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
 import optax
 
 from whalex.core.align import align
-from whalex.core.capture import _dtype
+from whalex.core.capture import dtype_of
 from whalex.core.part_loss import PartLoss
 from whalex.core.parts import WAY_OUT, analyse
 from whalex.errors import PlanError
-from whalex.memory.precision import capture     # capture: amp casts moved to their first use
+from whalex.memory.precision import capture  # capture: amp casts moved to their first use
 from whalex.memory.remat import configure
 from whalex.mesh.cluster import Cluster
 from whalex.planner.xla_fit import fit_compiled
@@ -77,23 +78,6 @@ def check_optimizer(optimizer):
                         f"got {type(optimizer).__name__}.")
 
 
-# Memory options accepted by Config but not lowered yet: refused at plan time, never ignored.
-_NOT_BUILT = ()
-_NOT_BUILT_OFFLOAD = ()        # offload targets not lowered yet
-
-
-def refuse_unbuilt(config: Config) -> None:
-    for name in _NOT_BUILT:
-        value = getattr(config, name)
-        if value not in (None, 0):
-            raise PlanError(f"Config.{name}={value!r} is not lowered by this version of whalex yet; "
-                            f"leave {name} at its default.")
-    for target in config.offload or ():
-        if target in _NOT_BUILT_OFFLOAD:
-            raise PlanError(f"Config.offload={config.offload!r}: offloading {target!r} is not lowered by this "
-                            "version of whalex yet; offload 'opt_state' and/or 'params'.")
-
-
 def refuse_host_memory_without_it(config: Config, cluster) -> None:
     """Offload on a `Cluster.gpu_topology`: XLA's deviceless topology devices address no memory kinds,
     and JAX drops `pinned_host` from shardings over them, so the compiled program would keep the
@@ -108,7 +92,7 @@ def refuse_host_memory_without_it(config: Config, cluster) -> None:
 
 def micro_batch(batch, size):
     """Abstract leaves of `batch` with `size` rows."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((size,) + tuple(np.shape(x)[1:]), _dtype(x)), batch)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((size,) + tuple(np.shape(x)[1:]), dtype_of(x)), batch)
 
 
 def loss_parts(part, whole, config, context, way_out=WAY_OUT):

@@ -20,8 +20,7 @@ from whalex.balance import cost
 from whalex.balance.algorithm import balance, even
 from whalex.balance.profile import taskgraph_flops
 from whalex.core.align import refusal
-from whalex.core.batch_dependence import analyse as batch_dependence
-from whalex.core.batch_dependence import shape_of, traces_alike
+from whalex.core.batch_dependence import analyse as batch_dependence, shape_of, traces_alike
 from whalex.errors import PlanError
 from whalex.lowering.step import Program
 from whalex.lowering.uneven import UnevenProgram
@@ -138,7 +137,8 @@ def hybrid_plan(req: Request, full, plan: Plan) -> Plan:
     reason = check_per_sample(rows_program.captured, full, cut)
     if reason is not None:
         return _note(plan, reason)
-    sizes = [chunk] + [s for j, s in enumerate(rows_program.sizes) if any(bits[j] for bits in rows_program.remainder_bits)]
+    sizes = [chunk] + [s for j, s in enumerate(rows_program.sizes)
+                       if any(bits[j] for bits in rows_program.remainder_bits)]
     backbones = []
     for s in sizes:
         part = rows_program.captured if s == chunk else req.capture(s)

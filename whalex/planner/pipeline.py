@@ -13,15 +13,15 @@ from whalex.balance.partition import layer_key, stage_devices
 from whalex.core.align import refusal
 from whalex.core.batch_dependence import traces_alike
 from whalex.core.comm import Comm, ring_bytes
-from whalex.errors import PlanError
-from whalex.planner.patterns import plan_shardings
-from whalex.lowering.pipeline import DATA, MODEL, STAGE, PipelineProgram
 from whalex.core.schedules import make_schedule
+from whalex.errors import PlanError
+from whalex.lowering.pipeline import DATA, MODEL, STAGE, PipelineProgram
 from whalex.memory import MemoryOptions
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
 from whalex.plan import Plan
 from whalex.planner.assemble import Row, Work, assemble
 from whalex.planner.common import Request, configure_memory, loss_parts
+from whalex.planner.patterns import plan_shardings
 from whalex.planner.stage_cut import cut_stages
 from whalex.primitives.scopes import Strategy
 
@@ -33,8 +33,9 @@ def model_degree(cap) -> int:
     if not counts:
         return 1
     if None in counts or len(counts) > 1:
-        raise PlanError(f"split TaskGraphs inside pipeline stages ask for {sorted(map(str, counts))} devices; give every "
-                        "wh.split(n) inside a pipeline the same explicit n (the size of the stages' `model` axis).")
+        raise PlanError(f"split TaskGraphs inside pipeline stages ask for {sorted(map(str, counts))} devices; "
+                        "give every wh.split(n) inside a pipeline the same explicit n (the size of the stages' "
+                        "`model` axis).")
     return counts.pop()
 
 
@@ -76,7 +77,8 @@ def pipeline_plan(req: Request, full, stage_of_eqn, strategies, stage_layers=Non
         layout = MeshLayout((DATA, STAGE, MODEL), (dp, num_stages, mp))
         grid = [[placement[s][r * mp + j] for s in range(num_stages) for j in range(mp)] for r in range(dp)]
         sharding = stage_shardings(cap, mp)
-        model_dims = tuple(next((d for d, a in enumerate(spec) if a is not None), None) for spec in sharding.param_specs)
+        model_dims = tuple(next((d for d, a in enumerate(spec) if a is not None), None)
+                           for spec in sharding.param_specs)
         constraints = sharding.constraints
         if sharding.padding:
             leaf, d, k = sharding.padding[0]

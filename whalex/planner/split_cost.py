@@ -50,7 +50,8 @@ def split_costs(report: BalanceReport, calls: tuple[UnevenCall, ...], cap, clust
     dims = call.dims or (1, 0)
     itemsize = np.dtype(weights[0].dtype).itemsize
     per_unit = sum(np.prod(w.shape) / w.shape[d] for w, d in zip(weights, dims)) * itemsize
-    params = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in C.open_jaxpr(cap.jaxpr)[0].invars[:cap.num_params]]
+    params = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+              for v in C.open_jaxpr(cap.jaxpr)[0].invars[:cap.num_params]]
     passes = 3.0 + 2.0 * _state_ratio(optimizer, params)           # read p and g, write p; read+write each state
     n = len(report.devices)
     y = eqn.outvars[0].aval
@@ -62,7 +63,7 @@ def split_costs(report: BalanceReport, calls: tuple[UnevenCall, ...], cap, clust
     rest = _rest_flops(cap, calls) / cluster.size
     fixed = cluster.overhead if getattr(cluster, "overhead", None) is not None else None
     shared, bandwidths = [], []
-    for j, d in enumerate(report.devices):
+    for d in report.devices:
         spec = specs[d.kind]
         bandwidths.append(spec.bandwidth * min(1.0, d.speed / spec.fp32_flops))
         shared.append(rest / d.speed + comm + (max(fixed) if fixed else 0.0))

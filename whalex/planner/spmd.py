@@ -5,7 +5,7 @@ data parallelism as explicit collectives."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from jax.sharding import PartitionSpec as P
@@ -14,26 +14,26 @@ from whalex import _compat as C
 from whalex.balance import cost
 from whalex.balance.algorithm import balance
 from whalex.balance.profile import taskgraph_flops
-from whalex.core.part_loss import PartLoss
 from whalex.core.batch_dependence import source
+from whalex.core.names import parse_attention_name, parse_mlp_name
+from whalex.core.part_loss import PartLoss
 from whalex.core.parts import analyse
 from whalex.errors import PlanError
-from whalex.lowering.padding import EvenPadding
-from whalex.planner.patterns import plan_shardings
-from whalex.planner.patterns.stock import fuse_stock_layers
-from whalex.planner.split_cost import lowered_split_report
 from whalex.lowering.groups import ShardGroups, runs_per_shard, same_outputs
+from whalex.lowering.padding import EvenPadding
 from whalex.lowering.step import Program
 from whalex.lowering.uneven import UnevenProgram
 from whalex.lowering.uneven_split import UnevenCall, UnevenColumns, uneven_overrides
 from whalex.memory import MemoryOptions, zero, zero_sharded
 from whalex.mesh.virtual import DATA, mesh_layout, virtual_devices
 from whalex.moe.parallel import expert_overrides
-from whalex.core.names import parse_attention_name, parse_mlp_name
 from whalex.ops import HEAD_NAME
 from whalex.plan import Plan
 from whalex.planner.assemble import Work, assemble, taskgraph_rows
 from whalex.planner.common import Request, configure_memory, loss_parts
+from whalex.planner.patterns import plan_shardings
+from whalex.planner.patterns.stock import fuse_stock_layers
+from whalex.planner.split_cost import lowered_split_report
 
 
 def spmd_plan(req: Request, cap, report=None) -> Plan:
@@ -177,10 +177,12 @@ def reduce_once(req: Request, full, m: int, layout, vds, sharding, overrides, pa
         fields.update(shard_groups=groups, shard_parts=inner)
         once += groups.axes
         tgs = ", ".join(f"TG{t}" for t in sorted(groups.taskgraphs))
-        line += f", and per {list(groups.axes)} shard for {tgs} (rows spread over them too), summed over them once a step"
+        line += f", and per {list(groups.axes)} shard for {tgs} (rows spread over them too), " \
+            "summed over them once a step"
         line += inner_why or ""
     elif inner_why:
-        line += f"; replicate TaskGraphs' gradients are still summed over the model axes once per micro-batch: {inner_why}"
+        line += "; replicate TaskGraphs' gradients are still summed over the model axes once per micro-batch: " \
+            f"{inner_why}"
     return fields, (line,), once
 
 
@@ -222,7 +224,8 @@ def model_shards(req: Request, full, layout, vds, unit: PartLoss, readers):
     left = [cap_path for i, cap_path in enumerate(unit.part.param_paths) if readers[i] and set(readers[i]) & tgs
             and i not in copied]
     note = (f"; {len(left)} parameter leaves they share or read outside such segments ({', '.join(left[:3])}"
-            f"{', ...' if len(left) > 3 else ''}) are still summed over {list(axes)} once per micro-batch") if left else None
+            f"{', ...' if len(left) > 3 else ''}) are still summed over {list(axes)} once per micro-batch") \
+        if left else None
     return (dataclasses.replace(groups, copied=copied), inner), note
 
 

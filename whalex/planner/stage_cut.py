@@ -3,7 +3,7 @@ stages fall is the planner's decision (`balance` sizes them); the pipeline lower
 `StageCut` it is given."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from whalex import _compat as C
 from whalex.core.capture import Captured

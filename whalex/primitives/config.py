@@ -6,7 +6,8 @@ The defaults live in one small `Defaults` record; only the public entry points
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 
@@ -78,7 +79,7 @@ class Config:
             object.__setattr__(self, name, merged.get(name, default))
         self._validate()
 
-    def replace(self, **kwargs: Any) -> "Config":
+    def replace(self, **kwargs: Any) -> Config:
         """A copy with some fields changed (validated again)."""
         current = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         current.update(kwargs)
@@ -124,8 +125,8 @@ COMM_DTYPES = ("bf16", "fp16")
 OFFLOAD_TARGETS = ("opt_state", "params", "activations")
 
 
-def _validate_memory_options(cfg: "Config") -> None:
-    """Issue-6 options: ZeRO level, remat, amp, gradient communication dtype, offload."""
+def _validate_memory_options(cfg: Config) -> None:
+    """Memory options: ZeRO level, remat, amp, gradient communication dtype, offload."""
     if cfg.remat is not None and cfg.remat not in REMAT_MODES and not (
             isinstance(cfg.remat, str) and hasattr(jax.checkpoint_policies, cfg.remat)):
         names = [n for n in dir(jax.checkpoint_policies) if not n.startswith("_")]

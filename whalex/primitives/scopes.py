@@ -24,7 +24,7 @@ from whalex.primitives.config import DEFAULTS, MATMUL_PATTERNS
 PREFIX = "whalex"
 KINDS = ("replicate", "split")
 
-_active: contextvars.ContextVar[tuple["Strategy", ...]] = contextvars.ContextVar("whalex_active", default=())
+_active: contextvars.ContextVar[tuple[Strategy, ...]] = contextvars.ContextVar("whalex_active", default=())
 _uids = itertools.count()
 
 

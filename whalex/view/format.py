@@ -45,6 +45,6 @@ def fmt_devices(ids: tuple[int, ...]) -> str:
 def text_table(head, rows) -> list[str]:
     """A left-aligned, space-padded table, indented by two spaces: the header, a rule, the rows."""
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)] if rows else [len(h) for h in head]
-    fmt = "  ".join("{:<%d}" % w for w in widths)
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return ["  " + fmt.format(*head), "  " + "  ".join("-" * w for w in widths)] + \
         ["  " + fmt.format(*r) for r in rows]

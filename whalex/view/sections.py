@@ -11,8 +11,7 @@ import dataclasses
 
 from jax.sharding import PartitionSpec as P
 
-from whalex.core.schedules import RECOMPUTE_COSTS
-from whalex.core.schedules import render as render_schedule
+from whalex.core.schedules import RECOMPUTE_COSTS, render as render_schedule
 from whalex.view.format import fmt_bytes, fmt_devices, fmt_flops, fmt_pct, fmt_speed, fmt_time
 
 TASKGRAPH_COLUMNS = ("TaskGraph", "strategy", "devices/replica", "device ids", "nested DP", "params",
@@ -125,7 +124,8 @@ def overview(plan) -> Section:
     for r in (plan.balance, plan.head_balance):
         if r is not None:
             facts.append(("balance" if r is plan.balance else "head balance",
-                          f"{r.kind}: " + (f"predicted speedup {r.predicted_speedup:.2f}x" if r.applied else "even plan")))
+                          f"{r.kind}: " + (f"predicted speedup {r.predicted_speedup:.2f}x" if r.applied
+                                           else "even plan")))
     header = (f"whalex plan: {c!r}, mesh ({mesh_text(plan)}), global batch {plan.global_batch}, "
               f"{plan.config.num_micro_batch} micro-batch(es)")
     facts_table = Table(("fact", "value"), tuple(facts), (False, False), where="html", facts=True)

@@ -1,7 +1,7 @@
 """Measured beside predicted: the plan's predicted step time, and a helper that times real steps.
 
     timing, state = time_steps(step, state, batch, steps=5)
-    print(timing)        # measured 41.2 ms per step (median of 5, ±3.0%); predicted 12.5 ms ...
+    print(timing)        # measured ... ms per step (median of 5, ± ...%); predicted ... ms ...
     timing               # in a notebook: a small table
 
 The prediction is the plan's cost model of compute only: on a heterogeneous plan the balance

@@ -3,7 +3,8 @@ the pipeline carries out."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,8 @@ micro-batches are cast by value instead (`pack_values`): an integer count adds u
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp

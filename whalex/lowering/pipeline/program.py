@@ -21,6 +21,7 @@ from whalex.core import part_loss as parts_lib
 from whalex.core.capture import Captured
 from whalex.core.part_loss import PartLoss
 from whalex.core.program import MemoryOptions, StageBuffers, step_program
+from whalex.core.schedules import Schedule
 from whalex.core.shardings import opt_state_specs
 from whalex.lowering import stage_batch, stage_rows
 from whalex.lowering.emit import Emitter
@@ -33,7 +34,6 @@ from whalex.lowering.pipeline.packing import layout
 from whalex.lowering.pipeline.rows import ParamRows
 from whalex.lowering.pipeline.storage import SpreadStorage
 from whalex.lowering.pipeline.ticks import TickLoop
-from whalex.core.schedules import Schedule
 from whalex.memory import precision as precision_lib, zero as zero_lib
 from whalex.memory.precision import Precision
 

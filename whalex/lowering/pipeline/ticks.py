@@ -12,7 +12,8 @@ branch. The steps of a tick, in order: `iteration_inputs`, `run_one_tick`, `accu
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp

@@ -7,6 +7,7 @@ from __future__ import annotations
 from whalex.planner.patterns.layout import Info
 from whalex.planner.patterns.state import Site, Walk
 
+
 def elementwise(w: Walk, s: Site, eqn, ins, batch) -> list[Info]:
     """Each dimension keeps the split of an input of the same rank; a parameter combined with a
     split value (a bias) is split the same way."""

@@ -3,8 +3,7 @@ patterns where they match, then one rule per family of operations."""
 from __future__ import annotations
 
 from whalex.core import primitives as P
-from whalex.planner.patterns import elementwise as ew
-from whalex.planner.patterns import reshape as rs
+from whalex.planner.patterns import elementwise as ew, reshape as rs
 from whalex.planner.patterns.embedding import embedding
 from whalex.planner.patterns.layout import Info
 from whalex.planner.patterns.matmul import generic_dot, matmul

@@ -3,7 +3,7 @@ decided splits, and what the walk has decided (constraints, pattern choices, col
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -45,8 +45,10 @@ class Walk:
     unmatched: dict = dataclasses.field(default_factory=dict)     # leaf -> (TaskGraph, why no pattern matched it)
     readers: dict = dataclasses.field(default_factory=dict)       # leaf -> the first split-scope operation reading it
     made_at: dict = dataclasses.field(default_factory=dict)       # (frame, var) -> (equation path, output position)
-    gathered: dict = dataclasses.field(default_factory=dict)      # (frame, var) -> axes a bridge gathered its batch over
-    sliced: set = dataclasses.field(default_factory=set)          # (frame, var, TaskGraph): a bridge's gradient gathered
+    # (frame, var) -> axes a bridge gathered its batch over
+    gathered: dict = dataclasses.field(default_factory=dict)
+    # (frame, var, TaskGraph): a bridge's gradient gathered
+    sliced: set = dataclasses.field(default_factory=set)
 
     @property
     def b(self) -> int:

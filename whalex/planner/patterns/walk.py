@@ -3,7 +3,7 @@ equation's outputs laid out by its TaskGraph's rule (`split_rule`, `replicate_ru
 a bridge wherever a value enters a TaskGraph whose layout differs (Whale section 3.2.3)."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from jax.sharding import PartitionSpec as P
 
