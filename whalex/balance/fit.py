@@ -108,7 +108,6 @@ class MemoryFit:
 
     def verdict(self) -> str:
         """One line: fits, fits with which options, or what is short and by how much."""
-        gib = 2.0 ** 30
         if self.compiled is not None:
             return f"{self._verdict()} (judged on XLA's compiled step, {self.compiled / 2.0 ** 30:.2f} GiB per device)"
         return self._verdict()
