@@ -71,6 +71,9 @@ def _auto_pipeline(req: Request, cap) -> Plan:
     it 3D), placed on disjoint devices with nested data parallelism over the rest of the cluster."""
     config, cluster = req.config, req.cluster
     k, m, mp = config.num_task_graph, config.num_micro_batch, model_degree(cap)
+    if config.virtual_stages > 1:
+        raise PlanError(f"schedule='interleaved' with virtual_stages={config.virtual_stages}: the pipeline lowering of "
+                        "model chunks is not built yet; use schedule='1f1b' or '1f1b-balanced'.")
     sched = make_schedule(config.schedule, k, m)
     dp = max(cluster.size // (k * mp), 1)
     auto = auto_stages(cap, k, cluster, req.optimizer, micro_fraction=1.0 / (dp * m),
