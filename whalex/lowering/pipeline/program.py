@@ -60,12 +60,33 @@ class PipelineProgram(Emitter):
     constraints: Any = None      # the split layers' sharding constraints ((path, "in"|"out", pos) -> spec)
 
     # -- the parameter rows (`rows.ParamRows`) -------------------------------------------------
+    @property
+    def virtual_stages(self) -> int:
+        """Model chunks per stage (interleaved schedules; 1: the cut's stages are the stages)."""
+        return self.schedule.virtual_stages
+
+    @functools.cached_property
+    def row_chunks(self) -> tuple[int, ...]:
+        """The chunk in each row of the `[chunks, width]` parameter rows: stage d's chunks d, d+S, ...
+        in rows d*V .. d*V+V-1, so the rows sharded over `stage` give each device its own."""
+        S, V = self.schedule.num_stages, self.virtual_stages
+        return tuple((r % V) * S + r // V for r in range(S * V))
+
+    @functools.cached_property
+    def device_eqns(self) -> tuple[tuple[int, ...], ...]:
+        """The equations each stage (device) runs: those of its chunks."""
+        S, chunks = self.schedule.num_stages, self.row_chunks
+        return tuple(tuple(sorted(i for c in chunks[d * self.virtual_stages:(d + 1) * self.virtual_stages]
+                                  for i in self.cut.eqns[c])) for d in range(S))
+
     @functools.cached_property
     def param_rows(self) -> ParamRows:
         zero = self.memory_options.zero_level and self.data_parallel > 1    # ZeRO splits the row over replicas
         invars = self.captured.jaxpr.jaxpr.invars[: self.captured.num_params]
-        return ParamRows(self.cut.params, tuple(invars), self.model_dims, self.model_parallel,
-                         self.data_parallel if zero else 1)
+        if self.cut.num_stages != self.schedule.num_chunks:
+            raise ValueError(f"a cut into {self.cut.num_stages} chunks for a schedule of {self.schedule.num_chunks}")
+        return ParamRows(tuple(self.cut.params[c] for c in self.row_chunks), tuple(invars), self.model_dims,
+                         self.model_parallel, self.data_parallel if zero else 1)
 
     @property
     def param_dtype(self):
@@ -116,7 +137,8 @@ class PipelineProgram(Emitter):
     def storage(self) -> SpreadStorage:
         invars = self.captured.jaxpr.jaxpr.invars[: self.captured.num_params]
         shapes = tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in invars)
-        return SpreadStorage(self.param_rows, self.mesh, shapes, self.captured.params_tree, self.data_parallel)
+        return SpreadStorage(self.param_rows, self.mesh, shapes, self.captured.params_tree, self.data_parallel,
+                             self.virtual_stages)
 
     def param_shapes(self):
         """The stored parameters: the caller's pytree."""
@@ -176,7 +198,7 @@ class PipelineProgram(Emitter):
         """The batch leaves each stage holds: those its equations read; the last stage also runs the
         pre-pass, so it holds the leaves the pre-pass reads."""
         cap = self.captured
-        reads = stage_batch.stage_reads(cap.jaxpr.jaxpr, cap.num_params, len(cap.batch_vars), self.cut.eqns,
+        reads = stage_batch.stage_reads(cap.jaxpr.jaxpr, cap.num_params, len(cap.batch_vars), self.device_eqns,
                                         self.prepass_leaves)
         return stage_batch.make_layout(reads, [v.aval for v in cap.batch_vars], self.global_batch)
 
@@ -198,10 +220,10 @@ class PipelineProgram(Emitter):
 
     def stage_buffers(self) -> StageBuffers:
         """The per-device buffers: parameter row and message widths, the batch each device holds."""
-        layout, dp = self.batch_layout, self.data_parallel
-        return StageBuffers(self.param_width, self.message_width, layout.device_bytes(dp), layout.whole_bytes(dp),
-                            tuple(layout.stage_bytes(s, dp) for s in range(self.cut.num_stages)),
-                            tuple(tuple(sl.leaf for sl in layout.stages[s]) for s in range(self.cut.num_stages)))
+        layout, dp, S = self.batch_layout, self.data_parallel, self.schedule.num_stages
+        return StageBuffers(self.param_width * self.virtual_stages, self.message_width, layout.device_bytes(dp),
+                            layout.whole_bytes(dp), tuple(layout.stage_bytes(s, dp) for s in range(S)),
+                            tuple(tuple(sl.leaf for sl in layout.stages[s]) for s in range(S)))
 
     # -- the part outputs (`outputs.PartOutputs`) ------------------------------------------------
     @functools.cached_property
@@ -217,12 +239,12 @@ class PipelineProgram(Emitter):
     # -- the step ------------------------------------------------------------------------------
     def body(self) -> PipelineBody:
         """One device's step (`body.PipelineBody`), with the schedule's tables as arrays."""
-        S, M, dp = self.cut.num_stages, self.schedule.num_micro_batch, self.data_parallel
+        S, M, dp = self.schedule.num_stages, self.schedule.num_micro_batch, self.data_parallel
         tables = {k: jnp.asarray(v) for k, v in self.schedule.tables().items()}
-        loop = TickLoop(S, M, self.schedule.slots, self.schedule.grad_slots, self.message_width, self.part_outputs,
-                        tables)
+        loop = TickLoop(S, M, self.schedule.stash[0], self.schedule.grad_stash[0], self.message_width,
+                        self.part_outputs, tables, self.virtual_stages)
         stages = make_stages(self.captured, self.cut, self.constraints, self.param_rows, self.part_outputs,
-                             self.batch_layout, self.message_width)
+                             self.batch_layout, self.message_width, S)
         n = self.captured.num_params
         return PipelineBody(loop, stages, self.param_rows, self.parts, n,
                             tuple(v.aval for v in self.captured.jaxpr.jaxpr.invars[:n]),
