@@ -1,0 +1,67 @@
+"""Interleaved 1F1B trains exactly as one device: the model cut into S x V chunks by auto_parallel,
+stage s holding chunks s, s+S, ... in its parameter row, messages around the ring of stages; with SGD
+and Adam, a token-masked mean with tied embeddings, and split layers inside the chunks (3D)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import whalex as wh
+import test_auto_parallel as lm_model
+from conftest import adam, assert_matches
+from test_pipeline_3d import SplitMlp
+from test_pipeline_optim import _attention, _ln, _mlp, lm_batch, lm_params
+
+
+def _interleaved(stages, micro, virtual=2):
+    return wh.Config(auto_parallel=True, num_task_graph=stages, num_micro_batch=micro, schedule="interleaved",
+                     virtual_stages=virtual)
+
+
+@pytest.mark.parametrize("stages, micro, opt", [(2, 4, "sgd"), (4, 8, "adam")])
+def test_interleaved_trains_like_one_device(stages, micro, opt):
+    loss_fn, params, batch = lm_model.lm(4)
+    opt = optax.sgd(0.5) if opt == "sgd" else adam()
+    step, _ = assert_matches(loss_fn, params, batch, steps=2, optimizer=opt, config=_interleaved(stages, micro),
+                             param_tol=1e-4)
+    plan, program = step.plan, step.plan.program
+    assert plan.schedule.name == "interleaved" and plan.schedule.num_chunks == 2 * stages
+    assert program.cut.num_stages == 2 * stages and plan.layout.axis_sizes == (8 // stages, stages)
+    assert len(plan.task_graphs) == stages                 # a TaskGraph per stage: its chunks' work
+    # stage d holds chunks d and d + S: rows d*V .. d*V+V-1 of the [chunks, width] buffer sharded over stage
+    assert program.row_chunks[:4] == ((0, stages, 1, stages + 1))
+    text = str(plan.schedule)
+    assert f"stage 0 (chunks 0,{stages}):" in text and "2 chunks per stage" in plan.summary()
+
+
+def _masked_tied_loss(p, b):
+    """The 4-stage LM of test_pipeline_optim, un-annotated, its logits reading the input embedding, under a
+    token-masked mean (sum of masked token losses over the batch's token count)."""
+    x = _mlp(p["b0"], _attention(p["b0"], p["emb"][b["tok"]] + p["pos"]))
+    x = _mlp(p["b2"], _mlp(p["b1"], x))
+    logits = _ln(x, p["lnf"]) @ p["emb"].T
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, b["y"])
+    return jnp.sum(ce * b["mask"]) / jnp.sum(b["mask"])
+
+
+def test_interleaved_masked_mean_with_tied_embeddings():
+    params, batch = lm_params(), lm_batch()
+    mask = jax.random.uniform(jax.random.key(7), batch["y"].shape) < 0.6
+    batch["mask"] = mask.at[:3].set(False).astype(jnp.float32)       # some rows have no token at all
+    step, _ = assert_matches(_masked_tied_loss, params, batch, steps=2, optimizer=optax.sgd(0.05),
+                             config=_interleaved(2, 4), param_tol=1e-4)
+    program = step.plan.program
+    emb = [k for k, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0]) if path[0].key == "emb"][0]
+    holders = [c for c, ps in enumerate(program.cut.params) if emb in ps]
+    assert holders[0] == 0 and holders[-1] == 3                       # the first and the last chunk read it
+
+
+def test_interleaved_3d(monkeypatch):
+    monkeypatch.setattr(lm_model, "Mlp", SplitMlp)
+    loss_fn, params, batch = lm_model.lm()
+    step, _ = assert_matches(loss_fn, params, batch, steps=2, optimizer=adam(), config=_interleaved(2, 2),
+                             param_tol=1e-4)
+    plan = step.plan
+    assert plan.layout.axis_names == ("data", "stage", "model") and plan.layout.axis_sizes == (2, 2, 2)
+    assert plan.schedule.num_chunks == 4
