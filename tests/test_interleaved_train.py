@@ -29,8 +29,10 @@ def test_interleaved_trains_like_one_device(stages, micro, opt):
     assert plan.schedule.name == "interleaved" and plan.schedule.num_chunks == 2 * stages
     assert program.cut.num_stages == 2 * stages and plan.layout.axis_sizes == (8 // stages, stages)
     assert len(plan.task_graphs) == stages                 # a TaskGraph per stage: its chunks' work
-    # stage d holds chunks d and d + S: rows d*V .. d*V+V-1 of the [chunks, width] buffer sharded over stage
-    assert program.row_chunks[:4] == ((0, stages, 1, stages + 1))
+    # stage d holds chunks d and d + S: its row of the [stages, width] buffer has their leaves, one after the other
+    rows, cut = program.param_rows, program.cut
+    assert rows.stage_params[1] == cut.params[1] + cut.params[stages + 1]
+    assert program.param_width == max(sum(s.size for s in slots) for slots in rows.slots)
     text = str(plan.schedule)
     assert f"stage 0 (chunks 0,{stages}):" in text and "2 chunks per stage" in plan.summary()
 

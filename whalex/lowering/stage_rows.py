@@ -47,7 +47,7 @@ def _block_layout(stage_params, dims, shapes, S):
     layout, widths = [], []
     for ps in stage_params:
         off, entries = 0, []
-        for p in ps:
+        for p in dict.fromkeys(ps):          # a leaf twice in one row (two chunks read it) travels once
             d = dims[p]
             if d is None:
                 continue
@@ -59,23 +59,12 @@ def _block_layout(stage_params, dims, shapes, S):
     return layout, max(widths + [1])
 
 
-def _per_device(stage_params: Sequence[Sequence[int]], per_device: int) -> list[list[int]]:
-    """The leaves each device's `per_device` consecutive rows read, each once."""
-    if per_device == 1:
-        return [list(ps) for ps in stage_params]
-    return [sorted({p for ps in stage_params[d * per_device:(d + 1) * per_device] for p in ps})
-            for d in range(len(stage_params) // per_device)]
-
-
 def gather_row(local: Sequence, dims: Sequence, stage_params: Sequence[Sequence[int]], slots, shapes: Sequence,
-                   width: int, dtype, axes: tuple[str, str], per_device: int = 1):
-    """This device's `[per_device, width]` rows (its stage's row; with interleaved chunks, rows
-    d*V .. d*V+V-1 of `stage_params`) from its blocks of the spread leaves: an all-gather over
+                   width: int, dtype, axes: tuple[str, str]):
+    """This device's `[1, width]` stage row from its blocks of the spread leaves: an all-gather over
     `data` (each device then holds 1/S of every leaf), then an all-to-all over `stage` sending each
     stage the blocks of its own leaves only. `axes`: (stage, data)."""
     stage, data = axes
-    rows_params, V = stage_params, per_device
-    stage_params = _per_device(rows_params, V)
     S = len(stage_params)
     layout, C = _block_layout(stage_params, dims, shapes, S)
     part = fused_all_gather(list(local), data, dims)
@@ -94,26 +83,21 @@ def gather_row(local: Sequence, dims: Sequence, stage_params: Sequence[Sequence[
             for p, off, block in layout[t]:
                 size = int(np.prod(block, dtype=np.int64))
                 full[p] = jnp.concatenate([recv[k, off:off + size].reshape(block) for k in range(S)], axis=dims[p])
-            out = []
-            for ps in rows_params[t * V:(t + 1) * V]:
-                flat = [full[p].astype(dtype).reshape(-1) for p in ps]
-                r = jnp.concatenate(flat) if flat else jnp.zeros((0,), dtype)
-                out.append(pad_to(r, width))
-            return jnp.stack(out)
+            flat = [full[p].astype(dtype).reshape(-1) for p in stage_params[t]]
+            r = jnp.concatenate(flat) if flat else jnp.zeros((0,), dtype)
+            return pad_to(r, width)[None]
         return row
 
     return jax.lax.switch(jax.lax.axis_index(stage), [build(t) for t in range(S)], recv, part)
 
 
 def scatter_grads(row, dims: Sequence, stage_params: Sequence[Sequence[int]], slots, shapes: Sequence,
-                      dp: int, axes: tuple[str, str], per_device: int = 1) -> list:
-    """This device's blocks of the caller-layout gradient from its `[per_device, width]` row gradients (the
-    same on every replica of the stage), the transpose of `gather_row`: the stage's leaf gradients (a
-    leaf in two of its rows summed) cut into S blocks, an all-to-all over `stage` (a tied leaf's blocks
-    summed over the stages that read it), then each replica's slice of its block."""
+                      dp: int, axes: tuple[str, str]) -> list:
+    """This device's blocks of the caller-layout gradient from its `[1, width]` stage row gradient (the same
+    on every replica of the stage), the transpose of `gather_row`: the stage's leaf gradients cut into S
+    blocks, an all-to-all over `stage` (a tied leaf's blocks summed over the stages that read it), then
+    each replica's slice of its block."""
     stage, data = axes
-    rows_params, rows_slots, V = stage_params, slots, per_device
-    stage_params = _per_device(rows_params, V)
     S = len(stage_params)
     layout, C = _block_layout(stage_params, dims, shapes, S)
     replicated = [p for p, d in enumerate(dims) if d is None]
@@ -121,10 +105,9 @@ def scatter_grads(row, dims: Sequence, stage_params: Sequence[Sequence[int]], sl
     def cut(t):
         def parts(r):
             leaves: dict = {}
-            for v in range(V):
-                for p, sl in zip(rows_params[t * V + v], rows_slots[t * V + v]):
-                    g = r[v, sl.offset:sl.offset + sl.size].reshape(sl.shape)
-                    leaves[p] = g if p not in leaves else leaves[p] + g
+            for p, sl in zip(stage_params[t], slots[t]):           # a leaf twice in the row: summed
+                g = r[0, sl.offset:sl.offset + sl.size].reshape(sl.shape)
+                leaves[p] = leaves[p] + g if p in leaves else g
             send = []
             for k in range(S):                     # destination stage k gets block k of each leaf
                 flat = [jax.lax.slice_in_dim(leaves[p], k * block[dims[p]], (k + 1) * block[dims[p]],

@@ -117,7 +117,7 @@ def pipeline_plan(req: Request, full, stage_of_eqn, strategies, stage_layers=Non
     vds = [stage_virtual_device(full, stage_of_eqn, s, strategies[s], mp,
                                 tuple(tuple(placement[s][r * mp:(r + 1) * mp]) for r in range(dp)))
            for s in range(num_stages)]
-    grad_bytes = program.param_width * V * np.dtype(program.param_dtype).itemsize
+    grad_bytes = program.param_width * np.dtype(program.param_dtype).itemsize
     invars = cap.jaxpr.jaxpr.invars
     comms = []
     level = mem.zero_level

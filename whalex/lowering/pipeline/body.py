@@ -62,18 +62,14 @@ class PipelineBody:
         return self.loop.num_stages - 1
 
     def stage_params(self, packed) -> tuple:
-        """Per chunk this device holds, its rows (ZeRO 3: all-gathered over the replicas; 3D: the model
-        row too)."""
+        """This device's stage rows (ZeRO 3: all-gathered over the replicas; 3D: the model row too)."""
         row = packed["stages"]
         if self.zero_level >= 3:
             row = zero_lib.gather([row], [self.row_specs[0]], [self.row_specs[1]], DATA)[0]
-        out = []
-        for v in range(self.loop.virtual_stages):
-            params = (row[v],)
-            if self.rows.three_d:       # [model, width]: row m on model device m (an auto axis here)
-                params += (jax.lax.with_sharding_constraint(packed["model"][v], P(MODEL)),)
-            out.append(params)
-        return tuple(out)
+        params = (row[0],)
+        if self.rows.three_d:       # [model, width]: row m on model device m (an auto axis here)
+            params += (jax.lax.with_sharding_constraint(packed["model"][0], P(MODEL)),)
+        return params
 
     def prepass(self, device: Device) -> dict:
         """The global values of the data-only reductions, on every stage: {equation index: outputs}."""
@@ -116,17 +112,16 @@ class PipelineBody:
         return parts_lib.finish(self.parts, given, device.extra, self.num_params, outputs.assemble(values, rows))
 
     def reduce_grads(self, grads: list) -> dict:
-        """The device's gradient rows (`[chunks, ...]` each) summed over the replicas (ZeRO 2 and 3:
-        reduce-scattered over them)."""
+        """The stage gradient rows summed over the replicas (ZeRO 2 and 3: reduce-scattered over them)."""
         prec, specs, zspecs = self.precision, [self.row_specs[0]], [self.row_specs[1]]
         if self.zero_level >= 2:
-            flat = precision_lib.reduce_in(prec, lambda g: zero_lib.scatter_sum([g], specs, zspecs, DATA)[0],
+            flat = precision_lib.reduce_in(prec, lambda g: zero_lib.scatter_sum([g[None]], specs, zspecs, DATA)[0],
                                            grads[0])
         else:
-            flat = precision_lib.reduce_in(prec, lambda g: fused_psum(g, DATA), grads[0])
+            flat = precision_lib.reduce_in(prec, lambda g: fused_psum(g, DATA), grads[0])[None]
         if not self.rows.three_d:
             return {"stages": flat}
-        return {"stages": flat, "model": precision_lib.reduce_in(prec, lambda g: fused_psum(g, DATA), grads[1])}
+        return {"stages": flat, "model": precision_lib.reduce_in(prec, lambda g: fused_psum(g, DATA), grads[1])[None]}
 
     def step(self, packed, batch, extra, *scale):
         """(the loss's outputs, the stage gradient rows) of this device: the `shard_map` body."""
@@ -137,9 +132,7 @@ class PipelineBody:
         given = self.prepass(device)
         cot = self.cotangent(given, device.extra, scale)
         work = branches(self.stages, functools.partial(self.overrides, given, device), cot)
-        V = self.loop.virtual_stages
-        state = self.loop.run(device, work, lambda: tuple(self.rows.zero_rows() for _ in range(V)))
-        per_chunk = [[join_segments(segs) for segs in g] for g in state.grads]
-        grads = [jnp.stack([g[k] for g in per_chunk]) for k in range(len(per_chunk[0]))]
+        state = self.loop.run(device, work, self.rows.zero_rows)
+        grads = [join_segments(segs) for segs in state.grads]
         outs = self.finish(state, given, device)
         return outs, self.reduce_grads(grads)

@@ -56,8 +56,8 @@ def stage_fn(cap: Captured, cut: StageCut, s: int, constraints=None):
 @dataclasses.dataclass(frozen=True)
 class Stage:
     """Model chunk `index` (the stage itself without interleaving) as branches of the tick's switch.
-    The stage (device) `device` holds it as its chunk `slot`: `params[slot]` are its parameter rows
-    (row `row` of `rows`) and a backward adds into the gradient accumulator's `slot`."""
+    The stage (device) `device` holds it as its chunk `slot`: a block of the stage's parameter row, and
+    a backward adds into that block of the gradient accumulator."""
 
     index: int
     fn: Callable                    # `stage_fn`
@@ -68,7 +68,6 @@ class Stage:
     outputs: PartOutputs
     batch: StageBatchLayout
     width: int                      # the message width
-    row: int = 0                    # its row in `rows`
     slot: int = 0                   # its place among its device's chunks
     device: int = 0                 # the stage holding it (whose batch leaves it reads)
 
@@ -78,7 +77,7 @@ class Stage:
 
     def forward(self, overrides: Callable, params, x, inputs):
         """(message out, part outputs, per-example outputs) of one micro-batch."""
-        outs = self.fn(self.rows.unpack_stage(self.row, params[self.slot]), unpack(x, self.in_slots),
+        outs = self.fn(self.rows.unpack_chunk(self.device, self.slot, params), unpack(x, self.in_slots),
                        self.stage_inputs(inputs), overrides(inputs[2]))
         _, O = self.outputs.slots
         if self.last:
@@ -101,7 +100,7 @@ class Stage:
             outs = self.fn(p, full, ins, ovr)
             return [outs[k] for k in values] if self.last else outs
 
-        outs, vjp = jax.vjp(f, self.rows.unpack_stage(self.row, params[self.slot]), [live[k] for k in diff])
+        outs, vjp = jax.vjp(f, self.rows.unpack_chunk(self.device, self.slot, params), [live[k] for k in diff])
         cts = unpack(cot, self.outputs.slots[0]) if self.last else unpack(ct, self.out_slots)
         cts = [c.astype(o.dtype) if jnp.issubdtype(o.dtype, jnp.floating)
                else np.zeros(o.shape, jax.dtypes.float0) for c, o in zip(cts, outs)]
@@ -109,8 +108,7 @@ class Stage:
         full = [jnp.zeros(sl.shape, jnp.float32) for sl in self.in_slots]
         for k, g in zip(diff, dl):
             full[k] = g
-        gacc = tuple(self.rows.add_stage_grads(self.row, g, dp) if v == self.slot else g for v, g in enumerate(gacc))
-        return pack(full, self.width), gacc
+        return pack(full, self.width), self.rows.add_chunk_grads(self.device, self.slot, gacc, dp)
 
 
 def idle(width: int, outputs: PartOutputs, params, x, inputs):
@@ -121,15 +119,14 @@ def idle(width: int, outputs: PartOutputs, params, x, inputs):
 def make_stages(cap: Captured, cut: StageCut, constraints: Any, rows: ParamRows, outputs: PartOutputs,
                 batch: StageBatchLayout, width: int, num_stages: int | None = None) -> tuple[Stage, ...]:
     """Every chunk of `cut` as a `Stage`: on `num_stages` stages (default: one chunk each), chunk c on
-    stage c % S as its chunk c // S, in row (c % S) * V + c // S of `rows`."""
+    stage c % S as its chunk c // S."""
     K = cut.num_stages
     S = num_stages or K
-    V = K // S
     stages = []
     for c in range(K):
         fn, live_in, live_out = stage_fn(cap, cut, c, constraints)
         stages.append(Stage(c, fn, tuple(layout(live_in)[0]), tuple(layout(live_out)[0]), c == K - 1,
-                            rows, outputs, batch, width, (c % S) * V + c // S, c // S, c % S))
+                            rows, outputs, batch, width, c // S, c % S))
     return tuple(stages)
 
 

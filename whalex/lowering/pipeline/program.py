@@ -66,18 +66,10 @@ class PipelineProgram(Emitter):
         return self.schedule.virtual_stages
 
     @functools.cached_property
-    def row_chunks(self) -> tuple[int, ...]:
-        """The chunk in each row of the `[chunks, width]` parameter rows: stage d's chunks d, d+S, ...
-        in rows d*V .. d*V+V-1, so the rows sharded over `stage` give each device its own."""
-        S, V = self.schedule.num_stages, self.virtual_stages
-        return tuple((r % V) * S + r // V for r in range(S * V))
-
-    @functools.cached_property
     def device_eqns(self) -> tuple[tuple[int, ...], ...]:
         """The equations each stage (device) runs: those of its chunks."""
-        S, chunks = self.schedule.num_stages, self.row_chunks
-        return tuple(tuple(sorted(i for c in chunks[d * self.virtual_stages:(d + 1) * self.virtual_stages]
-                                  for i in self.cut.eqns[c])) for d in range(S))
+        return tuple(tuple(sorted(i for c in self.schedule.chunks_of(d) for i in self.cut.eqns[c]))
+                     for d in range(self.schedule.num_stages))
 
     @functools.cached_property
     def param_rows(self) -> ParamRows:
@@ -85,8 +77,14 @@ class PipelineProgram(Emitter):
         invars = self.captured.jaxpr.jaxpr.invars[: self.captured.num_params]
         if self.cut.num_stages != self.schedule.num_chunks:
             raise ValueError(f"a cut into {self.cut.num_stages} chunks for a schedule of {self.schedule.num_chunks}")
-        return ParamRows(tuple(self.cut.params[c] for c in self.row_chunks), tuple(invars), self.model_dims,
-                         self.model_parallel, self.data_parallel if zero else 1)
+        if self.virtual_stages == 1:
+            params, counts = self.cut.params, ()
+        else:              # a stage's row: its chunks' leaves one chunk after another
+            chunks = [self.schedule.chunks_of(d) for d in range(self.schedule.num_stages)]
+            params = tuple(tuple(p for c in cs for p in self.cut.params[c]) for cs in chunks)
+            counts = tuple(tuple(len(self.cut.params[c]) for c in cs) for cs in chunks)
+        return ParamRows(params, tuple(invars), self.model_dims, self.model_parallel, self.data_parallel if zero else 1,
+                         counts)
 
     @property
     def param_dtype(self):
@@ -137,8 +135,7 @@ class PipelineProgram(Emitter):
     def storage(self) -> SpreadStorage:
         invars = self.captured.jaxpr.jaxpr.invars[: self.captured.num_params]
         shapes = tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in invars)
-        return SpreadStorage(self.param_rows, self.mesh, shapes, self.captured.params_tree, self.data_parallel,
-                             self.virtual_stages)
+        return SpreadStorage(self.param_rows, self.mesh, shapes, self.captured.params_tree, self.data_parallel)
 
     def param_shapes(self):
         """The stored parameters: the caller's pytree."""
@@ -178,7 +175,7 @@ class PipelineProgram(Emitter):
         opts = self.memory_options
         if opts.zero_level == 0 or opts.zero_axes is None:
             return P(STAGE), P(STAGE)
-        shape = (self.cut.num_stages, self.param_width)
+        shape = (self.schedule.num_stages, self.param_width)
         return P(STAGE), zero_lib.shard_spec(P(STAGE), shape, (DATA,), dict(self.mesh.shape))
 
     # -- the batch (`whalex.lowering.stage_batch`) -------------------------------------------------
@@ -221,7 +218,7 @@ class PipelineProgram(Emitter):
     def stage_buffers(self) -> StageBuffers:
         """The per-device buffers: parameter row and message widths, the batch each device holds."""
         layout, dp, S = self.batch_layout, self.data_parallel, self.schedule.num_stages
-        return StageBuffers(self.param_width * self.virtual_stages, self.message_width, layout.device_bytes(dp),
+        return StageBuffers(self.param_width, self.message_width, layout.device_bytes(dp),
                             layout.whole_bytes(dp), tuple(layout.stage_bytes(s, dp) for s in range(S)),
                             tuple(tuple(sl.leaf for sl in layout.stages[s]) for s in range(S)))
 

@@ -30,7 +30,6 @@ class SpreadStorage:
     shapes: tuple          # the caller's leaves, as jax.ShapeDtypeStructs
     tree: Any              # their pytree structure
     data_parallel: int
-    per_device: int = 1    # rows per device: its interleaved chunks (`Schedule.virtual_stages`)
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -73,8 +72,7 @@ class SpreadStorage:
         W, dtype, shapes = self.rows.width, self.rows.dtype, list(self.shapes)
 
         def body(*leaves):
-            return {"stages": stage_rows.gather_row(leaves, dims, cut, slots, shapes, W, dtype, (STAGE, DATA),
-                                                       self.per_device)}
+            return {"stages": stage_rows.gather_row(leaves, dims, cut, slots, shapes, W, dtype, (STAGE, DATA))}
 
         fn = self._shard_map(body, tuple(self.spec_list()), {"stages": P(STAGE)})
         return lambda params: fn(*jax.tree.leaves(params))
@@ -86,8 +84,7 @@ class SpreadStorage:
         shapes = list(self.shapes)
 
         def body(rows):
-            return tuple(stage_rows.scatter_grads(rows["stages"], dims, cut, slots, shapes, dp, (STAGE, DATA),
-                                                         self.per_device))
+            return tuple(stage_rows.scatter_grads(rows["stages"], dims, cut, slots, shapes, dp, (STAGE, DATA)))
 
         fn = self._shard_map(body, ({"stages": P(STAGE)},), tuple(self.spec_list()))
         return lambda rows: jax.tree.unflatten(self.tree, list(fn(rows)))
@@ -115,14 +112,14 @@ class SpreadStorage:
         block, the 2D layout), then the pipeline's gather over (stage, data). A model-split leaf: the same
         gather on its blocks."""
         (whole, wdims, wshapes), (split, sdims, sshapes, mslots) = self._groups_3d()
-        rows, axes, V = self.rows, (STAGE, DATA), self.per_device
+        rows, axes = self.rows, (STAGE, DATA)
 
         def body(*leaves):
             wl = fused_all_gather([leaves[p] for p in whole], MODEL, wdims)
             flat = stage_rows.gather_row(wl, wdims, self._cut(whole), rows.slots, wshapes, rows.width, rows.dtype,
-                                         axes, V)
+                                         axes)
             mrow = stage_rows.gather_row([leaves[p] for p in split], sdims, self._cut(split), mslots, sshapes,
-                                         rows.model_width, rows.dtype, axes, V)
+                                         rows.model_width, rows.dtype, axes)
             return {"stages": flat, "model": mrow[:, None]}
 
         assert len(whole) + len(split) == len(rows.invars)
@@ -133,17 +130,15 @@ class SpreadStorage:
         """The transpose of `gather_3d` (a tied leaf's gradients summed over its stages)."""
         (whole, wdims, wshapes), (split, sdims, sshapes, mslots) = self._groups_3d()
         M, n, dp, axes = self.rows.model_parallel, len(self.rows.invars), self.data_parallel, (STAGE, DATA)
-        V = self.per_device
 
         def body(rows):
             out = [None] * n
             m = jax.lax.axis_index(MODEL)
-            wg = stage_rows.scatter_grads(rows["stages"], wdims, self._cut(whole), self.rows.slots, wshapes, dp, axes,
-                                          V)
+            wg = stage_rows.scatter_grads(rows["stages"], wdims, self._cut(whole), self.rows.slots, wshapes, dp, axes)
             for p, g, d in zip(whole, wg, wdims):        # the (stage, data) block -> this device's model part
                 out[p] = g if d is None else jax.lax.dynamic_slice_in_dim(g, m * (g.shape[d] // M), g.shape[d] // M, d)
             for p, g in zip(split, stage_rows.scatter_grads(rows["model"][:, 0], sdims, self._cut(split), mslots,
-                                                            sshapes, dp, axes, V)):
+                                                            sshapes, dp, axes)):
                 out[p] = g
             return tuple(out)
 

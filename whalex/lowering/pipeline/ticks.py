@@ -29,7 +29,7 @@ class LoopState(NamedTuple):
 
     stash: Any         # [slots, width]: chunk inputs received
     grad_stash: Any    # [grad_slots, width]: output gradients received
-    grads: tuple       # the gradient accumulator, per chunk of the device: its rows as segments
+    grads: tuple       # the gradient accumulator: its rows as segments (`ParamRows.zero_rows`)
     outputs: Any       # the batch-free part outputs combined over micro-batches (the last stage's)
     rows: list         # per-example part outputs, [per_replica, ...] each (the last stage's)
     fwd_in: Any        # [width]: the message that arrived from the previous stage
@@ -42,7 +42,7 @@ class Device:
 
     stage: Any          # its stage index (traced: `axis_index('stage')`)
     replica: Any        # its replica index (traced: `axis_index('data')`)
-    params: tuple       # per chunk it holds, its rows: flat, and in 3D the model row
+    params: tuple       # its stage's rows (with its chunks' leaves): flat, and in 3D the model row
     batch: dict         # its rows of the stage batch buffers: {group: [per_replica, width]}
     extra: list         # the loss's inputs after the batch (model state, a key)
     micro: int          # rows per micro-batch
