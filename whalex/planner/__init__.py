@@ -73,9 +73,15 @@ def _auto_pipeline(req: Request, cap) -> Plan:
     k, m, mp, V = config.num_task_graph, config.num_micro_batch, model_degree(cap), config.virtual_stages
     sched = make_schedule(config.schedule, k, m, V)
     dp = max(cluster.size // (k * mp), 1)
-    auto = auto_stages(cap, k * V, cluster, req.optimizer, micro_fraction=1.0 / (dp * m),
-                       in_flight=[sched.chunk_in_flight(c) for c in range(k * V)],
-                       hardware_aware=config.hardware_aware, tick_kinds=sched.chunk_kinds(), virtual_stages=V)
+    try:
+        auto = auto_stages(cap, k * V, cluster, req.optimizer, micro_fraction=1.0 / (dp * m),
+                           in_flight=[sched.chunk_in_flight(c) for c in range(k * V)],
+                           hardware_aware=config.hardware_aware, tick_kinds=sched.chunk_kinds(), virtual_stages=V)
+    except PlanError as e:
+        if V == 1:
+            raise
+        raise PlanError(f"{e} (schedule='interleaved' cuts num_task_graph={k} x virtual_stages={V} = {k * V} chunks; "
+                        "use fewer virtual_stages or stages)") from None
     _check_micro_batches(cap, m)
     if cluster.size % (k * mp):
         raise PlanError(f"num_task_graph={k} stages" + (f" x split({mp}) inside them" if mp > 1 else "")
