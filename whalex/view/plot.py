@@ -199,8 +199,8 @@ def draw_schedule(ax, plan) -> None:
     ax.set_yticks(np.arange(S) + 0.5, [f"stage {k}" for k in range(S)])
     ax.set_xlabel("tick")
     ax.set_title(f"Pipeline schedule {s.name}: {S} stages x {s.num_micro_batch} micro-batches, {T} ticks, "
-                 f"bubble {s.bubble_fraction:.1%} (numbers: micro-batch" + (", c: chunk" if s.virtual_stages > 1 else "")
-                 + ")", fontsize=10)
+                 f"bubble {s.bubble_fraction:.1%} (numbers: micro-batch"
+                 + (", c: chunk" if s.virtual_stages > 1 else "") + ")", fontsize=10)
     ax.legend(handles=[Patch(color=FWD_COLOR, label="forward"), Patch(color=BWD_COLOR, label="backward"),
                        Patch(color=idle, label="idle")], fontsize=8, loc="upper left",
               bbox_to_anchor=(1.0, 1.0), frameon=False)

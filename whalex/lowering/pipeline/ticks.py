@@ -7,8 +7,8 @@ go. Only chunk inputs are stashed (`Schedule.stash`: S slots for 1F1B, M for GPi
 recomputes its chunk's forward from the stashed input. After the work, activations go to the next
 stage and gradients to the previous one by `ppermute`, around a ring with interleaved chunks (the
 last stage sends to the first); with 2 stages one swap carries both, as a device sends one message
-per tick. No collective runs inside a branch. The steps of a tick, in order: `iteration_inputs`, `run_one_tick`, `accumulate_outputs`,
-`pass_messages`; `tick` composes them and `run` scans it.
+per tick. No collective runs inside a branch. The steps of a tick, in order: `iteration_inputs`,
+`run_one_tick`, `accumulate_outputs`, `pass_messages`; `tick` composes them and `run` scans it.
 """
 from __future__ import annotations
 
