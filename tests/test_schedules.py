@@ -55,9 +55,9 @@ def test_invalid_schedules_are_rejected():
     with pytest.raises(ValueError, match="misses"):
         Schedule("bad", 2, 2, tuple(ticks[:-1]))
     with pytest.raises(wh.ConfigError, match="unknown pipeline schedule"):
-        make_schedule("interleaved", 2, 2)
+        make_schedule("zigzag", 2, 2)
     with pytest.raises(wh.ConfigError, match="unknown pipeline schedule"):
-        wh.Config(schedule="interleaved")
+        wh.Config(schedule="zigzag")
 
 
 def test_render():

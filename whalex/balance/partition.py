@@ -215,7 +215,7 @@ def stage_devices(cluster, num_stages: int, hardware_aware: bool = True) -> list
 
 def auto_stages(cap, num_stages: int, cluster, optimizer=None, micro_fraction: float = 1.0,
                 in_flight: Sequence[int] | None = None, hardware_aware: bool = True,
-                tick_kinds=None) -> AutoStages:
+                tick_kinds=None, virtual_stages: int = 1) -> AutoStages:
     """Balanced stages for `num_stages` devices per pipeline replica.
 
     Granularities are tried coarse to fine (`balance.layers.granularities`) and the first whose
@@ -223,13 +223,17 @@ def auto_stages(cap, num_stages: int, cluster, optimizer=None, micro_fraction: f
     coarsest within `SLACK` of the best one found. `micro_fraction` scales the captured
     (global-batch) activations to one device's micro-batch; `in_flight[s]` is how many
     micro-batches stage s stashes under the schedule; `tick_kinds` (the schedule's kind table) lets a
-    heterogeneous cut minimise the lockstep step time (`refine_lockstep`).
+    heterogeneous cut minimise the lockstep step time (`refine_lockstep`). With `virtual_stages` V > 1
+    the `num_stages` are interleaved chunks, chunk c on device stage c % (num_stages / V), which
+    lends it its speed and 1/V of its memory (`tick_kinds` then per chunk: `Schedule.chunk_kinds`).
     """
     if num_stages < 2:
         raise PlanError("auto_parallel needs num_task_graph >= 2 stages; set Config(num_task_graph=k).")
-    placement = stage_devices(cluster, num_stages, hardware_aware)
-    speeds = [min(cluster.speeds[i] for i in devs) for devs in placement] if hardware_aware else [1.0] * num_stages
-    caps = [float(min(cluster.specs[i].memory_bytes for i in devs)) for devs in placement]
+    S = num_stages // virtual_stages
+    placement = stage_devices(cluster, S, hardware_aware)
+    speeds = [min(cluster.speeds[i] for i in devs) for devs in placement] if hardware_aware else [1.0] * S
+    caps = [float(min(cluster.specs[i].memory_bytes for i in devs)) / virtual_stages for devs in placement]
+    speeds, caps = [speeds[c % S] for c in range(num_stages)], [caps[c % S] for c in range(num_stages)]
     cache, factor = FlopsCache(), _optimizer_factor(optimizer, cap)
     tried, error = [], None
     for gran in granularities(cap):

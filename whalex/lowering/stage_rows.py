@@ -47,7 +47,7 @@ def _block_layout(stage_params, dims, shapes, S):
     layout, widths = [], []
     for ps in stage_params:
         off, entries = 0, []
-        for p in ps:
+        for p in dict.fromkeys(ps):          # a leaf twice in one row (two chunks read it) travels once
             d = dims[p]
             if d is None:
                 continue
@@ -104,8 +104,10 @@ def scatter_grads(row, dims: Sequence, stage_params: Sequence[Sequence[int]], sl
 
     def cut(t):
         def parts(r):
-            leaves = {p: r[0, sl.offset:sl.offset + sl.size].reshape(sl.shape)
-                      for p, sl in zip(stage_params[t], slots[t])}
+            leaves: dict = {}
+            for p, sl in zip(stage_params[t], slots[t]):           # a leaf twice in the row: summed
+                g = r[0, sl.offset:sl.offset + sl.size].reshape(sl.shape)
+                leaves[p] = leaves[p] + g if p in leaves else g
             send = []
             for k in range(S):                     # destination stage k gets block k of each leaf
                 flat = [jax.lax.slice_in_dim(leaves[p], k * block[dims[p]], (k + 1) * block[dims[p]],

@@ -69,17 +69,23 @@ def _auto_pipeline(req: Request, cap) -> Plan:
     """auto_parallel: balance cuts the model into num_task_graph stages (split scopes inside them make
     it 3D), placed on disjoint devices with nested data parallelism over the rest of the cluster."""
     config, cluster = req.config, req.cluster
-    k, m, mp = config.num_task_graph, config.num_micro_batch, model_degree(cap)
-    sched = make_schedule(config.schedule, k, m)
+    k, m, mp, V = config.num_task_graph, config.num_micro_batch, model_degree(cap), config.virtual_stages
+    sched = make_schedule(config.schedule, k, m, V)
     dp = max(cluster.size // (k * mp), 1)
-    auto = auto_stages(cap, k, cluster, req.optimizer, micro_fraction=1.0 / (dp * m),
-                       in_flight=[sched.max_in_flight(s) for s in range(k)], hardware_aware=config.hardware_aware,
-                       tick_kinds=sched.tables()["kind"])
+    try:
+        auto = auto_stages(cap, k * V, cluster, req.optimizer, micro_fraction=1.0 / (dp * m),
+                           in_flight=[sched.chunk_in_flight(c) for c in range(k * V)],
+                           hardware_aware=config.hardware_aware, tick_kinds=sched.chunk_kinds(), virtual_stages=V)
+    except PlanError as e:
+        if V == 1:
+            raise
+        raise PlanError(f"{e} (schedule='interleaved' cuts num_task_graph={k} x virtual_stages={V} = {k * V} chunks; "
+                        "use fewer virtual_stages or stages)") from None
     _check_micro_batches(cap, m)
     if cluster.size % (k * mp):
         raise PlanError(f"num_task_graph={k} stages" + (f" x split({mp}) inside them" if mp > 1 else "")
                         + f" do not divide the cluster's {cluster.size} devices; use a divisor of {cluster.size}.")
     why = f"auto_parallel=True cut the model into num_task_graph={k} stages" + (
-        f" with split({mp}) inside them" if mp > 1 else "")
+        f" of virtual_stages={V} chunks each" if V > 1 else "") + (f" with split({mp}) inside them" if mp > 1 else "")
     return pipeline_plan(req, cap, list(auto.stage_of_eqn), [Strategy("replicate", 1)] * k, auto.layers,
-                         rule=pipeline_rule(k, mp, dp, why))
+                         rule=pipeline_rule(k, mp, dp, why), virtual_stages=V)

@@ -39,14 +39,22 @@ def model_degree(cap) -> int:
     return counts.pop()
 
 
-def pipeline_plan(req: Request, full, stage_of_eqn, strategies, stage_layers=None, rule: str = "") -> Plan:
+def pipeline_plan(req: Request, full, stage_of_eqn, strategies, stage_layers=None, rule: str = "",
+                  virtual_stages: int = 1) -> Plan:
     """The pipeline of `stage_of_eqn`, each stage's VirtualDevice recording its strategy in
     `strategies`; `stage_layers` names the modules per stage (by default the top-level layers of each
     stage's equations); `rule` says why this is a pipeline. Split TaskGraphs inside the stages make it 3D: a
-    ('data', 'stage', 'model') mesh, the split layers sharded over `model` by the sharding patterns."""
+    ('data', 'stage', 'model') mesh, the split layers sharded over `model` by the sharding patterns. With
+    `virtual_stages` V > 1, `stage_of_eqn` (and `stage_layers`) name S x V interleaved chunks, chunk c on
+    stage c % S."""
     config, cluster, optimizer = req.config, req.cluster, req.optimizer
-    m = config.num_micro_batch
-    num_stages = max(stage_of_eqn) + 1 if stage_of_eqn else 1
+    m, V = config.num_micro_batch, virtual_stages
+    num_chunks = max(stage_of_eqn) + 1 if stage_of_eqn else 1
+    num_stages = num_chunks // V
+    chunk_of_eqn, stage_of_eqn = list(stage_of_eqn), [c % num_stages for c in stage_of_eqn]
+    if stage_layers is not None and V > 1:
+        stage_layers = [tuple(n for c in range(s, num_chunks, num_stages) for n in stage_layers[c])
+                        for s in range(num_stages)]
     k = cluster.size
     mp = model_degree(full)
     if k % (num_stages * mp):
@@ -70,8 +78,8 @@ def pipeline_plan(req: Request, full, stage_of_eqn, strategies, stage_layers=Non
                         "cannot split its gradient over micro-batches in one pass. Write the loss as a sum or mean "
                         "of per-example terms, or use a plan without micro-batches.")
     cap = parts.body(parts.part_outputs()[0])       # stages end in the loss's sums over each micro-batch
-    cut = cut_stages(cap, stage_of_eqn, num_stages)
-    schedule = make_schedule(config.schedule, num_stages, m)
+    cut = cut_stages(cap, chunk_of_eqn, num_chunks)
+    schedule = make_schedule(config.schedule, num_stages, m, V)
     placement = stage_devices(cluster, num_stages, config.hardware_aware)   # [stage][replica] -> device
     if mp > 1:
         layout = MeshLayout((DATA, STAGE, MODEL), (dp, num_stages, mp))
@@ -105,7 +113,9 @@ def pipeline_plan(req: Request, full, stage_of_eqn, strategies, stage_layers=Non
     program = configure_memory(program, config.replace(remat=None), cluster, [(DATA,)] * num_stages)
 
     labels = stage_labels(full, stage_of_eqn, num_stages)
-    rows = [Row(s, f"stage {s}: {labels[s]}", True, len(cut.eqns[s]), tuple(cut.params[s])) for s in range(num_stages)]
+    held = [tuple(sorted({p for c in range(s, num_chunks, num_stages) for p in cut.params[c]}))
+            for s in range(num_stages)]
+    rows = [Row(s, f"stage {s}: {labels[s]}", True, len(program.device_eqns[s]), held[s]) for s in range(num_stages)]
     vds = [stage_virtual_device(full, stage_of_eqn, s, strategies[s], mp,
                                 tuple(tuple(placement[s][r * mp:(r + 1) * mp]) for r in range(dp)))
            for s in range(num_stages)]
@@ -130,7 +140,7 @@ def pipeline_plan(req: Request, full, stage_of_eqn, strategies, stage_layers=Non
         if dp > 1 and level >= 3:
             comms.append(Comm(s, "all-gather", (DATA,), ring_bytes("all-gather", grad_bytes, dp),
                               f"zero {level}: stage parameters over replicas"))
-        sends = (s < num_stages - 1) + (s > 0)
+        sends = 2 if V > 1 else (s < num_stages - 1) + (s > 0)      # interleaved: around the ring
         if sends:
             comms.append(Comm(s, "collective-permute", (STAGE,), ring_bytes(
                 "collective-permute", schedule.num_ticks * sends * program.message_width * 4, num_stages),

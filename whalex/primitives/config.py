@@ -13,7 +13,7 @@ import jax
 
 from whalex.errors import ConfigError
 
-SCHEDULES = ("1f1b", "gpipe", "1f1b-balanced")
+SCHEDULES = ("1f1b", "gpipe", "1f1b-balanced", "interleaved")
 MATMUL_PATTERNS = ("auto", "column", "row")
 BATCH_COUPLINGS = ("exact", "per_part")
 
@@ -22,6 +22,7 @@ _DOTTED = {
     "pipeline.num_micro_batch": "num_micro_batch",
     "pipeline.strategy": "schedule",
     "pipeline.schedule": "schedule",
+    "pipeline.virtual_stages": "virtual_stages",
     "auto.auto_parallel": "auto_parallel",
     "auto_parallel": "auto_parallel",
     "num_task_graph": "num_task_graph",
@@ -62,6 +63,7 @@ class Config:
     loss_scale_period: int = 2000  # amp="fp16": steps without overflow before the scale doubles
     batch_coupling: str = "exact"  # "per_part": batch statistics inside the model (BatchNorm) per part
     share_devices: bool = False    # annotated TaskGraphs share devices: micro-batches accumulate, no pipeline
+    virtual_stages: int = 1        # schedule="interleaved": model chunks per pipeline stage (device)
 
     def __init__(self, options: Mapping[str, Any] | None = None, /, **kwargs: Any):
         fields = {f.name: f.default for f in dataclasses.fields(Config)}
@@ -90,6 +92,7 @@ class Config:
         _positive_int("num_task_graph", self.num_task_graph)
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"unknown pipeline schedule {self.schedule!r}; use one of {SCHEDULES}.")
+        _validate_virtual_stages(self)
         if self.matmul_pattern not in MATMUL_PATTERNS:
             raise ConfigError(
                 f"unknown matmul_pattern {self.matmul_pattern!r}; use one of {MATMUL_PATTERNS}.")
@@ -166,6 +169,27 @@ def _field_for(key: str, fields: Mapping[str, Any]) -> str:
         return _DOTTED[key]
     known = sorted(set(fields) | set(_DOTTED))
     raise ConfigError(f"unknown config key {key!r}; known keys are: {', '.join(known)}.")
+
+
+def _validate_virtual_stages(cfg: Config) -> None:
+    """virtual_stages V > 1 is interleaved 1F1B's chunks per stage: only with schedule='interleaved',
+    which needs it, on an auto_parallel pipeline (the planner cuts the model into stages x V chunks)."""
+    _positive_int("virtual_stages", cfg.virtual_stages)
+    V = cfg.virtual_stages
+    if V > 1 and cfg.schedule != "interleaved":
+        raise ConfigError(
+            f"virtual_stages={V} (model chunks per pipeline stage) only applies with schedule='interleaved' and "
+            f"would be ignored with schedule={cfg.schedule!r}; pass Config(schedule='interleaved', "
+            f"virtual_stages={V}), or leave virtual_stages at 1.")
+    if cfg.schedule == "interleaved" and V < 2:
+        raise ConfigError(
+            "schedule='interleaved' cuts each pipeline stage into virtual_stages >= 2 model chunks, but "
+            f"virtual_stages={V}; pass Config(schedule='interleaved', virtual_stages=2), or use schedule='1f1b'.")
+    if cfg.schedule == "interleaved" and not cfg.auto_parallel:
+        raise ConfigError(
+            "schedule='interleaved' needs auto_parallel=True: the planner cuts the model into num_task_graph x "
+            f"virtual_stages={V} chunks (annotated stages are one chunk each); pass Config(auto_parallel=True, "
+            "num_task_graph=..., schedule='interleaved', virtual_stages=...), or use schedule='1f1b'.")
 
 
 def _positive_int(name: str, value: Any) -> None:

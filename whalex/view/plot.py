@@ -191,14 +191,16 @@ def draw_schedule(ax, plan) -> None:
             ax.add_patch(Rectangle((t + 0.03, k + 0.06), 0.94, 0.88, facecolor=FWD_COLOR if fwd else BWD_COLOR,
                                    edgecolor="none", alpha=0.95))
             if T <= 80:
-                ax.text(t + 0.5, k + 0.5, str(task.microbatch), ha="center", va="center", color="white",
+                label = str(task.microbatch) + (f"c{task.chunk}" if s.virtual_stages > 1 else "")
+                ax.text(t + 0.5, k + 0.5, label, ha="center", va="center", color="white",
                         fontsize=8 if T <= 40 else 6)
     ax.set_xlim(0, T)
     ax.set_ylim(S, 0)
     ax.set_yticks(np.arange(S) + 0.5, [f"stage {k}" for k in range(S)])
     ax.set_xlabel("tick")
     ax.set_title(f"Pipeline schedule {s.name}: {S} stages x {s.num_micro_batch} micro-batches, {T} ticks, "
-                 f"bubble {s.bubble_fraction:.1%} (numbers: micro-batch)", fontsize=10)
+                 f"bubble {s.bubble_fraction:.1%} (numbers: micro-batch"
+                 + (", c: chunk" if s.virtual_stages > 1 else "") + ")", fontsize=10)
     ax.legend(handles=[Patch(color=FWD_COLOR, label="forward"), Patch(color=BWD_COLOR, label="backward"),
                        Patch(color=idle, label="idle")], fontsize=8, loc="upper left",
               bbox_to_anchor=(1.0, 1.0), frameon=False)

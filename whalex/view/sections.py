@@ -153,16 +153,18 @@ def pipeline(plan) -> Section | None:
     if s is None:
         return None
     reps = plan.layout.axis_sizes[0]
+    chunks = f", {s.virtual_stages} chunks per stage" if s.virtual_stages > 1 else ""
+    held = "chunk input(s)" if s.virtual_stages > 1 else "micro-batch(es)"
     body = [Line(f"pipeline: {s.num_stages} stages x {reps} replica{'s' if reps > 1 else ''}, schedule "
-                 f"{s.name}, {s.num_micro_batch} micro-batches, {s.num_ticks} ticks, bubble "
+                 f"{s.name}{chunks}, {s.num_micro_batch} micro-batches, {s.num_ticks} ticks, bubble "
                  f"{s.bubble_fraction:.1%}, lockstep utilisation {s.utilisation(*RECOMPUTE_COSTS):.1%}, "
-                 f"{s.slots} stashed micro-batch(es) per stage")]
+                 f"{s.stash[0]} stashed {held} per stage")]
     for k, layers in enumerate(plan.stage_layers):
         if layers:
             body.append(Line(f"stage {k}: {len(layers)} layer{'s' if len(layers) > 1 else ''} "
                              f"({', '.join(layers)})", 1))
-    body.append(Pre(render_schedule(s), "the schedule tick by tick (F: forward, B: backward of a micro-batch; "
-                                         ".. idle)"))
+    body.append(Pre(render_schedule(s), "the schedule tick by tick (F: forward, B: backward of a micro-batch"
+                    + ("; c: through chunk" if s.virtual_stages > 1 else "") + "; .. idle)"))
     return Section("pipeline", "Pipeline schedule", tuple(body))
 
 

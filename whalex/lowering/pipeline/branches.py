@@ -56,26 +56,30 @@ def stage_fn(cap: Captured, cut: StageCut, s: int, constraints=None):
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
-    """Stage `index` as branches of the tick's switch."""
+    """Model chunk `index` (the stage itself without interleaving) as branches of the tick's switch.
+    The stage (device) `device` holds it as its chunk `slot`: a block of the stage's parameter row, and
+    a backward adds into that block of the gradient accumulator."""
 
     index: int
     fn: Callable                    # `stage_fn`
     in_slots: tuple[Slot, ...]      # its input message
-    out_slots: tuple[Slot, ...]     # its output message (not the last stage)
+    out_slots: tuple[Slot, ...]     # its output message (not the last chunk)
     last: bool
     rows: ParamRows
     outputs: PartOutputs
     batch: StageBatchLayout
     width: int                      # the message width
+    slot: int = 0                   # its place among its device's chunks
+    device: int = 0                 # the stage holding it (whose batch leaves it reads)
 
     def stage_inputs(self, inputs) -> list:
         """This stage's batch leaves (None: not held), then the extra leaves."""
-        return self.batch.unpack(inputs[0], self.index) + list(inputs[1])
+        return self.batch.unpack(inputs[0], self.device) + list(inputs[1])
 
     def forward(self, overrides: Callable, params, x, inputs):
         """(message out, part outputs, per-example outputs) of one micro-batch."""
-        outs = self.fn(self.rows.unpack_stage(self.index, params), unpack(x, self.in_slots), self.stage_inputs(inputs),
-                       overrides(inputs[2]))
+        outs = self.fn(self.rows.unpack_chunk(self.device, self.slot, params), unpack(x, self.in_slots),
+                       self.stage_inputs(inputs), overrides(inputs[2]))
         _, O = self.outputs.slots
         if self.last:
             return jnp.zeros(self.width, jnp.float32), pack_values([outs[k] for k in self.outputs.values], O), \
@@ -97,7 +101,7 @@ class Stage:
             outs = self.fn(p, full, ins, ovr)
             return [outs[k] for k in values] if self.last else outs
 
-        outs, vjp = jax.vjp(f, self.rows.unpack_stage(self.index, params), [live[k] for k in diff])
+        outs, vjp = jax.vjp(f, self.rows.unpack_chunk(self.device, self.slot, params), [live[k] for k in diff])
         cts = unpack(cot, self.outputs.slots[0]) if self.last else unpack(ct, self.out_slots)
         cts = [c.astype(o.dtype) if jnp.issubdtype(o.dtype, jnp.floating)
                else np.zeros(o.shape, jax.dtypes.float0) for c, o in zip(cts, outs)]
@@ -105,7 +109,7 @@ class Stage:
         full = [jnp.zeros(sl.shape, jnp.float32) for sl in self.in_slots]
         for k, g in zip(diff, dl):
             full[k] = g
-        return pack(full, self.width), self.rows.add_stage_grads(self.index, gacc, dp)
+        return pack(full, self.width), self.rows.add_chunk_grads(self.device, self.slot, gacc, dp)
 
 
 def idle(width: int, outputs: PartOutputs, params, x, inputs):
@@ -114,21 +118,24 @@ def idle(width: int, outputs: PartOutputs, params, x, inputs):
 
 
 def make_stages(cap: Captured, cut: StageCut, constraints: Any, rows: ParamRows, outputs: PartOutputs,
-                batch: StageBatchLayout, width: int) -> tuple[Stage, ...]:
-    """Every stage of `cut` as a `Stage`."""
+                batch: StageBatchLayout, width: int, num_stages: int | None = None) -> tuple[Stage, ...]:
+    """Every chunk of `cut` as a `Stage`: on `num_stages` stages (default: one chunk each), chunk c on
+    stage c % S as its chunk c // S."""
+    K = cut.num_stages
+    S = num_stages or K
     stages = []
-    for s in range(cut.num_stages):
-        fn, live_in, live_out = stage_fn(cap, cut, s, constraints)
-        stages.append(Stage(s, fn, tuple(layout(live_in)[0]), tuple(layout(live_out)[0]), s == cut.num_stages - 1,
-                            rows, outputs, batch, width))
+    for c in range(K):
+        fn, live_in, live_out = stage_fn(cap, cut, c, constraints)
+        stages.append(Stage(c, fn, tuple(layout(live_in)[0]), tuple(layout(live_out)[0]), c == K - 1,
+                            rows, outputs, batch, width, c // S, c % S))
     return tuple(stages)
 
 
 class Branches(NamedTuple):
     """What a tick may run on a device, for `packing.tree_switch`."""
 
-    forward: list           # forward 0 is idle, forward 1 + s is stage s's
-    backward: list          # stage s's backward
+    forward: list           # forward 0 is idle, forward 1 + c is chunk c's
+    backward: list          # chunk c's backward
     zero_message: Any       # the message a branch that sends none returns
     zero_outputs: Any       # the part outputs a branch that computes none returns
 

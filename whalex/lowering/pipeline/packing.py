@@ -93,14 +93,14 @@ def bounds(widths: Sequence[int], total: int) -> tuple[int, ...]:
     return tuple(sorted({0, total, *(w for w in widths if 0 < w < total)}))
 
 
-def add_segments(segs, x, bounds: Sequence[int], axis: int):
-    """The row held as segments (`bounds`) plus `x` on its leading `x.shape[axis]` entries, which end
-    on a boundary: each segment is added whole or passed through, so XLA updates it in place and a
-    narrow stage's backward touches only its own width (a prefix update of one wide row was a copy of
-    the whole row per backward tick inside the tick's conditional)."""
-    n = x.shape[axis]
-    assert n in bounds, (n, bounds)
-    return tuple(seg + jax.lax.slice_in_dim(x, a, b, axis=axis) if b <= n else seg
+def add_segments(segs, x, bounds: Sequence[int], axis: int, start: int = 0):
+    """The row held as segments (`bounds`) plus `x` on its `x.shape[axis]` entries from `start`, both
+    ends on a boundary: each segment is added whole or passed through, so XLA updates it in place and
+    a narrow stage's (or chunk's) backward touches only its own width (a prefix update of one wide row
+    was a copy of the whole row per backward tick inside the tick's conditional)."""
+    end = start + x.shape[axis]
+    assert start in bounds and end in bounds, (start, end, bounds)
+    return tuple(seg + jax.lax.slice_in_dim(x, a - start, b - start, axis=axis) if start <= a and b <= end else seg
                  for seg, a, b in zip(segs, bounds[:-1], bounds[1:]))
 
 

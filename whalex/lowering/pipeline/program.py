@@ -60,12 +60,31 @@ class PipelineProgram(Emitter):
     constraints: Any = None      # the split layers' sharding constraints ((path, "in"|"out", pos) -> spec)
 
     # -- the parameter rows (`rows.ParamRows`) -------------------------------------------------
+    @property
+    def virtual_stages(self) -> int:
+        """Model chunks per stage (interleaved schedules; 1: the cut's stages are the stages)."""
+        return self.schedule.virtual_stages
+
+    @functools.cached_property
+    def device_eqns(self) -> tuple[tuple[int, ...], ...]:
+        """The equations each stage (device) runs: those of its chunks."""
+        return tuple(tuple(sorted(i for c in self.schedule.chunks_of(d) for i in self.cut.eqns[c]))
+                     for d in range(self.schedule.num_stages))
+
     @functools.cached_property
     def param_rows(self) -> ParamRows:
         zero = self.memory_options.zero_level and self.data_parallel > 1    # ZeRO splits the row over replicas
         invars = self.captured.jaxpr.jaxpr.invars[: self.captured.num_params]
-        return ParamRows(self.cut.params, tuple(invars), self.model_dims, self.model_parallel,
-                         self.data_parallel if zero else 1)
+        if self.cut.num_stages != self.schedule.num_chunks:
+            raise ValueError(f"a cut into {self.cut.num_stages} chunks for a schedule of {self.schedule.num_chunks}")
+        if self.virtual_stages == 1:
+            params, counts = self.cut.params, ()
+        else:              # a stage's row: its chunks' leaves one chunk after another
+            chunks = [self.schedule.chunks_of(d) for d in range(self.schedule.num_stages)]
+            params = tuple(tuple(p for c in cs for p in self.cut.params[c]) for cs in chunks)
+            counts = tuple(tuple(len(self.cut.params[c]) for c in cs) for cs in chunks)
+        return ParamRows(params, tuple(invars), self.model_dims, self.model_parallel, self.data_parallel if zero else 1,
+                         counts)
 
     @property
     def param_dtype(self):
@@ -156,7 +175,7 @@ class PipelineProgram(Emitter):
         opts = self.memory_options
         if opts.zero_level == 0 or opts.zero_axes is None:
             return P(STAGE), P(STAGE)
-        shape = (self.cut.num_stages, self.param_width)
+        shape = (self.schedule.num_stages, self.param_width)
         return P(STAGE), zero_lib.shard_spec(P(STAGE), shape, (DATA,), dict(self.mesh.shape))
 
     # -- the batch (`whalex.lowering.stage_batch`) -------------------------------------------------
@@ -176,7 +195,7 @@ class PipelineProgram(Emitter):
         """The batch leaves each stage holds: those its equations read; the last stage also runs the
         pre-pass, so it holds the leaves the pre-pass reads."""
         cap = self.captured
-        reads = stage_batch.stage_reads(cap.jaxpr.jaxpr, cap.num_params, len(cap.batch_vars), self.cut.eqns,
+        reads = stage_batch.stage_reads(cap.jaxpr.jaxpr, cap.num_params, len(cap.batch_vars), self.device_eqns,
                                         self.prepass_leaves)
         return stage_batch.make_layout(reads, [v.aval for v in cap.batch_vars], self.global_batch)
 
@@ -198,10 +217,10 @@ class PipelineProgram(Emitter):
 
     def stage_buffers(self) -> StageBuffers:
         """The per-device buffers: parameter row and message widths, the batch each device holds."""
-        layout, dp = self.batch_layout, self.data_parallel
-        return StageBuffers(self.param_width, self.message_width, layout.device_bytes(dp), layout.whole_bytes(dp),
-                            tuple(layout.stage_bytes(s, dp) for s in range(self.cut.num_stages)),
-                            tuple(tuple(sl.leaf for sl in layout.stages[s]) for s in range(self.cut.num_stages)))
+        layout, dp, S = self.batch_layout, self.data_parallel, self.schedule.num_stages
+        return StageBuffers(self.param_width, self.message_width, layout.device_bytes(dp),
+                            layout.whole_bytes(dp), tuple(layout.stage_bytes(s, dp) for s in range(S)),
+                            tuple(tuple(sl.leaf for sl in layout.stages[s]) for s in range(S)))
 
     # -- the part outputs (`outputs.PartOutputs`) ------------------------------------------------
     @functools.cached_property
@@ -217,12 +236,12 @@ class PipelineProgram(Emitter):
     # -- the step ------------------------------------------------------------------------------
     def body(self) -> PipelineBody:
         """One device's step (`body.PipelineBody`), with the schedule's tables as arrays."""
-        S, M, dp = self.cut.num_stages, self.schedule.num_micro_batch, self.data_parallel
+        S, M, dp = self.schedule.num_stages, self.schedule.num_micro_batch, self.data_parallel
         tables = {k: jnp.asarray(v) for k, v in self.schedule.tables().items()}
-        loop = TickLoop(S, M, self.schedule.slots, self.schedule.grad_slots, self.message_width, self.part_outputs,
-                        tables)
+        loop = TickLoop(S, M, self.schedule.stash[0], self.schedule.grad_stash[0], self.message_width,
+                        self.part_outputs, tables, self.virtual_stages)
         stages = make_stages(self.captured, self.cut, self.constraints, self.param_rows, self.part_outputs,
-                             self.batch_layout, self.message_width)
+                             self.batch_layout, self.message_width, S)
         n = self.captured.num_params
         return PipelineBody(loop, stages, self.param_rows, self.parts, n,
                             tuple(v.aval for v in self.captured.jaxpr.jaxpr.invars[:n]),

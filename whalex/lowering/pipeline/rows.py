@@ -2,6 +2,8 @@
 TaskGraphs inside the stages (3D), the `[model, model_width]` row of its model-split leaves, whose
 row m holds block m of every such leaf (1/model of it on its split dimension). The gradient
 accumulator has the same rows, held as segments cut at every stage's width (`packing.add_segments`).
+With interleaved chunks a row is its stage's: the leaves of its chunks one chunk after another (a
+leaf two of them read, twice), so a chunk reads and adds into its own block of the row.
 
 `pack` and `pack_3d` are the plain-jnp definitions of the rows; inside the step they are built with
 explicit collectives (`storage.SpreadStorage`) and tests compare the two.
@@ -31,6 +33,7 @@ class ParamRows:
     model_dims: tuple = ()                     # per leaf: its dimension split over `model` (None: whole)
     model_parallel: int = 1                    # devices of the `model` axis
     multiple: int = 1                          # the flat row's width is a multiple of it (ZeRO splits it)
+    chunk_counts: tuple = ()                   # per row: its chunks' leaf counts, in order (): one chunk each
 
     @functools.cached_property
     def dtype(self):
@@ -83,10 +86,86 @@ class ParamRows:
 
     @functools.cached_property
     def grad_bounds(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Segment boundaries of the gradient accumulator's rows (flat, model): every stage's width."""
+        """Segment boundaries of the gradient accumulator's rows (flat, model): every stage's width
+        (with chunks, where each chunk's block ends)."""
+        if self.chunk_counts:
+            blocks = [self.chunk_block(s, v) for s, counts in enumerate(self.chunk_counts) for v in range(len(counts))]
+            return (bounds([e for _, (_, a, b), _ in blocks for e in (a, b)], self.width),
+                    bounds([e for _, _, (_, a, b) in blocks for e in (a, b)], self.model_width))
         flat = bounds([sum(sl.size for sl in slots) for slots in self.slots], self.width)
         model = bounds([sum(sl.size for sl, _ in e) for e in self.model_slots], self.model_width)
         return flat, model
+
+    # -- interleaved chunks: a block of their stage's row each ----------------------------------
+    @functools.cached_property
+    def _entries(self) -> tuple:
+        """Per row, per leaf of `stage_params[row]`: (is it in the model row, its slot's index)."""
+        out = []
+        for ps in self.stage_params:
+            flat = model = 0
+            row = []
+            for p in ps:
+                split = self.model_dim(p) is not None
+                row.append((split, model if split else flat))
+                model, flat = model + split, flat + (not split)
+            out.append(tuple(row))
+        return tuple(out)
+
+    def chunk_block(self, s: int, v: int):
+        """Chunk v of row s: (its leaves' entries, (first slot, start, end) of its flat block, the same
+        of its model block)."""
+        a = sum(self.chunk_counts[s][:v])
+        ents = self._entries[s][a:a + self.chunk_counts[s][v]]
+
+        def block(split: bool, slots):
+            idx = [j for m, j in ents if m == split]
+            if not idx:
+                return 0, 0, 0
+            return idx[0], slots[idx[0]].offset, slots[idx[-1]].offset + slots[idx[-1]].size
+
+        return ents, block(False, self.slots[s]), block(True, [sl for sl, _ in self.model_slots[s]])
+
+    def _model_leaf(self, row, sl: Slot, d: int):
+        """A model-split leaf reassembled on its split dimension from the `[model, width]` row (row m is
+        block m, so GSPMD keeps each block on its model device)."""
+        M = self.model_parallel
+        x = row[:, sl.offset:sl.offset + sl.size].reshape((M,) + sl.shape)
+        full = sl.shape[:d] + (M * sl.shape[d],) + sl.shape[d + 1:]
+        x = jnp.moveaxis(x, 0, d).reshape(full)
+        return jax.lax.with_sharding_constraint(x, P(*([None] * d + [MODEL])))
+
+    def unpack_chunk(self, s: int, v: int, rows) -> list:
+        """Chunk v of row s's parameter leaves (in its `StageCut.params` order); without chunks the row's."""
+        if not self.chunk_counts:
+            return self.unpack_stage(s, rows)
+        ents = self.chunk_block(s, v)[0]
+        out = []
+        for split, j in ents:
+            if split:
+                out.append(self._model_leaf(rows[1], *self.model_slots[s][j]))
+            else:
+                sl = self.slots[s][j]
+                out.append(rows[0][sl.offset:sl.offset + sl.size].reshape(sl.shape))
+        return out
+
+    def add_chunk_grads(self, s: int, v: int, acc, grads) -> tuple:
+        """`acc` plus chunk v of row s's leaf gradients, added into its own block's segments only."""
+        if not self.chunk_counts:
+            return self.add_stage_grads(s, acc, grads)
+        ents, (_, fa, _), (_, ma, _) = self.chunk_block(s, v)
+        dtype, M = self.dtype, self.model_parallel
+        flat = [g.reshape(-1).astype(dtype) for (split, _), g in zip(ents, grads) if not split]
+        fb, mb = self.grad_bounds
+        out = (add_segments(acc[0], jnp.concatenate(flat), fb, 0, fa) if flat else acc[0],)
+        if self.three_d:
+            parts = []
+            for (split, j), g in zip(ents, grads):
+                if split:
+                    sl, d = self.model_slots[s][j]
+                    g = g.astype(dtype).reshape(sl.shape[:d] + (M, sl.shape[d]) + sl.shape[d + 1:])
+                    parts.append(jnp.moveaxis(g, d, 0).reshape(M, -1))
+            out += (add_segments(acc[1], jnp.concatenate(parts, axis=1), mb, 1, ma) if parts else acc[1],)
+        return out
 
     # -- inside the step: one stage's rows -------------------------------------------------------
     def unpack_stage(self, s: int, rows) -> list:
@@ -94,12 +173,8 @@ class ParamRows:
         and, in 3D, the `[model, width]` row whose model-split leaves are reassembled on their split
         dimension (row m is block m, so GSPMD keeps each block on its model device)."""
         flat = {sl.var: rows[0][sl.offset:sl.offset + sl.size].reshape(sl.shape) for sl in self.slots[s]}
-        M = self.model_parallel
         for sl, d in (self.model_slots[s] if self.three_d else ()):
-            x = rows[1][:, sl.offset:sl.offset + sl.size].reshape((M,) + sl.shape)
-            full = sl.shape[:d] + (M * sl.shape[d],) + sl.shape[d + 1:]
-            x = jnp.moveaxis(x, 0, d).reshape(full)
-            flat[sl.var] = jax.lax.with_sharding_constraint(x, P(*([None] * d + [MODEL])))
+            flat[sl.var] = self._model_leaf(rows[1], sl, d)
         return [flat[self.invars[p]] for p in self.stage_params[s]]
 
     def stage_grad_rows(self, s: int, grads):

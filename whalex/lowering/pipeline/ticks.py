@@ -1,13 +1,14 @@
 """The tick loop: one `lax.scan` over the schedule's ticks, the same program on every device.
 
-Each tick a device reads its row of the schedule's tables (`whalex.lowering.schedules`): whether it
-runs a forward (1), a backward (2) or nothing (0), on which micro-batch, and into which stash slots
-the messages that arrived last tick go. Only stage inputs are stashed (`Schedule.slots`: S for 1F1B,
-M for GPipe); a backward recomputes its stage's forward from the stashed input. After the work,
-activations go to the next stage and gradients to the previous one by `ppermute` (with 2 stages one
-swap carries both: stage 0 only sends forward, stage 1 only backward). No collective runs inside a
-branch. The steps of a tick, in order: `iteration_inputs`, `run_one_tick`, `accumulate_outputs`,
-`pass_messages`; `tick` composes them and `run` scans it.
+Each tick a device reads its row of the schedule's tables (`Schedule.tables`): whether it runs a
+forward (1), a backward (2) or nothing (0), on which micro-batch and model chunk (its stage without
+interleaving), which stash slots it reads, and into which slots the messages that arrived last tick
+go. Only chunk inputs are stashed (`Schedule.stash`: S slots for 1F1B, M for GPipe); a backward
+recomputes its chunk's forward from the stashed input. After the work, activations go to the next
+stage and gradients to the previous one by `ppermute`, around a ring with interleaved chunks (the
+last stage sends to the first); with 2 stages one swap carries both, as a device sends one message
+per tick. No collective runs inside a branch. The steps of a tick, in order: `iteration_inputs`,
+`run_one_tick`, `accumulate_outputs`, `pass_messages`; `tick` composes them and `run` scans it.
 """
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ from whalex.lowering.pipeline.packing import tree_switch
 class LoopState(NamedTuple):
     """What a device carries from one tick to the next."""
 
-    stash: Any         # [slots, width]: stage inputs received, by micro-batch
-    grad_stash: Any    # [grad_slots, width]: output gradients received, by micro-batch
+    stash: Any         # [slots, width]: chunk inputs received
+    grad_stash: Any    # [grad_slots, width]: output gradients received
     grads: tuple       # the gradient accumulator: its rows as segments (`ParamRows.zero_rows`)
     outputs: Any       # the batch-free part outputs combined over micro-batches (the last stage's)
     rows: list         # per-example part outputs, [per_replica, ...] each (the last stage's)
@@ -42,7 +43,7 @@ class Device:
 
     stage: Any          # its stage index (traced: `axis_index('stage')`)
     replica: Any        # its replica index (traced: `axis_index('data')`)
-    params: tuple       # its stage's rows: flat, and in 3D the model row
+    params: tuple       # its stage's rows (with its chunks' leaves): flat, and in 3D the model row
     batch: dict         # its rows of the stage batch buffers: {group: [per_replica, width]}
     extra: list         # the loss's inputs after the batch (model state, a key)
     micro: int          # rows per micro-batch
@@ -68,6 +69,11 @@ class TickLoop:
     width: int              # the message width
     outputs: PartOutputs
     tables: dict            # the schedule's tables as arrays, [ticks, stages] each
+    virtual_stages: int = 1  # model chunks per stage
+
+    @property
+    def num_chunks(self) -> int:
+        return self.num_stages * self.virtual_stages
 
     def init_state(self, device: Device, zero_grads: Callable) -> LoopState:
         """Empty stashes, accumulators and messages."""
@@ -78,61 +84,67 @@ class TickLoop:
                          jnp.zeros(A, jnp.float32), jnp.zeros(A, jnp.float32))
 
     def iteration_inputs(self, state: LoopState, row: dict, device: Device):
-        """This tick's work: the messages of last tick stashed, then (state, kind, micro-batch, inputs)."""
+        """This tick's work: the messages of last tick stashed, then (state, task, micro-batch, inputs),
+        the task (kind, chunk, stash slot, gradient stash slot) as the tables give it."""
         s = device.stage
         kind, m = row["kind"][s], row["mb"][s]
         rf, rb = row["recv_f"][s], row["recv_b"][s]
-        fslot, bslot = jnp.maximum(rf, 0) % self.slots, jnp.maximum(rb, 0) % self.grad_slots
+        fslot, bslot = jnp.maximum(rf, 0), jnp.maximum(rb, 0)
         stash = state.stash.at[fslot].set(jnp.where(rf >= 0, state.fwd_in, state.stash[fslot]))
         gstash = state.grad_stash.at[bslot].set(jnp.where(rb >= 0, state.bwd_in, state.grad_stash[bslot]))
         m = jnp.clip(m, 0, self.num_micro - 1)
         inputs = (device.micro_rows(m), device.extra, m)
-        return state._replace(stash=stash, grad_stash=gstash), kind, m, inputs
+        task = (kind, row["chunk"][s], row["slot"][s], row["gslot"][s])
+        return state._replace(stash=stash, grad_stash=gstash), task, m, inputs
 
-    def run_one_tick(self, state: LoopState, kind, m, inputs, device: Device, work: Branches):
-        """The stage's forward, backward or nothing: (message on, message back, gradient accumulator,
-        part outputs, per-example outputs). A backward adds into the stage's own segments of the
+    def run_one_tick(self, state: LoopState, task, inputs, device: Device, work: Branches):
+        """The chunk's forward, backward or nothing: (message on, message back, gradient accumulator,
+        part outputs, per-example outputs). A backward adds into its chunk's own segments of the
         accumulator, which the other branches pass through."""
-        s, params = device.stage, device.params
+        kind, c, slot, gslot = task
+        params = device.params
 
         def backward(gacc, x, ct):
-            dx, gacc = tree_switch(s, work.backward, gacc, params, x, ct, inputs)
+            dx, gacc = tree_switch(c, work.backward, gacc, params, x, ct, inputs)
             return work.zero_message, dx, gacc, work.zero_outputs, self.outputs.no_rows()
 
         def forward(gacc, x, ct):         # or idle
-            y, outs, routs = tree_switch(jnp.where(kind == 1, 1 + s, 0), work.forward, params, x, inputs)
+            y, outs, routs = tree_switch(jnp.where(kind == 1, 1 + c, 0), work.forward, params, x, inputs)
             return y, work.zero_message, gacc, outs, routs
 
-        return jax.lax.cond(kind == 2, backward, forward, state.grads, state.stash[m % self.slots],
-                            state.grad_stash[m % self.grad_slots])
+        return jax.lax.cond(kind == 2, backward, forward, state.grads, state.stash[slot], state.grad_stash[gslot])
 
-    def accumulate_outputs(self, state: LoopState, kind, m, outs, routs, device: Device):
-        """The part outputs of the last stage's forward of micro-batch m combined into the accumulators:
+    def accumulate_outputs(self, state: LoopState, task, m, outs, routs, device: Device):
+        """The part outputs of the last chunk's forward of micro-batch m combined into the accumulators:
         (batch-free outputs, per-example outputs written at the micro-batch's rows)."""
-        done = (kind == 1) & (device.stage == self.num_stages - 1)
+        kind, c = task[0], task[1]
+        done = (kind == 1) & (c == self.num_chunks - 1)
         oacc = jnp.where(done, self.outputs.combine(state.outputs, outs), state.outputs)
         n = device.micro
         racc = [jax.lax.dynamic_update_slice_in_dim(a, jnp.where(done, o, jax.lax.dynamic_slice_in_dim(a, m * n, n, 0)),
                                                     m * n, 0) for a, o in zip(state.rows, routs)]
         return oacc, racc
 
-    def pass_messages(self, y, dx, s):
-        """(the message from the previous stage, the gradient from the next) after one exchange."""
-        S = self.num_stages
-        if S == 2:            # stage 0 only sends forward, stage 1 only backward: one swap
-            out = jax.lax.ppermute(jnp.where(s == 0, y, dx), STAGE, [(0, 1), (1, 0)])
+    def pass_messages(self, y, dx, s, kind):
+        """(the message from the previous stage, the gradient from the next) after one exchange; with
+        interleaved chunks around the ring (the last stage's message goes to the first)."""
+        S, ring = self.num_stages, self.virtual_stages > 1
+        if S == 2:            # one swap: a device sends one message per tick (without chunks stage 0 only
+            send = jnp.where(kind == 1, y, dx) if ring else jnp.where(s == 0, y, dx)   # forward, 1 back)
+            out = jax.lax.ppermute(send, STAGE, [(0, 1), (1, 0)])
             return out, out
         if S == 1:
             return y, dx
-        return (jax.lax.ppermute(y, STAGE, [(i, i + 1) for i in range(S - 1)]),
-                jax.lax.ppermute(dx, STAGE, [(i + 1, i) for i in range(S - 1)]))
+        n = S if ring else S - 1
+        return (jax.lax.ppermute(y, STAGE, [(i, (i + 1) % S) for i in range(n)]),
+                jax.lax.ppermute(dx, STAGE, [((i + 1) % S, i) for i in range(n)]))
 
     def tick(self, device: Device, work: Branches, state: LoopState, row: dict):
         """One tick: the scan's body."""
-        state, kind, m, inputs = self.iteration_inputs(state, row, device)
-        y, dx, grads, outs, routs = self.run_one_tick(state, kind, m, inputs, device, work)
-        oacc, racc = self.accumulate_outputs(state, kind, m, outs, routs, device)
-        fout, bout = self.pass_messages(y, dx, device.stage)
+        state, task, m, inputs = self.iteration_inputs(state, row, device)
+        y, dx, grads, outs, routs = self.run_one_tick(state, task, inputs, device, work)
+        oacc, racc = self.accumulate_outputs(state, task, m, outs, routs, device)
+        fout, bout = self.pass_messages(y, dx, device.stage, task[0])
         return LoopState(state.stash, state.grad_stash, grads, oacc, racc, fout, bout), None
 
     def run(self, device: Device, work: Branches, zero_grads: Callable) -> LoopState:
