@@ -24,10 +24,10 @@ def test_interleaved_schedule_is_valid_data(S, M, V):
                 assert when[Task((c + 1) % S, m, "B", c + 1)] < t
     # the stash pools never hold two values in one slot at once
     tables = sched.tables()
-    for name, (size, at) in (("stash", sched.stash), ("grad", sched.grad_stash)):
+    for size, at in (sched.stash, sched.grad_stash):
         assert 1 <= size and all(0 <= k < size for k in at.values())
     # what arrives is what a later task of that stage reads from the same slot
-    kinds, chunk, mb, slot = tables["kind"], tables["chunk"], tables["mb"], tables["slot"]
+    kinds, chunk, slot = tables["kind"], tables["chunk"], tables["slot"]
     for t in range(sched.num_ticks):
         for s in range(S):
             if kinds[t, s] and chunk[t, s] > 0:
