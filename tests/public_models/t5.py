@@ -152,12 +152,14 @@ def shift_right(labels, start=0):
 
 def problem(batch=16, src=8, tgt=6, seed=0, where=annotate.none):
     """(loss_fn, params, batch): cross-entropy over the real target tokens (padding masked out, a
-    token-weighted mean), padded source sequences."""
+    token-weighted mean; one row's target is all padding), padded source sequences; `where` places
+    the annotations (public_models.annotate)."""
     model = T5ForConditionalGeneration(where=where)
     rng = np.random.default_rng(seed)
     src_len = rng.integers(src // 2, src + 1, (batch, 1))
     tgt_len = rng.integers(1, tgt + 1, (batch, 1))
     src_mask = (np.arange(src)[None] < src_len).astype(np.int32)
+    tgt_len[1] = 0                                                           # a row of padding only
     tgt_mask = (np.arange(tgt)[None] < tgt_len).astype(np.int32)
     labels = rng.integers(1, Config.vocab, (batch, tgt)) * tgt_mask
     data = {"input_ids": jnp.asarray(rng.integers(1, Config.vocab, (batch, src)) * src_mask, jnp.int32),
