@@ -27,7 +27,12 @@ class Plan:
         return cluster.with_speeds(SPEEDS) if self.hetero else cluster
 
     def make_optimizer(self):
-        return optax.sgd(0.3) if self.optimizer == "sgd" else adam()
+        return optimizer(self.optimizer)
+
+
+def optimizer(name):
+    """"sgd" or "adam", at the rates the suite trains with."""
+    return optax.sgd(0.3) if name == "sgd" else adam()
 
 
 PLANS = {
