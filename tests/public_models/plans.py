@@ -45,7 +45,11 @@ PLANS = {
     # data 2 x stage 2 x model 2: auto_parallel cuts 2 stages, MLPs split(2) inside them
     "3d": Plan(annotate.MLP_SPLIT, wh.Config(auto_parallel=True, num_task_graph=2, num_micro_batch=2), 4, "sgd",
                "PipelineProgram"),
-    "hetero": Plan(annotate.none, wh.Config(hardware_aware=True), 8, "adam", "UnevenProgram", hetero=True),
+    # on the 3:1 cluster, rows in proportion to speed: 16 is the smallest batch that leaves a slow device
+    # any (one row each; at 8 they get none)
+    "hetero": Plan(annotate.none, wh.Config(hardware_aware=True), 16, "adam", "UnevenProgram", hetero=True),
+    # Whale's hybrid there: the replicated blocks' rows balanced, the head split
+    "hetero hybrid": Plan(annotate.HYBRID, wh.Config(hardware_aware=True), 16, "sgd", "HybridProgram", hetero=True),
     "zero 1": Plan(annotate.none, wh.Config(zero_level=1), 8, "adam", "Program"),
     "zero 3": Plan(annotate.none, wh.Config(zero_level=3), 8, "sgd", "UnevenProgram"),
     "remat full": Plan(annotate.none, wh.Config(remat="full"), 8, "adam", "Program"),
