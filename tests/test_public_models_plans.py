@@ -72,3 +72,14 @@ def test_checkpoint_saved_under_one_plan_trains_on_under_another(model, saved_un
     np.testing.assert_allclose(losses, ref_losses[2:], rtol=1e-5)
     errs = jax.tree.map(rel_err, step.params(state), ref_params)
     assert max(jax.tree.leaves(errs)) < 1e-4, errs
+
+
+def test_zero_inside_a_3d_pipeline_is_refused_by_name():
+    """ZeRO's shards are not built for pipelines with split TaskGraphs inside the stages: refused
+    at planning time, naming both ways out."""
+    p = PLANS["3d"]
+    loss_fn, params, data = t5.problem(batch=p.batch, where=p.where)
+    config = wh.Config(auto_parallel=True, num_task_graph=2, num_micro_batch=2, zero_level=1)
+    with pytest.raises(wh.PlanError, match=r"ZeRO and offload are not built for pipelines with split TaskGraphs.*"
+                                           r"drop Config\(zero=...\)/offload, or the split annotations"):
+        wh.plan(loss_fn, params, data, adam(), config=config)
