@@ -26,8 +26,12 @@ def reference(model, batch, opt, steps):
     return reference_train(loss_fn, params, data, optimizer(opt), steps) + (params,)
 
 
-@pytest.mark.parametrize("plan", list(PLANS))
-@pytest.mark.parametrize("model", list(MODELS))
+# tests/test_public_models.py trains the Llama under the same programs already (uneven data parallel on
+# declared kinds, gradient accumulation)
+COVERED = {("llama", "hetero"), ("llama", "micro-batches")}
+
+
+@pytest.mark.parametrize("model,plan", [(m, p) for m in MODELS for p in PLANS if (m, p) not in COVERED])
 def test_plan_trains_as_one_device(model, plan):
     p = PLANS[plan]
     ref_losses, ref_params, initial = reference(model, p.batch, p.optimizer, 2)
@@ -45,7 +49,7 @@ def test_plan_trains_as_one_device(model, plan):
         sizes = step.plan.batch_sizes
         assert sizes[0] > sizes[-1] > 0 and sum(sizes) == p.batch
 
-@pytest.mark.parametrize("model,saved_under,restored_under", [("t5", "zero 1", "hetero"), ("llama", "gpipe", "hybrid")])
+@pytest.mark.parametrize("model,saved_under,restored_under", [("t5", "zero 1", "split"), ("llama", "gpipe", "hybrid")])
 def test_checkpoint_saved_under_one_plan_trains_on_under_another(model, saved_under, restored_under, tmp_path):
     """Two Adam steps under one plan, saved; restored under another plan (its own annotations and
     layout), two more steps: equal to four steps on one device, optimizer state included."""
