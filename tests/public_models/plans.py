@@ -1,6 +1,6 @@
 """The plan kinds the public-model suite trains under: each is the model's annotations
 (public_models.annotate), a Config, a cluster, the smallest global batch the plan accepts on 8
-devices, the optimizer it is checked with (SGD and Adam alternate) and the program kind it builds."""
+devices, an optimizer it is checked with (SGD or Adam) and the program kind it builds."""
 import dataclasses
 from typing import Callable
 
