@@ -5,7 +5,6 @@ so plans that evaluate the loss in parts refuse the ResNet by name."""
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -13,6 +12,7 @@ from flax import nnx
 import whalex as wh
 from conftest import rel_err
 from public_models import annotate, nnx_llama, nnx_resnet
+from public_models import plans
 from public_models.plans import PLANS, Plan
 
 FAMILIES = {"llama": nnx_llama.problem, "resnet": nnx_resnet.problem}
@@ -24,8 +24,7 @@ def reference(family, batch, optimizer):
     """Plain NNX on one device (annotations are inert there): (losses, pure Params, pure BatchStats)."""
     make_model, loss_fn, data = FAMILIES[family](batch=batch)
     model = make_model()
-    tx = Plan(annotate.none, wh.Config(), batch, optimizer, "").make_optimizer()
-    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    opt = nnx.Optimizer(model, plans.optimizer(optimizer), wrt=nnx.Param)
 
     @nnx.jit
     def step(model, opt, b):

@@ -51,6 +51,7 @@ def test_plan_trains_as_one_device(model, plan):
         sizes = step.plan.batch_sizes
         assert sizes[0] > sizes[-1] > 0 and sum(sizes) == p.batch
 
+
 @pytest.mark.parametrize("model,saved_under,restored_under", [("t5", "zero 1", "split"), ("llama", "gpipe", "hybrid")])
 def test_checkpoint_saved_under_one_plan_trains_on_under_another(model, saved_under, restored_under, tmp_path):
     """Two Adam steps under one plan, saved; restored under another plan (its own annotations and

@@ -1,7 +1,8 @@
-"""Where a plan's annotations go in the suite's models. Each model calls `scope(part)` around its
-parts, so the same model trains un-annotated (data parallel, ZeRO, pipelines cut by auto_parallel)
-or with `replicate`/`split` where a plan asks: parts are "attention", "mlp", "layer" (a whole
-block, for pipeline stages) and "head" (the output projection and its loss inputs)."""
+"""Where a plan's annotations go in the suite's models. A model takes `where`, a function from a
+part's name to a context manager, and enters `where(part)` around each part, so the same model
+trains un-annotated (data parallel, ZeRO, pipelines cut by auto_parallel) or with
+`replicate`/`split` where a plan asks. Parts: "attention", "mlp", "layer" (a whole block, for
+pipeline stages) and "head" (the output projection)."""
 import contextlib
 
 import whalex as wh
