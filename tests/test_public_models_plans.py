@@ -3,11 +3,12 @@ the T5-style encoder-decoder) under the plan kinds that annotate them (split, Wh
 and GPipe pipelines, 3D) and the plan options (heterogeneous balance, ZeRO 1 and 3, remat,
 micro-batches), each at the smallest batch the plan accepts, against single-device training with
 SGD and Adam; a padded batch's token-weighted loss throughout; a checkpoint saved under one
-plan and restored under another."""
+plan and restored under another; T5's dropout in a pipeline."""
 import functools
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 import whalex as wh
@@ -90,3 +91,36 @@ def test_zero_inside_a_3d_pipeline_is_refused_by_name():
     with pytest.raises(wh.PlanError, match=r"ZeRO and offload are not built for pipelines with split TaskGraphs.*"
                                            r"drop Config\(zero=...\)/offload, or the split annotations"):
         wh.plan(loss_fn, params, data, adam(), config=config)
+
+
+def test_dropout_in_a_pipeline_draws_one_devices_masks():
+    """T5's dropout under 1F1B (one-row micro-batches on 4 pipeline replicas): each part draws its
+    rows of the whole-batch masks, so training equals one device given the same keys."""
+    p = PLANS["1f1b"]
+    loss_fn, params, data = t5.problem(batch=p.batch, where=p.where, dropout=0.2)
+    opt, key = optimizer("sgd"), jax.random.key(5)
+    ref_params, opt_state, ref_losses = params, opt.init(params), []
+
+    @jax.jit
+    def ref_step(params, opt_state, key):
+        loss, grads = jax.value_and_grad(t5.problem(batch=p.batch, dropout=0.2)[0])(params, data, key)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    rng = key
+    for _ in range(2):
+        rng, k = jax.random.split(rng)                # the key a whalex step hands the loss
+        ref_params, opt_state, loss = ref_step(ref_params, opt_state, k)
+        ref_losses.append(float(loss))
+    step = wh.parallelize(loss_fn, opt, config=p.config)
+    state = step.init(params, data, rng=key)
+    losses = []
+    for _ in range(2):
+        state, metrics = step(state, data)
+        losses.append(float(metrics["loss"]))
+    assert step.plan.program_kind == "PipelineProgram"
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    errs = jax.tree.map(rel_err, step.params(state), ref_params)
+    assert max(jax.tree.leaves(errs)) < 1e-4, errs
+    nodrop = reference("t5", p.batch, "sgd", 2)[0]
+    assert abs(losses[0] - nodrop[0]) > 1e-4          # the masks changed the loss

@@ -20,6 +20,7 @@ class Config:
     layers = 1
     buckets = 8
     max_distance = 16
+    dropout = 0.0
 
 
 def relative_position_bucket(relative_position, bidirectional, num_buckets, max_distance):
@@ -72,7 +73,12 @@ class FeedForward(nn.Module):
     @nn.compact
     def __call__(self, x):
         h = nn.relu(nn.Dense(self.cfg.ff, use_bias=False, name="wi")(x))
+        h = _dropout(self.cfg)(h)
         return nn.Dense(self.cfg.hidden, use_bias=False, name="wo")(h)
+
+
+def _dropout(cfg):
+    return nn.Dropout(cfg.dropout, deterministic=cfg.dropout == 0.0)
 
 
 def _norm(name):
@@ -126,7 +132,7 @@ class T5ForConditionalGeneration(nn.Module):
         cfg = self.cfg
         shared = nn.Embed(cfg.vocab, cfg.hidden, name="shared")
         batch_size, tgt = decoder_input_ids.shape
-        x = shared(input_ids)
+        x = _dropout(cfg)(shared(input_ids))
         mask = jnp.expand_dims(attention_mask, axis=(-3, -2))                   # [batch, 1, 1, src]
         bias = None
         for i in range(cfg.layers):
@@ -136,7 +142,7 @@ class T5ForConditionalGeneration(nn.Module):
         causal = jnp.broadcast_to(causal, (batch_size,) + causal.shape[1:])
         self_mask = nn.combine_masks(
             jnp.broadcast_to(jnp.expand_dims(decoder_attention_mask, axis=(-3, -2)), causal.shape), causal)
-        y = shared(decoder_input_ids)
+        y = _dropout(cfg)(shared(decoder_input_ids))
         bias = None
         for i in range(cfg.layers):
             y, bias = DecoderLayer(cfg, i == 0, self.where, name=f"decoder_{i}")(y, encoded, self_mask, mask, bias)
@@ -150,11 +156,13 @@ def shift_right(labels, start=0):
     return jnp.concatenate([jnp.full(labels[:, :1].shape, start, labels.dtype), labels[:, :-1]], axis=1)
 
 
-def problem(batch=16, src=8, tgt=6, seed=0, where=annotate.none):
+def problem(batch=16, src=8, tgt=6, seed=0, where=annotate.none, dropout=0.0):
     """(loss_fn, params, batch): cross-entropy over the real target tokens (padding masked out, a
     token-weighted mean; one row's target is all padding), padded source sequences; `where` places
-    the annotations (public_models.annotate)."""
-    model = T5ForConditionalGeneration(where=where)
+    the annotations (public_models.annotate). With `dropout`, T5's dropout on the embeddings and the
+    feed-forward activations, and `loss_fn(params, batch, rng)`."""
+    cfg = type("Config", (Config,), {"dropout": dropout})
+    model = T5ForConditionalGeneration(cfg, where)
     rng = np.random.default_rng(seed)
     src_len = rng.integers(src // 2, src + 1, (batch, 1))
     tgt_len = rng.integers(1, tgt + 1, (batch, 1))
@@ -165,18 +173,19 @@ def problem(batch=16, src=8, tgt=6, seed=0, where=annotate.none):
     data = {"input_ids": jnp.asarray(rng.integers(1, Config.vocab, (batch, src)) * src_mask, jnp.int32),
             "attention_mask": jnp.asarray(src_mask), "labels": jnp.asarray(labels, jnp.int32),
             "decoder_attention_mask": jnp.asarray(tgt_mask)}
+    inputs = lambda b: (b["input_ids"], b["attention_mask"], shift_right(b["labels"]),  # noqa: E731
+                        b["decoder_attention_mask"])
+    params = jax.jit(lambda key: model.init(key, *inputs(data)))(jax.random.key(seed))["params"]
 
-    def logits_of(p, b):
-        return model.apply({"params": p}, b["input_ids"], b["attention_mask"], shift_right(b["labels"]),
-                           b["decoder_attention_mask"])
-
-    params = jax.jit(lambda key: model.init(key, data["input_ids"], data["attention_mask"],
-                                            shift_right(data["labels"]), data["decoder_attention_mask"]))(
-        jax.random.key(seed))["params"]
-
-    def loss_fn(p, b):
-        logp = jax.nn.log_softmax(logits_of(p, b))
-        nll = -jnp.take_along_axis(logp, b["labels"][..., None], axis=-1)[..., 0]
+    def token_mean(logits, b):
+        nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), b["labels"][..., None], axis=-1)[..., 0]
         w = b["decoder_attention_mask"].astype(nll.dtype)
         return (nll * w).sum() / w.sum()
+
+    if dropout:
+        def loss_fn(p, b, rng):
+            return token_mean(model.apply({"params": p}, *inputs(b), rngs={"dropout": rng}), b)
+    else:
+        def loss_fn(p, b):
+            return token_mean(model.apply({"params": p}, *inputs(b)), b)
     return loss_fn, params, data
