@@ -1,6 +1,7 @@
-"""A Llama-style decoder: RMSNorm, rotary position embeddings, grouped-query attention with the
-causal mask broadcast to `(batch_size,) + shape[1:]` and combined with the padding mask as Hugging
-Face's Flax Llama does, a SwiGLU MLP, untied output projection."""
+"""A Llama-style decoder, following Hugging Face transformers' FlaxLlama: RMSNorm, rotary position
+embeddings, grouped-query attention with the causal mask broadcast to `(batch_size,) + shape[1:]`
+and combined with the padding mask as Hugging Face's Flax Llama does, a SwiGLU MLP, untied output
+projection."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
