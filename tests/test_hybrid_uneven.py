@@ -118,6 +118,23 @@ def test_options_not_lowered_keep_the_even_batch_and_say_so():
     assert plan.balance is None and len(set(plan.batch_sizes)) == 1
 
 
+def test_empty_model_state_keeps_the_uneven_rows():
+    """An empty model state (what an NNX model with no BatchStat or Rngs hands the loss) reads
+    nothing: the backbone still gets uneven rows. A model state with leaves keeps the even batch."""
+    loss0, params, batch = _head_model()
+
+    def loss_fn(p, b, model_state):
+        scale = model_state.get("scale", 1.0)
+        return loss0(p, b) * scale, model_state
+
+    cluster = wh.Cluster(kinds=HETERO)
+    plan = wh.plan(loss_fn, params, batch, adam(), cluster=cluster, model_state={})
+    _check_rows(plan, 32)
+    plan = wh.plan(loss_fn, params, batch, adam(), cluster=cluster, model_state={"scale": jnp.ones(())})
+    assert len(set(plan.batch_sizes)) == 1 and plan.program_kind == "Program"
+    assert "model_state inputs are not lowered for uneven hybrid rows yet" in plan.summary()
+
+
 def test_lower_uneven_hybrid_on_an_abstract_cluster():
     """The hybrid program lowers without devices (64 abstract GPUs, half of them T4s)."""
     loss_fn, params, batch = _head_model(C=64 * 10, B=256)

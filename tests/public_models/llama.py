@@ -1,10 +1,13 @@
-"""A Llama-style decoder: RMSNorm, rotary position embeddings, grouped-query attention with the
-causal mask broadcast to `(batch_size,) + shape[1:]` and combined with the padding mask as Hugging
-Face's Flax Llama does, a SwiGLU MLP, untied output projection."""
+"""A Llama-style decoder, following Hugging Face transformers' FlaxLlama: RMSNorm, rotary position
+embeddings, grouped-query attention with the causal mask broadcast to `(batch_size,) + shape[1:]`
+and combined with the padding mask as Hugging Face's Flax Llama does, a SwiGLU MLP, untied output
+projection."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from public_models import annotate
 
 
 class Config:
@@ -64,29 +67,36 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     cfg: type = Config
+    where: object = annotate.none
 
     @nn.compact
     def __call__(self, x, attention_mask, positions):
-        x = x + Attention(self.cfg)(nn.RMSNorm(name="input_layernorm")(x), attention_mask, positions)
-        return x + MLP(self.cfg)(nn.RMSNorm(name="post_attention_layernorm")(x))
+        with self.where("layer"):
+            with self.where("attention"):
+                x = x + Attention(self.cfg)(nn.RMSNorm(name="input_layernorm")(x), attention_mask, positions)
+            with self.where("mlp"):
+                return x + MLP(self.cfg)(nn.RMSNorm(name="post_attention_layernorm")(x))
 
 
 class LlamaForCausalLM(nn.Module):
     cfg: type = Config
+    where: object = annotate.none
 
     @nn.compact
     def __call__(self, input_ids, attention_mask):
         positions = jnp.cumsum(attention_mask, axis=-1) - 1
         x = nn.Embed(self.cfg.vocab, self.cfg.hidden, name="embed_tokens")(input_ids)
         for i in range(self.cfg.layers):
-            x = DecoderLayer(self.cfg, name=f"layers_{i}")(x, attention_mask, positions)
+            x = DecoderLayer(self.cfg, self.where, name=f"layers_{i}")(x, attention_mask, positions)
         x = nn.RMSNorm(name="norm")(x)
-        return nn.Dense(self.cfg.vocab, use_bias=False, name="lm_head")(x)
+        with self.where("head"):
+            return nn.Dense(self.cfg.vocab, use_bias=False, name="lm_head")(x)
 
 
-def problem(batch=16, seq=8, seed=0):
-    """(loss_fn, params, batch): next-token cross-entropy, a token-weighted mean over real tokens."""
-    model = LlamaForCausalLM()
+def problem(batch=16, seq=8, seed=0, where=annotate.none):
+    """(loss_fn, params, batch): next-token cross-entropy, a token-weighted mean over real tokens;
+    `where` places the annotations (public_models.annotate)."""
+    model = LlamaForCausalLM(where=where)
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, Config.vocab, (batch, seq + 1)).astype(np.int32)
     lengths = rng.integers(seq // 2, seq + 1, (batch, 1))

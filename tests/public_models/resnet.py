@@ -1,6 +1,7 @@
-"""A ResNet: a stem convolution, residual blocks of two 3x3 convolutions with BatchNorm (a strided
-projection shortcut where the shape changes), global average pooling, a dense classifier. BatchNorm
-in training mode takes statistics over the batch: model state."""
+"""A ResNet, following the ResNet of Flax's ImageNet example: a stem convolution, residual blocks of
+two 3x3 convolutions with BatchNorm (a strided projection shortcut where the shape changes), global
+average pooling, a dense classifier. BatchNorm in training mode takes statistics over the batch:
+model state."""
 import functools
 
 import flax.linen as nn

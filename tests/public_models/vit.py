@@ -1,6 +1,7 @@
-"""A ViT classifier: a strided convolution embeds patches, a class token is tiled over the batch
-(`jnp.tile(cls, [n, 1, 1])`) and prepended, learned position embeddings, pre-norm encoder blocks
-(multi-head self-attention, GELU MLP), the class token's representation classified."""
+"""A ViT classifier, following google-research/vision_transformer's ViT: a strided convolution embeds
+patches, a class token is tiled over the batch (`jnp.tile(cls, [n, 1, 1])`) and prepended, learned
+position embeddings, pre-norm encoder blocks (multi-head self-attention, GELU MLP), the class
+token's representation classified."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp

@@ -6,13 +6,14 @@ bridge between the two (`whalex.lowering.uneven_hybrid`).
 Scope: the loss's top-level equations are a per-sample backbone (replicate TaskGraphs and
 un-annotated equations) followed by the split TaskGraph(s) and whatever follows them. A backbone
 that couples samples (BatchNorm-style statistics) is refused with a PlanError; anything else the
-program does not carry out (micro-batches, ZeRO, amp, remat, offload, model state, rng, ops whalex
-does not look into) keeps the even plan, and the plan's balance report says why.
+program does not carry out (micro-batches, ZeRO, amp, remat, offload, model state with leaves, rng,
+ops whalex does not look into) keeps the even plan, and the plan's balance report says why.
 """
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
@@ -57,8 +58,9 @@ def _unsupported(req: Request, cap, plan, cut: int) -> str | None:
         value = getattr(config, name)
         if value != default and value not in (None, ()):
             return f"{name}={value!r} is not lowered for uneven hybrid rows yet"
-    if req.inputs:
-        return f"{' and '.join(sorted(req.inputs))} inputs are not lowered for uneven hybrid rows yet"
+    given = [name for name, value in sorted(req.inputs.items()) if jax.tree.leaves(value)]
+    if given:           # an empty model state (an NNX model with no BatchStat or Rngs) reads nothing
+        return f"{' and '.join(given)} inputs are not lowered for uneven hybrid rows yet"
     if not isinstance(plan.program, Program) or plan.program.sharding.experts:
         return "the head's program is not a plain GSPMD program (experts or ZeRO)"
     defined = {v for e in cap.jaxpr.jaxpr.eqns[:cut] for v in e.outvars}
