@@ -11,8 +11,7 @@ from flax import nnx
 
 import whalex as wh
 from conftest import rel_err
-from public_models import annotate, nnx_llama, nnx_resnet
-from public_models import plans
+from public_models import annotate, nnx_llama, nnx_resnet, plans
 from public_models.plans import PLANS, Plan
 
 FAMILIES = {"llama": nnx_llama.problem, "resnet": nnx_resnet.problem}

@@ -2,7 +2,7 @@
 (public_models.annotate), a Config, a cluster, the smallest global batch the plan accepts on 8
 devices, an optimizer it is checked with (SGD or Adam) and the program kind it builds."""
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import optax
 
