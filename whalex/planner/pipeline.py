@@ -120,11 +120,31 @@ def pipeline_plan(req: Request, full, stage_of_eqn, strategies, stage_layers=Non
                                 tuple(tuple(placement[s][r * mp:(r + 1) * mp]) for r in range(dp)))
            for s in range(num_stages)]
     grad_bytes = program.param_width * np.dtype(program.param_dtype).itemsize
+    comms = pipeline_comms(program, cap, mem.zero_level, dp, V, grad_bytes)
+    if sharding is not None:                 # the split layers' collectives over `model`, per micro-batch
+        comms += split_comms(sharding, cap, stage_of_eqn, m)
+    # the state is stored spread over every device; while computing, a device also holds its stage's
+    # gathered parameter row and the row's gradient accumulator (stage_bytes)
+    assign = {(i,): s for i, s in enumerate(stage_of_eqn)}
+    return assemble(req, program, layout, vds, rows, Work(cap, assign, m * dp),
+                    batch_sizes=(full.global_batch // dp,) * layout.size, global_batch=full.global_batch,
+                    param_specs=dict(zip(cap.param_paths, program.param_spec_list())), comms=comms,
+                    sharding=sharding, stage_bytes=grad_bytes, schedule=schedule,
+                    batch_couplings=tuple(parts.sem.lines()), placement=rule,
+                    stage_layers=tuple(stage_layers) if stage_layers is not None else
+                    tuple(stage_layer_names(full, stage_of_eqn, s) for s in range(num_stages)))
+
+
+def pipeline_comms(program, cap, level: int, dp: int, V: int, grad_bytes: float) -> list:
+    """Per stage, the collectives a pipeline step runs (whalex/lowering/stage_rows.py: the state spread
+    over every device, gathered into stage rows and scattered back; the gradient sync over replicas;
+    the messages every tick)."""
+    schedule = program.schedule
+    num_stages = schedule.num_stages
     invars = cap.jaxpr.jaxpr.invars
-    comms = []
-    level = mem.zero_level
     total = sum(int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize for v in invars[:cap.num_params])
-    for s in range(num_stages):          # whalex/lowering/stage_rows.py: the state spread over every device
+    comms = []
+    for s in range(num_stages):
         comms.append(Comm(s, "all-gather", (DATA,), ring_bytes("all-gather", total, dp) / num_stages,
                           "1/stages of every stored parameter over the replicas"))
         comms.append(Comm(s, "all-to-all", (STAGE,), ring_bytes("all-to-all", grad_bytes, num_stages),
@@ -145,18 +165,7 @@ def pipeline_plan(req: Request, full, stage_of_eqn, strategies, stage_layers=Non
             comms.append(Comm(s, "collective-permute", (STAGE,), ring_bytes(
                 "collective-permute", schedule.num_ticks * sends * program.message_width * 4, num_stages),
                               "activations to the next stage, gradients to the previous (every tick)"))
-    if sharding is not None:                 # the split layers' collectives over `model`, per micro-batch
-        comms += split_comms(sharding, cap, stage_of_eqn, m)
-    # the state is stored spread over every device; while computing, a device also holds its stage's
-    # gathered parameter row and the row's gradient accumulator (stage_bytes)
-    assign = {(i,): s for i, s in enumerate(stage_of_eqn)}
-    return assemble(req, program, layout, vds, rows, Work(cap, assign, m * dp),
-                    batch_sizes=(full.global_batch // dp,) * layout.size, global_batch=full.global_batch,
-                    param_specs=dict(zip(cap.param_paths, program.param_spec_list())), comms=comms,
-                    sharding=sharding, stage_bytes=grad_bytes, schedule=schedule,
-                    batch_couplings=tuple(parts.sem.lines()), placement=rule,
-                    stage_layers=tuple(stage_layers) if stage_layers is not None else
-                    tuple(stage_layer_names(full, stage_of_eqn, s) for s in range(num_stages)))
+    return comms
 
 
 def stage_virtual_device(cap, stage_of_eqn, s: int, strategy: Strategy, mp: int, groups) -> VirtualDevice:
