@@ -19,10 +19,11 @@ def _interleaved(stages, micro, virtual=2):
                      virtual_stages=virtual)
 
 
-def test_interleaved_trains_like_one_device():
-    """4 stages x 2 chunks, 8 micro-batches, nested data parallelism 2, Adam (SGD: the masked-mean test)."""
-    stages, micro = 4, 8
-    loss_fn, params, batch = lm_model.lm(4)
+@pytest.mark.parametrize("micro", [8, 16])
+def test_interleaved_trains_like_one_device(micro):
+    """4 stages x 2 chunks, nested data parallelism 2, Adam (SGD: the masked-mean test)."""
+    stages = 4
+    loss_fn, params, batch = lm_model.lm(4, batch=2 * micro)
     step, _ = assert_matches(loss_fn, params, batch, steps=2, optimizer=adam(), config=_interleaved(stages, micro),
                              param_tol=1e-4)
     plan, program = step.plan, step.plan.program
