@@ -120,6 +120,14 @@ def parse(argv=None):
 OUT = 8
 
 
+def with_model_defaults(args):
+    """`args` (a sibling bench's) completed with this bench's model options at their defaults."""
+    for k, v in vars(parse([])).items():
+        if not hasattr(args, k):
+            setattr(args, k, v)
+    return args
+
+
 def make_model(args):
     """The model of `args.model`: (loss_fn, params, batch)."""
     return make_hybrid(args) if args.model == "hybrid" else make_mlp(args)

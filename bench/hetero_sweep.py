@@ -51,9 +51,7 @@ def parse(argv=None):
     ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    for k, v in vars(hetero.parse([])).items():      # the model of bench/hetero.py, its defaults
-        if not hasattr(args, k):
-            setattr(args, k, v)
+    hetero.with_model_defaults(args)                   # the model of bench/hetero.py, its defaults
     args.factors = [float(f) for f in args.factors.split(",")]
     return args
 
