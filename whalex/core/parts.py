@@ -105,6 +105,30 @@ def is_floating(v) -> bool:
     return hasattr(v.aval, "dtype") and jnp.issubdtype(v.aval.dtype, jnp.floating)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Found:
+    """One batch reduction as the walk over the equations finds it (before it becomes a Reduction)."""
+
+    op: str
+    combine: str | None
+    params: bool
+    inputs: frozenset            # reductions its operands depend on
+    where: str
+    feedback: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class _Flow:
+    """How values flow through the loss traced at the part size: what depends on the parameters,
+    which reductions each value depends on, the reductions, and what feeds per-sample work."""
+
+    pdep: dict                   # var -> depends on the parameters
+    dep: dict                    # var -> frozenset of reductions its value depends on
+    reds: dict                   # equation index -> _Found
+    feedback_vars: frozenset     # batch-free values read by per-sample computation or a reduction
+    couplings: tuple             # (where, message) of cross-sample per-sample ops
+
+
 def analyse(part: Captured, whole: Captured, *, per_part: bool = False, context: str = "parts",
             way_out: str = WAY_OUT) -> Semantics:
     """Find the batch reductions of the loss traced at `part.global_batch` rows and at
@@ -114,17 +138,35 @@ def analyse(part: Captured, whole: Captured, *, per_part: bool = False, context:
     b, B = part.global_batch, whole.global_batch
     if not traces_alike(jp, jg):
         raise PlanError(refusal(part, whole, context, way_out))
-    n = part.num_params
-    found = batch_dependence(jp, range(n, len(jp.invars)), jg, (b, B))
-    gvar, is_b = found.whole, found.carries
-    for v in jp.constvars:
-        if is_b(v):
-            raise PlanError("the loss closes over a constant with the batch dimension; pass it in the batch.")
+    found = batch_dependence(jp, range(part.num_params, len(jp.invars)), jg, (b, B))
+    is_b = found.carries
+    if any(is_b(v) for v in jp.constvars):
+        raise PlanError("the loss closes over a constant with the batch dimension; pass it in the batch.")
+    flow = _flow(jp, part.num_params, found)
+    row_outputs = _row_outputs(jp, part.aux_count, found, context)
+    problems, local = _refusals(flow, per_part, context, b, B)
+    local_outputs = _local_outputs(jp, flow.reds, local, is_b)
+    level = _levels(flow.reds)
+    grad_reds = _gradient_reductions(jp, flow.reds, local, context)
+    terms = _head_terms(jp, flow, is_b)
+    affine = _affine(jp, grad_reds, {v for v in terms if is_floating(v)})
+    reductions = tuple(
+        Reduction(i, r.op, r.combine, r.params, r.feedback, level[i] if not r.params else 0, r.where, i in local)
+        for i, r in sorted(flow.reds.items()))
+    return Semantics(b, B, reductions, affine, local_outputs, tuple(_random_lines(part, whole)), tuple(problems),
+                     tuple((v, found.whole[v]) for v in terms), tuple(row_outputs))
+
+
+def _flow(jp, n: int, found) -> _Flow:
+    """Walk the equations once: parameter dependence, the batch reductions (equations taking batch
+    values to batch-free ones), the reductions each value depends on, and which of them feed
+    per-sample computation (through the values they produce)."""
+    is_b = found.carries
     pdep = {v: True for v in jp.invars[:n]}
-    dep: dict = {}                               # var -> frozenset of reductions its value depends on
-    reds: dict[int, dict] = {}
+    dep: dict = {}
+    reds: dict[int, _Found] = {}
     feedback_vars: set = set()
-    couplings = []                               # (where, message) of cross-sample per-sample ops
+    couplings = []
 
     def deps(vs):
         out = frozenset()
@@ -141,8 +183,7 @@ def analyse(part: Captured, whole: Captured, *, per_part: bool = False, context:
         for o in eqn.outvars:
             pdep[o] = p
         if b_in and not b_out:                   # a batch reduction
-            combine = P.COMBINE.get(eqn.primitive.name)
-            reds[i] = dict(op=eqn.primitive.name, combine=combine, params=p, inputs=d, where=source(eqn))
+            reds[i] = _Found(eqn.primitive.name, P.COMBINE.get(eqn.primitive.name), p, d, source(eqn))
             for o in eqn.outvars:
                 dep[o] = d | {i}
             feedback_vars.update(v for v in ins if not is_b(v) and dep.get(v))
@@ -152,41 +193,49 @@ def analyse(part: Captured, whole: Captured, *, per_part: bool = False, context:
         if b_out or b_in:                        # per-sample computation
             feedback_vars.update(v for v in ins if not is_b(v) and dep.get(v))
             couplings.extend((c.where, _coupling_message(c)) for c in found.at(i) if c.refused)
-    # which reductions feed per-sample computation (through the values they produce)
     fed = set()
     for v in feedback_vars:
         fed |= dep[v]
-    for i, info in reds.items():
-        info["feedback"] = i in fed
-    # outputs
-    out_vars = list(jp.outvars)
+    reds = {i: dataclasses.replace(r, feedback=i in fed) for i, r in reds.items()}
+    return _Flow(pdep, dep, reds, frozenset(feedback_vars), tuple(couplings))
+
+
+def _row_outputs(jp, aux_count: int, found, context: str) -> list[int]:
+    """Positions of the aux outputs with the batch dimension (each part writes its rows); PlanError
+    for the loss itself or a model-state leaf with the batch dimension."""
+    is_b, gvar = found.carries, found.whole
     row_outputs = []
-    for k, v in enumerate(out_vars):
+    for k, v in enumerate(jp.outvars):
         if not isinstance(v, C.Literal) and is_b(v):
-            if k == 0 or shape_of(v)[1:] != shape_of(gvar[v])[1:] or k > part.aux_count:
+            if k == 0 or shape_of(v)[1:] != shape_of(gvar[v])[1:] or k > aux_count:
                 raise PlanError(
                     f"output {k} of the loss ({'the loss' if k == 0 else 'an aux or model-state leaf'}, shape "
                     f"{list(shape_of(v))}) has the batch dimension, but this plan evaluates the loss in {context}; "
                     "return batch-free values (reduce per-example outputs over the batch) or use a plan without "
                     "parts.")
-            row_outputs.append(k)                # per-example aux: each part writes its rows
-    # refusals and per-part choices
+            row_outputs.append(k)
+    return row_outputs
+
+
+def _refusals(flow: _Flow, per_part: bool, context: str, b: int, B: int) -> tuple[list[str], set]:
+    """The couplings one pass over parts cannot compute exactly, and the reductions computed per part
+    instead (`per_part`); PlanError naming them all without `per_part`."""
     problems = []
     local = set()
-    for i, info in sorted(reds.items()):
-        if info["feedback"] and info["params"]:
+    for i, r in sorted(flow.reds.items()):
+        if r.feedback and r.params:
             if per_part:
                 local.add(i)
             problems.append(
-                    f"{info['op']} at {info['where']} computes a statistic of parameter-dependent values over the "
+                    f"{r.op} at {r.where} computes a statistic of parameter-dependent values over the "
                     f"batch and uses it inside the model (e.g. BatchNorm in training mode); this plan computes it on "
                     f"{context} of {b} samples, not on the global batch of {B}")
-        elif info["combine"] is None:
+        elif r.combine is None:
             if per_part:
                 local.add(i)
-            problems.append(f"{info['op']} at {info['where']} reduces the batch in a way that is not a sum "
-                                f"over samples; this plan evaluates the loss in {context} of {b} samples")
-    for where, msg in couplings:
+            problems.append(f"{r.op} at {r.where} reduces the batch in a way that is not a sum "
+                            f"over samples; this plan evaluates the loss in {context} of {b} samples")
+    for where, msg in flow.couplings:
         problems.append(f"{msg} at {where}; this plan evaluates the loss in {context} of {b} samples")
     problems = list(dict.fromkeys(problems))
     if problems and not per_part:
@@ -196,7 +245,13 @@ def analyse(part: Captured, whole: Captured, *, per_part: bool = False, context:
             + f"\nUse a plan that sees the whole batch at once (data or hybrid parallelism without micro-batches, "
               f"on devices of one kind, or Config(hardware_aware=False)), or accept per-part statistics with "
               f"{OPT_IN} (what PyTorch pipelines and GShard do).")
-    fdep: dict = {}                              # reductions reaching a batch-free value through batch-free values
+    return problems, local
+
+
+def _local_outputs(jp, reds: dict, local: set, is_b) -> tuple[int, ...]:
+    """Outputs that depend on per-part statistics through batch-free values (averaged over parts);
+    PlanError when the loss itself does."""
+    fdep: dict = {}
     for i, eqn in enumerate(jp.eqns):
         if i in reds:
             fdep.update((o, frozenset({i})) for o in eqn.outvars)
@@ -206,53 +261,58 @@ def analyse(part: Captured, whole: Captured, *, per_part: bool = False, context:
                 if not isinstance(v, C.Literal) and not is_b(v):
                     d |= fdep.get(v, frozenset())
             fdep.update((o, d) for o in eqn.outvars)
-    local_outputs = tuple(k for k, v in enumerate(out_vars)
+    local_outputs = tuple(k for k, v in enumerate(jp.outvars)
                           if not isinstance(v, C.Literal) and (fdep.get(v, frozenset()) & local))
     if 0 in local_outputs:
         raise PlanError(
             "the loss reads a per-part statistic directly (not through per-sample values); with "
             f"{OPT_IN} it must only shape per-sample computation and model-state outputs.")
-    # levels of data-only reductions
+    return local_outputs
+
+
+def _levels(reds: dict) -> dict[int, int]:
+    """Pre-pass level of each reduction: 0 when it reads no other reduction, else one past theirs."""
     level: dict[int, int] = {}
     for i in sorted(reds):
-        info = reds[i]
-        ups = [u for u in info["inputs"] if u in reds]
+        ups = [u for u in reds[i].inputs if u in reds]
         level[i] = 0 if not ups else 1 + max(level[u] for u in ups)
-    # the head must be a sum of per-part values for every differentiable parameter reduction
+    return level
+
+
+def _gradient_reductions(jp, reds: dict, local: set, context: str) -> set:
+    """The parameter reductions on the loss's gradient path (not per part); PlanError for one that is
+    not a sum of per-part values, since its gradient cannot be split."""
     loss_cone = cone(jp, [jp.outvars[0]])
-    for i, info in reds.items():
-        if info["params"] and i not in local and info["combine"] != "sum" and i in loss_cone \
+    for i, r in reds.items():
+        if r.params and i not in local and r.combine != "sum" and i in loss_cone \
                 and any(is_floating(o) for o in jp.eqns[i].outvars):
             raise PlanError(
-                f"{info['op']} at {info['where']} takes a {info['combine']} over the batch of parameter-dependent "
+                f"{r.op} at {r.where} takes a {r.combine} over the batch of parameter-dependent "
                 f"values on the loss's gradient path; its gradient cannot be split over {context}. Use a sum or "
                 f"mean, a plan without parts, or {OPT_IN}.")
-    grad_reds = {i for i, info in reds.items() if info["params"] and i not in local and i in loss_cone}
-    # parameter-dependent batch-free values the head reads (a weight penalty, a learned temperature):
-    # every part computes them; the head takes their average, so each part carries 1/K of their gradient
-    terms = []
+    return {i for i, r in reds.items() if r.params and i not in local and i in loss_cone}
+
+
+def _head_terms(jp, flow: _Flow, is_b) -> list:
+    """Parameter-dependent batch-free values the head reads (a weight penalty, a learned temperature):
+    every part computes them; the head takes their average, so each part carries 1/K of their gradient."""
+    dep, pdep = flow.dep, flow.pdep
     into_body = set()                            # batch-free equations whose values feed per-sample work
-    needs = set(feedback_vars)
+    needs = set(flow.feedback_vars)
     for i in range(len(jp.eqns) - 1, -1, -1):
         eqn = jp.eqns[i]
-        if any(o in needs for o in eqn.outvars) or any(is_b(o) for o in eqn.outvars) or i in reds:
+        if any(o in needs for o in eqn.outvars) or any(is_b(o) for o in eqn.outvars) or i in flow.reds:
             into_body.add(i)
             needs.update(v for v in eqn.invars if not isinstance(v, C.Literal))
+    terms = []
     for i, eqn in enumerate(jp.eqns):
         if i in into_body or not eqn.outvars or not dep.get(eqn.outvars[0]):
             continue
         terms.extend(v for v in eqn.invars if not isinstance(v, C.Literal) and not is_b(v)
                      and pdep.get(v) and not dep.get(v))
-    terms.extend(v for v in out_vars if not isinstance(v, C.Literal) and not is_b(v) and pdep.get(v)
+    terms.extend(v for v in jp.outvars if not isinstance(v, C.Literal) and not is_b(v) and pdep.get(v)
                  and not dep.get(v))
-    terms = list(dict.fromkeys(terms))
-    affine = _affine(jp, grad_reds, {v for v in terms if is_floating(v)})
-    reductions = tuple(
-        Reduction(i, info["op"], info["combine"], info["params"], info["feedback"],
-                  level[i] if not info["params"] else 0, info["where"], i in local)
-        for i, info in sorted(reds.items()))
-    return Semantics(b, B, reductions, affine, local_outputs, tuple(_random_lines(part, whole)), tuple(problems),
-                     tuple((v, gvar[v]) for v in terms), tuple(row_outputs))
+    return list(dict.fromkeys(terms))
 
 
 def random_draws(part: Captured, whole: Captured) -> list[tuple[tuple, Any, tuple, bool]]:
