@@ -39,6 +39,30 @@ def model_degree(cap) -> int:
     return counts.pop()
 
 
+@dataclasses.dataclass(frozen=True)
+class _Stages:
+    """The pipeline's shape: S stages of V interleaved chunks (chunk c on stage c % S), the chunk and
+    the stage of every equation, and the modules per stage (None: named from the equations)."""
+
+    num_chunks: int
+    num_stages: int
+    chunk_of_eqn: list
+    stage_of_eqn: list
+    stage_layers: list | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """The pipeline's mesh: its axes, the device grid [replica][stage x model], and with split
+    TaskGraphs inside the stages their sharding over `model`."""
+
+    layout: MeshLayout
+    grid: list
+    sharding: object = None
+    model_dims: tuple = ()
+    constraints: object = None
+
+
 def pipeline_plan(req: Request, full, stage_of_eqn, strategies, stage_layers=None, rule: str = "",
                   virtual_stages: int = 1) -> Plan:
     """The pipeline of `stage_of_eqn`, each stage's VirtualDevice recording its strategy in
@@ -47,14 +71,49 @@ def pipeline_plan(req: Request, full, stage_of_eqn, strategies, stage_layers=Non
     ('data', 'stage', 'model') mesh, the split layers sharded over `model` by the sharding patterns. With
     `virtual_stages` V > 1, `stage_of_eqn` (and `stage_layers`) name S x V interleaved chunks, chunk c on
     stage c % S."""
-    config, cluster, optimizer = req.config, req.cluster, req.optimizer
+    config, cluster = req.config, req.cluster
     m, V = config.num_micro_batch, virtual_stages
+    st = _stages(stage_of_eqn, stage_layers, V)
+    num_stages, stage_of_eqn = st.num_stages, st.stage_of_eqn
+    mp, dp, micro = _degrees(cluster, full, num_stages, m)
+    cap, parts = _micro_batch_loss(req, full, dp, m, micro)
+    cut = cut_stages(cap, st.chunk_of_eqn, st.num_chunks)
+    schedule = make_schedule(config.schedule, num_stages, m, V)
+    placement = stage_devices(cluster, num_stages, config.hardware_aware)   # [stage][replica] -> device
+    lay = _layout(cap, config, placement, dp, num_stages, mp)
+    program, mem = _program(req, full, cap, cut, schedule, lay, dp, mp, parts)
+    rows, vds = _stage_rows(full, st, cut, program, strategies, placement, dp, mp)
+    grad_bytes = program.param_width * np.dtype(program.param_dtype).itemsize
+    comms = pipeline_comms(program, cap, mem.zero_level, dp, V, grad_bytes)
+    if lay.sharding is not None:             # the split layers' collectives over `model`, per micro-batch
+        comms += split_comms(lay.sharding, cap, stage_of_eqn, m)
+    # the state is stored spread over every device; while computing, a device also holds its stage's
+    # gathered parameter row and the row's gradient accumulator (stage_bytes)
+    assign = {(i,): s for i, s in enumerate(stage_of_eqn)}
+    return assemble(req, program, lay.layout, vds, rows, Work(cap, assign, m * dp),
+                    batch_sizes=(full.global_batch // dp,) * lay.layout.size, global_batch=full.global_batch,
+                    param_specs=dict(zip(cap.param_paths, program.param_spec_list())), comms=comms,
+                    sharding=lay.sharding, stage_bytes=grad_bytes, schedule=schedule,
+                    batch_couplings=tuple(parts.sem.lines()), placement=rule,
+                    stage_layers=tuple(st.stage_layers) if st.stage_layers is not None else
+                    tuple(stage_layer_names(full, stage_of_eqn, s) for s in range(num_stages)))
+
+
+def _stages(stage_of_eqn, stage_layers, V: int) -> _Stages:
+    """Stages from chunks: `stage_of_eqn` names S x V chunks; with V > 1 each stage's layers are
+    those of its chunks."""
     num_chunks = max(stage_of_eqn) + 1 if stage_of_eqn else 1
     num_stages = num_chunks // V
     chunk_of_eqn, stage_of_eqn = list(stage_of_eqn), [c % num_stages for c in stage_of_eqn]
     if stage_layers is not None and V > 1:
         stage_layers = [tuple(n for c in range(s, num_chunks, num_stages) for n in stage_layers[c])
                         for s in range(num_stages)]
+    return _Stages(num_chunks, num_stages, chunk_of_eqn, stage_of_eqn, stage_layers)
+
+
+def _degrees(cluster, full, num_stages: int, m: int) -> tuple[int, int, int]:
+    """(model degree, pipeline replicas, micro-batch rows); PlanError when the cluster or the global
+    batch does not divide."""
     k = cluster.size
     mp = model_degree(full)
     if k % (num_stages * mp):
@@ -65,74 +124,77 @@ def pipeline_plan(req: Request, full, stage_of_eqn, strategies, stage_layers=Non
         raise PlanError(
             f"the global batch of {full.global_batch} cannot be split into {m} micro-batches on each of the "
             f"{dp} pipeline replicas; use a batch size that is a multiple of {dp * m}.")
-    micro = full.global_batch // (dp * m)
+    return mp, dp, full.global_batch // (dp * m)
+
+
+def _micro_batch_loss(req: Request, full, dp: int, m: int, micro: int):
+    """(the loss at one micro-batch ending in its sums over the batch, its loss contract); PlanError
+    when the micro-batch traces differently or the loss is not affine in its sums."""
     cap = req.capture(micro)
     way_out = (f"a global batch of {dp * m * (micro + 1)} or another larger multiple of {dp * m} ({m} micro-batches "
                f"on each of the {dp} pipeline replicas, of more than {micro} samples each), or a plan without a "
                "pipeline")
     if not traces_alike(cap.jaxpr.jaxpr, full.jaxpr.jaxpr):
         raise PlanError(refusal(cap, full, "pipeline micro-batches", way_out))
-    parts = loss_parts(cap, full, config, "pipeline micro-batches", way_out)
+    parts = loss_parts(cap, full, req.config, "pipeline micro-batches", way_out)
     if not parts.sem.affine:
         raise PlanError("the loss is not affine in its sums over the batch (e.g. the log of a mean); a pipeline "
                         "cannot split its gradient over micro-batches in one pass. Write the loss as a sum or mean "
                         "of per-example terms, or use a plan without micro-batches.")
-    cap = parts.body(parts.part_outputs()[0])       # stages end in the loss's sums over each micro-batch
-    cut = cut_stages(cap, chunk_of_eqn, num_chunks)
-    schedule = make_schedule(config.schedule, num_stages, m, V)
-    placement = stage_devices(cluster, num_stages, config.hardware_aware)   # [stage][replica] -> device
-    if mp > 1:
-        layout = MeshLayout((DATA, STAGE, MODEL), (dp, num_stages, mp))
-        grid = [[placement[s][r * mp + j] for s in range(num_stages) for j in range(mp)] for r in range(dp)]
-        sharding = stage_shardings(cap, mp)
-        model_dims = tuple(next((d for d, a in enumerate(spec) if a is not None), None)
-                           for spec in sharding.param_specs)
-        constraints = sharding.constraints
-        if sharding.padding:
-            leaf, d, k = sharding.padding[0]
-            raise PlanError(f"split({k}) inside a pipeline stage would pad {cap.param_paths[leaf]} (dimension {d} of "
-                            f"{cap.jaxpr.jaxpr.invars[leaf].aval.shape[d]}, which {k} does not divide); padded "
-                            "parameters are not built for pipeline stages yet. Use a split degree that divides it.")
-        if config.zero_level or config.offload:
-            raise PlanError("ZeRO and offload are not built for pipelines with split TaskGraphs inside the stages yet; "
-                            "drop Config(zero=...)/offload, or the split annotations inside the stages.")
-    else:
-        layout = MeshLayout((DATA, STAGE), (dp, num_stages))
+    return parts.body(parts.part_outputs()[0]), parts   # stages end in the loss's sums over each micro-batch
+
+
+def _layout(cap, config, placement, dp: int, num_stages: int, mp: int) -> _Layout:
+    """The mesh over the stages' devices; with split TaskGraphs (mp > 1) a `model` axis and the split
+    layers' sharding, PlanError for what is not built for them (padding, ZeRO, offload)."""
+    if mp == 1:
         grid = [[placement[s][r] for s in range(num_stages)] for r in range(dp)]
-        sharding, model_dims, constraints = None, (), None
-    ordered = [cluster.devices[i] for row in grid for i in row] if cluster.devices is not None else None
-    mesh = layout.build(ordered)
+        return _Layout(MeshLayout((DATA, STAGE), (dp, num_stages)), grid)
+    layout = MeshLayout((DATA, STAGE, MODEL), (dp, num_stages, mp))
+    grid = [[placement[s][r * mp + j] for s in range(num_stages) for j in range(mp)] for r in range(dp)]
+    sharding = stage_shardings(cap, mp)
+    model_dims = tuple(next((d for d, a in enumerate(spec) if a is not None), None)
+                       for spec in sharding.param_specs)
+    if sharding.padding:
+        leaf, d, k = sharding.padding[0]
+        raise PlanError(f"split({k}) inside a pipeline stage would pad {cap.param_paths[leaf]} (dimension {d} of "
+                        f"{cap.jaxpr.jaxpr.invars[leaf].aval.shape[d]}, which {k} does not divide); padded "
+                        "parameters are not built for pipeline stages yet. Use a split degree that divides it.")
+    if config.zero_level or config.offload:
+        raise PlanError("ZeRO and offload are not built for pipelines with split TaskGraphs inside the stages yet; "
+                        "drop Config(zero=...)/offload, or the split annotations inside the stages.")
+    return _Layout(layout, grid, sharding, model_dims, sharding.constraints)
+
+
+def _program(req: Request, full, cap, cut, schedule, lay: _Layout, dp: int, mp: int, parts):
+    """(the PipelineProgram on the mesh, its memory options); PlanError for remat or activation
+    offload, which a pipeline's recomputation of each stage replaces."""
+    config, cluster = req.config, req.cluster
+    ordered = [cluster.devices[i] for row in lay.grid for i in row] if cluster.devices is not None else None
+    mesh = lay.layout.build(ordered)
     mem = MemoryOptions.from_config(config, ((DATA,),) * cap.num_params)
-    program = PipelineProgram(cap, cut, schedule, mesh, optimizer, cluster.platform, full.global_batch, dp, mem,
-                              parts=parts, model_parallel=mp, model_dims=model_dims, constraints=constraints)
+    program = PipelineProgram(cap, cut, schedule, mesh, req.optimizer, cluster.platform, full.global_batch, dp, mem,
+                              parts=parts, model_parallel=mp, model_dims=lay.model_dims, constraints=lay.constraints)
     _ = program.param_dtype
     if config.remat not in (None, "full") or "activations" in (config.offload or ()):
         raise PlanError(f"a pipeline already recomputes each stage's forward from its stashed input (remat='full'); "
                         f"remat={config.remat!r} / offload={config.offload!r} are not supported with pipelines. Use "
                         "remat=None or 'full' and offload 'opt_state'/'params' only.")
-    program = configure_memory(program, config.replace(remat=None), cluster, [(DATA,)] * num_stages)
+    num_stages = schedule.num_stages
+    return configure_memory(program, config.replace(remat=None), cluster, [(DATA,)] * num_stages), mem
 
-    labels = stage_labels(full, stage_of_eqn, num_stages)
+
+def _stage_rows(full, st: _Stages, cut, program, strategies, placement, dp: int, mp: int):
+    """(the plan's row per stage, the VirtualDevice per stage)."""
+    num_stages, num_chunks = st.num_stages, st.num_chunks
+    labels = stage_labels(full, st.stage_of_eqn, num_stages)
     held = [tuple(sorted({p for c in range(s, num_chunks, num_stages) for p in cut.params[c]}))
             for s in range(num_stages)]
     rows = [Row(s, f"stage {s}: {labels[s]}", True, len(program.device_eqns[s]), held[s]) for s in range(num_stages)]
-    vds = [stage_virtual_device(full, stage_of_eqn, s, strategies[s], mp,
+    vds = [stage_virtual_device(full, st.stage_of_eqn, s, strategies[s], mp,
                                 tuple(tuple(placement[s][r * mp:(r + 1) * mp]) for r in range(dp)))
            for s in range(num_stages)]
-    grad_bytes = program.param_width * np.dtype(program.param_dtype).itemsize
-    comms = pipeline_comms(program, cap, mem.zero_level, dp, V, grad_bytes)
-    if sharding is not None:                 # the split layers' collectives over `model`, per micro-batch
-        comms += split_comms(sharding, cap, stage_of_eqn, m)
-    # the state is stored spread over every device; while computing, a device also holds its stage's
-    # gathered parameter row and the row's gradient accumulator (stage_bytes)
-    assign = {(i,): s for i, s in enumerate(stage_of_eqn)}
-    return assemble(req, program, layout, vds, rows, Work(cap, assign, m * dp),
-                    batch_sizes=(full.global_batch // dp,) * layout.size, global_batch=full.global_batch,
-                    param_specs=dict(zip(cap.param_paths, program.param_spec_list())), comms=comms,
-                    sharding=sharding, stage_bytes=grad_bytes, schedule=schedule,
-                    batch_couplings=tuple(parts.sem.lines()), placement=rule,
-                    stage_layers=tuple(stage_layers) if stage_layers is not None else
-                    tuple(stage_layer_names(full, stage_of_eqn, s) for s in range(num_stages)))
+    return rows, vds
 
 
 def pipeline_comms(program, cap, level: int, dp: int, V: int, grad_bytes: float) -> list:
