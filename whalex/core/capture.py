@@ -130,55 +130,13 @@ def capture(loss_fn: Callable, params, batch, *, has_aux: bool = False,
             kwargs["model_state"] = jax.tree.unflatten(state_tree, leaves[n + nb:n + nb + ns])
         if rng is not None:
             kwargs["rng"] = leaves[-1]
-        out = loss_fn(p, x, **kwargs)
-        new_state = []
-        if model_state is not None:
-            if not (isinstance(out, tuple) and len(out) == 2):
-                raise PlanError("with model_state, loss_fn must return (loss, new_model_state), or "
-                                "(loss, (new_model_state, aux)) with has_aux=True.")
-            out, rest = out
-            if has_aux:
-                if not (isinstance(rest, tuple) and len(rest) == 2):
-                    raise PlanError("with model_state and has_aux=True, loss_fn must return "
-                                    "(loss, (new_model_state, aux)).")
-                rest, aux = rest
-                out = (out, aux)
-            validate.check_outputs("new_model_state", rest)
-            new_leaves, new_tree = jax.tree.flatten(rest)
-            if new_tree != state_tree:
-                raise PlanError(f"loss_fn returned a new model state whose structure differs from model_state:\n"
-                                f"  given    {state_tree}\n  returned {new_tree}\nreturn every collection "
-                                "of model_state, updated or not (flax: mutable=list(model_state)).")
-            new_state = list(new_leaves)
-        if has_aux:
-            if not (isinstance(out, tuple) and len(out) == 2):
-                raise PlanError("has_aux=True but loss_fn did not return a (loss, aux) pair.")
-            loss, aux = out
-            validate.check_outputs("aux", aux)
-            aux_leaves, aux_tree = jax.tree.flatten(aux)
-            aux_box.append((aux_tree, len(aux_leaves)))
-            return (loss, *aux_leaves, *new_state)
-        if len(jax.tree.leaves(out)) != 1:
-            raise PlanError(
-                f"loss_fn must return a scalar floating-point loss, got a {type(out).__name__} of "
-                f"{len(jax.tree.leaves(out))} arrays; if it returns (loss, aux), pass has_aux=True.")
-        aux_box.append((None, 0))
-        return (jax.tree.leaves(out)[0], *new_state)
+        flat, aux = _flat_outputs(loss_fn(p, x, **kwargs), has_aux, model_state is not None, state_tree)
+        aux_box.append(aux)
+        return flat
 
     leaves = flat_params + flat_batch + flat_state + ([rng] if rng is not None else [])
-    abstract = [jax.ShapeDtypeStruct(np.shape(x), dtype_of(x)) for x in leaves]
-    with recording_default() as defaults:
-        try:
-            jaxpr = C.make_jaxpr(flat_loss, *abstract)
-        except NameError as e:
-            _unbound_axis(e)
-            raise
-    loss_aval = jaxpr.out_avals[0]
-    if loss_aval.shape != () or not jax.numpy.issubdtype(loss_aval.dtype, jax.numpy.floating):
-        hint = " (it returned a tuple: pass has_aux=True)" if not has_aux and len(jaxpr.out_avals) > 1 else ""
-        raise PlanError(
-            f"loss_fn must return a scalar floating-point loss (the mean over the batch), got "
-            f"{loss_aval.dtype}{list(loss_aval.shape)}{hint}.")
+    jaxpr, defaults = _trace(flat_loss, leaves)
+    _check_loss(jaxpr, has_aux)
     if default is None:
         default = defaults[-1] if defaults else (DEFAULTS.strategy or Strategy("replicate", None))
     taskgraphs, assign = _group(jaxpr.jaxpr, n, default)
@@ -187,6 +145,70 @@ def capture(loss_fn: Callable, params, batch, *, has_aux: bool = False,
     return Captured(jaxpr, taskgraphs, assign, n, params_tree, batch_tree, param_paths, b, has_aux,
                     aux_tree, default, nb, state_tree, ns,
                     jax.ShapeDtypeStruct(np.shape(rng), dtype_of(rng)) if rng is not None else None, num_aux)
+
+
+def _flat_outputs(out, has_aux: bool, with_state: bool, state_tree):
+    """The flat outputs of one call of the loss, (loss, *aux leaves, *new model-state leaves), and
+    (aux tree, aux leaf count); PlanError for a return that does not match has_aux and model_state."""
+    new_state = []
+    if with_state:
+        out, new_state = _new_state(out, has_aux, state_tree)
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise PlanError("has_aux=True but loss_fn did not return a (loss, aux) pair.")
+        loss, aux = out
+        validate.check_outputs("aux", aux)
+        aux_leaves, aux_tree = jax.tree.flatten(aux)
+        return (loss, *aux_leaves, *new_state), (aux_tree, len(aux_leaves))
+    if len(jax.tree.leaves(out)) != 1:
+        raise PlanError(
+            f"loss_fn must return a scalar floating-point loss, got a {type(out).__name__} of "
+            f"{len(jax.tree.leaves(out))} arrays; if it returns (loss, aux), pass has_aux=True.")
+    return (jax.tree.leaves(out)[0], *new_state), (None, 0)
+
+
+def _new_state(out, has_aux: bool, state_tree):
+    """Split a loss's return with model_state into (the loss or (loss, aux), the new model-state
+    leaves), checking the new state has the structure of the old."""
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise PlanError("with model_state, loss_fn must return (loss, new_model_state), or "
+                        "(loss, (new_model_state, aux)) with has_aux=True.")
+    out, rest = out
+    if has_aux:
+        if not (isinstance(rest, tuple) and len(rest) == 2):
+            raise PlanError("with model_state and has_aux=True, loss_fn must return "
+                            "(loss, (new_model_state, aux)).")
+        rest, aux = rest
+        out = (out, aux)
+    validate.check_outputs("new_model_state", rest)
+    new_leaves, new_tree = jax.tree.flatten(rest)
+    if new_tree != state_tree:
+        raise PlanError(f"loss_fn returned a new model state whose structure differs from model_state:\n"
+                        f"  given    {state_tree}\n  returned {new_tree}\nreturn every collection "
+                        "of model_state, updated or not (flax: mutable=list(model_state)).")
+    return out, list(new_leaves)
+
+
+def _trace(flat_loss, leaves):
+    """(the jaxpr of `flat_loss` on abstract `leaves`, the default strategies set while tracing)."""
+    abstract = [jax.ShapeDtypeStruct(np.shape(x), dtype_of(x)) for x in leaves]
+    with recording_default() as defaults:
+        try:
+            jaxpr = C.make_jaxpr(flat_loss, *abstract)
+        except NameError as e:
+            _unbound_axis(e)
+            raise
+    return jaxpr, defaults
+
+
+def _check_loss(jaxpr, has_aux: bool) -> None:
+    """PlanError unless the loss (output 0) is a floating-point scalar."""
+    loss_aval = jaxpr.out_avals[0]
+    if loss_aval.shape != () or not jax.numpy.issubdtype(loss_aval.dtype, jax.numpy.floating):
+        hint = " (it returned a tuple: pass has_aux=True)" if not has_aux and len(jaxpr.out_avals) > 1 else ""
+        raise PlanError(
+            f"loss_fn must return a scalar floating-point loss (the mean over the batch), got "
+            f"{loss_aval.dtype}{list(loss_aval.shape)}{hint}.")
 
 
 _STATE_COLLECTIONS = ("batch_stats", "cache", "intermediates", "moe_losses")
