@@ -27,7 +27,6 @@ LONG_FUNCTIONS = {
     "_run_once": 84,
     "uneven_head": 77,
     "launch": 74,
-    "balance": 66,
     "uneven_heads": 66,
     "HybridProgram.backbone": 63,
 }

@@ -96,6 +96,23 @@ def balance(total: int, speeds: Sequence[float], capacities: Sequence[float], fi
     over = np.zeros(n) if overheads is None else np.asarray(overheads, dtype=np.float64)
     rate = speeds / (work_per_unit if overheads is not None else 1.0)      # units per second
     loads = np.asarray(proportional(total, rate, over))
+    for i in range(n):
+        if fixed[i] > cap[i]:
+            raise PlanError(
+                f"{names[i]} needs {_gib(fixed[i] - cap[i])} more memory than it has ({_gib(cap[i])}) before "
+                "holding any batch: the model state alone does not fit. Use a split or pipeline plan, ZeRO or "
+                "offload, or leave this device out.")
+    loads, shifted = _shift(total, loads, rate, over, cap, fixed, per, names)
+    flop = loads / speeds * speeds.mean() * n / max(total, 1)
+    peaks = tuple(float((fixed[i] + loads[i] * per[i]) / cap[i]) for i in range(n))
+    return Balance(tuple(int(x) for x in loads), peaks, tuple(float(x) for x in flop), shifted)
+
+
+def _shift(total: int, loads: np.ndarray, rate, over, cap, fixed, per, names) -> tuple[np.ndarray, int]:
+    """(the loads after moving units off every device over its memory onto the device that would
+    finish first and has room, the units moved); PlanError naming the worst device when no shift fits."""
+    loads = loads.copy()
+    n = len(loads)
 
     def mem(i):
         return fixed[i] + loads[i] * per[i]
@@ -105,16 +122,9 @@ def balance(total: int, speeds: Sequence[float], capacities: Sequence[float], fi
             return total
         return int(np.floor((cap[i] - mem(i)) / per[i] + 1e-9))
 
-    for i in range(n):
-        if fixed[i] > cap[i]:
-            raise PlanError(
-                f"{names[i]} needs {_gib(fixed[i] - cap[i])} more memory than it has ({_gib(cap[i])}) before "
-                "holding any batch: the model state alone does not fit. Use a split or pipeline plan, ZeRO or "
-                "offload, or leave this device out.")
     oom = [i for i in range(n) if mem(i) > cap[i]]
     free = [i for i in range(n) if mem(i) <= cap[i]]
     shifted = 0
-    mean_speed = speeds.mean()
     while oom and free:
         peak = max(oom, key=lambda i: mem(i) / cap[i])
         valley = min(free, key=lambda i: (over[i] + loads[i] / rate[i], mem(i) / cap[i]))
@@ -137,9 +147,7 @@ def balance(total: int, speeds: Sequence[float], capacities: Sequence[float], fi
             f"the cluster cannot hold this batch: {names[worst]} is {_gib(mem(worst) - cap[worst])} over its "
             f"{_gib(cap[worst])} and the other devices have no room left (total shortfall {_gib(short)}). Use a "
             "smaller global batch, more devices, or a memory optimization (remat, ZeRO, offload).")
-    flop = loads / speeds * mean_speed * n / max(total, 1)
-    return Balance(tuple(int(x) for x in loads), tuple(float(mem(i) / cap[i]) for i in range(n)),
-                   tuple(float(x) for x in flop), shifted)
+    return loads, shifted
 
 
 def even(total: int, n: int) -> list[int]:
