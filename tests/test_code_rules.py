@@ -24,9 +24,7 @@ MAX_FUNCTION_LINES = 60
 # their line counts may only shrink. This list is to be emptied: split each into functions of one phase
 # and remove its entry; nothing may be added.
 LONG_FUNCTIONS = {
-    "_run_once": 84,
     "uneven_head": 77,
-    "launch": 74,
     "uneven_heads": 66,
     "HybridProgram.backbone": 63,
 }

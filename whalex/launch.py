@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import os
 import shutil
 import signal
@@ -59,6 +60,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 from whalex.distributed import ADDRESS, HEARTBEAT, NUM_PROCESSES, PROCESS_ID, RESTART_COUNT
 from whalex.errors import ConfigError
@@ -145,90 +148,125 @@ class _Stopped(Exception):
     pass
 
 
-def _run_once(n, command, sets, base, host, attempt, hb_dir, heartbeat_timeout, startup_grace, deadline,
-              grace, stdout, stderr, lock, log, live):
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What every attempt of one launch shares: the command and its environment, the coordinator host,
+    the heartbeat directory and limits, the deadline, the output streams and the launcher's log."""
+
+    command: list
+    base: dict
+    host: str
+    hb_dir: str | None
+    heartbeat_timeout: float | None
+    startup_grace: float
+    deadline: float | None
+    grace: float
+    stdout: Any
+    stderr: Any
+    lock: threading.Lock
+    log: Callable[[str], None]
+
+
+def _run_once(run: _Run, n: int, sets, attempt: int, live: list):
     """One start of processes 0..n-1: ("ok" | "failed" | "hung" | "timeout", process, status)."""
-    address = f"{host}:{free_port(host)}"
-    hb_files = [None if hb_dir is None else os.path.join(hb_dir, f"attempt{attempt}-process{i}") for i in range(n)]
-    log(f"attempt {attempt}: starting {n} process(es), coordinator {address}"
-        + ("" if hb_dir is None else f", heartbeat timeout {heartbeat_timeout:g} s after a startup grace of "
-                                     f"{startup_grace:g} s"))
+    address = f"{run.host}:{free_port(run.host)}"
+    hb_files = [None if run.hb_dir is None else os.path.join(run.hb_dir, f"attempt{attempt}-process{i}")
+                for i in range(n)]
+    run.log(f"attempt {attempt}: starting {n} process(es), coordinator {address}"
+            + ("" if run.hb_dir is None else f", heartbeat timeout {run.heartbeat_timeout:g} s after a startup "
+                                             f"grace of {run.startup_grace:g} s"))
     procs = live
-    try:
-        for i in range(n):                               # all children first: no threads during fork
-            e = dict(base)
-            e.update({ADDRESS: address, NUM_PROCESSES: str(n), PROCESS_ID: str(i), RESTART_COUNT: str(attempt)})
-            if hb_files[i] is not None:
-                e[HEARTBEAT] = hb_files[i]
-            if sets[i] is not None:
-                e["WHALEX_CPU_CORES"] = ",".join(map(str, sets[i]))
-            procs.append(subprocess.Popen(command, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          stdin=subprocess.DEVNULL, preexec_fn=_preexec(sets[i])))
-    except BaseException:
-        _stop(procs, grace, log)
-        raise
-    log(f"attempt {attempt}: pids " + " ".join(f"{i}:{p.pid}" for i, p in enumerate(procs)))
+    _spawn(run, n, sets, attempt, address, hb_files, procs)
+    run.log(f"attempt {attempt}: pids " + " ".join(f"{i}:{p.pid}" for i, p in enumerate(procs)))
     threads = []
     for i, p in enumerate(procs):
-        for stream, out in ((p.stdout, stdout), (p.stderr, stderr)):
-            t = threading.Thread(target=_forward, args=(stream, out, f"[{i}] ", lock), daemon=True)
+        for stream, out in ((p.stdout, run.stdout), (p.stderr, run.stderr)):
+            t = threading.Thread(target=_forward, args=(stream, out, f"[{i}] ", run.lock), daemon=True)
             t.start()
             threads.append(t)
-    t0 = time.monotonic()
-    reported, beating = set(), set()
+    reported: set = set()
     outcome = None
     try:
-        while outcome is None:
-            codes = [p.poll() for p in procs]
-            for i, c in enumerate(codes):
-                if c is not None and i not in reported:
-                    reported.add(i)
-                    log(f"process {i} exited with status {_status(c)}")
-            bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                outcome = ("failed", bad[0][0], _status(bad[0][1]))
-                break
-            if all(c == 0 for c in codes):
-                outcome = ("ok", -1, 0)
-                break
-            now = time.monotonic()
-            if deadline is not None and now > deadline:
-                outcome = ("timeout", -1, 124)
-                break
-            if hb_dir is not None:
-                wall, hung = time.time(), []
-                for i, c in enumerate(codes):
-                    if c is not None:
-                        continue
-                    try:
-                        age = wall - os.stat(hb_files[i]).st_mtime
-                    except OSError:                      # no heartbeat yet: starting, compiling
-                        if now - t0 > startup_grace:
-                            log(f"process {i}: no heartbeat within the startup grace of {startup_grace:g} s")
-                            hung.append(i)
-                        continue
-                    if i not in beating:
-                        beating.add(i)
-                        log(f"process {i}: first heartbeat {now - t0:.1f} s after start")
-                    if age > heartbeat_timeout:
-                        log(f"process {i}: heartbeat timeout "
-                            f"(last heartbeat {age:.1f} s ago > {heartbeat_timeout:g} s)")
-                        hung.append(i)
-                if hung:                                 # every stale one is logged; the first is blamed
-                    outcome = ("hung", hung[0], 124)
-                    break
-            time.sleep(0.05)
+        outcome = _watch(run, procs, hb_files, reported)
     finally:
         if outcome is None or outcome[0] != "ok":
-            _stop(procs, grace, log)
+            _stop(procs, run.grace, run.log)
             for i, p in enumerate(procs):
                 if i not in reported and p.returncode is not None:
-                    log(f"process {i} stopped (status {_status(p.returncode)})")
+                    run.log(f"process {i} stopped (status {_status(p.returncode)})")
         join_by = time.monotonic() + 5
         for t in threads:
             t.join(timeout=max(join_by - time.monotonic(), 0.01))
         procs.clear()
     return outcome
+
+
+def _spawn(run: _Run, n: int, sets, attempt: int, address: str, hb_files, procs: list) -> None:
+    """Start processes 0..n-1 into `procs`, all children first (no threads during fork); on any
+    failure stop those already started."""
+    try:
+        for i in range(n):
+            e = dict(run.base)
+            e.update({ADDRESS: address, NUM_PROCESSES: str(n), PROCESS_ID: str(i), RESTART_COUNT: str(attempt)})
+            if hb_files[i] is not None:
+                e[HEARTBEAT] = hb_files[i]
+            if sets[i] is not None:
+                e["WHALEX_CPU_CORES"] = ",".join(map(str, sets[i]))
+            procs.append(subprocess.Popen(run.command, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          stdin=subprocess.DEVNULL, preexec_fn=_preexec(sets[i])))
+    except BaseException:
+        _stop(procs, run.grace, run.log)
+        raise
+
+
+def _watch(run: _Run, procs: list, hb_files, reported: set):
+    """Poll the processes until one fails, all succeed, the deadline passes or one stops beating (the
+    outcome); every exit is logged once, as it is seen, and recorded in `reported`."""
+    t0 = time.monotonic()
+    beating: set = set()
+    while True:
+        codes = [p.poll() for p in procs]
+        for i, c in enumerate(codes):
+            if c is not None and i not in reported:
+                reported.add(i)
+                run.log(f"process {i} exited with status {_status(c)}")
+        bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+        if bad:
+            return ("failed", bad[0][0], _status(bad[0][1]))
+        if all(c == 0 for c in codes):
+            return ("ok", -1, 0)
+        now = time.monotonic()
+        if run.deadline is not None and now > run.deadline:
+            return ("timeout", -1, 124)
+        if run.hb_dir is not None:
+            hung = _stale(run, codes, hb_files, now - t0, beating)
+            if hung:                                     # every stale one is logged; the first is blamed
+                return ("hung", hung[0], 124)
+        time.sleep(0.05)
+
+
+def _stale(run: _Run, codes, hb_files, elapsed: float, beating: set) -> list[int]:
+    """The running processes with no heartbeat past the startup grace or one older than the timeout,
+    each logged; `beating` records the processes seen beating (their first beat is logged)."""
+    wall, hung = time.time(), []
+    for i, c in enumerate(codes):
+        if c is not None:
+            continue
+        try:
+            age = wall - os.stat(hb_files[i]).st_mtime
+        except OSError:                                  # no heartbeat yet: starting, compiling
+            if elapsed > run.startup_grace:
+                run.log(f"process {i}: no heartbeat within the startup grace of {run.startup_grace:g} s")
+                hung.append(i)
+            continue
+        if i not in beating:
+            beating.add(i)
+            run.log(f"process {i}: first heartbeat {elapsed:.1f} s after start")
+        if age > run.heartbeat_timeout:
+            run.log(f"process {i}: heartbeat timeout "
+                    f"(last heartbeat {age:.1f} s ago > {run.heartbeat_timeout:g} s)")
+            hung.append(i)
+    return hung
 
 
 def argument_error(n: int, restarts: int = 0, min_processes: int | None = None,
@@ -289,33 +327,13 @@ def launch(n: int, command: list[str], cores_per_process: int | None = None, pin
     old = signal.signal(signal.SIGTERM, on_signal) if threading.current_thread() is threading.main_thread() else None
     hb_dir = tempfile.mkdtemp(prefix="whalex-heartbeat-") if heartbeat_timeout is not None else None
     deadline = None if timeout is None else time.monotonic() + timeout
+    run = _Run(command, base, host, hb_dir, heartbeat_timeout, startup_grace, deadline, grace, stdout, stderr,
+               lock, log)
     live: list[subprocess.Popen] = []
-    failures = 0
     log(f"{' '.join(command)}: {n} process(es), up to {restarts} restart(s)"
         + (f", down to {min_processes} process(es)" if min_processes < n else ""))
     try:
-        for attempt in range(restarts + 1):
-            m = max(min_processes, n - failures)
-            sets = core_sets(m, cores_per_process, pin)
-            kind, i, code = _run_once(m, command, sets, base, host, attempt, hb_dir, heartbeat_timeout,
-                                      startup_grace, deadline, grace, stdout, stderr, lock, log, live)
-            if kind == "ok":
-                log(f"attempt {attempt}: all {m} process(es) exited with status 0")
-                return 0
-            if kind == "timeout":
-                log(f"timed out after {timeout:g} s; stopped all processes.")
-                return code
-            failures += 1
-            what = (f"process {i} exited with status {code}" if kind == "failed"
-                    else f"process {i} stopped making progress (heartbeat)")
-            if attempt == restarts:
-                log(f"{what}; stopped the others; "
-                    + (f"no restart left ({restarts} used); " if restarts else "")
-                    + f"exiting with status {code}.")
-                return code
-            log(f"{what}; stopped the others; restart {attempt + 1} of {restarts} with "
-                f"{max(min_processes, n - failures)} process(es)")
-        raise AssertionError("unreachable")
+        return _attempts(run, n, min_processes, restarts, cores_per_process, pin, timeout, live)
     except KeyboardInterrupt:
         _stop(live, grace, log)
         log("interrupted; stopped all processes.")
@@ -329,6 +347,34 @@ def launch(n: int, command: list[str], cores_per_process: int | None = None, pin
             signal.signal(signal.SIGTERM, old)
         if hb_dir is not None:
             shutil.rmtree(hb_dir, ignore_errors=True)
+
+
+def _attempts(run: _Run, n: int, min_processes: int, restarts: int, cores_per_process: int | None, pin: bool,
+              timeout: float | None, live: list) -> int:
+    """Start the group up to `restarts` + 1 times, one process fewer after each failure (down to
+    `min_processes`): the exit status of the last attempt."""
+    log, failures = run.log, 0
+    for attempt in range(restarts + 1):
+        m = max(min_processes, n - failures)
+        sets = core_sets(m, cores_per_process, pin)
+        kind, i, code = _run_once(run, m, sets, attempt, live)
+        if kind == "ok":
+            log(f"attempt {attempt}: all {m} process(es) exited with status 0")
+            return 0
+        if kind == "timeout":
+            log(f"timed out after {timeout:g} s; stopped all processes.")
+            return code
+        failures += 1
+        what = (f"process {i} exited with status {code}" if kind == "failed"
+                else f"process {i} stopped making progress (heartbeat)")
+        if attempt == restarts:
+            log(f"{what}; stopped the others; "
+                + (f"no restart left ({restarts} used); " if restarts else "")
+                + f"exiting with status {code}.")
+            return code
+        log(f"{what}; stopped the others; restart {attempt + 1} of {restarts} with "
+            f"{max(min_processes, n - failures)} process(es)")
+    raise AssertionError("unreachable")
 
 
 def main(argv: list[str] | None = None) -> int:
