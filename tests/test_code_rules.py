@@ -24,8 +24,6 @@ MAX_FUNCTION_LINES = 60
 # their line counts may only shrink. This list is to be emptied: split each into functions of one phase
 # and remove its entry; nothing may be added.
 LONG_FUNCTIONS = {
-    "uneven_head": 77,
-    "uneven_heads": 66,
     "HybridProgram.backbone": 63,
 }
 

@@ -73,9 +73,37 @@ def uneven_head(mesh, model_axis: str, batch_axes: tuple, layout: UnevenColumns,
     """f(x, kernel_padded, bias_padded, labels) -> mean softmax cross-entropy, uneven over `model_axis`."""
     counts = jnp.asarray(layout.counts, jnp.int32)
     offsets = jnp.asarray(layout.offsets, jnp.int32)
-    width, chunk, total = layout.width, layout.chunk, float(global_batch)
     bspec = batch_axes if batch_axes else None
     mx = model_axis
+    local_fwd = _head_forward(counts, offsets, layout, mx, batch_axes, float(global_batch))
+    local_bwd = _head_backward(counts, offsets, layout, mx, batch_axes, float(global_batch))
+    fwd_map = jax.shard_map(local_fwd, mesh=mesh, in_specs=(P(bspec), P(None, mx), P(mx), P(bspec)),
+                            out_specs=(P(), P(bspec, mx), P(bspec)), check_vma=False)
+    bwd_map = jax.shard_map(local_bwd, mesh=mesh,
+                            in_specs=(P(bspec), P(None, mx), P(bspec), P(bspec, mx), P(bspec), P()),
+                            out_specs=(P(bspec), P(None, mx), P(mx)), check_vma=False)
+
+    @jax.custom_vjp
+    def head(x, w, b, y):
+        return fwd_map(x, w, b, y)[0]
+
+    def fwd(x, w, b, y):
+        loss, logits, lse = fwd_map(x, w, b, y)
+        return loss, (x, w, y, logits, lse)
+
+    def bwd(res, g):
+        x, w, y, logits, lse = res
+        dx, dw, db = bwd_map(x, w, y, logits, lse, g)
+        return dx, dw, db, None
+
+    head.defvjp(fwd, bwd)
+    return head
+
+
+def _head_forward(counts, offsets, layout: UnevenColumns, mx: str, batch_axes: tuple, total: float):
+    """One device's forward of the uneven head: its logits in a loop over its own chunks, the softmax
+    statistics combined over `mx` -> (mean loss, logits, log-sum-exp)."""
+    width, chunk = layout.width, layout.chunk
 
     def local_fwd(x, w, b, y):
         i = jax.lax.axis_index(mx)
@@ -101,6 +129,14 @@ def uneven_head(mesh, model_axis: str, batch_axes: tuple, layout: UnevenColumns,
             loss = jax.lax.psum(loss, batch_axes)
         return loss / total, logits, lse
 
+    return local_fwd
+
+
+def _head_backward(counts, offsets, layout: UnevenColumns, mx: str, batch_axes: tuple, total: float):
+    """One device's backward of the uneven head: the weight and input gradients in a loop over its
+    own chunks, the input gradient summed over `mx` after the loop -> (dx, dw, db)."""
+    width, chunk = layout.width, layout.chunk
+
     def local_bwd(x, w, y, logits, lse, g):
         i = jax.lax.axis_index(mx)
         n = counts[i]
@@ -125,28 +161,7 @@ def uneven_head(mesh, model_axis: str, batch_axes: tuple, layout: UnevenColumns,
             dw, db = jax.lax.psum((dw, db), batch_axes)
         return dx, dw, db
 
-    fwd_map = jax.shard_map(local_fwd, mesh=mesh, in_specs=(P(bspec), P(None, mx), P(mx), P(bspec)),
-                            out_specs=(P(), P(bspec, mx), P(bspec)), check_vma=False)
-    bwd_map = jax.shard_map(local_bwd, mesh=mesh,
-                            in_specs=(P(bspec), P(None, mx), P(bspec), P(bspec, mx), P(bspec), P()),
-                            out_specs=(P(bspec), P(None, mx), P(mx)), check_vma=False)
-
-    @jax.custom_vjp
-    def head(x, w, b, y):
-        return fwd_map(x, w, b, y)[0]
-
-    def fwd(x, w, b, y):
-        loss, logits, lse = fwd_map(x, w, b, y)
-        return loss, (x, w, y, logits, lse)
-
-    def bwd(res, g):
-        x, w, y, logits, lse = res
-        dx, dw, db = bwd_map(x, w, y, logits, lse, g)
-        return dx, dw, db, None
-
-    head.defvjp(fwd, bwd)
-    return head
-
+    return local_bwd
 
 
 @dataclasses.dataclass(frozen=True)

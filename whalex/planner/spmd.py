@@ -309,6 +309,19 @@ def _model_shards(vd, layout, cluster):
     return axis, per_model, speeds, spreads, caps
 
 
+@dataclasses.dataclass(frozen=True)
+class _UnevenOp:
+    """A call the uneven split can shard: what it splits (`kind`), its weights and the dimension of
+    each that holds the split units, and its MLP activation or attention causality."""
+
+    name: str
+    kind: str
+    weights: tuple
+    dims: tuple[int, ...]
+    activation: object = None
+    causal: object = None
+
+
 def uneven_heads(cap, vds, layout, sharding, cluster, optimizer):
     """Uneven shards under split on a heterogeneous model axis, for `wh.ops.softmax_cross_entropy_head`
     (classes), `wh.ops.mlp` (hidden units) and `wh.ops.attention` (heads): (the UnevenCalls,
@@ -319,59 +332,79 @@ def uneven_heads(cap, vds, layout, sharding, cluster, optimizer):
     opt = 2.0 if optimizer is not None else 0.0
     recompute = cluster.platform == "cpu"      # lax.empty is a zero fill there: see uneven_split._Blocks
     for i, eqn in enumerate(jaxpr.eqns):
-        name = str(eqn.params.get("name", "")) if C.is_call(eqn) else ""
-        activation, causal = parse_mlp_name(name), parse_attention_name(name)
-        if name == HEAD_NAME:
-            kind, weights, dims = "classes", eqn.invars[1:3], (1, 0)
-        elif activation is not None:
-            kind, weights, dims = "hidden units", eqn.invars[1:4], (1, 0, 0)
-        elif causal is not None:
-            kind, weights, dims = "heads", eqn.invars[1:8], (1, 0, 1, 0, 1, 0, 0)
-        else:
+        op = _uneven_op(eqn)
+        if op is None:
             continue
-        shards = _model_shards(vds[cap.assign[(i,)]], layout, cluster)
+        vd = vds[cap.assign[(i,)]]
+        shards = _model_shards(vd, layout, cluster)
         if shards is None:
             continue
-        axis, per_model, speeds, spreads, caps = shards
-        vd = vds[cap.assign[(i,)]]
+        axis, per_model, speeds, _, caps = shards
         cast = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns[:i] if e.primitive.name == "convert_element_type"}
-        weights = [cast.get(v, v) for v in weights]    # amp: the fp32 parameter behind the cast
+        weights = [cast.get(v, v) for v in op.weights]    # amp: the fp32 parameter behind the cast
         if any(w not in params for w in weights):
             continue
-        itemsize = np.dtype(weights[0].aval.dtype).itemsize
         names = [f"model shard {j} ({cluster.specs[per_model[0, j]].name})" for j in range(len(speeds))]
         units = weights[0].aval.shape[1]
-        per_column = sum(np.prod(w.aval.shape) / w.aval.shape[d] for w, d in zip(weights, dims)) * itemsize * (2 + opt)
-        width = int(np.prod(weights[0].aval.shape[2:])) if kind == "heads" else 1     # a head's columns
-        cols, bal = plan_columns(units, speeds, caps, per_column, names, width)
-        for j, c in enumerate(caps):                                   # every device stores the padded width
-            if cols.width * per_column > c:
-                raise PlanError(f"{names[j]} cannot hold the padded shard of {cols.width} {kind} "
-                                f"({cols.width * per_column / 2**30:.2f} GiB > {c / 2**30:.2f} GiB); use more devices "
-                                "or hardware_aware=False.")
+        cols, bal, per_column = _columns(op, weights, units, speeds, caps, names, opt)
         batch_axes = tuple(a for a in vd.batch_axes if layout.axis_size((a,)) > 1)
         leaves = [params[w] for w in weights]
-        for leaf, d in zip(leaves, dims):
+        for leaf, d in zip(leaves, op.dims):
             padded[leaf] = (cols, d)
             specs[leaf] = P(*([None] * d + [axis]))
-        if name == HEAD_NAME:
-            calls.append(UnevenCall((i,), "head", axis, batch_axes, cols, global_batch=cap.global_batch))
-        elif causal is not None:
-            calls.append(UnevenCall((i,), "attention", axis, batch_axes, cols, dims, causal=causal,
-                                    recompute=recompute))
-        else:
-            calls.append(UnevenCall((i,), "mlp", axis, batch_axes, cols, dims, activation=activation,
-                                    recompute=recompute))
-        tg_flops = taskgraph_flops(cap.jaxpr, {(j,): 0 if j == i else 1 for j in range(len(jaxpr.eqns))}, 1,
-                                   cap.num_params)[0]
-        even = [units // len(speeds)] * len(speeds)
-        reports.append(cost.report([cluster.specs[per_model[0, j]] for j in range(len(speeds))], speeds,
-                                   cols.counts, even, source=cluster.speed_source, unit=cols.chunk, applied=True,
-                                   shifted=bal.shifted, flops_per_sample=tg_flops / units,
-                                   state_bytes=cols.width * per_column, act_base=0.0, act_per_sample=0.0,
-                                   spreads=spreads))
-        reports[-1] = dataclasses.replace(reports[-1], kind=f"{kind} of {cap.param_paths[leaves[0]]} "
-                                                            f"(padded to {cols.width})")
+        calls.append(_uneven_call(op, i, axis, batch_axes, cols, cap.global_batch, recompute))
+        reports.append(_uneven_report(cap, i, op, leaves[0], cluster, shards, cols, bal, per_column, units))
     if not calls:
         return None
     return tuple(calls), padded, dataclasses.replace(sharding, param_specs=tuple(specs)), reports[0]
+
+
+def _uneven_op(eqn) -> _UnevenOp | None:
+    """The head, MLP or attention call `eqn` is (by its name), or None."""
+    name = str(eqn.params.get("name", "")) if C.is_call(eqn) else ""
+    activation, causal = parse_mlp_name(name), parse_attention_name(name)
+    if name == HEAD_NAME:
+        return _UnevenOp(name, "classes", tuple(eqn.invars[1:3]), (1, 0), activation, causal)
+    if activation is not None:
+        return _UnevenOp(name, "hidden units", tuple(eqn.invars[1:4]), (1, 0, 0), activation, causal)
+    if causal is not None:
+        return _UnevenOp(name, "heads", tuple(eqn.invars[1:8]), (1, 0, 1, 0, 1, 0, 0), activation, causal)
+    return None
+
+
+def _columns(op: _UnevenOp, weights, units: int, speeds, caps, names, opt: float):
+    """(the uneven layout of `units` over the model shards, Algorithm 1's balance, the bytes one unit
+    stores: weights, gradients, optimizer state); PlanError when a device cannot hold the padded width."""
+    itemsize = np.dtype(weights[0].aval.dtype).itemsize
+    per_column = sum(np.prod(w.aval.shape) / w.aval.shape[d] for w, d in zip(weights, op.dims)) * itemsize * (2 + opt)
+    width = int(np.prod(weights[0].aval.shape[2:])) if op.kind == "heads" else 1     # a head's columns
+    cols, bal = plan_columns(units, speeds, caps, per_column, names, width)
+    for j, c in enumerate(caps):                                   # every device stores the padded width
+        if cols.width * per_column > c:
+            raise PlanError(f"{names[j]} cannot hold the padded shard of {cols.width} {op.kind} "
+                            f"({cols.width * per_column / 2**30:.2f} GiB > {c / 2**30:.2f} GiB); use more devices "
+                            "or hardware_aware=False.")
+    return cols, bal, per_column
+
+
+def _uneven_call(op: _UnevenOp, i: int, axis, batch_axes, cols, global_batch: int, recompute: bool) -> UnevenCall:
+    """The UnevenCall that replaces equation `i`."""
+    if op.name == HEAD_NAME:
+        return UnevenCall((i,), "head", axis, batch_axes, cols, global_batch=global_batch)
+    if op.causal is not None:
+        return UnevenCall((i,), "attention", axis, batch_axes, cols, op.dims, causal=op.causal, recompute=recompute)
+    return UnevenCall((i,), "mlp", axis, batch_axes, cols, op.dims, activation=op.activation, recompute=recompute)
+
+
+def _uneven_report(cap, i: int, op: _UnevenOp, leaf: int, cluster, shards, cols, bal, per_column, units: int):
+    """Algorithm 1's report for the uneven split of equation `i` over the model shards."""
+    _, per_model, speeds, spreads, _ = shards
+    tg_flops = taskgraph_flops(cap.jaxpr, {(j,): 0 if j == i else 1 for j in range(len(cap.jaxpr.jaxpr.eqns))}, 1,
+                               cap.num_params)[0]
+    even = [units // len(speeds)] * len(speeds)
+    report = cost.report([cluster.specs[per_model[0, j]] for j in range(len(speeds))], speeds,
+                         cols.counts, even, source=cluster.speed_source, unit=cols.chunk, applied=True,
+                         shifted=bal.shifted, flops_per_sample=tg_flops / units,
+                         state_bytes=cols.width * per_column, act_base=0.0, act_per_sample=0.0,
+                         spreads=spreads)
+    return dataclasses.replace(report, kind=f"{op.kind} of {cap.param_paths[leaf]} (padded to {cols.width})")
