@@ -154,17 +154,41 @@ class HybridProgram(Program):
         custom_vjp: the forward chunk loop stores each part's residuals in per-size buffers (a slot
         per part), the backward loop applies each part's pullback to them, then one psum of the
         parameter gradients."""
-        vjps = self.part_vjps
-        outs = self.backbones[0][1].outputs
-        rows, axes, mesh = self.rows, self.axes, self.mesh
-        block, chunk = rows.block, rows.chunk
-        starts = jnp.asarray([a for a, _ in rows.row_ranges()], jnp.int32)
+        axes, chunk = self.axes, self.rows.chunk
+        starts = jnp.asarray([a for a, _ in self.rows.row_ranges()], jnp.int32)
 
         def local_part(where):
             """(offset in this device's block, rows, residual slot) of a part."""
             (first, size), = where
             off = first - starts[jax.lax.axis_index(axes)]
             return off, size, off // chunk if size == chunk else 0
+
+        spec = P(axes)
+        fwd_map = jax.shard_map(self._forward_local(local_part), mesh=self.mesh, in_specs=(P(), spec),
+                                out_specs=(spec, spec), check_vma=False)
+        bwd_map = jax.shard_map(self._backward_local(local_part), mesh=self.mesh, in_specs=(P(), spec, spec, spec),
+                                out_specs=P(), check_vma=False)
+
+        @jax.custom_vjp
+        def backbone(params, blocks):
+            return fwd_map(params, blocks)[0]
+
+        def fwd(params, blocks):
+            acts, bufs = fwd_map(params, blocks)
+            return acts, (params, blocks, bufs)
+
+        def bwd(res, cts):
+            params, blocks, bufs = res
+            return bwd_map(params, blocks, bufs, cts), jax.tree.map(_zero_cotangent, blocks)
+
+        backbone.defvjp(fwd, bwd)
+        return backbone
+
+    def _forward_local(self, local_part):
+        """One device's forward chunk loop: each part's boundary values written at its offset in the
+        block, its residuals into its slot of the buffers of its size."""
+        vjps, outs = self.part_vjps, self.backbones[0][1].outputs
+        rows, axes, block = self.rows, self.axes, self.rows.block
 
         def fwd_local(params, blocks):
             loop, _ = rows.parts_driver(blocks, axis=axes)
@@ -181,6 +205,13 @@ class HybridProgram(Program):
                 return acts, bufs
             return loop(fn, (acts, bufs))
 
+        return fwd_local
+
+    def _backward_local(self, local_part):
+        """One device's backward chunk loop: each part's pullback applied to its stored residuals, the
+        parameter gradients summed over the loop, then over the mesh."""
+        vjps, rows, axes = self.part_vjps, self.rows, self.axes
+
         def bwd_local(params, blocks, bufs, cts):
             loop, _ = rows.parts_driver(blocks, axis=axes)
             consts = {s: v.constants() for s, v in vjps.items()}
@@ -193,25 +224,7 @@ class HybridProgram(Program):
             grads = loop(fn, jax.tree.map(jnp.zeros_like, params))
             return fused_psum(grads, axes)                # after the loop: one all-reduce per dtype
 
-        spec = P(axes)
-        fwd_map = jax.shard_map(fwd_local, mesh=mesh, in_specs=(P(), spec), out_specs=(spec, spec), check_vma=False)
-        bwd_map = jax.shard_map(bwd_local, mesh=mesh, in_specs=(P(), spec, spec, spec), out_specs=P(),
-                                check_vma=False)
-
-        @jax.custom_vjp
-        def backbone(params, blocks):
-            return fwd_map(params, blocks)[0]
-
-        def fwd(params, blocks):
-            acts, bufs = fwd_map(params, blocks)
-            return acts, (params, blocks, bufs)
-
-        def bwd(res, cts):
-            params, blocks, bufs = res
-            return bwd_map(params, blocks, bufs, cts), jax.tree.map(_zero_cotangent, blocks)
-
-        backbone.defvjp(fwd, bwd)
-        return backbone
+        return bwd_local
 
     def value_and_grad(self):
         cap, cut = self.captured, self.cut
