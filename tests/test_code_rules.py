@@ -20,13 +20,6 @@ LIBRARY = PROJECT / "whalex"
 # ------------------------------------------------------------------------------------ function length
 MAX_FUNCTION_LINES = 60
 
-# Functions over the limit today, by qualified name (not module, so that moving one keeps its entry):
-# their line counts may only shrink. This list is to be emptied: split each into functions of one phase
-# and remove its entry; nothing may be added.
-LONG_FUNCTIONS = {
-    "HybridProgram.backbone": 63,
-}
-
 
 def _functions(source: str):
     """(qualified name, first line, lines) of every function and method, nested ones too, counted
@@ -48,33 +41,20 @@ def _functions(source: str):
     return found
 
 
-def _long_functions() -> dict[str, list[tuple[str, int]]]:
-    """{qualified name: [(where, lines)]} of the functions in whalex/ over MAX_FUNCTION_LINES."""
-    long: dict[str, list[tuple[str, int]]] = {}
+def _long_functions() -> list[str]:
+    """Every function in whalex/ over MAX_FUNCTION_LINES, as "where name: N lines"."""
+    long = []
     for path in sorted(LIBRARY.rglob("*.py")):
         rel = path.relative_to(PROJECT).as_posix()
-        for name, line, n in _functions(path.read_text()):
-            if n > MAX_FUNCTION_LINES:
-                long.setdefault(name, []).append((f"{rel}:{line}", n))
+        long.extend(f"{rel}:{line} {name}: {n} lines" for name, line, n in _functions(path.read_text())
+                    if n > MAX_FUNCTION_LINES)
     return long
 
 
 def test_no_function_is_over_60_lines():
-    """A function does one phase: past 60 lines it mixes several (validate, decide, build, report).
-    Only LONG_FUNCTIONS may be longer, and none of them may grow."""
+    """A function does one phase: past 60 lines it mixes several (validate, decide, build, report)."""
     long = _long_functions()
-    new = [f"{where} {name}: {n} lines" for name, places in long.items() if name not in LONG_FUNCTIONS
-           for where, n in places]
-    grown = [f"{where} {name}: {n} lines, listed at {LONG_FUNCTIONS[name]}" for name, places in long.items()
-             if name in LONG_FUNCTIONS for where, n in places if n > LONG_FUNCTIONS[name]]
-    assert not new, f"functions over {MAX_FUNCTION_LINES} lines (split them by phase):\n" + "\n".join(new)
-    assert not grown, "listed long functions that grew (they may only shrink):\n" + "\n".join(grown)
-
-
-def test_the_long_function_list_only_holds_long_functions():
-    """An entry whose function was split (or is gone) leaves the list, so the list shrinks to empty."""
-    stale = sorted(set(LONG_FUNCTIONS) - set(_long_functions()))
-    assert not stale, f"no longer over {MAX_FUNCTION_LINES} lines, remove from LONG_FUNCTIONS: {stale}"
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them by phase):\n" + "\n".join(long)
 
 
 def test_function_lengths_are_counted_from_def_to_the_last_line():
