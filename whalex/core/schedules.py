@@ -182,25 +182,18 @@ class Schedule:
         """Per tick, the micro-batches whose input to chunk `chunk` its stage holds (arrived, or
         read from the batch for chunk 0, and not yet backward)."""
         when, S = self.when(), self.num_stages
-        out = []
-        for t in range(self.num_ticks):
-            held = set()
-            for m in range(self.num_micro_batch):
-                start = (when[Task(0, m, "F", 0)] if chunk == 0
-                         else when[Task((chunk - 1) % S, m, "F", chunk - 1)] + 1)
-                if start <= t <= when[Task(chunk % S, m, "B", chunk)]:
-                    held.add(m)
-            out.append(held)
-        return out
+        spans = [((when[Task(0, m, "F", 0)] if chunk == 0 else when[Task((chunk - 1) % S, m, "F", chunk - 1)] + 1),
+                  when[Task(chunk % S, m, "B", chunk)]) for m in range(self.num_micro_batch)]
+        return [{m for m, (start, end) in enumerate(spans) if start <= t <= end} for t in range(self.num_ticks)]
 
     def live_grads_chunk(self, chunk: int) -> list[set[int]]:
         """Per tick, the micro-batches whose output gradient chunk `chunk` holds (arrived, not used)."""
         if chunk == self.num_chunks - 1:
             return [set() for _ in range(self.num_ticks)]
         when, S = self.when(), self.num_stages
-        return [{m for m in range(self.num_micro_batch)
-                 if when[Task((chunk + 1) % S, m, "B", chunk + 1)] + 1 <= t <= when[Task(chunk % S, m, "B", chunk)]}
-                for t in range(self.num_ticks)]
+        spans = [(when[Task((chunk + 1) % S, m, "B", chunk + 1)] + 1, when[Task(chunk % S, m, "B", chunk)])
+                 for m in range(self.num_micro_batch)]
+        return [{m for m, (start, end) in enumerate(spans) if start <= t <= end} for t in range(self.num_ticks)]
 
     def live(self, stage: int) -> list[set]:
         """Per tick, what stage `stage` holds: micro-batches (arrived, not yet backward); with
@@ -242,7 +235,8 @@ class Schedule:
         taking the lowest slot free from its arrival to its backward (chunk 0 reads the batch)."""
         when, S = self.when(), self.num_stages
         if self.virtual_stages == 1:
-            return self.slots, {(c, m): m % self.slots for c in range(S) for m in range(self.num_micro_batch)}
+            slots = self.slots
+            return slots, {(c, m): m % slots for c in range(S) for m in range(self.num_micro_batch)}
         spans = {(c, m): (when[Task((c - 1) % S, m, "F", c - 1)] + 1, when[Task(c % S, m, "B", c)])
                  for c in range(1, self.num_chunks) for m in range(self.num_micro_batch)}
         return _pool(spans, S)
