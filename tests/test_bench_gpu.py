@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_gpu_bench_small_runs_every_case(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}    # one CPU device, as on one GPU
     env["JAX_PLATFORMS"] = "cpu"
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"             # compiled as the suite compiles (conftest)
     out = tmp_path / "gpu.json"
     cases = ["pair_bf16", "plain_remat_block", "whalex_remat_full", "whalex_offload_opt_state"]
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--small", "--out", str(out),

@@ -457,10 +457,11 @@ def test_uneven_blocks_write_out_the_common_blocks_and_loop_the_rest(counts, chu
     uneven = lambda ws, x: jnp.sum(jnp.sin(fn(x, *ws)))                                # noqa: E731
     dense = lambda ws, x: jnp.sum(jnp.sin(jax.nn.gelu(x @ ws[0] + ws[1]) @ ws[2]))     # noqa: E731
     padded = [layout.pad(w1, 1), layout.pad(b1, 0), layout.pad(w2, 0)]
-    (v, g), (rv, rg) = jax.value_and_grad(uneven, (0, 1))(padded, x), jax.value_and_grad(dense, (0, 1))((w1, b1, w2), x)
+    (v, g), (rv, rg) = (jax.jit(jax.value_and_grad(uneven, (0, 1)))(padded, x),
+                        jax.value_and_grad(dense, (0, 1))((w1, b1, w2), x))
     np.testing.assert_allclose(v, rv, rtol=1e-5)
     plain = jax.nn.gelu(x @ w1 + b1) @ w2                               # the forward alone (no residuals)
-    assert rel_err(fn(x, *padded), plain) < 1e-5
+    assert rel_err(jax.jit(fn)(x, *padded), plain) < 1e-5
     assert rel_err(g[1], rg[1]) < 1e-5                                  # reassociation only
     for got, want, axis in zip(g[0], rg[0], (1, 0, 0)):
         assert rel_err(layout.unpad(got, axis), want) < 1e-5
