@@ -1,4 +1,4 @@
-"""Flax NNX models after public architectures (tests/public_models: nnx_llama, nnx_resnet) trained
+"""Flax NNX models after public architectures (tests/public_models: nnx_llama, nnx_vit, nnx_resnet) trained
 through whalex's NNX path under the suite's plan kinds, against plain NNX training on one device:
 the same losses, nnx.Params and BatchNorm statistics. BatchNorm's statistics couple the samples,
 so plans that evaluate the loss in parts refuse the ResNet by name."""
@@ -11,10 +11,10 @@ from flax import nnx
 
 import whalex as wh
 from conftest import rel_err
-from public_models import annotate, nnx_llama, nnx_resnet, plans
+from public_models import annotate, nnx_llama, nnx_resnet, nnx_vit, plans
 from public_models.plans import PLANS, Plan
 
-FAMILIES = {"llama": nnx_llama.problem, "resnet": nnx_resnet.problem}
+FAMILIES = {"llama": nnx_llama.problem, "vit": nnx_vit.problem, "resnet": nnx_resnet.problem}
 STEPS = 2
 
 
@@ -55,8 +55,9 @@ def _assert_close(got, want):
     assert not jax.tree.leaves(errs) or max(jax.tree.leaves(errs)) < 1e-4, errs
 
 
-MATRIX = [("llama", "split"), ("llama", "1f1b"), ("llama", "hetero"), ("llama", "hetero hybrid"), ("llama", "zero 3"),
-          ("llama", "remat full"), ("resnet", "hybrid"), ("resnet", "zero 1")]
+MATRIX = [("llama", "split"), ("llama", "1f1b"), ("llama", "3d"), ("llama", "hetero"), ("llama", "hetero hybrid"),
+          ("llama", "zero 3"), ("llama", "remat full"), ("vit", "split"), ("vit", "gpipe"), ("vit", "hetero"),
+          ("resnet", "hybrid"), ("resnet", "zero 1")]
 
 
 @pytest.mark.parametrize("family,plan", MATRIX)
