@@ -1,6 +1,6 @@
-"""Flax NNX models after public architectures (tests/public_models: nnx_llama, nnx_vit, nnx_resnet) trained
-through whalex's NNX path under the suite's plan kinds, against plain NNX training on one device:
-the same losses, nnx.Params and BatchNorm statistics. BatchNorm's statistics couple the samples,
+"""Flax NNX models after public architectures (tests/public_models: nnx_llama, nnx_vit, nnx_t5,
+nnx_resnet) trained through whalex's NNX path under the suite's plan kinds, against plain NNX
+training on one device: the same losses, nnx.Params and BatchNorm statistics. BatchNorm's statistics couple the samples,
 so plans that evaluate the loss in parts refuse the ResNet by name."""
 import functools
 
@@ -11,10 +11,10 @@ from flax import nnx
 
 import whalex as wh
 from conftest import rel_err
-from public_models import annotate, nnx_llama, nnx_resnet, nnx_vit, plans
+from public_models import annotate, nnx_llama, nnx_resnet, nnx_t5, nnx_vit, plans
 from public_models.plans import PLANS, Plan
 
-FAMILIES = {"llama": nnx_llama.problem, "vit": nnx_vit.problem, "resnet": nnx_resnet.problem}
+FAMILIES = {"llama": nnx_llama.problem, "vit": nnx_vit.problem, "t5": nnx_t5.problem, "resnet": nnx_resnet.problem}
 STEPS = 2
 
 
@@ -57,7 +57,7 @@ def _assert_close(got, want):
 
 MATRIX = [("llama", "split"), ("llama", "1f1b"), ("llama", "3d"), ("llama", "hetero"), ("llama", "hetero hybrid"),
           ("llama", "zero 3"), ("llama", "remat full"), ("vit", "split"), ("vit", "gpipe"), ("vit", "hetero"),
-          ("resnet", "hybrid"), ("resnet", "zero 1")]
+          ("t5", "hybrid"), ("t5", "micro-batches"), ("resnet", "hybrid"), ("resnet", "zero 1")]
 
 
 @pytest.mark.parametrize("family,plan", MATRIX)
