@@ -241,6 +241,34 @@ def is_worker() -> bool:
     return pid is not None
 
 
+def two_process_main(argv, parse, worker, driver):
+    """The entry point of a two-process bench: `parse(argv)`, then `worker(args)` in a worker that
+    `python -m whalex.launch` started, or `driver(args, argv, cores, env, load_before)` in the driver
+    (after `launch_env`; nothing, after its SKIP line, without 2 cores)."""
+    args = parse(argv)
+    if is_worker():
+        return worker(args)
+    setup = launch_env()
+    if setup is None:
+        return None
+    return driver(args, argv, *setup)
+
+
+def worker_start(script: str = "its driver"):
+    """(process id, process 0's log) of a worker, which must be one of 2 processes of one device each."""
+    import jax
+
+    pid = jax.process_index()
+    assert jax.process_count() == 2 and jax.device_count() == 2, f"run through {script}"
+    return pid, process0_log(pid)
+
+
+def configs(args) -> list[tuple[int, int]]:
+    """(busy loops, batch) of each configuration `--slowdowns` x `--batches` names, in that order."""
+    return [(hogs, batch) for hogs in [int(x) for x in args.slowdowns.split(",")]
+            for batch in [int(x) for x in args.batches.split(",")]]
+
+
 # glibc keeps freed blocks up to 256 MiB in its heap (no mmap per call) and never trims it: both are needed,
 # setting either alone turns off glibc's dynamic threshold and makes small temporaries fault too. XLA CPU
 # allocates an executable's temporaries on every call; above glibc's (dynamic, at most 32 MiB) mmap threshold
