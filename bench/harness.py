@@ -390,12 +390,24 @@ def write_worker_result(path: str, record: dict, pid: int) -> None:
 
 # ------------------------------------------------------------------------------- results
 
+VARIANTS = "variants"        # a results file's other runs of the same bench: name -> its record
+
+
 def write_result(name: str, record: Any, out: str | os.PathLike | None = None, indent: int = 2,
-                 default: Callable | None = None, newline: bool = False) -> pathlib.Path:
+                 default: Callable | None = None, newline: bool = False,
+                 variant: str | None = None) -> pathlib.Path:
     """Write `record` as JSON to `out`, by default bench/results/<name>.json (`name` is the bench's
-    name, or `<bench>_<variant>`); returns the path."""
+    name, or `<bench>_<mode>` where a mode has its own file); returns the path. One file per bench
+    keeps every run: a rerun keeps the file's "variants", and with `variant` the record becomes
+    `variants[variant]`, the rest of the file kept."""
     path = pathlib.Path(out) if out else RESULTS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
+    old = json.loads(path.read_text()) if path.exists() and (variant or isinstance(record, dict)) else {}
+    old = old if isinstance(old, dict) else {}
+    if variant is not None:
+        record = {**old, VARIANTS: {**old.get(VARIANTS, {}), variant: record}}
+    elif isinstance(record, dict) and VARIANTS in old and VARIANTS not in record:
+        record = {**record, VARIANTS: old[VARIANTS]}
     path.write_text(json.dumps(record, indent=indent, default=default) + ("\n" if newline else ""))
     return path
 

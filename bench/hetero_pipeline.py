@@ -72,8 +72,8 @@ def parse(argv=None):
                          "30 s start-up deadline)")
     harness.add_allocator_arg(ap)
     ap.add_argument("--timeout", type=float, default=500)
-    ap.add_argument("--out", default=None, help="the results file (default bench/results/hetero_pipeline.json, "
-                                                "hetero_pipeline_default_malloc.json with --allocator default)")
+    ap.add_argument("--out", default=None, help="the results file (default bench/results/hetero_pipeline.json; "
+                                                "with --allocator default, its variants.default_malloc)")
     ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -231,11 +231,12 @@ def driver(args, argv, cores, env, load_before):
           f"layers per stage; total wall time {time.perf_counter() - t0:.0f} s; load before {load_before:.2f}; "
           f"XLA_FLAGS {env.get('XLA_FLAGS', '')!r}; allocator {args.allocator} {malloc}")
     path = harness.write_result(
-        "hetero_pipeline" if args.allocator == "cached" else "hetero_pipeline_default_malloc",
+        "hetero_pipeline",
         {"config": {k: v for k, v in vars(args).items() if k not in ("worker_out", "batch", "out")},
          "machine": {"platform": platform.platform(), "load_before": load_before,
                      "xla_flags": env.get("XLA_FLAGS", ""), "malloc": malloc},
-         "tolerance": TOLERANCE, "runs": runs}, args.out)
+         "tolerance": TOLERANCE, "runs": runs}, args.out,
+        variant=None if args.allocator == "cached" or args.out else "default_malloc")
     print(f"wrote {path}")
 
 

@@ -33,10 +33,11 @@ What it measures
     gradients of the padded width).
 
 Run from the repo root: ``python bench/hetero_split.py`` (several minutes; needs >= 2 cores and an
-otherwise idle machine). Writes bench/results/hetero_split.json. ``--quick``: small shapes, one
-round, every layer, near 2:1 only, on a declared V100 + T4 pair instead of calibrated speeds (so the
-balanced plan is uneven whatever the noise), to bench/results/hetero_split_quick.json: checks that
-the bench runs end to end (its timings mean nothing on a busy machine).
+otherwise idle machine). Writes bench/results/hetero_split.json, whose "variants" keep the other
+runs (settings in each one's "config"). ``--quick``: small shapes, one round, every layer, near 2:1
+only, on a declared V100 + T4 pair instead of calibrated speeds (so the balanced plan is uneven
+whatever the noise), into that file's variants.quick: checks that the bench runs end to end (its
+timings mean nothing on a busy machine).
 """
 from __future__ import annotations
 
@@ -249,7 +250,6 @@ def parse_quick(argv):
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
-        args.out = args.out or str(harness.ROOT / "bench" / "results" / "hetero_split_quick.json")
     return args
 
 
@@ -288,7 +288,8 @@ def driver(args, argv, cores, env, load_before):
         "hetero_split", {"config": {k: v for k, v in vars(args).items()
                                     if k not in ("worker_out", "batch", "op", "out")},
                          "machine": {"platform": platform.platform(), "load_before": load_before},
-                         "runs": runs, "medians": medians}, args.out)
+                         "runs": runs, "medians": medians}, args.out,
+        variant="quick" if args.quick and not args.out else None)
     print(f"wrote {path}")
 
 
