@@ -66,7 +66,6 @@ if "--worker" in sys.argv:   # the device count must be fixed before jax is impo
 
 import argparse
 import json
-import subprocess
 import time
 
 import numpy as np
@@ -264,9 +263,8 @@ def run_workers(args):
                "--per-device-batch", str(args.per_device_batch), "--micro-batches", *map(str, args.micro_batches)] \
             + (["--dump-hlo"] if args.dump_hlo else [])
         t0 = time.perf_counter()
-        try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-        except subprocess.TimeoutExpired:
+        p = harness.run_worker(cmd, args.timeout)
+        if p is None:
             failures[n] = f"timed out after {args.timeout}s"
             print(f"N={n}: timed out after {args.timeout}s", flush=True)
             continue

@@ -225,6 +225,26 @@ def looped_ring_bytes(text: str, num_devices: int) -> dict:
             "total": found.ring_bytes}
 
 
+# ------------------------------------------------------------------------------- worker processes
+
+def worker_env(env: dict | None = None) -> dict:
+    """`env` (this process's environment by default) with the repository root first on PYTHONPATH, so
+    that a worker imports this checkout's whalex."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+def run_worker(cmd: list[str], timeout: float, env: dict | None = None):
+    """One worker process, its output captured: the finished process, or None where it ran past
+    `timeout` seconds (it is killed). A bench whose cases must not share a process (a device count
+    fixed before JAX starts, a peak memory of its own) runs each case this way."""
+    try:
+        return subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        return None
+
+
 # ------------------------------------------------------------------------------- two-process runs
 
 THROTTLE_ENV = "WHALEX_BENCH_THROTTLE"      # "<process id>:<cgroup directory>", set by run_config
@@ -335,11 +355,10 @@ def launch_env():
     if len(cores) < 2:
         print(f"SKIP: needs 2 CPU cores to pin two processes, this process may use {cores}")
         return None
-    env = dict(os.environ)
+    env = worker_env()
     flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
     env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=1"])
     env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     load_before = os.getloadavg()[0]
     if load_before > 1.0:
         print(f"WARNING: load average {load_before:.2f} before the run: other work on this machine competes with "
