@@ -275,8 +275,11 @@ def two_process_main(argv, parse, worker, driver):
 
 
 def worker_start(script: str = "its driver"):
-    """(process id, process 0's log) of a worker, which must be one of 2 processes of one device each."""
+    """(process id, process 0's log) of a worker, which must be one of 2 processes of one device each.
+    Importing whalex first joins the process group `python -m whalex.launch` set up."""
     import jax
+
+    import whalex  # noqa: F401
 
     pid = jax.process_index()
     assert jax.process_count() == 2 and jax.device_count() == 2, f"run through {script}"
