@@ -1,6 +1,7 @@
 """What every bench shares: simulated devices, interleaved timing, medians and bootstrap intervals,
-collective bytes from compiled HLO, the two-process runs on an emulated heterogeneous cluster, and
-the results files.
+collective bytes from compiled HLO, worker processes (one case per process, and the two-process runs
+on an emulated heterogeneous cluster, with their entry point), and the results files (one per bench,
+its other runs kept as variants).
 
 A bench is run as ``python bench/<name>.py``: Python puts the script's directory first on its module
 search path, so the benches read this module as ``import harness``, as they read bench/models.py. It
