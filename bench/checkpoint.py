@@ -55,7 +55,7 @@ from models import MLP  # bench/models.py: a stock Flax MLP
 N_DEV = 8
 
 
-def main():
+def parse():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--features", type=int, default=256)
     ap.add_argument("--width", type=int, default=1024)
@@ -69,11 +69,13 @@ def main():
     ap.add_argument("--out", default=None, help="the results file (default bench/results/checkpoint.json)")
     args = ap.parse_args()
     assert len(jax.devices()) == N_DEV, jax.devices()
-    intervals = [int(k) for k in args.intervals.split(",")]
-    assert all(args.block % k == 0 for k in intervals), "block must be a multiple of every interval"
-    load_start = os.getloadavg()[0]
-    t_start = time.perf_counter()
+    args.intervals = [int(k) for k in args.intervals.split(",")]
+    assert all(args.block % k == 0 for k in args.intervals), "block must be a multiple of every interval"
+    return args
 
+
+def build(args) -> dict:
+    """The model, its whalex step and state, the batches on the devices, the checkpoint's size."""
     model = MLP(args.width, args.depth, args.classes)
     rng = np.random.default_rng(0)
     teacher = rng.standard_normal((args.features, args.classes)).astype(np.float32)
@@ -82,7 +84,6 @@ def main():
         x = rng.standard_normal((args.batch, args.features), dtype=np.float32)
         host_batches.append({"x": x, "y": np.argmax(x @ teacher, axis=1).astype(np.int32)})
     params = model.init(jax.random.key(0), host_batches[0]["x"][:1])["params"]
-    n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
 
     def loss_fn(p, batch):
         logits = model.apply({"params": p}, batch["x"])
@@ -90,16 +91,22 @@ def main():
 
     step = wh.parallelize(loss_fn, optax.adam(1e-3))
     state = step.init(params, host_batches[0])
-    batches = [jax.device_put(b, step.plan.batch_shardings) for b in host_batches]
     tree = step.plan.caller_state(state)
-    ckpt_bytes = sum(x.nbytes for x in jax.tree.leaves(tree))
+    return {"step": step, "state": state, "params": params, "host_batches": host_batches,
+            "batches": [jax.device_put(b, step.plan.batch_shardings) for b in host_batches],
+            "n_params": sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params)),
+            "ckpt_bytes": sum(x.nbytes for x in jax.tree.leaves(tree))}
 
-    conditions = ["none"] + [f"k={k}" for k in intervals]
+
+def measure(args, m: dict) -> dict:
+    """Train under every condition in interleaved blocks, each with its own manager in a temporary
+    directory; the per-step times, which steps saved, the end-of-block waits and a restore's check."""
+    step, batches, conditions = m["step"], m["batches"], ["none"] + [f"k={k}" for k in args.intervals]
     root = pathlib.Path(tempfile.mkdtemp(prefix="whalex-bench-ckpt-"))
     saving = {c: [] for c in conditions}          # per timed step: did this step start a save
     waits = {c: [] for c in conditions}
     last_saved = {}                                # condition -> the step of its last save
-    run = {"state": state, "metrics": None, "calls": 0, "step": int(state.step), "record": False}
+    run = {"state": m["state"], "metrics": None, "calls": 0, "step": int(m["state"].step), "record": False}
 
     def one_step(cond):
         """One step of `cond`, then its manager's save (timed with the step, to block_until_ready)."""
@@ -120,50 +127,59 @@ def main():
 
     with contextlib.ExitStack() as stack:
         managers = {"none": None}
-        for k in intervals:
+        for k in args.intervals:
             managers[f"k={k}"] = stack.enter_context(
                 wh.CheckpointManager(root / f"k{k}", max_to_keep=3, save_interval_steps=k))
-        # warm-up: compile and a few steps, then one forced save per manager (orbax's first save sets up)
-        t0 = time.perf_counter()
-        harness.interleaved({"none": lambda: one_step("none")}, 0, warmup=args.block)
-        for cond in conditions[1:]:
-            managers[cond].save(step, run["state"], force=True)
-            managers[cond].wait_until_finished()
-        warm_time = time.perf_counter() - t0
+        warm_time = _warm_up(args, step, one_step, managers, conditions, run)
         run["record"] = True
         timings = harness.interleaved({c: (lambda c=c: one_step(c)) for c in conditions}, args.rounds,
                                       block=args.block, order_by="rotate", after_block=wait)
-        timed_time = timings.timed_s
-        times = {c: timings.times(c) for c in conditions}
-        state, metrics = run["state"], run["metrics"]
         kept = {c: managers[c].all_steps() for c in conditions if managers[c] is not None}
-        final_step, final_loss = int(state.step), float(metrics["loss"])
         # sanity: the latest checkpoint of the first interval restores, at the step it was saved at
-        restored = managers[conditions[1]].restore(step, params, host_batches[0])
-        restored_step = int(restored.step)
+        restored_step = int(managers[conditions[1]].restore(step, m["params"], m["host_batches"][0]).step)
         restored_ok = restored_step == last_saved[conditions[1]] == managers[conditions[1]].latest_step()
     shutil.rmtree(root, ignore_errors=True)
-    load_end = os.getloadavg()[0]
+    return {"conditions": conditions, "times": {c: timings.times(c) for c in conditions}, "saving": saving,
+            "waits": waits, "kept": kept, "restored_step": restored_step, "restored_ok": restored_ok,
+            "last_saved": last_saved, "final_step": int(run["state"].step),
+            "final_loss": float(run["metrics"]["loss"]), "warm_time": warm_time, "timed_time": timings.timed_s}
 
-    # ---- report --------------------------------------------------------------------------
+
+def _warm_up(args, step, one_step, managers, conditions, run) -> float:
+    """Compile and a few steps, then one forced save per manager (orbax's first save sets up); its seconds."""
+    t0 = time.perf_counter()
+    harness.interleaved({"none": lambda: one_step("none")}, 0, warmup=args.block)
+    for cond in conditions[1:]:
+        managers[cond].save(step, run["state"], force=True)
+        managers[cond].wait_until_finished()
+    return time.perf_counter() - t0
+
+
+def summarise(t: dict) -> dict:
+    """Per condition: median and mean ms/step and their ratios to the baseline's, the saving steps'
+    median, the end-of-block waits, the saves started."""
+    times, saving, waits = t["times"], t["saving"], t["waits"]
     base = harness.median(times["none"])
     base_mean = statistics.fmean(times["none"])
     res = {}
-    for c in conditions:
-        t = times[c]
-        save_steps = [x for x, sv in zip(t, saving[c]) if sv]
-        res[c] = {"median_ms": harness.median(t) * 1e3, "ratio_median": harness.median(t) / base,
-                  "mean_ms": statistics.fmean(t) * 1e3, "ratio_mean": statistics.fmean(t) / base_mean,
+    for c in t["conditions"]:
+        ts = times[c]
+        save_steps = [x for x, sv in zip(ts, saving[c]) if sv]
+        res[c] = {"median_ms": harness.median(ts) * 1e3, "ratio_median": harness.median(ts) / base,
+                  "mean_ms": statistics.fmean(ts) * 1e3, "ratio_mean": statistics.fmean(ts) / base_mean,
                   "saving_step_median_ms": harness.median(save_steps) * 1e3 if save_steps else None,
                   "wait_until_finished_median_ms": harness.median(waits[c]) * 1e3 if waits[c] else None,
                   "wait_until_finished_max_ms": max(waits[c]) * 1e3 if waits[c] else None,
-                  "saves_started": sum(saving[c]), "steps_timed": len(t)}
+                  "saves_started": sum(saving[c]), "steps_timed": len(ts)}
+    return res
 
+
+def report(args, m, t, res, loads, t_start) -> None:
     print(f"checkpoint cost benchmark: {N_DEV} simulated CPU devices ({platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores), jax {jax.__version__}, whalex from {os.path.dirname(wh.__file__)}")
     print(f"model: Flax MLP {args.features} -> {args.depth} x Dense({args.width}) -> {args.classes}, "
-          f"{n_params:,} params, Adam; checkpoint {ckpt_bytes / 2**20:.1f} MiB (params + mu + nu); "
-          f"global batch {args.batch} ({args.batch // N_DEV}/device); plan {step.plan.task_graphs[0].strategy}")
+          f"{m['n_params']:,} params, Adam; checkpoint {m['ckpt_bytes'] / 2**20:.1f} MiB (params + mu + nu); "
+          f"global batch {args.batch} ({args.batch // N_DEV}/device); plan {m['step'].plan.task_graphs[0].strategy}")
     print(f"timing: {args.rounds} interleaved rounds x {args.block} steps per condition, each step timed to "
           f"block_until_ready with manager.save inside; wait_until_finished timed at the end of each block")
     print()
@@ -176,25 +192,39 @@ def main():
               f"{r['ratio_mean']:>6.3f} {fmt(r['saving_step_median_ms']):>12} "
               f"{fmt(r['wait_until_finished_median_ms']):>8} {r['saves_started']:>5}")
     print()
-    print(f"kept steps: {kept}; restore of k={intervals[0]}'s latest at step {restored_step} "
-          f"(its last save: {last_saved[conditions[1]]}): {'ok' if restored_ok else 'MISMATCH'}")
-    print(f"load average (1 min) {load_start:.2f} -> {load_end:.2f}; warm-up {warm_time:.1f}s, "
-          f"timed {timed_time:.1f}s, total {time.perf_counter() - t_start:.1f}s")
+    print(f"kept steps: {t['kept']}; restore of k={args.intervals[0]}'s latest at step {t['restored_step']} "
+          f"(its last save: {t['last_saved'][t['conditions'][1]]}): {'ok' if t['restored_ok'] else 'MISMATCH'}")
+    print(f"load average (1 min) {loads[0]:.2f} -> {loads[1]:.2f}; warm-up {t['warm_time']:.1f}s, "
+          f"timed {t['timed_time']:.1f}s, total {time.perf_counter() - t_start:.1f}s")
 
-    out = {
+
+def record(args, m, t, res, loads, t_start) -> dict:
+    return {
         "benchmark": "checkpoint", "devices": N_DEV, "device_kind": "simulated CPU", "cpu_cores": os.cpu_count(),
-        "load_average_1min": {"start": load_start, "end": load_end}, "jax": jax.__version__,
+        "load_average_1min": {"start": loads[0], "end": loads[1]}, "jax": jax.__version__,
         "model": {"kind": "flax.linen MLP", "features": args.features, "width": args.width, "depth": args.depth,
-                  "classes": args.classes, "params": n_params, "optimizer": "adam(1e-3)"},
-        "checkpoint_bytes": ckpt_bytes, "global_batch": args.batch, "plan": str(step.plan.task_graphs[0].strategy),
+                  "classes": args.classes, "params": m["n_params"], "optimizer": "adam(1e-3)"},
+        "checkpoint_bytes": m["ckpt_bytes"], "global_batch": args.batch,
+        "plan": str(m["step"].plan.task_graphs[0].strategy),
         "manager": "wh.CheckpointManager(dir, max_to_keep=3, save_interval_steps=k), async (orbax)",
         "method": "interleaved blocks (rotating order), per-step wall time to block_until_ready with "
                   "manager.save inside; wait_until_finished timed separately at the end of each block; medians",
         "block": args.block, "rounds": args.rounds, "conditions": res,
-        "restored_step_matches": restored_ok, "final_step": final_step, "final_loss": final_loss,
-        "seconds": {"warm_up": warm_time, "timed": timed_time, "total": time.perf_counter() - t_start},
+        "restored_step_matches": t["restored_ok"], "final_step": t["final_step"], "final_loss": t["final_loss"],
+        "seconds": {"warm_up": t["warm_time"], "timed": t["timed_time"], "total": time.perf_counter() - t_start},
     }
-    print(f"wrote {harness.write_result('checkpoint', out, args.out)}")
+
+
+def main():
+    args = parse()
+    load_start = os.getloadavg()[0]
+    t_start = time.perf_counter()
+    m = build(args)
+    t = measure(args, m)
+    loads = (load_start, os.getloadavg()[0])
+    res = summarise(t)
+    report(args, m, t, res, loads, t_start)
+    print(f"wrote {harness.write_result('checkpoint', record(args, m, t, res, loads, t_start), args.out)}")
 
 
 if __name__ == "__main__":

@@ -23,15 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 import traceback
 
 import harness
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 
 SIZES = {
     "full": dict(vocab=32768, d=1024, heads=16, layers=8, seq=1024, batch=16, steps=10, rounds=3),
@@ -301,16 +297,13 @@ def main(argv=None):
         return run_case(args.case, size, args.workdir)
     import tempfile
     work = tempfile.mkdtemp(prefix="whalex-gpu-")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    env = harness.worker_env()
     results = {}
     for name in args.cases:
         cmd = [sys.executable, os.path.abspath(__file__), "--case", name, "--workdir", work] + \
             (["--small"] if args.small else [])
-        try:
-            p = subprocess.run(cmd, env=env, timeout=args.timeout, capture_output=True, text=True)
-            tail = (p.stdout + p.stderr)[-2000:]
-        except subprocess.TimeoutExpired:
-            tail = f"timed out after {args.timeout} s"
+        p = harness.run_worker(cmd, args.timeout, env)
+        tail = f"timed out after {args.timeout} s" if p is None else (p.stdout + p.stderr)[-2000:]
         path = os.path.join(work, f"{name}.json")
         results[name] = json.load(open(path)) if os.path.exists(path) else {"ok": False, "error": tail}
         print(f"{name}: {'ok' if results[name].get('ok') else 'FAILED'} ({results[name].get('wall_s', 0):.0f} s)",

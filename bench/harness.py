@@ -1,6 +1,7 @@
 """What every bench shares: simulated devices, interleaved timing, medians and bootstrap intervals,
-collective bytes from compiled HLO, the two-process runs on an emulated heterogeneous cluster, and
-the results files.
+collective bytes from compiled HLO, worker processes (one case per process, and the two-process runs
+on an emulated heterogeneous cluster, with their entry point), and the results files (one per bench,
+its other runs kept as variants).
 
 A bench is run as ``python bench/<name>.py``: Python puts the script's directory first on its module
 search path, so the benches read this module as ``import harness``, as they read bench/models.py. It
@@ -225,6 +226,26 @@ def looped_ring_bytes(text: str, num_devices: int) -> dict:
             "total": found.ring_bytes}
 
 
+# ------------------------------------------------------------------------------- worker processes
+
+def worker_env(env: dict | None = None) -> dict:
+    """`env` (this process's environment by default) with the repository root first on PYTHONPATH, so
+    that a worker imports this checkout's whalex."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+def run_worker(cmd: list[str], timeout: float, env: dict | None = None):
+    """One worker process, its output captured: the finished process, or None where it ran past
+    `timeout` seconds (it is killed). A bench whose cases must not share a process (a device count
+    fixed before JAX starts, a peak memory of its own) runs each case this way."""
+    try:
+        return subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        return None
+
+
 # ------------------------------------------------------------------------------- two-process runs
 
 THROTTLE_ENV = "WHALEX_BENCH_THROTTLE"      # "<process id>:<cgroup directory>", set by run_config
@@ -239,6 +260,37 @@ def is_worker() -> bool:
     if pid is not None and spec and spec.split(":", 1)[0] == pid:
         pathlib.Path(spec.split(":", 1)[1], "cgroup.procs").write_text(str(os.getpid()))
     return pid is not None
+
+
+def two_process_main(argv, parse, worker, driver):
+    """The entry point of a two-process bench: `parse(argv)`, then `worker(args)` in a worker that
+    `python -m whalex.launch` started, or `driver(args, argv, cores, env, load_before)` in the driver
+    (after `launch_env`; nothing, after its SKIP line, without 2 cores)."""
+    args = parse(argv)
+    if is_worker():
+        return worker(args)
+    setup = launch_env()
+    if setup is None:
+        return None
+    return driver(args, argv, *setup)
+
+
+def worker_start(script: str = "its driver"):
+    """(process id, process 0's log) of a worker, which must be one of 2 processes of one device each.
+    Importing whalex first joins the process group `python -m whalex.launch` set up."""
+    import jax
+
+    import whalex  # noqa: F401
+
+    pid = jax.process_index()
+    assert jax.process_count() == 2 and jax.device_count() == 2, f"run through {script}"
+    return pid, process0_log(pid)
+
+
+def configs(args) -> list[tuple[int, int]]:
+    """(busy loops, batch) of each configuration `--slowdowns` x `--batches` names, in that order."""
+    return [(hogs, batch) for hogs in [int(x) for x in args.slowdowns.split(",")]
+            for batch in [int(x) for x in args.batches.split(",")]]
 
 
 # glibc keeps freed blocks up to 256 MiB in its heap (no mmap per call) and never trims it: both are needed,
@@ -307,11 +359,10 @@ def launch_env():
     if len(cores) < 2:
         print(f"SKIP: needs 2 CPU cores to pin two processes, this process may use {cores}")
         return None
-    env = dict(os.environ)
+    env = worker_env()
     flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
     env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=1"])
     env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     load_before = os.getloadavg()[0]
     if load_before > 1.0:
         print(f"WARNING: load average {load_before:.2f} before the run: other work on this machine competes with "
@@ -362,12 +413,24 @@ def write_worker_result(path: str, record: dict, pid: int) -> None:
 
 # ------------------------------------------------------------------------------- results
 
+VARIANTS = "variants"        # a results file's other runs of the same bench: name -> its record
+
+
 def write_result(name: str, record: Any, out: str | os.PathLike | None = None, indent: int = 2,
-                 default: Callable | None = None, newline: bool = False) -> pathlib.Path:
+                 default: Callable | None = None, newline: bool = False,
+                 variant: str | None = None) -> pathlib.Path:
     """Write `record` as JSON to `out`, by default bench/results/<name>.json (`name` is the bench's
-    name, or `<bench>_<variant>`); returns the path."""
+    name, or `<bench>_<mode>` where a mode has its own file); returns the path. One file per bench
+    keeps every run: a rerun keeps the file's "variants", and with `variant` the record becomes
+    `variants[variant]`, the rest of the file kept."""
     path = pathlib.Path(out) if out else RESULTS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
+    old = json.loads(path.read_text()) if path.exists() and (variant or isinstance(record, dict)) else {}
+    old = old if isinstance(old, dict) else {}
+    if variant is not None:
+        record = {**old, VARIANTS: {**old.get(VARIANTS, {}), variant: record}}
+    elif isinstance(record, dict) and VARIANTS in old and VARIANTS not in record:
+        record = {**record, VARIANTS: old[VARIANTS]}
     path.write_text(json.dumps(record, indent=indent, default=default) + ("\n" if newline else ""))
     return path
 

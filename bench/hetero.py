@@ -217,31 +217,41 @@ def phases(args, rows, classes) -> list:
 # ------------------------------------------------------------------------------------- worker
 
 def worker(args):
+    """One 2-process run: calibrate, build the four programs, time them interleaved, calibrate again."""
+    import optax
+
+    pid, log = harness.worker_start("the driver: python bench/hetero.py")
+    loss_fn, params, batch = make_model(args)
+    optimizer = optax.adam(1e-3)
+    small = {k: v[: args.calib_rows] for k, v in batch.items()} if args.calib_rows else batch
+    cluster = _calibrate(loss_fn, params, small, optimizer, log)
+    progs = _programs(args, loss_fn, optimizer, cluster, params, batch)
+    times, losses = _time_programs(args, progs, batch, log)
+    # speeds again at the end: did the slowdown stay put while we measured?
+    again = _calibrate(loss_fn, params, small, optimizer)
+    harness.write_worker_result(args.worker_out, _worker_record(args, cluster, again, progs, times, losses), pid)
+
+
+def _calibrate(loss_fn, params, small, optimizer, log=None):
+    """The cluster with both processes' calibrated speeds (logged, with the time it took, given `log`)."""
+    import whalex as wh
+    from whalex.balance.calibrate import calibrate
+
+    t0 = time.perf_counter()
+    cluster = calibrate(wh.Cluster.detect(), loss_fn, params, small, optimizer=optimizer, repeats=9)
+    if log is not None:
+        log(f"calibrated speeds (GFLOP/s): {[round(float(s) / 1e9, 2) for s in cluster.speeds]}, fixed ms per step "
+            f"{[round(1e3 * o, 2) for o in cluster.overhead]}, in {time.perf_counter() - t0:.1f} s")
+    return cluster
+
+
+def _plain_step(args, loss_fn, optimizer, params, batch):
+    """Plain JAX: the hand-written data-parallel step on the same 2-process mesh, its state and the
+    batch's sharding."""
     import jax
     import optax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    import whalex as wh  # joins the process group (whalex.launch env)
-    from whalex.balance.calibrate import calibrate
-    from whalex.distributed import place_global
-
-    pid = jax.process_index()
-    assert jax.process_count() == 2 and jax.device_count() == 2, "run through the driver: python bench/hetero.py"
-    loss_fn, params, batch = make_model(args)
-    optimizer = optax.adam(1e-3)
-    log = harness.process0_log(pid)
-
-    t0 = time.perf_counter()
-    small = {k: v[: args.calib_rows] for k, v in batch.items()} if args.calib_rows else batch
-    cluster = calibrate(wh.Cluster.detect(), loss_fn, params, small, optimizer=optimizer, repeats=9)
-    speeds = [float(s) for s in cluster.speeds]
-    log(f"calibrated speeds (GFLOP/s): {[round(s / 1e9, 2) for s in speeds]}, fixed ms per step "
-        f"{[round(1e3 * o, 2) for o in cluster.overhead]}, in {time.perf_counter() - t0:.1f} s")
-
-    even = wh.parallelize(loss_fn, optimizer, config=wh.Config(hardware_aware=False), cluster=cluster)
-    bal = wh.parallelize(loss_fn, optimizer, cluster=cluster)
-
-    # plain JAX: the hand-written data-parallel step on the same 2-process mesh
     mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices())
     rep, dat = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     p_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), plain_param_specs(args, params))
@@ -256,24 +266,37 @@ def worker(args):
                                  transform_non_params=lambda _: rep)      # Adam's moments as their params
     plain_jit = jax.jit(plain_step, out_shardings=((p_sh, o_sh), rep), donate_argnums=(0,))
     pp = jax.device_put(params, p_sh)
-    plain_state = (pp, jax.jit(optimizer.init, out_shardings=o_sh)(pp))
-    batch_sh = jax.tree.map(lambda _: dat, batch)
+    return plain_jit, (pp, jax.jit(optimizer.init, out_shardings=o_sh)(pp)), jax.tree.map(lambda _: dat, batch)
 
-    # the balanced program itself at a near-even split (declared speeds 1 : 1.01): the same chunk loop and
-    # fused gradient psum as "balanced", so balanced vs this isolates the balance from the collectives
+
+def _programs(args, loss_fn, optimizer, cluster, params, batch) -> dict:
+    """The compared programs: plain JAX, whalex even, whalex balanced, and the balanced program itself
+    at a near-even split (declared speeds 1 : 1.01): the same chunk loop and fused gradient psum as
+    "balanced", so balanced vs this isolates the balance from the collectives."""
+    import whalex as wh
+
+    even = wh.parallelize(loss_fn, optimizer, config=wh.Config(hardware_aware=False), cluster=cluster)
+    bal = wh.parallelize(loss_fn, optimizer, cluster=cluster)
     same = wh.parallelize(loss_fn, optimizer, cluster=cluster.with_speeds([1.0, 1.01]))
-    states = {"even": even.init(params, batch), "balanced": bal.init(params, batch),
-              "same-even": same.init(params, batch)}
-    steps = {"even": even, "balanced": bal, "same-even": same}
+    plain_jit, plain_state, batch_sh = _plain_step(args, loss_fn, optimizer, params, batch)
+    return {"steps": {"even": even, "balanced": bal, "same-even": same},
+            "states": {"even": even.init(params, batch), "balanced": bal.init(params, batch),
+                       "same-even": same.init(params, batch), "plain": plain_state},
+            "plain": plain_jit, "batch_sh": batch_sh}
 
-    losses = {}
+
+def _time_programs(args, progs, batch, log):
+    """Each program's step times (compiled and warmed up, then interleaved blocks in a fixed order:
+    plain, even, same-even, balanced, ...) and its last loss."""
+    from whalex.distributed import place_global
+
+    states, losses = progs["states"], {}
 
     def run(name):
-        nonlocal plain_state
         if name == "plain":
-            plain_state, loss = plain_jit(plain_state, place_global(batch, batch_sh))
+            states[name], loss = progs["plain"](states[name], place_global(batch, progs["batch_sh"]))
         else:
-            states[name], m = steps[name](states[name], batch)
+            states[name], m = progs["steps"][name](states[name], batch)
             loss = m["loss"]
         losses[name] = float(loss)             # waits for the step, incl. the cross-process all-reduce
         return losses[name]
@@ -286,17 +309,18 @@ def worker(args):
             log(f"compiled and warmed up in {t.warmup_s:.1f} s")
         progress(r, t)
 
-    # compiled and warmed up, then interleaved blocks in a fixed order (plain, even, same-even, balanced, ...)
     timings = harness.interleaved({n: (lambda n=n: run(n)) for n in names}, args.rounds, block=args.block,
                                   warmup=2, order_by="fixed", sync=None, on_round=on_round)
-    times = {n: timings.times(n) for n in names}
+    return {n: timings.times(n) for n in names}, losses
 
-    # speeds again at the end: did the slowdown stay put while we measured?
-    again = calibrate(wh.Cluster.detect(), loss_fn, params, small, optimizer=optimizer, repeats=9)
-    after = [float(s) for s in again.speeds]
+
+def _worker_record(args, cluster, again, progs, times, losses) -> dict:
+    """What a worker hands the driver: speeds before and after, each program's rows, the balance's
+    report and prediction, the times and losses."""
+    even, bal, same = (progs["steps"][n] for n in ("even", "balanced", "same-even"))
     rep_bal, head_bal = bal.plan.balance, bal.plan.head_balance
-    out = {
-        "speeds": speeds, "speeds_after": after,
+    return {
+        "speeds": [float(s) for s in cluster.speeds], "speeds_after": [float(s) for s in again.speeds],
         "overheads": list(cluster.overhead), "overheads_after": list(again.overhead),
         "rows_even": list(even.plan.batch_sizes), "rows_balanced": list(bal.plan.batch_sizes),
         "rows_same_even": list(same.plan.batch_sizes),
@@ -310,22 +334,15 @@ def worker(args):
         "balance_kind": rep_bal.kind if rep_bal is not None else None,
         "times": times, "final_loss": losses, "flops_per_step": flops_per_step(args),
     }
-    harness.write_worker_result(args.worker_out, out, pid)
 
 
 # ------------------------------------------------------------------------------------- driver
 
-def driver(args, argv):
-    setup = harness.launch_env()
-    if setup is None:
-        return
-    cores, env, load_before = setup
+def driver(args, argv, cores, env, load_before):
     env = harness.allocator_env(env, args.allocator)
     t0 = time.perf_counter()
     runs = [harness.run_config(args, argv, hogs, batch, cores, env, __file__)
-            for _ in range(args.repeats)
-            for hogs in [int(x) for x in args.slowdowns.split(",")]
-            for batch in [int(x) for x in args.batches.split(",")]]
+            for _ in range(args.repeats) for hogs, batch in harness.configs(args)]
     report(args, runs, time.perf_counter() - t0, load_before)
 
 
@@ -454,9 +471,4 @@ def describe(args) -> str:
 
 
 if __name__ == "__main__":
-    argv = sys.argv[1:]
-    a = parse(argv)
-    if harness.is_worker():
-        worker(a)
-    else:
-        driver(a, argv)
+    harness.two_process_main(sys.argv[1:], parse, worker, driver)

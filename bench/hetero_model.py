@@ -476,7 +476,7 @@ def _table(head, rows) -> list[str]:
     return [fmt.format(*head), "  ".join("-" * w for w in widths)] + [fmt.format(*map(str, r)) for r in rows]
 
 
-def main():
+def parse():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default="", help=f"comma list of {', '.join([*DP_SETUPS, *PP_SETUPS])}")
     ap.add_argument("--micro-batches", type=int, default=8, help="pipeline micro-batches M")
@@ -487,8 +487,13 @@ def main():
     unknown = set(only) - set(DP_SETUPS) - set(PP_SETUPS)
     if unknown:
         ap.error(f"unknown setups {sorted(unknown)}")
-    t_all = time.perf_counter()
-    rows = []
+    args.only = only
+    return args
+
+
+def plan_rows(args) -> list[dict]:
+    """Plan each chosen setup (all of them without --only): its row."""
+    only, rows = args.only, []
     for name in DP_SETUPS:
         if not only or name in only:
             rows.append(dp_row(name))
@@ -498,8 +503,11 @@ def main():
             rows.append(pp_row(name, args.micro_batches, args.stages))
             print(f"  planned {rows[-1]['model']} (PP) in {rows[-1]['plan_seconds']:.1f} s + "
                   f"{rows[-1]['plan_seconds_even']:.1f} s (even)", flush=True)
-    total = time.perf_counter() - t_all
+    return rows
 
+
+def report_table(rows) -> None:
+    """Predicted against the paper's speedup, with the balanced split and the planning time, per row."""
     print()
     print("whalex cost model vs. Whale's measured heterogeneous speedups (section 5.2); a sanity check, "
           "not a target")
@@ -514,6 +522,10 @@ def main():
     for line in _table(head, table):
         print("  " + line)
     print()
+
+
+def report_dp(rows) -> None:
+    """Notes on the data-parallel rows: the bound a proportional split has, the unit, memory, FLOPs."""
     dp = [r for r in rows if r["setup"].startswith("DP")]
     if dp:
         bound = dp[0]["speed_ratio_bound"]
@@ -534,6 +546,10 @@ def main():
                       f"vs {r['flops_per_sample_by_hand'] / 1e9:.1f} by hand: the LSTMs are lax.scan loops and "
                       "XLA's cost analysis counts a loop body once, not once per step (the DP speedup does "
                       "not depend on FLOPs/sample; the absolute times do).")
+
+
+def report_pp(rows) -> None:
+    """Notes on the pipeline rows: per stage FLOPs, devices and micro-batch times, balanced and even."""
     pp = [r for r in rows if not r["setup"].startswith("DP")]
     if pp:
         print("PP notes: T = (M + S - 1) x max_s F_s / (R M) / v_s; stage layer counts as [emb+]<n>e/<n>d[+head]"
@@ -548,6 +564,16 @@ def main():
                       f"(layers {r[tag + '_layer_counts']})")
             print(f"  {r['model']}: speedup {r['predicted_speedup']:.3f}x with (M+S-1)*max, "
                   f"{r['predicted_speedup_fine']:.3f}x with (M-1)*max + sum")
+
+
+def main():
+    args = parse()
+    t_all = time.perf_counter()
+    rows = plan_rows(args)
+    total = time.perf_counter() - t_all
+    report_table(rows)
+    report_dp(rows)
+    report_pp(rows)
     print(f"total wall time {total:.1f} s")
 
     out = {"bench": "hetero_model", "jax": jax.__version__, "machine": platform.platform(),

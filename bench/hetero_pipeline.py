@@ -72,8 +72,8 @@ def parse(argv=None):
                          "30 s start-up deadline)")
     harness.add_allocator_arg(ap)
     ap.add_argument("--timeout", type=float, default=500)
-    ap.add_argument("--out", default=None, help="the results file (default bench/results/hetero_pipeline.json, "
-                                                "hetero_pipeline_default_malloc.json with --allocator default)")
+    ap.add_argument("--out", default=None, help="the results file (default bench/results/hetero_pipeline.json; "
+                                                "with --allocator default, its variants.default_malloc)")
     ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -137,17 +137,14 @@ def tick_program(kinds, layers, rows: int, width: int):
 
 
 def worker(args):
-    import jax
     import optax
 
     import whalex as wh
     from whalex.balance.calibrate import calibrate
 
-    pid = jax.process_index()
-    assert jax.process_count() == 2 and jax.device_count() == 2, "run through the driver"
+    pid, log = harness.worker_start("the driver")
     loss_fn, params, batch = make_model(args)
     optimizer = optax.adam(1e-3)
-    log = harness.process0_log(pid)
     small = {k: v[: args.calib_rows] for k, v in batch.items()} if args.calib_rows else batch
     cluster = calibrate(wh.Cluster.detect(), loss_fn, params, small, optimizer=optimizer, repeats=9)
     log(f"calibrated speeds (GFLOP/s): {[round(s / 1e9, 2) for s in cluster.speeds]}")
@@ -200,20 +197,16 @@ def summarise(res: dict) -> dict:
 
 
 def main(argv):
-    args = parse(argv)
-    if harness.is_worker():
-        return worker(args)
-    setup = harness.launch_env()
-    if setup is None:
-        return
-    cores, env, load_before = setup
+    return harness.two_process_main(argv, parse, worker, driver)
+
+
+def driver(args, argv, cores, env, load_before):
     env["XLA_FLAGS"] = " ".join([env["XLA_FLAGS"], YNN])
     env = harness.allocator_env(env, args.allocator)
     malloc = {k: env[k] for k in harness.CACHED_MALLOC if k in env}
     t0 = time.perf_counter()
     runs = [summarise(harness.run_config(args, argv, hogs, batch, cores, env, __file__))
-            for hogs in [int(x) for x in args.slowdowns.split(",")]
-            for batch in [int(x) for x in args.batches.split(",")]]
+            for hogs, batch in harness.configs(args)]
     print(f"\n2 processes x 1 CPU device, one stage each; stock Flax MLP {args.depth} x Dense({args.width}) + "
           f"Dense({OUT}), Adam, MSE; auto_parallel 2 stages, {args.micro} micro-batches, {args.schedule}; medians\n")
     head = (f"{'loops':>5} {'batch':>6} {'s0/s1':>6} {'layers even':>11} {'layers bal':>10} {'even ms':>8} "
@@ -238,11 +231,12 @@ def main(argv):
           f"layers per stage; total wall time {time.perf_counter() - t0:.0f} s; load before {load_before:.2f}; "
           f"XLA_FLAGS {env.get('XLA_FLAGS', '')!r}; allocator {args.allocator} {malloc}")
     path = harness.write_result(
-        "hetero_pipeline" if args.allocator == "cached" else "hetero_pipeline_default_malloc",
+        "hetero_pipeline",
         {"config": {k: v for k, v in vars(args).items() if k not in ("worker_out", "batch", "out")},
          "machine": {"platform": platform.platform(), "load_before": load_before,
                      "xla_flags": env.get("XLA_FLAGS", ""), "malloc": malloc},
-         "tolerance": TOLERANCE, "runs": runs}, args.out)
+         "tolerance": TOLERANCE, "runs": runs}, args.out,
+        variant=None if args.allocator == "cached" or args.out else "default_malloc")
     print(f"wrote {path}")
 
 

@@ -52,10 +52,9 @@ def worker(args):
     import whalex as wh
     from whalex.balance.calibrate import _loss_work, calibrate, time_rounds
 
-    pid = jax.process_index()
+    pid, log = harness.worker_start("the driver")
     loss_fn, params, batch = hetero.make_model(args)
     optimizer = optax.adam(1e-3)
-    log = harness.process0_log(pid)
 
     fn, lead, _ = _loss_work(loss_fn, params, optimizer)
     sets = [(*lead, {k: v[:n] for k, v in batch.items()}) for n in SIZES if n <= args.batch]
@@ -86,16 +85,11 @@ def worker(args):
 
 
 def main(argv):
-    args = parse(argv)
-    if harness.is_worker():
-        return worker(args)
-    setup = harness.launch_env()
-    if setup is None:
-        return
-    cores, env, load_before = setup
-    runs = [harness.run_config(args, argv, hogs, batch, cores, env, __file__)
-            for hogs in [int(x) for x in args.slowdowns.split(",")]
-            for batch in [int(x) for x in args.batches.split(",")]]
+    return harness.two_process_main(argv, parse, worker, driver)
+
+
+def driver(args, argv, cores, env, load_before):
+    runs = [harness.run_config(args, argv, hogs, batch, cores, env, __file__) for hogs, batch in harness.configs(args)]
     print(f"\nstock Flax MLP {args.depth} x Dense({args.width}), Adam; load before {load_before:.2f}")
     for r in runs:
         if "failed" in r:

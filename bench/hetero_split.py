@@ -33,10 +33,11 @@ What it measures
     gradients of the padded width).
 
 Run from the repo root: ``python bench/hetero_split.py`` (several minutes; needs >= 2 cores and an
-otherwise idle machine). Writes bench/results/hetero_split.json. ``--quick``: small shapes, one
-round, every layer, near 2:1 only, on a declared V100 + T4 pair instead of calibrated speeds (so the
-balanced plan is uneven whatever the noise), to bench/results/hetero_split_quick.json: checks that
-the bench runs end to end (its timings mean nothing on a busy machine).
+otherwise idle machine). Writes bench/results/hetero_split.json, whose "variants" keep the other
+runs (settings in each one's "config"). ``--quick``: small shapes, one round, every layer, near 2:1
+only, on a declared V100 + T4 pair instead of calibrated speeds (so the balanced plan is uneven
+whatever the noise), into that file's variants.quick: checks that the bench runs end to end (its
+timings mean nothing on a busy machine).
 """
 from __future__ import annotations
 
@@ -162,11 +163,9 @@ def worker(args):
     import whalex as wh
     from whalex.balance.calibrate import calibrate
 
-    pid = jax.process_index()
-    assert jax.process_count() == 2 and jax.device_count() == 2, "run through the driver"
+    pid, log = harness.worker_start("the driver")
     loss_fn, params, batch = make_model(args)
     optimizer = optax.adam(1e-3)
-    log = harness.process0_log(pid)
     small = {k: v[: args.calib_rows or args.batch] for k, v in batch.items()}
     cluster = wh.Cluster(kinds=args.declared.split(",")) if args.declared else \
         calibrate(wh.Cluster.detect(), loss_fn, params, small, optimizer=optimizer, repeats=9)
@@ -245,27 +244,28 @@ def over_runs(runs) -> list[dict]:
     return out
 
 
-def main(argv):
+def parse_quick(argv):
+    """The options, with `QUICK`'s settings under --quick."""
     args = parse(argv)
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
-        args.out = args.out or str(harness.ROOT / "bench" / "results" / "hetero_split_quick.json")
-    if harness.is_worker():
-        return worker(args)
-    setup = harness.launch_env()
-    if setup is None:
-        return
-    cores, env, load_before = setup
+    return args
+
+
+def main(argv):
+    return harness.two_process_main(argv, parse_quick, worker, driver)
+
+
+def driver(args, argv, cores, env, load_before):
     env = harness.allocator_env(env, args.allocator)
     t0 = time.perf_counter()
     runs = []
     for _ in range(args.repeats):
         for op in args.ops.split(","):
-            for hogs in [int(x) for x in args.slowdowns.split(",")]:
-                for batch in [int(x) for x in args.batches.split(",")]:
-                    res = harness.run_config(args, argv + ["--op", op], hogs, batch, cores, env, __file__)
-                    runs.append({"op": op, **summarise(res)})
+            for hogs, batch in harness.configs(args):
+                res = harness.run_config(args, argv + ["--op", op], hogs, batch, cores, env, __file__)
+                runs.append({"op": op, **summarise(res)})
     print(f"\n2 processes x 1 CPU device, one split(2) layer across them (width {args.width}; MLP hidden "
           f"{args.hidden}; attention {args.heads} heads x 32, seq {args.seq}), Adam, MSE; medians\n")
     head = f"{'layer':>15} {'loops':>5} {'batch':>6} {'s0/s1':>6} {'units':>11} {'even ms':>8} {'bal ms':>8} " \
@@ -288,7 +288,8 @@ def main(argv):
         "hetero_split", {"config": {k: v for k, v in vars(args).items()
                                     if k not in ("worker_out", "batch", "op", "out")},
                          "machine": {"platform": platform.platform(), "load_before": load_before},
-                         "runs": runs, "medians": medians}, args.out)
+                         "runs": runs, "medians": medians}, args.out,
+        variant="quick" if args.quick and not args.out else None)
     print(f"wrote {path}")
 
 

@@ -62,17 +62,15 @@ def spread(xs) -> float:
 
 
 def worker(args):
-    import jax
     import optax
 
     import whalex as wh
     from whalex.balance.calibrate import calibrate
     from whalex.balance.refine import max_steps, scaled_speeds
 
-    pid = jax.process_index()
+    pid, log = harness.worker_start("the driver")
     loss_fn, params, batch = hetero.make_model(args)
     optimizer = optax.adam(1e-3)
-    log = harness.process0_log(pid)
     quarter = {k: v[: args.batch // 4] for k, v in batch.items()}
     clusters = {c: calibrate(wh.Cluster.detect(), loss_fn, params, b, optimizer=optimizer, repeats=9)
                 for c, b in (("quarter", quarter), ("whole", batch))}
@@ -140,19 +138,15 @@ def _table(head, rows) -> list[str]:
 
 
 def main(argv):
-    args = parse(argv)
-    if harness.is_worker():
-        return worker(args)
-    setup = harness.launch_env()
-    if setup is None:
-        return
-    cores, env, load_before = setup
+    return harness.two_process_main(argv, parse, worker, driver)
+
+
+def driver(args, argv, cores, env, load_before):
     runs = []
     for slow_by in args.slow_by.split(","):
-        for hogs in [int(x) for x in args.slowdowns.split(",")]:
-            for batch in [int(x) for x in args.batches.split(",")]:
-                ns = argparse.Namespace(**{**vars(args), "slow_by": slow_by})
-                runs.append({"slow_by": slow_by, **harness.run_config(ns, argv, hogs, batch, cores, env, __file__)})
+        for hogs, batch in harness.configs(args):
+            ns = argparse.Namespace(**{**vars(args), "slow_by": slow_by})
+            runs.append({"slow_by": slow_by, **harness.run_config(ns, argv, hogs, batch, cores, env, __file__)})
     print(f"\nstock Flax MLP {args.depth} x Dense({args.width}), Adam; load before {load_before:.2f}")
     print("\n".join(table(runs)))
     print(f"wrote {harness.write_result('hetero_sweep', {'load_before': load_before, 'runs': runs}, args.out)}")

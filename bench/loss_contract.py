@@ -204,7 +204,7 @@ def rel_update_error(p0, got, ref) -> float:
     return num / den
 
 
-def main():
+def parse():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=64, help="global batch (sequences)")
     ap.add_argument("--seq", type=int, default=64, help="tokens per sequence")
@@ -220,19 +220,24 @@ def main():
     ap.add_argument("--out", default=None, help="the results file (default bench/results/loss_contract.json)")
     args = ap.parse_args()
     assert len(jax.devices()) == N_DEV, jax.devices()
-    t_start = time.perf_counter()
-    load_start = os.getloadavg()[0]
+    return args
 
+
+def build(args) -> dict:
+    """The model, its batch (some rows all padding), its parameters, the two losses, the optimizer."""
     model = GPT(args.vocab, args.d, args.layers, args.heads, args.seq)
     host_batch = make_batch(args.batch, args.seq, args.vocab, args.pad_rows)
-    real_tokens = int((host_batch["targets"] > 0).sum())
     params0 = model.init(jax.random.key(0), host_batch["inputs"][:1])["params"]
-    params0_host = jax.device_get(params0)
-    n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params0))
-    loss_fns = losses(model)
-    opt = optax.sgd(args.lr)
+    return {"host_batch": host_batch, "real_tokens": int((host_batch["targets"] > 0).sum()), "params0": params0,
+            "params0_host": jax.device_get(params0),
+            "n_params": sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params0)),
+            "loss_fns": losses(model), "opt": optax.sgd(args.lr)}
 
-    # ---- single-device reference (plain JAX): the correctness reference and the context timing ----
+
+def reference(m: dict) -> dict:
+    """The single-device reference (plain JAX): each loss and one SGD step of it at params0, the
+    correctness reference; and the plain step with its state, the context timing."""
+    loss_fns, opt, params0, host_batch = m["loss_fns"], m["opt"], m["params0"], m["host_batch"]
     dev0 = jax.devices()[0]
 
     def plain_train(state, batch):
@@ -241,8 +246,6 @@ def main():
         updates, opt_state = opt.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), loss
 
-    plain_jit = jax.jit(plain_train, donate_argnums=(0,))
-    ref_loss = {k: float(jax.jit(f)(params0, host_batch)) for k, f in loss_fns.items()}
     ref_params1 = {}
     for k, f in loss_fns.items():                        # one SGD step of each loss on one device
         def one(params, batch, f=f):
@@ -250,100 +253,121 @@ def main():
             return optax.apply_updates(params, u)
         ref_params1[k] = jax.device_get(jax.jit(one)(params0, host_batch))
     pparams = jax.device_put(jax.tree.map(lambda a: jnp.array(a, copy=True), params0), dev0)
-    pstate = (pparams, opt.init(pparams))
-    dev_batch0 = jax.device_put(host_batch, dev0)
+    return {"plain_jit": jax.jit(plain_train, donate_argnums=(0,)),
+            "loss": {k: float(jax.jit(f)(params0, host_batch)) for k, f in loss_fns.items()},
+            "params1": ref_params1, "pstate": (pparams, opt.init(pparams)),
+            "dev_batch0": jax.device_put(host_batch, dev0)}
 
-    # ---- whalex: 2 plans x 2 losses, checked ------------------------------------------------------
-    plans = {"uneven": dict(cluster=wh.Cluster(kinds=HETERO)),
-             "micro4": dict(config=wh.Config(num_micro_batch=4))}
-    variants = {}          # name -> dict(step, state, prog, placed)
-    checks, alone = {}, {}
-    t0 = time.perf_counter()
-    for pname, kw in plans.items():
+
+def plans():
+    """The two whalex plans: uneven rows over a heterogeneous cluster, and four micro-batches."""
+    return {"uneven": dict(cluster=wh.Cluster(kinds=HETERO)), "micro4": dict(config=wh.Config(num_micro_batch=4))}
+
+
+def build_variants(m: dict, ref: dict):
+    """whalex: 2 plans x 2 losses, each checked against the reference after its first step; the
+    pre-pass as its own program where a loss has one. (variants, checks, pre-passes alone)."""
+    variants, checks, alone = {}, {}, {}
+    for pname, kw in plans().items():
         for lname in LOSSES:
             name = f"{pname}/{lname}"
-            step = wh.parallelize(loss_fns[lname], opt, **kw)
-            state = step.init(params0, host_batch)
-            plan = step.plan
-            couplings = list(plan.couplings)
-            has_prepass = any(PREPASS in c for c in couplings)
-            assert has_prepass == (lname == "a"), (name, couplings)
-            state, m = step(state, host_batch)                    # first step: loss at params0
-            wl = float(m["loss"])
-            np.testing.assert_allclose(wl, ref_loss[lname], rtol=1e-5, err_msg=f"{name}: whalex loss != single device")
-            upd_err = rel_update_error(params0_host, jax.device_get(step.params(state)), ref_params1[lname])
-            assert upd_err < 1e-3, f"{name}: one SGD step differs from single device (relative error {upd_err:.2e})"
-            prog = step._jitted[step._key(state.stored_params, host_batch)]   # the compiled program Step.__call__ runs
-            placed = plan.place_batch(host_batch)
+            step = wh.parallelize(m["loss_fns"][lname], m["opt"], **kw)
+            state, checks[name] = check_variant(m, ref, name, lname, step)
+            prog = step._jitted[step._key(state.stored_params, m["host_batch"])]   # the program Step.__call__ runs
+            placed = step.plan.place_batch(m["host_batch"])
             compiled = prog.lower(state, placed).compile()            # cached: the executable just run
-            checks[name] = {"loss": wl, "single_device_loss": ref_loss[lname],
-                            "loss_rel_err": abs(wl - ref_loss[lname]) / abs(ref_loss[lname]),
-                            "sgd_update_rel_err": upd_err, "has_prepass": has_prepass, "couplings": couplings,
-                            "rows_per_device": [int(x) for x in plan.batch_sizes],
-                            "hlo": hlo_summary(compiled), "while_loops": while_bodies(compiled)}
+            checks[name].update(hlo=hlo_summary(compiled), while_loops=while_bodies(compiled))
             variants[name] = {"step": step, "state": state, "prog": prog, "placed": placed}
-            if has_prepass:                                           # the same pre-pass as its own program
-                pre, null = plan.prepass()          # the same pre-pass as its own program, and a null one
-                pargs = (state.stored_params, placed)
-                got = float(pre(*pargs)[0])
-                assert got == real_tokens, (name, got, real_tokens)   # the normaliser: sum(w) over the global batch
-                c = pre.lower(*pargs).compile()
-                alone[pname] = {"prepass": pre, "null": null, "args": pargs, "hlo": hlo_summary(c),
-                                "while_loops": while_bodies(c)}
-    setup_time = time.perf_counter() - t0
+            if checks[name]["has_prepass"]:
+                alone[pname] = prepass_alone(m, name, step.plan, state, placed)
+    return variants, checks, alone
 
-    # ---- every call path, warmed up, then timed --------------------------------------------------
+
+def check_variant(m, ref, name, lname, step):
+    """The first step of one variant against the single device: its state after, and its checks."""
+    state = step.init(m["params0"], m["host_batch"])
+    plan = step.plan
+    couplings = list(plan.couplings)
+    has_prepass = any(PREPASS in c for c in couplings)
+    assert has_prepass == (lname == "a"), (name, couplings)
+    state, metrics = step(state, m["host_batch"])                    # first step: loss at params0
+    wl, ref_loss = float(metrics["loss"]), ref["loss"][lname]
+    np.testing.assert_allclose(wl, ref_loss, rtol=1e-5, err_msg=f"{name}: whalex loss != single device")
+    upd_err = rel_update_error(m["params0_host"], jax.device_get(step.params(state)), ref["params1"][lname])
+    assert upd_err < 1e-3, f"{name}: one SGD step differs from single device (relative error {upd_err:.2e})"
+    return state, {"loss": wl, "single_device_loss": ref_loss, "loss_rel_err": abs(wl - ref_loss) / abs(ref_loss),
+                   "sgd_update_rel_err": upd_err, "has_prepass": has_prepass, "couplings": couplings,
+                   "rows_per_device": [int(x) for x in plan.batch_sizes]}
+
+
+def prepass_alone(m, name, plan, state, placed) -> dict:
+    """The same pre-pass as its own program, and a null one, checked to give the normaliser."""
+    pre, null = plan.prepass()
+    pargs = (state.stored_params, placed)
+    got = float(pre(*pargs)[0])
+    assert got == m["real_tokens"], (name, got, m["real_tokens"])   # the normaliser: sum(w) over the global batch
+    c = pre.lower(*pargs).compile()
+    return {"prepass": pre, "null": null, "args": pargs, "hlo": hlo_summary(c), "while_loops": while_bodies(c)}
+
+
+def time_calls(args, m, ref, variants, alone) -> dict:
+    """Every call path, warmed up, then timed in interleaved rounds, one call per variant, each round
+    of one mode (the modes mixed in time), the order rotating and reversed every len(names) rounds;
+    the process's CPU time (all threads) too."""
+    host_batch, plain = m["host_batch"], {"state": ref["pstate"]}
+
     def call(name, mode):
         """One call of `name` in `mode`; returns what to block on."""
-        nonlocal pstate
         if name == "plain/a":
-            pstate, loss = plain_jit(pstate, dev_batch0 if mode == "program" else host_batch)
-            return pstate, loss
+            plain["state"], loss = ref["plain_jit"](plain["state"], ref["dev_batch0"] if mode == "program"
+                                                    else host_batch)
+            return plain["state"], loss
         if name.endswith("/prepass") or name.endswith("/null"):
             x = alone[name.split("/")[0]]
             return x[name.split("/")[1]](*x["args"])
         v = variants[name]
         if mode == "program":
-            v["state"], m = v["prog"](v["state"], v["placed"])
+            v["state"], out = v["prog"](v["state"], v["placed"])
         else:
-            v["state"], m = v["step"](v["state"], host_batch)
-        return v["state"], m
+            v["state"], out = v["step"](v["state"], host_batch)
+        return v["state"], out
 
     for x in alone.values():          # the steps donate their state: pass the pre-pass a copy
         x["args"] = (jax.tree.map(lambda a: jnp.array(a, copy=True), x["args"][0]), x["args"][1])
     names = {"program": list(variants) + ["plain/a"] + [f"{p}/{k}" for p in alone for k in ("prepass", "null")],
              "step": list(variants) + ["plain/a"]}
     modes = {"program": args.rounds, "step": args.step_rounds}
-    # interleaved rounds, one call per variant, each round of one mode (the modes mixed in time), the
-    # order rotating and reversed every len(names) rounds; the process's CPU time (all threads) too
-    schedule = [m for m, n in modes.items() for _ in range(n)]
+    schedule = [mo for mo, n in modes.items() for _ in range(n)]
     schedule = [schedule[i] for i in np.random.default_rng(1).permutation(len(schedule))]
     calls = {(mode, n): (lambda n=n, mode=mode: call(n, mode)) for mode in modes for n in names[mode]}
     timings = harness.interleaved(calls, len(schedule), warmup=args.warmup, order_by="rotate-alternate",
                                   select=lambda r: [(schedule[r], n) for n in names[schedule[r]]],
                                   cpu_clock=time.process_time)
-    times = {mode: {n: timings.times((mode, n)) for n in names[mode]} for mode in modes}
-    cpu = {mode: {n: timings.cpu_times((mode, n)) for n in names[mode]} for mode in modes}
-    warm_time, timed_time = timings.warmup_s, timings.timed_s
+    return {"modes": modes, "times": {mode: {n: timings.times((mode, n)) for n in names[mode]} for mode in modes},
+            "cpu": {mode: {n: timings.cpu_times((mode, n)) for n in names[mode]} for mode in modes},
+            "warm_time": timings.warmup_s, "timed_time": timings.timed_s}
 
-    # ---- report ---------------------------------------------------------------------------------
+
+def summarise(t: dict, alone: dict):
+    """(a) against (b) per (mode, plan), with bootstrap intervals; the pre-pass alone against a null call."""
+    times, cpu, modes = t["times"], t["cpu"], t["modes"]
     rng = np.random.default_rng(2)
     med = {mode: {n: harness.median(ts) * 1e3 for n, ts in times[mode].items()} for mode in modes}
     rows = {}
     for mode in modes:
-        for pname in plans:
-            t = {l: times[mode][f"{pname}/{l}"] for l in LOSSES}
+        for pname in plans():
+            ts = {l: times[mode][f"{pname}/{l}"] for l in LOSSES}
             u = {l: cpu[mode][f"{pname}/{l}"] for l in LOSSES}
             a, b = med[mode][f"{pname}/a"], med[mode][f"{pname}/b"]
             rows[(mode, pname)] = {
                 "a_median_ms": a, "b_median_ms": b, "ratio": a / b, "overhead_pct": (a / b - 1) * 100,
-                **paired_stats(t["a"], t["b"], rng),
-                "min_ms": {l: min(t[l]) * 1e3 for l in LOSSES},
+                **paired_stats(ts["a"], ts["b"], rng),
+                "min_ms": {l: min(ts[l]) * 1e3 for l in LOSSES},
                 "cpu_median_ms": {l: harness.median(u[l]) * 1e3 for l in LOSSES},
                 "cpu_ratio": harness.median(u["a"]) / harness.median(u["b"]),
                 "cpu_ratio_ci95": paired_stats(u["a"], u["b"], rng)["ratio_ci95"],
                 "plain_single_device_a_ms": med[mode]["plain/a"],
-                "calls_timed_each": len(t["a"])}
+                "calls_timed_each": len(ts["a"])}
     pre_rows = {}
     for pname in alone:
         p_ms, n_ms = med["program"][f"{pname}/prepass"], med["program"][f"{pname}/null"]
@@ -353,15 +377,19 @@ def main():
                            "prepass_call_pct_of_step_b": p_ms / step_b * 100,
                            "prepass_minus_null_pct_of_step_b": (p_ms - n_ms) / step_b * 100,
                            "hlo": alone[pname]["hlo"], "while_loops": alone[pname]["while_loops"]}
+    return rows, pre_rows
 
+
+def report_checks(args, m, checks, load_start) -> None:
+    """The setting, then each variant's checks and compiled HLO."""
     print(f"loss-contract pre-pass benchmark: {N_DEV} simulated CPU devices "
           f"({platform.processor() or platform.machine()}, {os.cpu_count()} cores shared; "
           f"load average {load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end), "
           f"jax {jax.__version__}")
     print(f"model: GPT (Flax nn.Embed + {args.layers} x [LayerNorm, nn.SelfAttention(causal), Dense MLP] + Dense), "
-          f"vocab {args.vocab}, d {args.d}, {args.heads} heads, {n_params:,} params, SGD({args.lr})")
+          f"vocab {args.vocab}, d {args.d}, {args.heads} heads, {m['n_params']:,} params, SGD({args.lr})")
     print(f"batch: {args.batch} sequences x {args.seq} tokens, {args.pad_rows} rows all padding, "
-          f"{real_tokens} real target tokens of {args.batch * args.seq}")
+          f"{m['real_tokens']} real target tokens of {args.batch * args.seq}")
     print("losses: (a) sum(ce*w)/sum(w), w = targets > 0  [pre-pass]     (b) ce.mean()  [no pre-pass]")
     print()
     print("checks (first step vs single device; compiled HLO of one device's program):")
@@ -373,6 +401,10 @@ def main():
         print(f"  {'':<8} HLO: {h['while']} while, {h['dot']} dot, {h['all-reduce']} all-reduce, "
               f"flops {h['flops']:.4e}; loops: {loop_text(c['while_loops'])}")
     print()
+
+
+def report_timings(args, rows, pre_rows) -> None:
+    """(a) against (b) per plan and mode, then the pre-pass alone."""
     print(f"timing: {args.rounds} ('program') and {args.step_rounds} ('step') interleaved rounds, one call per variant "
           "per round, rotating order, block_until_ready after each; medians (ms); 95% CI: bootstrap")
     hdr = (f"  {'plan':<7} {'mode':<8} {'(a) ms':>8} {'(b) ms':>8} {'a/b':>6} {'overhead':>9} {'a/b 95% CI':>14} "
@@ -392,8 +424,12 @@ def main():
               f"(b) step (whole call {r['prepass_call_pct_of_step_b']:.2f}%); HLO: {r['hlo']['while']} while, "
               f"{r['hlo']['dot']} dot, {r['hlo']['all-reduce']} all-reduce; loops: {loop_text(r['while_loops'])}")
     print()
+
+
+def verdicts_of(rows, pre_rows) -> dict:
+    """PASS, FAIL or UNRESOLVED per plan (end to end) and per pre-pass alone, each printed."""
     verdicts = {}
-    for pname in plans:
+    for pname in plans():
         r = rows[("program", pname)]
         ov, (lo, hi) = r["overhead_pct"], r["ratio_ci95"]
         # end to end: decided only when the 95% interval of a/b lies on one side of the target
@@ -407,17 +443,18 @@ def main():
             line += (f"; the pre-pass alone (whole call, an upper bound): {pct:.2f}% of the step: "
                      f"{verdicts[f'{pname}/prepass_alone']}")
         print(line)
-    total = time.perf_counter() - t_start
-    print(f"(setup + checks {setup_time:.1f}s, warm-up {warm_time:.1f}s, timed {timed_time:.1f}s, total {total:.1f}s)")
+    return verdicts
 
-    out = {
+
+def record(args, m, checks, rows, pre_rows, verdicts, load_start, seconds) -> dict:
+    return {
         "benchmark": "loss_contract", "devices": N_DEV, "device_kind": "simulated CPU", "cpu_cores": os.cpu_count(),
         "load_average_1min": {"start": load_start, "end": os.getloadavg()[0]}, "jax": jax.__version__,
         "model": {"kind": "GPT (flax.linen Embed, SelfAttention causal, LayerNorm, Dense)", "vocab": args.vocab,
-                  "d": args.d, "layers": args.layers, "heads": args.heads, "params": n_params,
+                  "d": args.d, "layers": args.layers, "heads": args.heads, "params": m["n_params"],
                   "optimizer": f"sgd({args.lr})"},
         "batch": {"sequences": args.batch, "tokens": args.seq, "all_padding_rows": args.pad_rows,
-                  "real_target_tokens": real_tokens},
+                  "real_target_tokens": m["real_tokens"]},
         "losses": {"a": "sum(ce*w)/sum(w), w = targets > 0 (pre-pass)", "b": "ce.mean() (no pre-pass)"},
         "plans": {"uneven": f"Cluster(kinds=[{HETERO[0]!r}]*4 + [{HETERO[-1]!r}]*4)",
                   "micro4": "Config(num_micro_batch=4)"},
@@ -429,8 +466,29 @@ def main():
         "results": {f"{pname}/{mode}": r for (mode, pname), r in rows.items()},
         "prepass_alone": pre_rows,
         "target_overhead_pct": TARGET * 100, "verdicts": verdicts, "verdict_mode": "program",
-        "times": {"setup_s": setup_time, "warmup_s": warm_time, "timed_s": timed_time, "total_s": total},
+        "times": seconds,
     }
+
+
+def main():
+    args = parse()
+    t_start = time.perf_counter()
+    load_start = os.getloadavg()[0]
+    m = build(args)
+    ref = reference(m)
+    t0 = time.perf_counter()
+    variants, checks, alone = build_variants(m, ref)
+    setup_time = time.perf_counter() - t0
+    t = time_calls(args, m, ref, variants, alone)
+    rows, pre_rows = summarise(t, alone)
+    report_checks(args, m, checks, load_start)
+    report_timings(args, rows, pre_rows)
+    verdicts = verdicts_of(rows, pre_rows)
+    total = time.perf_counter() - t_start
+    print(f"(setup + checks {setup_time:.1f}s, warm-up {t['warm_time']:.1f}s, timed {t['timed_time']:.1f}s, "
+          f"total {total:.1f}s)")
+    seconds = {"setup_s": setup_time, "warmup_s": t["warm_time"], "timed_s": t["timed_time"], "total_s": total}
+    out = record(args, m, checks, rows, pre_rows, verdicts, load_start, seconds)
     print(f"wrote {harness.write_result('loss_contract', out, args.out)}")
 
 

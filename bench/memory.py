@@ -277,7 +277,7 @@ def mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
 
-def main():
+def parse():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--d-model", type=int, default=256)
@@ -291,8 +291,11 @@ def main():
     ap.add_argument("--out", default=None, help="the results file (default bench/results/memory.json)")
     args = ap.parse_args()
     assert len(jax.devices()) == N_DEV, jax.devices()
-    t_start = time.perf_counter()
+    return args
 
+
+def remat_part(args) -> dict:
+    """The remat comparison (whalex's remat options against nn.remat), printed and checked."""
     size = {"vocab": args.vocab, "d": args.d_model, "heads": args.heads, "layers": args.layers, "seq": args.seq,
             "batch": args.remat_batch}
     remat_table, remat_info = remat_rows(size)
@@ -306,29 +309,28 @@ def main():
     }
     for name, ok in remat_checks.items():
         print(f"  {'PASS' if ok else 'FAIL'}  {name}")
-    remat_out = {"model": {"kind": "bench/models.GPT", **size}, "rows": remat_table, **remat_info,
-                 "checks": remat_checks}
-    if args.remat_only:
-        path = harness.write_result("memory_remat", {"benchmark": "memory (remat)", "jax": jax.__version__,
-                                                     "remat": remat_out}, args.out, default=str, newline=True)
-        print(f"wrote {path}")
-        return
+    return {"model": {"kind": "bench/models.GPT", **size}, "rows": remat_table, **remat_info,
+            "checks": remat_checks}
 
+
+def option_rows(args):
+    """Each memory option's plan, compiled, and plain JAX's: (rows, plain JAX's, parameter count)."""
     loss_fn, params = make_model(args.vocab, args.d_model, args.layers, args.heads, args.seq)
     batch = batch_shapes(args.batch, args.seq)
     optimizer = optax.adam(1e-3)
     n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
 
     rows = [row("baseline", wh.Config(), loss_fn, params, batch, optimizer)]
-    base = rows[0]
     configs = [("zero 1", wh.Config(zero_level=1)), ("zero 2", wh.Config(zero_level=2)),
                ("zero 3", wh.Config(zero_level=3)), ("remat full (CPU: no change)", wh.Config(remat="full")),
                ("offload opt_state", wh.Config(offload="opt_state")),
                ("zero 1 + offload", wh.Config(zero_level=1, offload="opt_state"))]
     rows += [row(name, cfg, loss_fn, params, batch, optimizer) for name, cfg in configs]
-    plain = plain_jax(loss_fn, params, batch, optimizer)
+    return rows, plain_jax(loss_fn, params, batch, optimizer), n_params
 
-    # ---- table ------------------------------------------------------------------------------------
+
+def print_options(args, rows, plain, n_params) -> None:
+    """Per option: the device's argument, parameter, optimizer-state, host, temp and peak bytes."""
     print(f"whalex memory options: GPT-style transformer, {args.layers} blocks, d={args.d_model}, "
           f"{args.heads} heads, vocab {args.vocab}, seq {args.seq}; {n_params:,} params "
           f"({n_params * 4 / 2**20:.1f} MiB f32), Adam")
@@ -355,7 +357,11 @@ def main():
           "pinned_host state;\nhost = argument bytes in pinned_host (on CPU, XLA counts them in 'argument'); "
           "peak* = the same without donation (plan.compiled_memory())")
 
-    # ---- checks -------------------------------------------------------------------------------------
+
+def check_options(rows, plain):
+    """ZeRO's fractions, the argument bytes adding up, the baseline against plain JAX, printed:
+    (checks, ZeRO-1's optimizer-state ratio, ZeRO-3's parameter ratio)."""
+    pd, base = plain["donated"], rows[0]
     by = {r["name"]: r for r in rows if r["built"]}
     z1, z3 = by["zero 1"], by["zero 3"]
     opt_ratio = z1["arguments"]["opt_state"] / base["arguments"]["opt_state"]
@@ -380,7 +386,21 @@ def main():
     }
     for name, ok in checks.items():
         print(f"  {'PASS' if ok else 'FAIL'}  {name}")
+    return checks, opt_ratio, param_ratio
 
+
+def main():
+    args = parse()
+    t_start = time.perf_counter()
+    remat_out = remat_part(args)
+    if args.remat_only:
+        path = harness.write_result("memory_remat", {"benchmark": "memory (remat)", "jax": jax.__version__,
+                                                     "remat": remat_out}, args.out, default=str, newline=True)
+        print(f"wrote {path}")
+        return
+    rows, plain, n_params = option_rows(args)
+    print_options(args, rows, plain, n_params)
+    checks, opt_ratio, param_ratio = check_options(rows, plain)
     elapsed = time.perf_counter() - t_start
     print(f"\n{len(rows)} whalex plans + 1 plain compile in {elapsed:.1f} s")
     out = {

@@ -208,7 +208,7 @@ def _kinds(s: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------------
-def main():
+def parse():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=32, help="global batch (sequences), a multiple of 8")
     ap.add_argument("--seq", type=int, default=64, help="tokens per sequence (= one routing group)")
@@ -229,15 +229,16 @@ def main():
     assert len(jax.devices()) == N_DEV, jax.devices()
     if args.batch % N_DEV or args.experts % N_DEV:
         ap.error("--batch and --experts must be multiples of 8")
-    t_all = time.perf_counter()
+    return args
 
+
+def build(args) -> dict:
+    """Both models (B's layer declares exactly the parameters of wh.moe.MoE), their losses, the
+    batches placed on the mesh, the parameters, the optimizer."""
     mesh = jax.make_mesh((N_DEV,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     kw = dict(d=args.d, features=args.features, layers=args.layers, experts=args.experts, hidden=args.hidden,
               k=args.top_k, capacity_factor=args.capacity)
-    model_a = Net(**kw, variant="whalex")
     model_b = Net(**kw, variant="gspmd", mesh=mesh)
-    loss_a, loss_b = make_loss(model_a), make_loss(model_b)
-
     rng = np.random.default_rng(0)
     teacher = (rng.standard_normal((args.features, args.features)) / np.sqrt(args.features)).astype(np.float32)
     host_batches = []
@@ -245,31 +246,47 @@ def main():
         x = rng.standard_normal((args.batch, args.seq, args.features), dtype=np.float32)
         host_batches.append({"x": x, "y": np.tanh(x @ teacher).astype(np.float32)})
     params0 = Net(**kw, variant="plain").init(jax.random.key(0), host_batches[0]["x"][:1])["params"]
-    # B's layer declares exactly the parameters of wh.moe.MoE
     shapes_b = jax.eval_shape(lambda: model_b.init(jax.random.key(0), host_batches[0]["x"][:1])["params"])
     assert jax.tree.structure(shapes_b) == jax.tree.structure(params0)
     assert [s.shape for s in jax.tree.leaves(shapes_b)] == [p.shape for p in jax.tree.leaves(params0)]
-    n_params = sum(int(p.size) for p in jax.tree.leaves(params0))
-    n_expert = sum(int(p.size) for path, p in jax.tree_util.tree_leaves_with_path(params0) if is_expert_path(path))
-    param_shapes = {tuple(sorted(p.shape)) for p in jax.tree.leaves(params0)}
-    cap = wh.moe.capacity(args.seq, args.experts, args.top_k, args.capacity)
-    opt = optax.adam(args.lr, eps=1e-4)
-
     data = NamedSharding(mesh, P("x"))
     batch_sh = {"x": data, "y": data}
-    placed = [jax.device_put(b, batch_sh) for b in host_batches]
-    copy = lambda t: jax.tree.map(lambda a: jnp.array(a, copy=True), t)   # noqa: E731  (states are donated)
+    return {"mesh": mesh, "kw": kw, "loss_a": make_loss(Net(**kw, variant="whalex")), "loss_b": make_loss(model_b),
+            "host_batches": host_batches, "params0": params0,
+            "n_params": sum(int(p.size) for p in jax.tree.leaves(params0)),
+            "n_expert": sum(int(p.size) for path, p in jax.tree_util.tree_leaves_with_path(params0)
+                            if is_expert_path(path)),
+            "param_shapes": {tuple(sorted(p.shape)) for p in jax.tree.leaves(params0)},
+            "cap": wh.moe.capacity(args.seq, args.experts, args.top_k, args.capacity),
+            "opt": optax.adam(args.lr, eps=1e-4), "batch_sh": batch_sh,
+            "placed": [jax.device_put(b, batch_sh) for b in host_batches]}
 
-    # ---- A: whalex ---------------------------------------------------------------------------
-    t0 = time.perf_counter()
-    wstep = wh.parallelize(loss_a, opt)
-    wstate = wstep.init(copy(params0), host_batches[0])
-    plan = wstep.plan
-    a_hlo = plan.lowered().compile().as_text()
-    a_setup = time.perf_counter() - t0
 
-    # ---- B: plain GSPMD ----------------------------------------------------------------------
+def _copy(t):
+    """A copy of every array of `t` (the steps donate their states)."""
+    return jax.tree.map(lambda a: jnp.array(a, copy=True), t)
+
+
+def build_whalex(c: dict) -> None:
+    """A: whalex's step, its state and compiled HLO, into `c`."""
     t0 = time.perf_counter()
+    wstep = wh.parallelize(c["loss_a"], c["opt"])
+    c["wstate"] = wstep.init(_copy(c["params0"]), c["host_batches"][0])
+    c["wstep"], c["plan"] = wstep, wstep.plan
+    c["a_hlo"] = wstep.plan.lowered().compile().as_text()
+    c["a_setup"] = time.perf_counter() - t0
+
+    def w_step(state, batch):
+        state, m = wstep(state, batch)
+        return state, m["loss"]
+
+    c["w_step"] = w_step
+
+
+def build_gspmd(c: dict) -> None:
+    """B: the plain GSPMD step (experts sharded, the rest replicated), its state and compiled HLO, into `c`."""
+    t0 = time.perf_counter()
+    mesh, opt, loss_b, batch_sh = c["mesh"], c["opt"], c["loss_b"], c["batch_sh"]
 
     def spec_for(path, _):
         return NamedSharding(mesh, P("x") if is_expert_path(path) else P())
@@ -280,48 +297,46 @@ def main():
         updates, opt_state = opt.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), loss
 
-    state_shapes = jax.eval_shape(lambda p: (p, opt.init(p)), params0)
+    state_shapes = jax.eval_shape(lambda p: (p, opt.init(p)), c["params0"])
     state_sh = jax.tree_util.tree_map_with_path(spec_for, state_shapes)
     rep = NamedSharding(mesh, P())
     b_jit = jax.jit(b_train, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, rep), donate_argnums=0)
     init_b = jax.jit(lambda p: (p, opt.init(p)), out_shardings=state_sh)
-    bstate = init_b(copy(params0))
-    b_compiled = b_jit.lower(bstate, placed[0]).compile()
-    b_hlo = b_compiled.as_text()
+    c["bstate"] = init_b(_copy(c["params0"]))
+    c["b_hlo"] = b_jit.lower(c["bstate"], c["placed"][0]).compile().as_text()
 
     def b_step(state, batch):
         return b_jit(state, jax.device_put(batch, batch_sh))      # mirror whalex's Step.__call__
 
-    b_setup = time.perf_counter() - t0
+    c["b_step"], c["b_setup"] = b_step, time.perf_counter() - t0
 
-    def w_step(state, batch):
-        state, m = wstep(state, batch)
-        return state, m["loss"]
 
-    # same placement of the expert weights on both sides
-    a_specs = {k: str(v) for k, v in plan.param_specs.items()}
-    a_shard_rows = sorted({sh.data.shape[0] for path, s in jax.tree_util.tree_leaves_with_path(wstate.params)
-                           if is_expert_path(path) for sh in s.addressable_shards})
-    b_shard_rows = sorted({sh.data.shape[0] for path, s in jax.tree_util.tree_leaves_with_path(bstate[0])
-                           if is_expert_path(path) for sh in s.addressable_shards})
-
-    # ---- correctness: one step from the same params and batch -------------------------------
-    wstate, wl = w_step(wstate, placed[0])
-    bstate, bl = b_step(bstate, placed[0])
-    jax.block_until_ready((wstate, wl, bstate, bl))
+def check(c: dict) -> None:
+    """The same placement of the expert weights on both sides, and one step from the same params and
+    batch giving the same loss and parameters; into `c`."""
+    c["a_specs"] = {k: str(v) for k, v in c["plan"].param_specs.items()}
+    c["a_shard_rows"], c["b_shard_rows"] = (
+        sorted({sh.data.shape[0] for path, s in jax.tree_util.tree_leaves_with_path(tree)
+                if is_expert_path(path) for sh in s.addressable_shards})
+        for tree in (c["wstate"].params, c["bstate"][0]))
+    c["wstate"], wl = c["w_step"](c["wstate"], c["placed"][0])
+    c["bstate"], bl = c["b_step"](c["bstate"], c["placed"][0])
+    jax.block_until_ready((c["wstate"], wl, c["bstate"], bl))
     loss_rel = abs(float(wl) - float(bl)) / abs(float(bl))
-    p_errs = jax.tree.map(rel_err, wstep.params(wstate), bstate[0])
+    p_errs = jax.tree.map(rel_err, c["wstep"].params(c["wstate"]), c["bstate"][0])
     p_err = max(jax.tree.leaves(p_errs))
-    moved = max(jax.tree.leaves(jax.tree.map(rel_err, bstate[0], params0)))
+    moved = max(jax.tree.leaves(jax.tree.map(rel_err, c["bstate"][0], c["params0"])))
     assert loss_rel < TOL, f"loss differs: whalex {float(wl)!r} vs GSPMD {float(bl)!r} (rel {loss_rel:.2e})"
     assert p_err < TOL, f"params differ after one step: {p_errs}"
     assert moved > 1e-4, "the step did not move the parameters; the comparison would be vacuous"
-    first_loss = float(bl)
+    c.update(loss_rel=loss_rel, p_errs=p_errs, p_err=p_err, first_loss=float(bl))
 
-    # ---- warm up, then timed, interleaved (A B, B A, ...) --------------------------------------
-    sides = {"whalex": [w_step, wstate], "gspmd": [b_step, bstate]}
+
+def time_sides(args, c: dict) -> dict:
+    """Warm up, then time both steps interleaved (A B, B A, ...); the collectives of each compiled HLO."""
+    sides = {"whalex": [c["w_step"], c["wstate"]], "gspmd": [c["b_step"], c["bstate"]]}
     counter = {"whalex": 1, "gspmd": 1}
-    last = {}
+    last, placed = {}, c["placed"]
 
     def run(side):
         fn, state = sides[side]
@@ -332,29 +347,33 @@ def main():
 
     timings = harness.interleaved({s: (lambda s=s: run(s)) for s in sides}, args.steps, warmup=args.warmup)
     times = {s: timings.times(s) for s in sides}
-    warm_time, timed_time = timings.warmup_s, timings.timed_s
-    final_loss_diff = abs(float(last["whalex"]) - float(last["gspmd"]))
-
-    # ---- collectives -----------------------------------------------------------------------
-    coll = {"whalex": summarise(a_hlo, param_shapes), "gspmd": summarise(b_hlo, param_shapes)}
+    coll = {"whalex": summarise(c["a_hlo"], c["param_shapes"]), "gspmd": summarise(c["b_hlo"], c["param_shapes"])}
     med = {s: harness.median(t) for s, t in times.items()}
-    bytes_ratio = coll["gspmd"]["hlo_bytes"] / coll["whalex"]["hlo_bytes"]
-    ring_ratio = coll["gspmd"]["ring_bytes"] / coll["whalex"]["ring_bytes"]
-    time_ratio = med["gspmd"] / med["whalex"]
+    return {"times": times, "warm_time": timings.warmup_s, "timed_time": timings.timed_s, "counter": counter,
+            "final_loss_diff": abs(float(last["whalex"]) - float(last["gspmd"])), "coll": coll, "med": med,
+            "bytes_ratio": coll["gspmd"]["hlo_bytes"] / coll["whalex"]["hlo_bytes"],
+            "ring_ratio": coll["gspmd"]["ring_bytes"] / coll["whalex"]["ring_bytes"],
+            "time_ratio": med["gspmd"] / med["whalex"]}
 
-    # ---- report ------------------------------------------------------------------------------
+
+NAMES = {"whalex": "A whalex (shard_map a2a)", "gspmd": "B plain GSPMD"}
+
+
+def report_setting(args, c: dict, r: dict) -> None:
+    """The model, the batch, both placements, the check, then collectives and median step per variant."""
     g = args.batch
     print(f"MoE dispatch benchmark: {N_DEV} simulated CPU devices ({platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores), jax {jax.__version__}")
     print(f"model: Dense({args.features}->{args.d}) -> {args.layers} x residual MoE({args.experts} experts x "
-          f"{args.hidden} hidden, top-{args.top_k}, capacity factor {args.capacity} -> {cap} slots/expert/group) "
-          f"-> Dense({args.features}); {n_params:,} params ({n_expert:,} in experts); Adam(lr={args.lr}, eps=1e-4)")
+          f"{args.hidden} hidden, top-{args.top_k}, capacity factor {args.capacity} -> {c['cap']} slots/expert/group) "
+          f"-> Dense({args.features}); {c['n_params']:,} params ({c['n_expert']:,} in experts); "
+          f"Adam(lr={args.lr}, eps=1e-4)")
     print(f"batch: {g} sequences x {args.seq} tokens ({g // N_DEV} sequences/device), routing group = one "
-          f"sequence; dispatched buffer [G={g}, E={args.experts}, C={cap}, d={args.d}] per layer")
-    print(f"A whalex: strategies {[t.strategy for t in plan.task_graphs]}, expert weight rows per device "
-          f"{a_shard_rows}; B GSPMD: expert weight rows per device {b_shard_rows}")
-    print(f"check: one step from the same params/batch: loss {first_loss:.6f}, |dloss|/loss = {loss_rel:.1e}, "
-          f"max rel param error {p_err:.1e} (< {TOL}: asserted)")
+          f"sequence; dispatched buffer [G={g}, E={args.experts}, C={c['cap']}, d={args.d}] per layer")
+    print(f"A whalex: strategies {[t.strategy for t in c['plan'].task_graphs]}, expert weight rows per device "
+          f"{c['a_shard_rows']}; B GSPMD: expert weight rows per device {c['b_shard_rows']}")
+    print(f"check: one step from the same params/batch: loss {c['first_loss']:.6f}, |dloss|/loss = "
+          f"{c['loss_rel']:.1e}, max rel param error {c['p_err']:.1e} (< {TOL}: asserted)")
     print(f"timing: {args.steps} steps per variant after {args.warmup} warm-up, alternating A B / B A, each step "
           f"ended with block_until_ready")
     print()
@@ -362,37 +381,40 @@ def main():
           f"{'median ms':>10}"
     print(hdr)
     print("  " + "-" * (len(hdr) - 2))
-    names = {"whalex": "A whalex (shard_map a2a)", "gspmd": "B plain GSPMD"}
     for s in ("whalex", "gspmd"):
-        c = coll[s]
-        print(f"  {names[s]:<26} {_kinds(c):<44} {_kb(c['hlo_bytes']):>11} {_kb(c['ring_bytes']):>11} "
-              f"{med[s] * 1e3:>10.2f}")
+        cs = r["coll"][s]
+        print(f"  {NAMES[s]:<26} {_kinds(cs):<44} {_kb(cs['hlo_bytes']):>11} {_kb(cs['ring_bytes']):>11} "
+              f"{r['med'][s] * 1e3:>10.2f}")
     print()
+
+
+def report_collectives(c: dict, r: dict, t_all: float) -> None:
+    """Bytes by kind and by source op, whether GSPMD chose an all-to-all, the ratios, the run's seconds."""
+    coll = r["coll"]
     print("bytes by kind (HLO result bytes per step per device):")
     for s in ("whalex", "gspmd"):
-        print(f"  {names[s]:<26} " + ", ".join(f"{k} {_kb(v['bytes'])}" for k, v in coll[s]["by_kind"].items()))
+        print(f"  {NAMES[s]:<26} " + ", ".join(f"{k} {_kb(v['bytes'])}" for k, v in coll[s]["by_kind"].items()))
     print(f"parameter-shaped collective results (weights gathered / gradients synced): whalex "
           f"{_kb(coll['whalex']['param_shaped_bytes'])}, GSPMD {_kb(coll['gspmd']['param_shaped_bytes'])}")
     print("where the collectives come from (kind x count <- jax op in the HLO metadata, bytes):")
     for s in ("whalex", "gspmd"):
-        print(f"  {names[s]}")
+        print(f"  {NAMES[s]}")
         for (kind, src), (n, b) in _by_source(coll[s]).items():
             print(f"    {kind:<18} x{n:<2} <- {src:<58} {_kb(b):>10}")
     print(f"B's HLO contains all-to-all: {'YES' if coll['gspmd']['has_all_to_all'] else 'NO'} "
           f"({coll['gspmd']['by_kind'].get('all-to-all', {'count': 0})['count']} all-to-all; XLA chose the "
           f"collectives)")
     print()
-    print(f"ratio B/A (GSPMD / whalex): collective bytes {bytes_ratio:.3f} (ring estimate {ring_ratio:.3f}), "
-          f"median step time {time_ratio:.3f}")
-    print(f"(setup: whalex plan+init+compile {a_setup:.1f}s, GSPMD init+compile {b_setup:.1f}s; warm-up "
-          f"{warm_time:.1f}s, timed {timed_time:.1f}s; final |dloss| after {counter['whalex']} steps each "
-          f"{final_loss_diff:.1e}; total {time.perf_counter() - t_all:.0f}s)")
+    print(f"ratio B/A (GSPMD / whalex): collective bytes {r['bytes_ratio']:.3f} (ring estimate {r['ring_ratio']:.3f}), "
+          f"median step time {r['time_ratio']:.3f}")
+    print(f"(setup: whalex plan+init+compile {c['a_setup']:.1f}s, GSPMD init+compile {c['b_setup']:.1f}s; warm-up "
+          f"{r['warm_time']:.1f}s, timed {r['timed_time']:.1f}s; final |dloss| after {r['counter']['whalex']} steps "
+          f"each {r['final_loss_diff']:.1e}; total {time.perf_counter() - t_all:.0f}s)")
 
-    if args.dump_hlo:
-        harness.RESULTS.mkdir(parents=True, exist_ok=True)
-        (harness.RESULTS / "moe_dispatch_whalex.hlo.txt").write_text(a_hlo)
-        (harness.RESULTS / "moe_dispatch_gspmd.hlo.txt").write_text(b_hlo)
-    out = {
+
+def record(args, c: dict, r: dict, t_all: float) -> dict:
+    coll, med, times = r["coll"], r["med"], r["times"]
+    return {
         "benchmark": "moe_dispatch", "devices": N_DEV, "device_kind": "simulated CPU", "cpu_cores": os.cpu_count(),
         "jax": jax.__version__,
         "what": "one Adam training step of the same MoE model: A = whalex expert parallelism (shard_map with "
@@ -400,24 +422,40 @@ def main():
                 "constrained P(None,'x') before the experts and P('x') after; XLA picks the collectives). Bytes = "
                 "collective result bytes per step per device from the compiled HLO; ring_bytes = ring estimate "
                 "of bytes sent; time = median per-step wall time, steps interleaved A/B",
-        "model": {**kw, "features": args.features, "params": n_params, "expert_params": n_expert,
-                  "capacity_slots": cap, "optimizer": f"adam({args.lr}, eps=1e-4)"},
+        "model": {**c["kw"], "features": args.features, "params": c["n_params"], "expert_params": c["n_expert"],
+                  "capacity_slots": c["cap"], "optimizer": f"adam({args.lr}, eps=1e-4)"},
         "global_batch": args.batch, "seq": args.seq, "num_batches": args.num_batches,
         "steps_timed": args.steps, "warmup": args.warmup,
-        "check": {"loss": first_loss, "loss_rel_diff": loss_rel, "max_rel_param_err": p_err, "tol": TOL,
-                  "param_errs": p_errs, "final_loss_abs_diff": final_loss_diff},
+        "check": {"loss": c["first_loss"], "loss_rel_diff": c["loss_rel"], "max_rel_param_err": c["p_err"],
+                  "tol": TOL, "param_errs": c["p_errs"], "final_loss_abs_diff": r["final_loss_diff"]},
         "whalex": {**coll["whalex"], "median_ms": med["whalex"] * 1e3, "min_ms": min(times["whalex"]) * 1e3,
-                   "times_ms": [t * 1e3 for t in times["whalex"]], "param_specs": a_specs,
-                   "expert_rows_per_device": a_shard_rows, "setup_s": a_setup},
+                   "times_ms": [t * 1e3 for t in times["whalex"]], "param_specs": c["a_specs"],
+                   "expert_rows_per_device": c["a_shard_rows"], "setup_s": c["a_setup"]},
         "gspmd": {**coll["gspmd"], "median_ms": med["gspmd"] * 1e3, "min_ms": min(times["gspmd"]) * 1e3,
-                  "times_ms": [t * 1e3 for t in times["gspmd"]], "expert_rows_per_device": b_shard_rows,
-                  "setup_s": b_setup},
-        "ratio_bytes_gspmd_over_whalex": bytes_ratio, "ratio_ring_bytes_gspmd_over_whalex": ring_ratio,
-        "ratio_time_gspmd_over_whalex": time_ratio,
+                  "times_ms": [t * 1e3 for t in times["gspmd"]], "expert_rows_per_device": c["b_shard_rows"],
+                  "setup_s": c["b_setup"]},
+        "ratio_bytes_gspmd_over_whalex": r["bytes_ratio"], "ratio_ring_bytes_gspmd_over_whalex": r["ring_ratio"],
+        "ratio_time_gspmd_over_whalex": r["time_ratio"],
         "gspmd_has_all_to_all": coll["gspmd"]["has_all_to_all"],
         "total_wall_s": time.perf_counter() - t_all,
     }
-    print(f"wrote {harness.write_result('moe_dispatch', out, args.out)}")
+
+
+def main():
+    args = parse()
+    t_all = time.perf_counter()
+    c = build(args)
+    build_whalex(c)
+    build_gspmd(c)
+    check(c)
+    r = time_sides(args, c)
+    report_setting(args, c, r)
+    report_collectives(c, r, t_all)
+    if args.dump_hlo:
+        harness.RESULTS.mkdir(parents=True, exist_ok=True)
+        (harness.RESULTS / "moe_dispatch_whalex.hlo.txt").write_text(c["a_hlo"])
+        (harness.RESULTS / "moe_dispatch_gspmd.hlo.txt").write_text(c["b_hlo"])
+    print(f"wrote {harness.write_result('moe_dispatch', record(args, c, r, t_all), args.out)}")
 
 
 if __name__ == "__main__":

@@ -166,7 +166,7 @@ def summarise(times, rng, n_boot=2000):
             "ratio_ci95": ci, "steps_timed_each": int(w.size)}
 
 
-def main():
+def parse():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--depth", type=int, default=3)
@@ -181,20 +181,22 @@ def main():
     ap.add_argument("--out", default=None, help="the results file (default bench/results/overhead.json)")
     args = ap.parse_args()
     assert len(jax.devices()) == N_DEV, jax.devices()
-    rng = np.random.default_rng(0)
-    load_start = os.getloadavg()
+    return args
 
-    pair = Pair(args.features, args.width, args.depth, args.classes, args.batch, args.num_batches)
-    tiny = Pair(8, 16, 1, 4, 16, 2)
+
+def warm_up(args, pair, tiny) -> float:
+    """`--warmup` steps of each side in each batch mode, for both pairs; the seconds it took."""
     t0 = time.perf_counter()
     for pr in (pair, tiny):
         for mode in pr.batches:
             for side in ("whalex", "plain"):
                 for _ in range(args.warmup):
                     jax.block_until_ready(pr.call(side, mode))
-    warm_time = time.perf_counter() - t0
-    coll = pair.collectives()
+    return time.perf_counter() - t0
 
+
+def measure(args, pair, tiny, rng) -> dict:
+    """The step times in each batch mode, the host side of a tiny call, and the two sides' agreement."""
     t0 = time.perf_counter()
     step_res = {mode: summarise(timed(pair, mode, args.rounds, args.block, host_only=False)[0], rng)
                 for mode in pair.batches}
@@ -203,10 +205,13 @@ def main():
     timed_time = time.perf_counter() - t0
     load_end = os.getloadavg()
     loss_diff, param_err, wl, pl = pair.agreement()
-    steps_each = int(pair.wstate.step)
     ratio = step_res["placed"]["ratio"]
-    verdict = "PASS" if ratio <= TARGET else "FAIL"
+    return {"step_res": step_res, "host_res": host_res, "timed_time": timed_time, "load_end": load_end,
+            "loss_diff": loss_diff, "param_err": param_err, "wl": wl, "pl": pl, "steps_each": int(pair.wstate.step),
+            "ratio": ratio, "verdict": "PASS" if ratio <= TARGET else "FAIL"}
 
+
+def report_setting(args, pair, coll, load_start, load_end) -> None:
     print(f"whalex overhead benchmark: {N_DEV} simulated CPU devices ({platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores), jax {jax.__version__}; load average {load_start[0]:.2f} at start, "
           f"{load_end[0]:.2f} at end")
@@ -221,6 +226,11 @@ def main():
     hdr = f"  {'':<40} {'whalex':>9} {'plain':>9} {'ratio':>7} {'round ratios p25-p75':>21} {'ratio 95% CI':>15}"
     print(hdr)
     print("  " + "-" * (len(hdr) - 2))
+
+
+def report(args, pair, tiny, m, warm_time) -> None:
+    """The timing table, the host overhead per call, the agreement and the verdict."""
+    step_res, host_res, ratio = m["step_res"], m["host_res"], m["ratio"]
 
     def row(label, r, unit, scale):
         q, ci = r["per_round_ratio_quartiles"], r["ratio_ci95"]
@@ -237,33 +247,49 @@ def main():
           f"({host_res['placed']['plain_median_us']:.1f} us), "
           f"{host_res['placed_thread_cpu']['difference_us']:+.1f} us of the calling thread's CPU time "
           f"({host_res['placed_thread_cpu']['plain_median_us']:.1f} us)")
-    print(f"after {steps_each} steps each: |loss_whalex - loss_plain| = {loss_diff:.3e} "
-          f"(losses {wl:.6f} / {pl:.6f}); max relative param error {param_err:.2e}")
-    print(f"{verdict}: whalex/plain median step time ratio {ratio:.3f} (placed batch; 95% CI "
+    print(f"after {m['steps_each']} steps each: |loss_whalex - loss_plain| = {m['loss_diff']:.3e} "
+          f"(losses {m['wl']:.6f} / {m['pl']:.6f}); max relative param error {m['param_err']:.2e}")
+    print(f"{m['verdict']}: whalex/plain median step time ratio {ratio:.3f} (placed batch; 95% CI "
           f"[{step_res['placed']['ratio_ci95'][0]:.3f}, {step_res['placed']['ratio_ci95'][1]:.3f}]) "
           f"vs target <= {TARGET}")
     print(f"(setup: whalex plan+init {pair.wh_setup:.2f}s, plain {pair.plain_setup:.2f}s; warm-up {warm_time:.1f}s, "
-          f"timed {timed_time:.1f}s)")
+          f"timed {m['timed_time']:.1f}s)")
 
-    out = {
+
+def record(args, pair, tiny, coll, m, load_start) -> dict:
+    step_res, host_res = m["step_res"], m["host_res"]
+    return {
         "benchmark": "overhead", "devices": N_DEV, "device_kind": "simulated CPU", "cpu_cores": os.cpu_count(),
-        "jax": jax.__version__, "load_average_start": list(load_start), "load_average_end": list(load_end),
+        "jax": jax.__version__, "load_average_start": list(load_start), "load_average_end": list(m["load_end"]),
         "model": {"kind": "stock Flax MLP", "features": args.features, "width": args.width, "depth": args.depth,
                   "classes": args.classes, "params": pair.n_params, "optimizer": "adam(1e-3)"},
         "global_batch": args.batch, "num_batches": args.num_batches,
         "method": "interleaved blocks (rotating order), per-step wall time with block_until_ready; medians; "
                   "per-round ratio quartiles; bootstrap 95% CI over rounds; plain = the bare jitted call",
         "same_shardings": bool(pair.same_specs), "collectives": coll,
-        "modes": step_res, "ratio": ratio, "target": TARGET, "verdict": verdict, "verdict_mode": "placed",
+        "modes": step_res, "ratio": m["ratio"], "target": TARGET, "verdict": m["verdict"], "verdict_mode": "placed",
         "host_side_per_call": {"model": {"features": 8, "width": 16, "depth": 1, "classes": 4,
                                          "params": tiny.n_params, "global_batch": 16},
                                "method": "time until the call returns (asynchronous dispatch), block outside "
                                          "the timed region; placed batch",
                                "wall": host_res["placed"], "thread_cpu": host_res["placed_thread_cpu"]},
-        "steps_each": steps_each, "final_loss_whalex": wl, "final_loss_plain": pl,
-        "loss_abs_diff": loss_diff, "max_rel_param_err": param_err,
+        "steps_each": m["steps_each"], "final_loss_whalex": m["wl"], "final_loss_plain": m["pl"],
+        "loss_abs_diff": m["loss_diff"], "max_rel_param_err": m["param_err"],
     }
-    print(f"wrote {harness.write_result('overhead', out, args.out)}")
+
+
+def main():
+    args = parse()
+    rng = np.random.default_rng(0)
+    load_start = os.getloadavg()
+    pair = Pair(args.features, args.width, args.depth, args.classes, args.batch, args.num_batches)
+    tiny = Pair(8, 16, 1, 4, 16, 2)
+    warm_time = warm_up(args, pair, tiny)
+    coll = pair.collectives()
+    m = measure(args, pair, tiny, rng)
+    report_setting(args, pair, coll, load_start, m["load_end"])
+    report(args, pair, tiny, m, warm_time)
+    print(f"wrote {harness.write_result('overhead', record(args, pair, tiny, coll, m, load_start), args.out)}")
 
 
 if __name__ == "__main__":

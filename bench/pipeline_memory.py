@@ -213,7 +213,7 @@ def plain_refs(loss_fn, params, args, Ms) -> dict:
     return out
 
 
-def main():
+def parse():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--hidden", type=int, default=256, help="H: width of every hidden layer")
     ap.add_argument("--layers", type=int, default=2, help="L: Dense+tanh layers per stage")
@@ -227,18 +227,25 @@ def main():
     Ms = sorted(set(args.micro_batches))
     if len(Ms) < 3:
         ap.error("--micro-batches needs at least three values (the linearity check uses three)")
+    args.Ms = Ms
+    return args
 
-    t_start = time.perf_counter()
+
+def compile_all(args):
+    """Both schedules' pipeline plans at every M, compiled, and plain JAX's references:
+    (rows, plain, parameter count)."""
     loss_fn, params = make_model(args.hidden, args.layers, args.features, args.classes)
     n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
     cluster = wh.Cluster.detect()
     optimizer = optax.adam(1e-3)
+    rows = [pipeline_row(loss_fn, params, args, M, sch, optimizer, cluster)
+            for M in args.Ms for sch in ("1f1b", "gpipe")]
+    return rows, plain_refs(loss_fn, params, args, args.Ms), n_params
 
-    rows = [pipeline_row(loss_fn, params, args, M, sch, optimizer, cluster) for M in Ms for sch in ("1f1b", "gpipe")]
-    by = {(r["schedule"], r["M"]): r for r in rows}
-    plain = plain_refs(loss_fn, params, args, Ms)
 
-    # ---- table -----------------------------------------------------------------------------
+def print_memory(args, rows, by, n_params) -> None:
+    """The setting, then per schedule and M: slots, bubble, the device's bytes and the predicted stash."""
+    Ms = args.Ms
     print(f"whalex pipeline memory: {STAGES} stages x {N_DEV // STAGES} data-parallel replicas on {N_DEV} "
           f"simulated CPU devices (jax {jax.__version__}); compiled, not run")
     print(f"model: {STAGES} stages x {args.layers} x Dense({args.hidden})+tanh, input {args.features}, head "
@@ -262,6 +269,10 @@ def main():
                   f"{mib(m['output_size_in_bytes']):>9}{mib(m['temp_size_in_bytes']):>10}{mib(m['peak_bytes']):>9}"
                   f"{mib(r['predicted_stash_bytes']):>9}{mib(r['residual_bytes']):>9}{mib(d['peak_bytes']):>11}")
     print()
+
+
+def print_batch(Ms, by) -> None:
+    """The batch each stage device holds, against what it held when every device had the replica's whole batch."""
     print("Batch per stage device, MiB (Build 6: each stage device receives only the leaves its stage reads;")
     print("every device holds the widest stage's row of each dtype buffer; 'before' = the replica's whole batch;")
     print(" old = the peak with the whole batch: peak + before - held)")
@@ -279,6 +290,10 @@ def main():
                   + f"{100 * r['batch_bytes_per_device'] / peak:>10.0f}%"
                   + f"{100 * r['batch_bytes_per_device_before'] / old_peak(r):>12.0f}%")
     print()
+
+
+def gpipe_over_1f1b(Ms, by) -> dict:
+    """GPipe's temp and peak over 1F1B's, per M, printed."""
     print("GPipe / 1F1B per M:")
     ratios = {}
     for M in Ms:
@@ -289,6 +304,13 @@ def main():
         print(f"  M={M:<3} temp {ratios[M]['temp']:5.2f}x   peak {ratios[M]['peak']:5.2f}x   "
               f"peak (donated) {ratios[M]['peak_donated']:5.2f}x")
     print()
+    return ratios
+
+
+def plain_ratios_of(args, plain, by) -> dict:
+    """Plain JAX's temp, the whole batch at once and scan-accumulated, against one micro-batch's and
+    a 1F1B device's, per M, printed."""
+    Ms = args.Ms
     print("Plain JAX, one device, jax.jit(jax.value_and_grad(loss)) on the whole model, MiB:")
     pm = plain["micro"]
     print(f"  one micro-batch ({args.micro} rows): temp {mib(pm['temp_size_in_bytes']).strip()}, "
@@ -306,8 +328,11 @@ def main():
               f"{plain_ratios[M]['full_over_1f1b_temp']:.1f}x a 1F1B device's temp); "
               f"scan-accumulated: temp {mib(pa['temp_size_in_bytes']).strip()} "
               f"({plain_ratios[M]['accum_over_micro_temp']:.2f}x)")
+    return plain_ratios
 
-    # ---- checks ----------------------------------------------------------------------------
+
+def checks_of(Ms, by) -> dict:
+    """1F1B's temp flat in M, GPipe's linear in M at the predicted slope, GPipe above 1F1B; printed."""
     lo, mid, hi = Ms[0], Ms[len(Ms) // 2], Ms[-1]
     t = {(s, M): by[(s, M)]["memory"]["temp_size_in_bytes"] for s in ("1f1b", "gpipe") for M in Ms}
     # predicted GPipe bytes per micro-batch (one stashed input)
@@ -330,8 +355,11 @@ def main():
         print(f"  {'PASS' if ok else 'FAIL'}  {name}")
     if not all(checks.values()):
         print("  (a FAIL is reported as measured; see the residual column and the module docstring's caveat)")
+    return checks
 
-    # ---- analysis (computed, not asserted) ---------------------------------------------------
+
+def where_the_bytes_go(Ms, rows, by) -> None:
+    """The residual, the gradient stash, the batch and donation, computed from this run (not asserted)."""
     print()
     print("Where the bytes go (computed from this run):")
     A4 = rows[0]["message_width_floats"] * 4
@@ -358,10 +386,28 @@ def main():
           f"(presumably XLA can no longer borrow not-yet-live output buffers for temporaries), so the peak drops by "
           f"only {mib(d['memory']['peak_bytes'] - d['memory_donated']['peak_bytes']).strip()} MiB.")
 
+
+def main():
+    args = parse()
+    Ms = args.Ms
+    t_start = time.perf_counter()
+    rows, plain, n_params = compile_all(args)
+    by = {(r["schedule"], r["M"]): r for r in rows}
+    print_memory(args, rows, by, n_params)
+    print_batch(Ms, by)
+    ratios = gpipe_over_1f1b(Ms, by)
+    plain_ratios = plain_ratios_of(args, plain, by)
+    checks = checks_of(Ms, by)
+    where_the_bytes_go(Ms, rows, by)
     elapsed = time.perf_counter() - t_start
     print(f"\n{len(rows)} pipeline plans x 2 compiles + {1 + 2 * len(Ms)} plain compiles in {elapsed:.1f} s")
+    out = record(args, rows, plain, n_params, ratios, plain_ratios, checks, elapsed)
+    path = harness.write_result("pipeline_memory", out, args.out, newline=True)
+    print(f"wrote {path.relative_to(pathlib.Path.cwd()) if path.is_relative_to(pathlib.Path.cwd()) else path}")
 
-    out = {
+
+def record(args, rows, plain, n_params, ratios, plain_ratios, checks, elapsed) -> dict:
+    return {
         "benchmark": "pipeline_memory",
         "devices": N_DEV, "device_kind": "simulated CPU", "stages": STAGES, "data_parallel": N_DEV // STAGES,
         "cpu_cores": os.cpu_count(), "jax": jax.__version__, "python": platform.python_version(),
@@ -379,8 +425,6 @@ def main():
         "checks": checks,
         "seconds": elapsed,
     }
-    path = harness.write_result("pipeline_memory", out, args.out, newline=True)
-    print(f"wrote {path.relative_to(pathlib.Path.cwd()) if path.is_relative_to(pathlib.Path.cwd()) else path}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Rules the code keeps that a reader relies on: functions of one phase (none over 60 lines in whalex/),
+"""Rules the code keeps that a reader relies on: functions of one phase (none over 60 lines in whalex/
+or bench/),
 and comments that explain rather than keep a lab notebook (no benchmark figures or issue numbers in a
 docstring or comment of whalex/ or tests/; figures live in docs/benchmarks.md, history in git).
 
@@ -16,6 +17,7 @@ import pytest
 
 PROJECT = Path(__file__).resolve().parents[1]
 LIBRARY = PROJECT / "whalex"
+BENCH = PROJECT / "bench"
 
 # ------------------------------------------------------------------------------------ function length
 MAX_FUNCTION_LINES = 60
@@ -41,10 +43,10 @@ def _functions(source: str):
     return found
 
 
-def _long_functions() -> list[str]:
-    """Every function in whalex/ over MAX_FUNCTION_LINES, as "where name: N lines"."""
+def _long_functions(top: Path = LIBRARY) -> list[str]:
+    """Every function under `top` over MAX_FUNCTION_LINES, as "where name: N lines"."""
     long = []
-    for path in sorted(LIBRARY.rglob("*.py")):
+    for path in sorted(top.rglob("*.py")):
         rel = path.relative_to(PROJECT).as_posix()
         long.extend(f"{rel}:{line} {name}: {n} lines" for name, line, n in _functions(path.read_text())
                     if n > MAX_FUNCTION_LINES)
@@ -55,6 +57,13 @@ def test_no_function_is_over_60_lines():
     """A function does one phase: past 60 lines it mixes several (validate, decide, build, report)."""
     long = _long_functions()
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them by phase):\n" + "\n".join(long)
+
+
+def test_no_bench_function_is_over_60_lines():
+    """A bench reads like the library: its main parses, builds, runs and reports in functions of one
+    phase each."""
+    long = _long_functions(BENCH)
+    assert not long, f"bench functions over {MAX_FUNCTION_LINES} lines (split them by phase):\n" + "\n".join(long)
 
 
 def test_function_lengths_are_counted_from_def_to_the_last_line():
