@@ -13,7 +13,7 @@ the sharded StableHLO of one Adam training step, and prints per configuration:
   caller's side), to plan (`wh.plan` + `plan.memory_fit()`) and to lower (each is asserted < 60 s; issue
   12 aims at plan + lower of the 10T model under 5 s on a 2-core machine);
 - FLOPs per step (forward + backward, global and per device, counted from the jaxpr);
-- per-device memory from `plan.memory_fit()` (`whalex.balance.fit`): parameters, gradients, Adam state, and
+- per-device memory from `plan.memory_fit()` (`whalex.memory.fit`): parameters, gradients, Adam state, and
   activations (the residuals each TaskGraph's backward keeps: an upper bound, since XLA fuses some
   of them away; the last table compares it with XLA's compiled temp memory on a small model run
   on 8 simulated CPU devices), whether it fits a 32 GB V100, and the options that would make it fit;

@@ -7,7 +7,8 @@ import optax
 import pytest
 
 import whalex as wh
-from whalex.balance.profile import taskgraph_eqns, taskgraph_flops
+from whalex.balance.profile import taskgraph_flops
+from whalex.core.capture import taskgraph_eqns
 from whalex.core.interpret import subgraph_functions, subgraph_key
 from whalex.errors import ClusterError
 

@@ -28,8 +28,8 @@ LAYERS = (
     ("whalex.primitives",),           # recording user intent
     ("whalex.mesh",),                 # clusters, device specs, VirtualDevices, meshes
     ("whalex.core",),                 # capture, the jaxpr evaluator, the loss contract: read by all above
+    ("whalex.memory",),               # ZeRO, remat, precision, offload, the per-device accounting and fit
     ("whalex.balance", "whalex.moe", "whalex.ops"),  # decides loads | MoE layers, ops (call names live in core)
-    ("whalex.memory",),               # ZeRO, remat, precision, offload: functions of specs and policies
     ("whalex.lowering",),             # carries out a plan, decides nothing about balance
     ("whalex.view",),                 # the Plan's text, HTML, pictures, timing: functions of a Plan given to them
     ("whalex.plan",),                 # the Plan (data) and its views
@@ -230,15 +230,24 @@ def test_no_cycle_between_packages():
 
 def test_imports_go_down_the_layers():
     modules, edges, _, _ = _graph()
-    rank = {u: i for i, line in enumerate(LAYERS) for u in line}
-    missing = sorted({_unit(m) for m in modules} - set(rank))
+    missing = sorted({_unit(m) for m in modules} - set(_rank()))
     assert not missing, f"units not placed in LAYERS (tests/test_imports.py): {missing}"
-    wrong = [f"{ua} -> {ub}: {a} imports {b} at {_where(edges, a, b)}"
-             for ua, bs in sorted(_unit_edges(edges).items()) for ub, (a, b) in sorted(bs.items())
-             if rank[ub] >= rank[ua]]
+    wrong = _upward(edges)
     assert not wrong, "imports that do not go down the layers:\n" + "\n".join(wrong)
     banned = _forbidden(edges)
     assert not banned, "forbidden imports:\n" + "\n".join(banned)
+
+
+def _rank() -> dict[str, int]:
+    return {u: i for i, line in enumerate(LAYERS) for u in line}
+
+
+def _upward(edges) -> list[str]:
+    """The imports between units that do not go down LAYERS, with where they are."""
+    rank = _rank()
+    return [f"{ua} -> {ub}: {a} imports {b} at {_where(edges, a, b)}"
+            for ua, bs in sorted(_unit_edges(edges).items()) for ub, (a, b) in sorted(bs.items())
+            if rank[ub] >= rank[ua]]
 
 
 def _forbidden(edges) -> list[str]:
@@ -257,6 +266,20 @@ def test_plan_and_view_importing_lowering_is_found(importer, imported):
     _, edges, _, _ = _graph()
     edges = {**edges, importer: {**edges[importer], imported: ("whalex/x.py", 1)}}
     assert any(line.startswith(f"{_unit(importer)} -> whalex.lowering:") for line in _forbidden(edges))
+
+
+@pytest.mark.parametrize("importer, imported", [
+    ("whalex.memory.fit", "whalex.balance.profile"),
+    ("whalex.memory.layers", "whalex.planner.common"),
+])
+def test_memory_importing_balance_or_the_planner_is_found(importer, imported):
+    """Memory sits below balance and the planner: no module of whalex/memory imports either (its
+    accounting, fit and layers are functions of plain records), and an import that does is found."""
+    rank = _rank()
+    assert rank["whalex.memory"] < min(rank["whalex.balance"], rank["whalex.planner"])
+    _, edges, _, _ = _graph()
+    edges = {**edges, importer: {**edges[importer], imported: ("whalex/x.py", 1)}}
+    assert any(line.startswith(f"whalex.memory -> {_unit(imported)}:") for line in _upward(edges))
 
 
 def test_no_import_inside_a_function():

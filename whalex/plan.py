@@ -4,13 +4,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from whalex.balance import fit
-from whalex.balance.profile import DeviceMemory
 from whalex.core.capture import Captured
 from whalex.core.comm import Comm
 from whalex.core.hlo import StepCollectives, step_collectives
 from whalex.core.program import MemoryOptions, StageBuffers, StepProgram, TracedStep
 from whalex.core.sharding_plan import Coverage, ExpertCall, PatternChoice
+from whalex.memory import fit
+from whalex.memory.accounting import DeviceMemory
 from whalex.memory.host_link import HostTraffic, host_traffic
 from whalex.memory.peak import Peak, compiled_peak
 from whalex.memory.precision import Precision
@@ -209,7 +209,7 @@ class Plan:
     # -- memory -------------------------------------------------------------------------------------
     def memory_fit(self) -> fit.MemoryFit:
         """The per-device footprint from abstract shapes, whether the plan fits, and which of ZeRO,
-        remat, bf16 and offload it would need (`whalex.balance.fit`). On a `Cluster.gpu_topology`
+        remat, bf16 and offload it would need (`whalex.memory.fit`). On a `Cluster.gpu_topology`
         fitting is judged on XLA:GPU's compiled step (compiled once, as `step_memory()`)."""
         n = self.layout.size
         compiled = self.step_memory().total if self.cluster.compile_only else None

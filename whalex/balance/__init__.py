@@ -1,2 +1,2 @@
-"""Hardware-aware balance: profiling (FLOPs, memory), Algorithm 1 and the cost model, memory fit,
-automatic pipeline partitioning, device calibration and refinement of a split on the real step."""
+"""Hardware-aware balance: profiling (FLOPs), Algorithm 1 and the cost model, automatic pipeline
+partitioning, device calibration and refinement of a split on the real step."""

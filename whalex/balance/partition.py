@@ -17,12 +17,13 @@ import jax
 import numpy as np
 
 from whalex import _compat as C
-from whalex.balance.layers import Unit, cut_penalties, granularities, layer_key, stage_names
+from whalex.balance.layers import cut_penalties, granularities, stage_names
 from whalex.balance.profile import FlopsCache, group_flops
 from whalex.core import schedules
+from whalex.core.module_paths import Unit
 from whalex.errors import PlanError
 
-__all__ = ["AutoStages", "Layer", "auto_stages", "layer_key", "lockstep_time", "partition", "profile_layers",
+__all__ = ["AutoStages", "Layer", "auto_stages", "lockstep_time", "partition", "profile_layers",
            "refine_lockstep", "stage_devices"]
 
 TOLERANCE = 0.10        # a granularity is fine enough when its slowest stage is within 10% of the ideal

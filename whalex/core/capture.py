@@ -348,3 +348,13 @@ def passed_origin(eqn, origin: dict):
             new[j] = d
         return leaf, tuple(new)
     return leaf, dims
+
+
+def taskgraph_eqns(jaxpr, assign: dict, num_taskgraphs: int) -> list[list[int]]:
+    """The top-level equation indices of each TaskGraph `0 .. num_taskgraphs - 1`, in order."""
+    groups: list[list[int]] = [[] for _ in range(num_taskgraphs)]
+    for i in range(len(jaxpr.eqns)):
+        tg = assign[(i,)]
+        if tg < num_taskgraphs:
+            groups[tg].append(i)
+    return groups

@@ -57,7 +57,7 @@ class MemoryOptions:
 @dataclasses.dataclass(frozen=True)
 class StateLayout:
     """The training state as a program stores it, as plain data: what `whalex.memory` accounts
-    and `whalex.balance.fit` sizes (never the program itself)."""
+    and `whalex.memory.fit` sizes (never the program itself)."""
 
     param_shapes: Any                  # pytree of ShapeDtypeStructs: the stored parameters
     param_specs: tuple[P, ...]         # per stored leaf: its planned PartitionSpec

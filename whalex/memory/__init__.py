@@ -15,10 +15,10 @@ import jax
 import numpy as np
 from jax.extend.core import jaxpr_as_fun
 
-from whalex.balance.profile import DeviceMemory, Share, sharded_bytes
 from whalex.core.program import MemoryOptions, StateLayout
 from whalex.core.shardings import opt_state_specs
 from whalex.memory import zero
+from whalex.memory.accounting import DeviceMemory, Share, sharded_bytes
 
 OFFLOADED = "offload to pinned_host"     # the `Share.by` of state kept in host memory between steps
 

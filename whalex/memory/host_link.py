@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from whalex.balance.profile import DeviceMemory
 from whalex.memory import OFFLOADED
+from whalex.memory.accounting import DeviceMemory
 from whalex.mesh.specs import DeviceSpec
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from whalex.balance.layers import BASE_DEPTH, name_parts, split_layers
 from whalex.core.interpret import subgraph_function, subgraph_key
+from whalex.core.module_paths import BASE_DEPTH, name_parts, split_layers
 
 COVERAGE = 0.9
 

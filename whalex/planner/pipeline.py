@@ -9,10 +9,11 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from whalex import _compat as C
-from whalex.balance.partition import layer_key, stage_devices
+from whalex.balance.partition import stage_devices
 from whalex.core.align import refusal
 from whalex.core.batch_dependence import traces_alike
 from whalex.core.comm import Comm, ring_bytes
+from whalex.core.module_paths import layer_key
 from whalex.core.schedules import make_schedule
 from whalex.errors import PlanError
 from whalex.lowering.pipeline import DATA, MODEL, STAGE, PipelineProgram

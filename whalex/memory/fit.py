@@ -28,12 +28,12 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from whalex.balance.profile import sharded_bytes, spec_shards, taskgraph_eqns
-from whalex.core.capture import Captured
+from whalex.core.capture import Captured, taskgraph_eqns
 from whalex.core.interpret import subgraph_functions, subgraph_key
 from whalex.core.program import StateLayout
 from whalex.core.sharding_plan import ExpertCall
 from whalex.core.shardings import opt_state_specs
+from whalex.memory.accounting import sharded_bytes, spec_shards
 
 
 @dataclasses.dataclass(frozen=True)
