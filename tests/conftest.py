@@ -1,12 +1,18 @@
 """Tests run on 8 simulated CPU devices; the flag must be set before JAX is imported."""
+import importlib.metadata
 import os
 
 # --xla_backend_optimization_level=0: LLVM without its optimisation passes. The suite's models are tiny, so
 # compiling is most of its time, and the suite takes about 30% less (docs/benchmarks.md). Results differ from
 # the default level in the last bits (LLVM fuses multiply-adds at -O2), but whalex and the single-device
 # reference it is compared with are compiled alike, under the same tolerances.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-                           " --xla_backend_optimization_level=0").strip()
+_flags = " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+# jaxlib before 0.11 still has XLA:CPU's older element-wise emitters beside its fusion emitters: with
+# them the suite's programs compile faster (docs/benchmarks.md), to the same tolerances. Later jaxlibs
+# have only the fusion emitters and refuse the flag.
+if tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2]) < (0, 11):
+    _flags += " --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + _flags).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import importlib.util  # noqa: E402
