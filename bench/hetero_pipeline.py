@@ -49,6 +49,7 @@ import time
 import harness
 
 TOLERANCE = 0.10
+GAIN_SHARE = 0.6        # --compare-schedules: the measured gain over the baseline, at least this share of the predicted
 OUT = 8
 # XLA CPU's default YNNPACK fusion turns a stage's chain of Dense layers and its loss into one fusion
 # that ran 2x slower at 512-row micro-batches (the even cut's last stage: 2.7 s against 1.3 s per step
@@ -65,6 +66,9 @@ def parse(argv=None):
     ap.add_argument("--depth", type=int, default=12, help="hidden Dense layers (what the stages split)")
     ap.add_argument("--micro", type=int, default=8, help="micro-batches per step")
     ap.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "1f1b-balanced"))
+    ap.add_argument("--compare-schedules", default=None, metavar="S1,S2,...",
+                    help="time these schedules (the first is the baseline) on the calibrated cut instead of the "
+                         "even and balanced cuts of --schedule, e.g. 1f1b,gpipe,1f1b-balanced")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--block", type=int, default=3)
     ap.add_argument("--calib-rows", type=int, default=1024,
@@ -136,7 +140,61 @@ def tick_program(kinds, layers, rows: int, width: int):
     return lambda: float(jax.device_get(fn(x, w).addressable_shards[0].data)[0, 0])
 
 
+def schedules_worker(args):
+    """The calibrated (balanced) cut under each of `--compare-schedules`, timed in interleaved blocks,
+    with the planner's lockstep time of each: does a schedule's predicted gain over the first show?"""
+    import optax
+
+    import whalex as wh
+    from whalex.balance.calibrate import calibrate
+
+    pid, log = harness.worker_start("the driver")
+    loss_fn, params, batch = make_model(args)
+    optimizer = optax.adam(1e-3)
+    small = {k: v[: args.calib_rows] for k, v in batch.items()} if args.calib_rows else batch
+    cluster = calibrate(wh.Cluster.detect(), loss_fn, params, small, optimizer=optimizer, repeats=9)
+    log(f"calibrated speeds (GFLOP/s): {[round(s / 1e9, 2) for s in cluster.speeds]}")
+    names = args.compare_schedules.split(",")
+    steps = {n: wh.parallelize(loss_fn, optimizer, cluster=cluster, config=wh.Config(
+        auto_parallel=True, num_task_graph=2, num_micro_batch=args.micro, schedule=n)) for n in names}
+    states = {n: s.init(params, batch) for n, s in steps.items()}
+    losses = {}
+
+    def run(name):
+        states[name], m = steps[name](states[name], batch)
+        losses[name] = float(m["loss"])
+        return losses[name]
+
+    timings = harness.interleaved({n: (lambda n=n: run(n)) for n in names}, args.rounds, block=args.block,
+                                  warmup=2, order_by="fixed", sync=None, on_round=harness.progress(log, args.rounds))
+    plans = {n: s.plan for n, s in steps.items()}
+    out = {"speeds": list(cluster.speeds), "baseline": names[0], "times": {n: timings.times(n) for n in names},
+           "lockstep": {n: lockstep(p) for n, p in plans.items()}, "final_loss": losses,
+           "stage_layers": {n: [list(x) for x in p.stage_layers] for n, p in plans.items()},
+           "utilisation": {n: p.schedule.utilisation() for n, p in plans.items()}}
+    harness.write_worker_result(args.worker_out, out, pid)
+
+
+def summarise_schedules(res: dict) -> dict:
+    """Per schedule: measured gain over the baseline (its median step / this one's - 1), predicted gain
+    (lockstep times alike), and their ratio; PASS where the measured gain is at least GAIN_SHARE of
+    the predicted one (a schedule predicted no faster passes when it is measured no slower than 5%)."""
+    if "failed" in res:
+        return res
+    med = {n: harness.median(v) for n, v in res["times"].items()}
+    base, rows = res["baseline"], {}
+    for n in med:
+        measured = med[base] / med[n] - 1
+        predicted = res["lockstep"][base] / res["lockstep"][n] - 1
+        ok = measured >= GAIN_SHARE * predicted if predicted > 0.01 else measured >= -0.05
+        rows[n] = {"median_step_s": med[n], "gain_measured": measured, "gain_predicted": predicted,
+                   "verdict": "PASS" if ok else "FAIL"}
+    return {**res, "schedules": rows}
+
+
 def worker(args):
+    if args.compare_schedules:
+        return schedules_worker(args)
     import optax
 
     import whalex as wh
@@ -200,9 +258,39 @@ def main(argv):
     return harness.two_process_main(argv, parse, worker, driver)
 
 
+def schedules_driver(args, argv, cores, env, load_before):
+    """--compare-schedules: each configuration's schedules, printed and written to the results file's
+    variants.schedules."""
+    runs = [summarise_schedules(harness.run_config(args, argv, hogs, batch, cores, env, __file__))
+            for hogs, batch in harness.configs(args)]
+    base = args.compare_schedules.split(",")[0]
+    print(f"\n2 processes x 1 CPU device, one stage each; stock Flax MLP {args.depth} x Dense({args.width}); "
+          f"the calibrated cut, {args.micro} micro-batches; medians; gains over {base}\n")
+    head = f"{'loops':>5} {'batch':>6} {'schedule':>14} {'ms':>8} {'util':>6} {'gain':>7} {'pred':>7}"
+    print(head + "\n" + "-" * len(head))
+    for r in runs:
+        if "failed" in r:
+            print(f"{r['hogs']:>5} {r['batch']:>6}  FAILED: {r['failed']}")
+            continue
+        for n, row in r["schedules"].items():
+            print(f"{r['hogs']:>5} {r['batch']:>6} {n:>14} {1e3 * row['median_step_s']:>8.1f} "
+                  f"{r['utilisation'][n]:>6.3f} {100 * row['gain_measured']:>+6.1f}% "
+                  f"{100 * row['gain_predicted']:>+6.1f}%  {row['verdict']}")
+    print(f"\ngain: median step of the baseline / this one - 1, measured and predicted (lockstep time); PASS: "
+          f"measured at least {GAIN_SHARE:.0%} of predicted; load before {load_before:.2f}")
+    path = harness.write_result(
+        "hetero_pipeline", {"config": {k: v for k, v in vars(args).items() if k not in ("worker_out", "batch", "out")},
+                            "machine": {"platform": platform.platform(), "load_before": load_before,
+                                        "xla_flags": env.get("XLA_FLAGS", "")}, "runs": runs},
+        args.out, variant=None if args.out else "schedules")
+    print(f"wrote {path}")
+
+
 def driver(args, argv, cores, env, load_before):
     env["XLA_FLAGS"] = " ".join([env["XLA_FLAGS"], YNN])
     env = harness.allocator_env(env, args.allocator)
+    if args.compare_schedules:
+        return schedules_driver(args, argv, cores, env, load_before)
     malloc = {k: env[k] for k in harness.CACHED_MALLOC if k in env}
     t0 = time.perf_counter()
     runs = [summarise(harness.run_config(args, argv, hogs, batch, cores, env, __file__))
