@@ -241,7 +241,7 @@ def _calibrate(loss_fn, params, small, optimizer, log=None):
     cluster = calibrate(wh.Cluster.detect(), loss_fn, params, small, optimizer=optimizer, repeats=9)
     if log is not None:
         log(f"calibrated speeds (GFLOP/s): {[round(float(s) / 1e9, 2) for s in cluster.speeds]}, fixed ms per step "
-            f"{[round(1e3 * o, 2) for o in cluster.overhead]}, in {time.perf_counter() - t0:.1f} s")
+            f"{[round(1e3 * o, 2) for o in cluster.overhead or ()]}, in {time.perf_counter() - t0:.1f} s")
     return cluster
 
 
@@ -321,7 +321,7 @@ def _worker_record(args, cluster, again, progs, times, losses) -> dict:
     rep_bal, head_bal = bal.plan.balance, bal.plan.head_balance
     return {
         "speeds": [float(s) for s in cluster.speeds], "speeds_after": [float(s) for s in again.speeds],
-        "overheads": list(cluster.overhead), "overheads_after": list(again.overhead),
+        "overheads": list(cluster.overhead or ()), "overheads_after": list(again.overhead or ()),
         "rows_even": list(even.plan.batch_sizes), "rows_balanced": list(bal.plan.batch_sizes),
         "rows_same_even": list(same.plan.batch_sizes),
         "local_rows_balanced": [bal.plan.local_rows(i) for i in range(2)],
