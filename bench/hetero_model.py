@@ -293,10 +293,13 @@ def resnet50(batch):
     b = {"x": S((batch, 224, 224, 3), jnp.float32), "y": S((batch,), i32)}
     variables = _shapes(m, {"x": b["x"]})                 # {"params", "batch_stats"}
 
-    def loss_fn(v, bt):
-        logits, _ = m.apply(v, bt["x"], mutable=["batch_stats"])
-        return _xent(logits, bt["y"])
-    return loss_fn, variables, b, optax.sgd(0.1, momentum=0.9)
+    def loss_fn(p, bt, model_state):
+        logits, new = m.apply({"params": p, **model_state}, bt["x"], mutable=["batch_stats"])
+        return _xent(logits, bt["y"]), new
+    # BatchNorm's statistics are model state, computed per device as data-parallel ResNet training does
+    plan_options = dict(model_state={"batch_stats": variables["batch_stats"]},
+                        config=wh.Config(batch_coupling="per_part"))
+    return loss_fn, variables["params"], b, optax.sgd(0.1, momentum=0.9), plan_options
 
 
 def bert(batch, layers=24):
@@ -304,7 +307,7 @@ def bert(batch, layers=24):
     b = _seq_batch(batch, (("tokens", 128), ("positions", 20), ("targets", 20)))
     params = _shapes(m, b)["params"]
     return (lambda p, bt: m.apply({"params": p}, bt["tokens"], bt["positions"], bt["targets"]),
-            params, b, optax.adam(1e-4))
+            params, b, optax.adam(1e-4), {})
 
 
 def gnmt(batch, layers=8):
@@ -312,7 +315,7 @@ def gnmt(batch, layers=8):
     b = _seq_batch(batch, (("src", 50), ("tgt_in", 50), ("tgt_out", 50)))
     params = _shapes(m, b)["params"]
     return (lambda p, bt: m.apply({"params": p}, bt["src"], bt["tgt_in"], bt["tgt_out"]),
-            params, b, optax.adam(1e-4))
+            params, b, optax.adam(1e-4), {})
 
 
 def t5(batch, layers=24):
@@ -320,7 +323,7 @@ def t5(batch, layers=24):
     b = _seq_batch(batch, (("src", 512), ("tgt_in", 128), ("tgt_out", 128)))
     params = _shapes(m, b)["params"]
     return (lambda p, bt: m.apply({"params": p}, bt["src"], bt["tgt_in"], bt["tgt_out"]),
-            params, b, optax.adam(1e-4))
+            params, b, optax.adam(1e-4), {})
 
 
 DP_SETUPS = {   # name -> (label, builder, global batch)
@@ -352,10 +355,10 @@ def by_kind(values, kinds) -> dict:
 
 def dp_row(name: str) -> dict:
     label, build, batch = DP_SETUPS[name]
-    loss_fn, params, b, opt = build(batch)
+    loss_fn, params, b, opt, plan_options = build(batch)
     cluster = wh.Cluster.abstract(kinds=DP_KINDS)
     t0 = time.perf_counter()
-    plan = wh.plan(loss_fn, params, b, opt, cluster=cluster)
+    plan = wh.plan(loss_fn, params, b, opt, cluster=cluster, **plan_options)
     seconds = time.perf_counter() - t0
     r = plan.balance
     kinds = [d.kind for d in r.devices]
@@ -438,7 +441,7 @@ def _layer_counts(plan, stack_prefixes=("enc", "dec")) -> list[str]:
 
 def pp_row(name: str, micro_batches: int, stages: int) -> dict:
     label, build, batch = PP_SETUPS[name]
-    loss_fn, params, b, opt = build(batch)
+    loss_fn, params, b, opt, _ = build(batch)
     cluster = wh.Cluster.abstract(kinds=PP_KINDS)
     plans, seconds = {}, {}
     for aware in (True, False):
