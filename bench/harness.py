@@ -166,6 +166,18 @@ def progress(log: Callable, rounds: int) -> Callable:
         f"{n} {1e3 * median(blocks[-1]):.1f} ms" for n, blocks in t.wall.items() if blocks))
 
 
+def step_runner(steps: dict, states: dict, batch, losses: dict | None = None) -> Callable[[str], float]:
+    """`run(name)`: one step of `steps[name]` on `batch`, its state kept in `states`; returns the loss as
+    a float (so it waits for the step), recorded in `losses` where given."""
+    def run(name: str) -> float:
+        states[name], metrics = steps[name](states[name], batch)
+        loss = float(metrics["loss"])
+        if losses is not None:
+            losses[name] = loss
+        return loss
+    return run
+
+
 def median(xs) -> float:
     return float(statistics.median(xs))
 

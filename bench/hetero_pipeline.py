@@ -140,9 +140,9 @@ def tick_program(kinds, layers, rows: int, width: int):
     return lambda: float(jax.device_get(fn(x, w).addressable_shards[0].data)[0, 0])
 
 
-def schedules_worker(args):
-    """The calibrated (balanced) cut under each of `--compare-schedules`, timed in interleaved blocks,
-    with the planner's lockstep time of each: does a schedule's predicted gain over the first show?"""
+def start(args):
+    """What a worker starts from: (process id, process 0's log, the model's loss, parameters and batch,
+    the calibration batch, Adam, the calibrated cluster)."""
     import optax
 
     import whalex as wh
@@ -154,17 +154,21 @@ def schedules_worker(args):
     small = {k: v[: args.calib_rows] for k, v in batch.items()} if args.calib_rows else batch
     cluster = calibrate(wh.Cluster.detect(), loss_fn, params, small, optimizer=optimizer, repeats=9)
     log(f"calibrated speeds (GFLOP/s): {[round(s / 1e9, 2) for s in cluster.speeds]}")
+    return pid, log, loss_fn, params, batch, small, optimizer, cluster
+
+
+def schedules_worker(args):
+    """The calibrated (balanced) cut under each of `--compare-schedules`, timed in interleaved blocks,
+    with the planner's lockstep time of each: does a schedule's predicted gain over the first show?"""
+    import whalex as wh
+
+    pid, log, loss_fn, params, batch, _, optimizer, cluster = start(args)
     names = args.compare_schedules.split(",")
     steps = {n: wh.parallelize(loss_fn, optimizer, cluster=cluster, config=wh.Config(
         auto_parallel=True, num_task_graph=2, num_micro_batch=args.micro, schedule=n)) for n in names}
     states = {n: s.init(params, batch) for n, s in steps.items()}
     losses = {}
-
-    def run(name):
-        states[name], m = steps[name](states[name], batch)
-        losses[name] = float(m["loss"])
-        return losses[name]
-
+    run = harness.step_runner(steps, states, batch, losses)
     timings = harness.interleaved({n: (lambda n=n: run(n)) for n in names}, args.rounds, block=args.block,
                                   warmup=2, order_by="fixed", sync=None, on_round=harness.progress(log, args.rounds))
     plans = {n: s.plan for n, s in steps.items()}
@@ -195,17 +199,10 @@ def summarise_schedules(res: dict) -> dict:
 def worker(args):
     if args.compare_schedules:
         return schedules_worker(args)
-    import optax
-
     import whalex as wh
     from whalex.balance.calibrate import calibrate
 
-    pid, log = harness.worker_start("the driver")
-    loss_fn, params, batch = make_model(args)
-    optimizer = optax.adam(1e-3)
-    small = {k: v[: args.calib_rows] for k, v in batch.items()} if args.calib_rows else batch
-    cluster = calibrate(wh.Cluster.detect(), loss_fn, params, small, optimizer=optimizer, repeats=9)
-    log(f"calibrated speeds (GFLOP/s): {[round(s / 1e9, 2) for s in cluster.speeds]}")
+    pid, log, loss_fn, params, batch, small, optimizer, cluster = start(args)
     config = wh.Config(auto_parallel=True, num_task_graph=2, num_micro_batch=args.micro, schedule=args.schedule)
     steps = {"even": wh.parallelize(loss_fn, optimizer, config=config.replace(hardware_aware=False), cluster=cluster),
              "balanced": wh.parallelize(loss_fn, optimizer, config=config, cluster=cluster)}
@@ -216,13 +213,10 @@ def worker(args):
                                         args.width) for n, s in steps.items()}
 
     losses = {}
+    step = harness.step_runner(steps, states, batch, losses)
 
     def run(name):
-        if name in ticks:
-            return ticks[name]()
-        states[name], m = steps[name](states[name], batch)
-        losses[name] = float(m["loss"])
-        return losses[name]
+        return ticks[name]() if name in ticks else step(name)
 
     timings = harness.interleaved({n: (lambda n=n: run(n)) for n in [*steps, *ticks]}, args.rounds, block=args.block,
                                   warmup=2, order_by="fixed", sync=None, on_round=harness.progress(log, args.rounds))

@@ -175,11 +175,7 @@ def worker(args):
     states = {n: s.init(params, batch) for n, s in steps.items()}
 
     losses = {}
-
-    def run(name):
-        states[name], m = steps[name](states[name], batch)
-        losses[name] = float(m["loss"])
-        return losses[name]
+    run = harness.step_runner(steps, states, batch, losses)
 
     def block(name):
         """`args.block` steps, then both processes done with them. A block is timed whole: a step ends

@@ -99,10 +99,7 @@ def worker(args):
     for name, s in steps.items():
         rows[name] = list(s.plan.batch_sizes)
 
-    def run(name):
-        states[name], m = steps[name](states[name], batch)
-        return float(m["loss"])                    # waits for the step on both processes
-
+    run = harness.step_runner(steps, states, batch)     # the loss as a float: waits for the step on both processes
     timings = harness.interleaved({n: (lambda n=n: run(n)) for n in steps}, args.rounds, block=args.block,
                                   warmup=2, order_by="fixed", sync=None)
     out = {"speeds": {c: list(cl.speeds) for c, cl in clusters.items()},
