@@ -4,9 +4,11 @@ pipeline's stage cut (whatever the cluster's speeds decide).
 
 The search is `whalex.balance.refine.bracket_search` over the slow devices' speed scale; each split is
 a whole plan (`build_plan` on the cluster with that speed), run for `WARMUP_STEPS` untimed steps (its
-compile) and `STEPS_PER_POINT` timed ones. Every step trains: only where the rows run changes, so
-training equals one device's throughout. In a multi-process run each split's time is the slowest
-process's, so every process settles on the same plan.
+compile) and `STEPS_PER_POINT` timed ones, then the confirmation (`CONFIRM_ROUNDS` alternating steps of
+the prediction and the fastest other split; `whalex.balance.refine.confirmed` keeps one). Every step
+trains: only where the rows run changes, so training equals one device's throughout. In a
+multi-process run each split's time is the slowest process's, so every process settles on the same
+plan.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from whalex.balance.refine import (
+    CONFIRM_ROUNDS,
     HI,
     LO,
     POINTS,
@@ -27,7 +30,10 @@ from whalex.balance.refine import (
     Refinement,
     SplitTiming,
     bracket_search,
+    confirmation_order,
+    confirmed,
     median_spread,
+    rival,
     scaled_speeds,
 )
 from whalex.errors import PlanError
@@ -68,6 +74,8 @@ class Refiner:
         self.times: list[float] = []
         self.points: list[SplitTiming] = []
         self.steps = self.at_point = 0
+        self.queue: list[float] = []           # the confirmation's scales still to time, in order
+        self.confirming: dict[float, list[float]] = {}
         self.result: Plan | None = None
         self.slow = scaled_speeds(base.cluster.speeds, 1.0)[1]
 
@@ -92,11 +100,15 @@ class Refiner:
         p, jitted = self.current()
         state = relayout(state, p)
         batch = p.place_batch(batch)
+        jax.block_until_ready((state, batch))       # moving the state or the rows is not the step's time
         t0 = self.clock()
         state, metrics = jitted(state, batch)
         jax.block_until_ready((state, metrics))
         seconds = self.clock() - t0
         self.steps += 1
+        if self.queue:
+            self._confirm(seconds)
+            return state, metrics
         self.at_point += 1
         if self.at_point > WARMUP_STEPS:            # the first steps at a split compile it and warm it up
             self.times.append(seconds)
@@ -105,6 +117,7 @@ class Refiner:
         return state, metrics
 
     def _next(self, p: Plan) -> None:
+        """A split's timed steps are in: record it, and ask the search for the next (or confirm)."""
         med, spread = median_spread(_slowest(self.times))
         self.points.append(SplitTiming(self.scale, tuple(p.batch_sizes), med, spread, len(self.times),
                                        placement(p)[1]))
@@ -112,9 +125,30 @@ class Refiner:
         try:
             self.scale = self.search.send(med)
         except StopIteration as stop:
-            record = Refinement(tuple(self.points), self.slow, self.steps, stop.value)
-            self.result = dataclasses.replace(self.plan_at(stop.value), refinement=record)
-            self.scale = stop.value
+            other = rival(self.points)
+            if other is None or CONFIRM_ROUNDS == 0:
+                self._finish(stop.value, ())
+            else:
+                self.queue = list(confirmation_order(other.scale, CONFIRM_ROUNDS))
+                self.confirming = {1.0: [], other.scale: []}
+                self.scale = self.queue[0]
+
+    def _confirm(self, seconds: float) -> None:
+        """One alternating step of the confirmation; after the last, keep the faster of the two."""
+        self.confirming[self.queue.pop(0)].append(seconds)
+        if self.queue:
+            self.scale = self.queue[0]
+            return
+        other = next(s for s in self.confirming if s != 1.0)
+        times = {s: _slowest(t) for s, t in self.confirming.items()}
+        timings = tuple(SplitTiming(s, tuple(self.plan_at(s).batch_sizes), *median_spread(t), len(t),
+                                    placement(self.plan_at(s))[1]) for s, t in times.items())
+        self._finish(confirmed(other, times[1.0], times[other]), timings)
+
+    def _finish(self, kept: float, confirmations: tuple[SplitTiming, ...]) -> None:
+        record = Refinement(tuple(self.points), self.slow, self.steps, kept, confirmations)
+        self.result = dataclasses.replace(self.plan_at(kept), refinement=record)
+        self.scale = kept
 
 
 def _slowest(times: list[float]) -> list[float]:

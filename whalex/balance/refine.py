@@ -11,6 +11,11 @@ share (one side waits for the slow devices, the other for the fast ones), so a b
 starting at the prediction finds its minimum: the prediction is timed first and kept unless a
 timed split beats it.
 
+Timings taken one split after another carry drift (a busy neighbour, a throttling period) into the
+comparison, and three steps per split leave it noisy. So the search ends with a confirmation: the
+prediction and the fastest other split timed are re-timed in alternating steps (`confirmation_order`),
+and the other is kept only if its median beats the prediction's there (`confirmed`).
+
 The search is a generator (`bracket_search`) that yields the scale to time next and receives its
 seconds, so a training step can drive it one point at a time; `search` runs it over a timing
 callback. Splits that round to the same placement (`key`) are timed once.
@@ -28,11 +33,13 @@ POINTS = 9                             # the most distinct splits one search tim
 MIN_STEP = 0.01                        # the search stops when its step on the scale is below this
 STEPS_PER_POINT = 3                    # timed steps per split (their median counts)
 WARMUP_STEPS = 1                       # untimed steps per split first (its compile, its first run)
+CONFIRM_ROUNDS = 4                     # alternating steps of the prediction and its rival, each, to confirm
 
 
-def max_steps(points: int = POINTS, steps_per_point: int = STEPS_PER_POINT, warmup: int = WARMUP_STEPS) -> int:
+def max_steps(points: int = POINTS, steps_per_point: int = STEPS_PER_POINT, warmup: int = WARMUP_STEPS,
+              rounds: int = CONFIRM_ROUNDS) -> int:
     """The most training steps a refinement runs before it settles on a split."""
-    return points * (steps_per_point + warmup)
+    return points * (steps_per_point + warmup) + 2 * rounds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,14 +64,19 @@ class Refinement:
     slow: tuple[int, ...]              # the devices whose speed the scale multiplies
     steps: int                         # training steps it ran (warm-up steps included)
     kept: float = 1.0                  # the scale of the split kept
+    confirmed: tuple[SplitTiming, ...] = ()   # the prediction and its rival re-timed in alternating steps
+
+    def timing(self, scale: float) -> SplitTiming:
+        """A split's timing: from the confirmation where it was re-timed there, else from the search."""
+        return next(p for p in (*self.confirmed, *self.points) if p.scale == scale)
 
     @property
     def predicted(self) -> SplitTiming:
-        return next(p for p in self.points if p.scale == 1.0)
+        return self.timing(1.0)
 
     @property
     def chosen(self) -> SplitTiming:
-        return next(p for p in self.points if p.scale == self.kept)
+        return self.timing(self.kept)
 
     @property
     def gain(self) -> float:
@@ -118,8 +130,10 @@ def bracket_search(lo: float = LO, hi: float = HI, points: int = POINTS, min_ste
 
 
 def search(cost: Callable[[float], float], lo: float = LO, hi: float = HI, points: int = POINTS,
-           key: Callable[[float], Hashable] | None = None) -> tuple[float, list[tuple[float, float]]]:
-    """Runs `bracket_search` over a timing callback: (the fastest scale, [(scale, seconds) timed, in order])."""
+           key: Callable[[float], Hashable] | None = None,
+           rounds: int = CONFIRM_ROUNDS) -> tuple[float, list[tuple[float, float]]]:
+    """Runs `bracket_search` and its confirmation (`rounds` alternating timings each, none when 0) over
+    a timing callback: (the scale kept, [(scale, seconds) timed, in order])."""
     gen = bracket_search(lo, hi, points, key=key)
     timed = []
     try:
@@ -129,7 +143,30 @@ def search(cost: Callable[[float], float], lo: float = LO, hi: float = HI, point
             timed.append((s, t))
             s = gen.send(t)
     except StopIteration as stop:
-        return stop.value, timed
+        best = stop.value
+    other = rival([SplitTiming(s, (), t) for s, t in timed])
+    if other is None or rounds == 0:
+        return best, timed
+    again = [(s, float(cost(s))) for s in confirmation_order(other.scale, rounds)]
+    timed += again
+    return confirmed(other.scale, [t for s, t in again if s == 1.0], [t for s, t in again if s != 1.0]), timed
+
+
+def rival(points: Sequence[SplitTiming]) -> SplitTiming | None:
+    """The fastest timed split other than the prediction: what a confirmation re-times against it."""
+    others = [p for p in points if p.scale != 1.0]
+    return min(others, key=lambda p: p.seconds) if others else None
+
+
+def confirmation_order(other: float, rounds: int = CONFIRM_ROUNDS) -> tuple[float, ...]:
+    """The scales a confirmation times, one step each: the prediction and `other` alternating, so that
+    drift falls on both alike."""
+    return (1.0, other) * rounds
+
+
+def confirmed(other: float, predicted_times: Sequence[float], other_times: Sequence[float]) -> float:
+    """The scale kept: `other` if its median step beats the prediction's in the confirmation, else 1.0."""
+    return other if float(np.median(other_times)) < float(np.median(predicted_times)) else 1.0
 
 
 def scaled_speeds(speeds: Sequence[float], scale: float) -> tuple[tuple[float, ...], tuple[int, ...]]:
