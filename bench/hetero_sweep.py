@@ -1,9 +1,18 @@
 """Is whalex's balanced split the fastest split? A sweep of the real step around it, on the emulated cluster.
 
 What it measures
-    The 2-process cluster and the stock Flax MLP (Adam) of `bench/hetero.py`, process 1 slowed by a
-    CPU quota (``--slow-by quota``, 1/2 or 1/3 of its core) or by busy loops sharing its core
-    (``--slow-by busy``). In each run:
+    The 2-process cluster of `bench/hetero.py`, process 1 slowed by a CPU quota (``--slow-by quota``,
+    1/2 or 1/3 of its core) or by busy loops sharing its core (``--slow-by busy``), and one of three
+    models (``--model``), Adam:
+
+    * mlp:      the stock Flax MLP of `bench/hetero.py` under `replicate` (the split: rows per device);
+    * hybrid:   Whale's Example 2 (`bench/hetero.py --model hybrid`): the MLP a replicate backbone, a
+                split classification head (the split: rows and head classes per device together);
+    * pipeline: the stock 12-layer MLP of `bench/hetero_pipeline.py` cut into 2 stages by
+                ``auto_parallel`` with 8 micro-batches (the split: Dense layers per stage), run with its
+                flags (one library call per dot, glibc keeping freed memory).
+
+    In each run:
 
     * calibrate: ``calibrate(Cluster.detect(), loss_fn, params, batch, optimizer=adam)`` twice, on
       a quarter of the global batch and on all of it (the user's two likely choices);
@@ -21,7 +30,7 @@ What it measures
 
 Run from the repo root on an otherwise idle machine with >= 2 cores: ``python bench/hetero_sweep.py``
 (every combination of ``--slow-by``, ``--slowdowns`` and ``--batches``; several minutes each).
-Writes bench/results/hetero_sweep.json.
+Writes bench/results/hetero_sweep.json (``--model hybrid`` and ``pipeline``: its ``variants``).
 """
 from __future__ import annotations
 
@@ -44,6 +53,8 @@ def parse(argv=None):
                                                             "quota; busy loops where it cannot be written), busy")
     ap.add_argument("--factors", default=",".join(map(str, FACTORS)),
                     help="the slow process's speed relative to its calibrated one, per sweep point")
+    ap.add_argument("--model", choices=("mlp", "hybrid", "pipeline"), default="mlp")
+    ap.add_argument("--micro", type=int, default=8, help="pipeline: micro-batches per step")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--block", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=900)
@@ -51,7 +62,10 @@ def parse(argv=None):
     ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    pipeline = args.model == "pipeline"
+    args.model = "mlp" if pipeline else args.model
     hetero.with_model_defaults(args)                   # the model of bench/hetero.py, its defaults
+    args.model, args.depth = ("pipeline", 12) if pipeline else (args.model, args.depth)
     args.factors = [float(f) for f in args.factors.split(",")]
     return args
 
@@ -61,58 +75,86 @@ def spread(xs) -> float:
     return float((q3 - q1) / 2 / med) if med > 0 else 0.0
 
 
+def make(args):
+    """The model and the plan's Config of `args.model`: (loss_fn, params, batch, config kwargs)."""
+    if args.model == "pipeline":
+        import hetero_pipeline
+        return (*hetero_pipeline.make_model(args),
+                {"auto_parallel": True, "num_task_graph": 2, "num_micro_batch": args.micro})
+    return (*hetero.make_model(args), {})
+
+
+def split_of(plan) -> str:
+    """What a variant's plan splits, as text: rows per device, a split head's classes, stage layers."""
+    from whalex.refining import placement
+    rows, head, layers = placement(plan)
+    if plan.schedule is not None:
+        return "layers " + "/".join(str(len(x)) for x in layers)
+    return "/".join(map(str, rows)) + (f" head {'/'.join(map(str, head))}" if head else "")
+
+
 def worker(args):
     import optax
 
     import whalex as wh
     from whalex.balance.calibrate import calibrate
-    from whalex.balance.refine import max_steps, scaled_speeds
+    from whalex.balance.refine import scaled_speeds
 
     pid, log = harness.worker_start("the driver")
-    loss_fn, params, batch = hetero.make_model(args)
+    loss_fn, params, batch, config = make(args)
     optimizer = optax.adam(1e-3)
     quarter = {k: v[: args.batch // 4] for k, v in batch.items()}
     clusters = {c: calibrate(wh.Cluster.detect(), loss_fn, params, b, optimizer=optimizer, repeats=9)
                 for c, b in (("quarter", quarter), ("whole", batch))}
     base = clusters["whole"]
-    steps, states, rows, refine_steps = {}, {}, {}, {}
+    steps, states = {}, {}
 
-    def add(name, cluster, config=None):
-        s = wh.parallelize(loss_fn, optimizer, cluster=cluster, config=config)
+    def add(name, cluster, **more):
+        s = wh.parallelize(loss_fn, optimizer, cluster=cluster, config=wh.Config(**config, **more))
         steps[name], states[name] = s, s.init(params, batch)
 
+    refine_steps = {}
     for c, cluster in clusters.items():
         add(f"whalex ({c})", cluster)
-        add(f"refined ({c})", cluster, wh.Config(hardware_aware="refine"))
-        name = f"refined ({c})"
-        balanced = steps[name].plan.balance is not None and steps[name].plan.balance.applied
-        for _ in range(max_steps() if balanced else 0):     # its first steps refine, then it runs the split kept
-            states[name], m = steps[name](states[name], batch)
-            if steps[name].plan.refinement is not None:
-                break
-        ref = steps[name].plan.refinement
-        refine_steps[name] = None if ref is None else ref.steps
-        log(f"{name}: " + (f"kept x{ref.kept:.3g} ({'/'.join(map(str, ref.chosen.rows))} rows) after {ref.steps} "
-                           "steps" if ref else "nothing refined (an even plan)"))
+        add(f"refined ({c})", cluster, hardware_aware="refine")
+        refine_steps[f"refined ({c})"] = refine(steps, states, f"refined ({c})", batch, log)
+    seen = {split_of(s.plan) for n, s in steps.items() if n.startswith("whalex")}
     for f in args.factors:
         add(f"x{f:g}", base.with_speeds(scaled_speeds(base.speeds, f)[0], overhead=base.overhead))
-    for name, s in steps.items():
-        rows[name] = list(s.plan.batch_sizes)
+    splits = {name: split_of(s.plan) for name, s in steps.items()}
+    log(f"splits: {splits} (whalex's: {sorted(seen)})")
 
     run = harness.step_runner(steps, states, batch)     # the loss as a float: waits for the step on both processes
     timings = harness.interleaved({n: (lambda n=n: run(n)) for n in steps}, args.rounds, block=args.block,
                                   warmup=2, order_by="fixed", sync=None)
-    out = {"speeds": {c: list(cl.speeds) for c, cl in clusters.items()},
+    out = {"model": args.model, "speeds": {c: list(cl.speeds) for c, cl in clusters.items()},
            "overheads": {c: list(cl.overhead or ()) for c, cl in clusters.items()},
            "calibrated_rows": {c: cl.calibrated_rows for c, cl in clusters.items()},
            "refine_steps": refine_steps,
-           "variants": [{"name": n, "rows": rows[n], "median_s": harness.median(timings.times(n)),
-                         "spread": spread(timings.times(n))} for n in steps]}
+           "variants": [{"name": n, "rows": list(s.plan.batch_sizes), "split": splits[n],
+                         "median_s": harness.median(timings.times(n)), "spread": spread(timings.times(n))}
+                        for n, s in steps.items()]}
     harness.write_worker_result(args.worker_out, out, pid)
 
 
+def refine(steps, states, name, batch, log):
+    """Runs a refining step's first calls until its refinement settles: the steps it took (None: the
+    plan has nothing to refine)."""
+    from whalex.balance.refine import max_steps
+    from whalex.refining import refinable
+
+    for _ in range(max_steps() if refinable(steps[name].plan) else 0):    # then it runs the split kept
+        states[name], _ = steps[name](states[name], batch)
+        if steps[name].plan.refinement is not None:
+            break
+    ref = steps[name].plan.refinement
+    log(f"{name}: " + (f"kept x{ref.kept:.3g} ({split_of(steps[name].plan)}) after {ref.steps} steps"
+                       if ref else "nothing refined"))
+    return None if ref is None else ref.steps
+
+
 def table(runs) -> list[str]:
-    head = ("emulation", "batch", "variant", "rows (fast/slow)", "median", "spread", "/ fastest")
+    head = ("emulation", "batch", "variant", "split (fast/slow)", "median", "spread", "/ fastest")
     body = []
     for r in runs:
         what = f"{r['slow_by']} {'1/2' if r['hogs'] == 1 else '1/3' if r['hogs'] == 2 else r['hogs']}"
@@ -123,7 +165,8 @@ def table(runs) -> list[str]:
         best = min(sweep, key=lambda v: v["median_s"])
         for v in [v for v in r["variants"] if not v["name"].startswith("x")] + [best]:
             name = v["name"] if v is not best else f"fastest found ({v['name']})"
-            body.append((what, str(r["batch"]), name, "/".join(map(str, v["rows"])), f"{1e3 * v['median_s']:.1f} ms",
+            where = v.get("split") or "/".join(map(str, v["rows"]))
+            body.append((what, str(r["batch"]), name, where, f"{1e3 * v['median_s']:.1f} ms",
                          f"±{100 * v['spread']:.1f}%", f"{v['median_s'] / best['median_s']:.3f}"))
     return _table(head, body)
 
@@ -139,14 +182,19 @@ def main(argv):
 
 
 def driver(args, argv, cores, env, load_before):
+    if args.model == "pipeline":                       # bench/hetero_pipeline.py's flags for its model
+        import hetero_pipeline
+        env = harness.allocator_env({**env, "XLA_FLAGS": " ".join([env["XLA_FLAGS"], hetero_pipeline.YNN])}, "cached")
     runs = []
     for slow_by in args.slow_by.split(","):
         for hogs, batch in harness.configs(args):
             ns = argparse.Namespace(**{**vars(args), "slow_by": slow_by})
             runs.append({"slow_by": slow_by, **harness.run_config(ns, argv, hogs, batch, cores, env, __file__)})
-    print(f"\nstock Flax MLP {args.depth} x Dense({args.width}), Adam; load before {load_before:.2f}")
+    print(f"\n{args.model}: stock Flax MLP {args.depth} x Dense({args.width}), Adam; load before {load_before:.2f}")
     print("\n".join(table(runs)))
-    print(f"wrote {harness.write_result('hetero_sweep', {'load_before': load_before, 'runs': runs}, args.out)}")
+    variant = None if args.model == "mlp" else args.model       # the other models' runs: the file's variants
+    path = harness.write_result("hetero_sweep", {"load_before": load_before, "runs": runs}, args.out, variant=variant)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
