@@ -98,7 +98,7 @@ def worker(args):
 
     import whalex as wh
     from whalex.balance.calibrate import calibrate
-    from whalex.balance.refine import scaled_speeds
+    from whalex.balance.refine import CONFIRM_ROUNDS, scaled_speeds
 
     pid, log = harness.worker_start("the driver")
     loss_fn, params, batch, config = make(args)
@@ -130,7 +130,7 @@ def worker(args):
     out = {"model": args.model, "speeds": {c: list(cl.speeds) for c, cl in clusters.items()},
            "overheads": {c: list(cl.overhead or ()) for c, cl in clusters.items()},
            "calibrated_rows": {c: cl.calibrated_rows for c, cl in clusters.items()},
-           "refine_steps": refine_steps,
+           "refine_steps": refine_steps, "confirm_rounds": CONFIRM_ROUNDS,
            "variants": [{"name": n, "rows": list(s.plan.batch_sizes), "split": splits[n],
                          "median_s": harness.median(timings.times(n)), "spread": spread(timings.times(n))}
                         for n, s in steps.items()]}
