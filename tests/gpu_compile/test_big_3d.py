@@ -7,7 +7,7 @@ import time
 
 import jax
 import optax
-from gpu_bench import gpu_compile
+from support.gpu_bench import gpu_compile
 
 import whalex as wh
 

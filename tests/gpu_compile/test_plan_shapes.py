@@ -7,7 +7,7 @@ workspaces, make the peak. Cases whalex does not yet predict that closely are st
 the check that misses, so a fix shows up as an unexpected pass."""
 
 import pytest
-from gpu_bench import gpu_compile
+from support.gpu_bench import gpu_compile
 
 import whalex as wh
 

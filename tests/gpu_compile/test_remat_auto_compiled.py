@@ -5,7 +5,7 @@ holds, so it recomputes more than the budget needs; compiling shows the room and
 
 import optax
 import pytest
-from gpu_bench import gpu_compile
+from support.gpu_bench import gpu_compile
 
 import whalex as wh
 

@@ -6,7 +6,7 @@ gradient all-reduces with the backward pass without holding every segment's reco
 
 import optax
 import pytest
-from gpu_bench import gpu_compile
+from support.gpu_bench import gpu_compile
 
 import whalex as wh
 
