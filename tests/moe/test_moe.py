@@ -226,7 +226,7 @@ def test_expert_count_not_a_multiple_of_devices_is_refused():
 def test_moe_transformer_example_trains_and_matches_single_device():
     import os
     import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
     import moe_transformer as example
     args = example.parse_args(["--steps", "12", "--layers", "2", "--d-model", "32", "--expert-hidden", "32",
                                "--check"])

@@ -17,7 +17,7 @@ from whalex.core.schedules import make_schedule, render
 from whalex.view import StepTiming, plot as plot_view, text as view_text
 from whalex.view.sections import Line, Pre, Table
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
 import render_plans  # noqa: E402
 
 KINDS = ("hybrid", "pipeline", "heterogeneous", "moe")
