@@ -15,11 +15,11 @@ import pytest
 from flax import nnx
 
 import whalex as wh
-from conftest import HETERO, adam, reference_train, rel_err
-from support.models import _backbone, _ce, data, plain_model, plain_params
 from api.test_model_state import problem
-from moe.test_moe import D_IN, Block
+from conftest import HETERO, adam, reference_train, rel_err
 from lowering.test_pipeline import _plain, _two_stage
+from moe.test_moe import D_IN, Block
+from support.models import _backbone, _ce, data, plain_model, plain_params
 
 N, M = 2, 2            # steps before the checkpoint, steps after it
 
@@ -78,7 +78,7 @@ def _hybrid(cluster=None):
 
 
 def _moe_ep():
-    """tests/test_moe.py's expert-parallel block (8 experts over 8 devices, top-2) with its loss and
+    """tests/moe/test_moe.py's expert-parallel block (8 experts over 8 devices, top-2) with its loss and
     has_aux=True; parameters drawn by numpy from the shapes (running flax's init compiles for seconds)."""
     model = Block(experts=8, split=8)
     rng = np.random.default_rng(0)

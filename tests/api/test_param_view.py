@@ -7,8 +7,8 @@ import optax
 import pytest
 
 import whalex as wh
-from conftest import HETERO, reference_train, rel_err
 from balance.test_heterogeneous_balance import _head_model
+from conftest import HETERO, reference_train, rel_err
 from lowering.test_pipeline import _plain, _two_stage
 
 SGD = optax.sgd(0.05)

@@ -12,8 +12,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import whalex as wh
 from conftest import reference_train
-from support.models import data, plain_params
 from lowering.test_pipeline import _plain, _two_stage
+from support.models import data, plain_params
 from whalex.distributed import place_global
 
 SGD = optax.sgd(0.05)

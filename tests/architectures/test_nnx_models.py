@@ -1,4 +1,4 @@
-"""Flax NNX models after public architectures (tests/public_models: nnx_llama, nnx_vit, nnx_t5,
+"""Flax NNX models after public architectures (tests/support/public_models: nnx_llama, nnx_vit, nnx_t5,
 nnx_resnet) trained through whalex's NNX path under the suite's plan kinds, against plain NNX
 training on one device: the same losses, nnx.Params and BatchNorm statistics. BatchNorm's statistics couple the samples,
 so plans that evaluate the loss in parts refuse the ResNet by name."""

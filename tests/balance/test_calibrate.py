@@ -11,8 +11,8 @@ import optax
 import pytest
 
 import whalex as wh
-from support.models import plain_model
 from launch.test_launch import child_env, run_launch
+from support.models import plain_model
 from whalex.balance.calibrate import Measurement, affine, calibrate, faster, group_speeds, measure, resolved, summarize
 
 # medians and spreads measured on the 8 simulated CPU devices of this machine (size 128, 5 rounds):

@@ -112,7 +112,7 @@ def test_uneven_split_head_matches_single_device():
     np.testing.assert_allclose(loss_fn(params, batch), ref, rtol=1e-6)
 
     step, state = assert_matches(loss_fn, params, batch, steps=5, cluster=wh.Cluster(kinds=HETERO))
-    r = step.plan.head_balance           # a hybrid: plan.balance is the batch's (tests/test_hybrid_uneven.py)
+    r = step.plan.head_balance           # a hybrid: plan.balance is the batch's (tests/lowering/test_uneven_hybrid.py)
     assert r.kind.startswith("classes") and r.applied
     counts = [d.rows for d in r.devices]
     assert sum(counts) == 640 and counts[:4] == [105] * 4 and counts[4:] == [55] * 4     # 15.7 : 8.1

@@ -99,8 +99,8 @@ def test_a_refining_split_head_trains_exactly_as_one_device():
     import optax
 
     import whalex as wh
-    from conftest import HETERO, assert_matches
     from balance.test_heterogeneous_balance import _head_model
+    from conftest import HETERO, assert_matches
     loss_fn, params, batch = _head_model()
     step, _ = assert_matches(loss_fn, params, batch, steps=max_steps() + 2, optimizer=optax.sgd(0.1),
                              config=wh.Config(hardware_aware="refine"), cluster=wh.Cluster(kinds=HETERO))

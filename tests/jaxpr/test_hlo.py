@@ -107,7 +107,7 @@ def test_the_parser_reads_groups_async_pairs_and_loops():
     assert found[-1].arrays == (("f32", (64, 16)),) and found[-1].bytes == 64 * 16 * 4      # the -done's result
     assert found[1].op_name == "jit(step)/psum" and found[2].bytes == 8 * 16 * 2
     assert shapes_of(_TEXT, "all-gather") == [(16, 64)]
-    assert collectives(_TEXT)[0] == ("all-reduce", [("f32", (8, 16))])                     # tests/hlo.py's form
+    assert collectives(_TEXT)[0] == ("all-reduce", [("f32", (8, 16))])                     # tests/support/hlo.py's form
     comps, entry = hlo.computations(_TEXT)
     assert entry == "main.9" and set(comps) == {"add", "body", "main.9"} and len(comps["body"]) == 4
     assert [hlo.trip_count(line) for line in comps["main.9"] if " while(" in line] == [4]

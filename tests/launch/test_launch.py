@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import whalex as wh
-from support import launch_worker as worker, restart_worker
 from conftest import reference_train, rel_err
+from support import launch_worker as worker, restart_worker
 
 WORKERS = pathlib.Path(__file__).resolve().parents[1] / "support"   # the workers, run from their folder
 ROOT = WORKERS.parents[1]

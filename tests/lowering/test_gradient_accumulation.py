@@ -222,7 +222,7 @@ def test_per_micro_batch_batch_statistics_keep_per_micro_batch_sums_and_say_so()
 @pytest.mark.parametrize("split", [2, 8])
 @pytest.mark.parametrize("kind", ["mean", "sum", "masked", "token", "aux"])
 def test_loss_contract_on_collocated_hybrid(kind, split):
-    """The loss contract's losses (tests/test_loss_contract.py: an embedding, two layers, a head, padded rows)
+    """The loss contract's losses (tests/loss/test_loss_contract.py: an embedding, two layers, a head, padded rows)
     on replicate(8) x 3 beside split(n) with 4 micro-batches, against one device (SGD; Adam for 'aux')."""
     from loss.test_loss_contract import OPTIMIZERS, lm_batch, lm_loss, lm_params
     scopes = (lambda: wh.replicate(8),) * 3 + (lambda: wh.split(split),)

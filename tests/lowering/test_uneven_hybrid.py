@@ -8,9 +8,9 @@ import optax
 import pytest
 
 import whalex as wh
+from balance.test_heterogeneous_balance import _head_model
 from conftest import HETERO, adam, assert_matches
 from support.models import plain_model
-from balance.test_heterogeneous_balance import _head_model
 
 APPLIED = "batch of the replicate TaskGraphs (the split head keeps its layout"
 

@@ -24,9 +24,9 @@ import pytest
 
 import whalex as wh
 from conftest import HETERO, reference_train, rel_err, whalex_train
+from lowering.test_pipeline import _plain, _two_stage
 from support.hlo import collectives
 from support.models import flax_model, plain_model
-from lowering.test_pipeline import _plain, _two_stage
 from whalex.memory.precision import INITIAL_SCALE, AmpLoss, LossScale
 
 TOL = {"bf16": 8 * 2.0 ** -8, "fp16": 8 * 2.0 ** -11}

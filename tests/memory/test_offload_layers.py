@@ -8,8 +8,8 @@ import optax
 import pytest
 
 import whalex as wh
-from conftest import adam, assert_matches
 from architectures.test_stock_gpt import LAYERS, loss_fn, problem
+from conftest import adam, assert_matches
 from whalex import _compat as C
 
 

@@ -10,10 +10,10 @@ import pytest
 
 import whalex as wh
 from conftest import HETERO, adam, assert_matches, reference_train, rel_err, whalex_train
+from lowering.test_pipeline import _compare, _plain, _two_stage
+from memory.test_mixed_precision import SGD, TOL, moved_err
 from support.hlo import collectives
 from support.models import flax_model, plain_model
-from memory.test_mixed_precision import SGD, TOL, moved_err
-from lowering.test_pipeline import _compare, _plain, _two_stage
 from whalex.memory.precision import AmpLoss
 
 B, D, H, C = 2048, 32, 128, 256

@@ -7,8 +7,8 @@ import optax
 import pytest
 
 import whalex as wh
-from conftest import adam, assert_matches
 from architectures.test_stock_gpt import LAYERS, SEQ, VOCAB, Block, D, loss_fn, problem
+from conftest import adam, assert_matches
 from whalex.core.capture import capture
 from whalex.core.flops import training_flops
 from whalex.memory import vjp_residual_bytes

@@ -6,9 +6,9 @@ from jax.sharding import PartitionSpec as P
 
 import whalex as wh
 from conftest import HETERO, adam, assert_matches
+from lowering.test_pipeline import _compare, _plain, _two_stage
 from support.hlo import collectives
 from support.models import plain_model
-from lowering.test_pipeline import _compare, _plain, _two_stage
 from whalex.memory import zero
 
 SIZES = {"data": 8, "model": 2, "one": 1}

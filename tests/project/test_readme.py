@@ -90,7 +90,8 @@ def test_every_python_block_is_run_or_marked_illustrative():
     for key in _python_blocks():
         owners = [e for t in tables if (e := _owner(key, t)) is not None]
         assert owners, (f"a ```python block in {key[0]} under {' > '.join(key[1])} is neither run nor marked: "
-                        "add its section to RUN or FRESH in tests/project/test_readme.py, or to ILLUSTRATIVE with the reason")
+                        "add its section to RUN or FRESH in tests/project/test_readme.py, or to ILLUSTRATIVE "
+                        "with the reason")
     for entry in RUN + FRESH + tuple(ILLUSTRATIVE):
         assert _blocks_of(entry), f"{entry}: no ```python block under that heading (renamed or moved?)"
 

@@ -1,4 +1,5 @@
-"""Helper for tests/test_calibrate.py: one process of `python -m whalex.launch -n 2 calibrate_worker.py OUT_DIR`.
+"""Helper for tests/balance/test_calibrate.py: one process of
+`python -m whalex.launch -n 2 calibrate_worker.py OUT_DIR`.
 
 Calibrates every process's devices (each process times only its own, then medians and spreads are
 all-gathered and grouped) and writes what this process got to OUT_DIR/calib_{process}.npz.

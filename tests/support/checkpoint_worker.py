@@ -1,4 +1,4 @@
-"""Helper for tests/test_launch.py's checkpoint-restart tests: one process of
+"""Helper for tests/launch/test_launch.py's checkpoint-restart tests: one process of
 `python -m whalex.launch -n N --restarts K [--min-processes P] ... checkpoint_worker.py OUT_DIR STEPS KILL_AT [SIG]`.
 
 Trains launch_worker's MLP (Adam) with wh.parallelize over every process's devices and saves a
@@ -22,8 +22,8 @@ import numpy as np
 
 def main(out: str, steps: int, kill_at: int, sig: str = "KILL"):
     import jax
-
     import launch_worker
+
     import whalex as wh  # joins the process group (whalex.launch env)
 
     i, nproc = jax.process_index(), jax.process_count()

@@ -1,4 +1,4 @@
-"""Helper for tests/test_launch.py: one process of `python -m whalex.launch -n 2 launch_worker.py OUT_DIR`
+"""Helper for tests/launch/test_launch.py: one process of `python -m whalex.launch -n 2 launch_worker.py OUT_DIR`
 (or of a scheduler-started group with WHALEX_DISTRIBUTED=auto).
 
 Trains the same small data-parallel MLP twice over every process's devices: with the even plan

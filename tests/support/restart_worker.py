@@ -1,4 +1,4 @@
-"""Helper for tests/test_launch.py's restart tests: one process of
+"""Helper for tests/launch/test_launch.py's restart tests: one process of
 `python -m whalex.launch -n N --restarts K ... restart_worker.py OUT_DIR STEPS`.
 
 It checkpoints after every step and resume from the latest checkpoint on start (what a
