@@ -1,6 +1,6 @@
 """bench/gpu_compile.py as a module for the GPU-compile tests. The bench imports its siblings by
 plain name (`harness`, `models`), as every bench does; they are loaded for it and then taken out of
-`sys.modules` again, so that they never stand in for the tests' own `models` module."""
+`sys.modules` again, so that a plain `models` or `harness` imported later is never the bench's."""
 import importlib.util
 import sys
 from pathlib import Path
