@@ -1,8 +1,8 @@
 """Median step time of whalex pipelines on the tests' models, beside plain-JAX single-device training.
 
 What it measures
-    The pipeline models of tests/test_pipeline.py (`two_stage`: 2 stages x 4 replicas, 4 micro-batches;
-    `FourStages`: 4 stages x 2 replicas, 8 micro-batches) and tests/test_pipeline_optim.py's untied
+    The pipeline models of tests/lowering/test_pipeline.py (`two_stage`: 2 stages x 4 replicas, 4 micro-batches;
+    `FourStages`: 4 stages x 2 replicas, 8 micro-batches) and tests/lowering/test_pipeline_optim.py's untied
     decoder-only LM (4 stages x 2 replicas, 4 micro-batches), written out again below (a bench imports
     nothing from tests/), Adam, on 8 simulated CPU devices; each step timed to `jax.block_until_ready`,
     after 3 warm-up steps. Baseline in the same run: the same loss and optimizer as one plain `jax.jit`
@@ -31,7 +31,7 @@ import optax
 
 import whalex as wh
 
-# ---- the models of tests/test_pipeline.py -----------------------------------------------------------
+# ---- the models of tests/lowering/test_pipeline.py ---------------------------------------------------
 
 BIAS = nn.initializers.normal(0.5)
 
@@ -92,7 +92,7 @@ class FourStages(nn.Module):
             return Head()(h, e, y)
 
 
-# ---- the LM of tests/test_pipeline_optim.py ---------------------------------------------------------
+# ---- the LM of tests/lowering/test_pipeline_optim.py -------------------------------------------------
 
 V, D, T, B = 32, 16, 8, 16          # vocabulary, width, sequence length, global batch
 

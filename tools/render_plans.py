@@ -11,7 +11,7 @@ screenshot of each page in light and in dark colour scheme:
 
 Chromium is Debian's (`apt-get install -y chromium`, /usr/bin/chromium); `--chromium` names
 another binary, `--no-screenshots` only writes the HTML. The plan builders are reused by
-tests/test_plan_view.py.
+tests/view/test_plan_view.py.
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ then `count += 1`. Both live in `model_state` (`RngKey`: a typed key array, unch
 `RngCount`: uint32, one increment per draw), so threading `model_state` from one step to the next
 advances the randomness exactly as eager NNX does; no separate `rng` is needed.
 
-Facts measured on jax 0.10.2 / flax 0.12.8 (tests/test_nnx_adapter.py):
+Facts measured on jax 0.10.2 / flax 0.12.8 (tests/api/test_nnx.py):
 - `nnx.merge(graphdef, params, rest)` with States whose Variable objects were made outside the
   `jax.grad` trace (closed over, or passed as a non-differentiated argument, which `jax.grad` does
   not re-flatten) raises `TraceContextError: Cannot mutate BatchStat from a different trace level`;

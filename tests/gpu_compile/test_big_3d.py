@@ -7,9 +7,9 @@ import time
 
 import jax
 import optax
-from gpu_bench import gpu_compile
 
 import whalex as wh
+from support.gpu_bench import gpu_compile
 
 
 def test_a_1b_gpt_3d_on_64_gpus_compiles_as_predicted():

@@ -3,9 +3,9 @@ compiled once, and each option's saving from the model applied to XLA's figure. 
 to the device's memory with its own rematerialization where it can, which the model cannot see."""
 
 import optax
-from gpu_bench import gpu_compile
 
 import whalex as wh
+from support.gpu_bench import gpu_compile
 
 
 def _fit(rows_per_device):

@@ -7,9 +7,9 @@ workspaces, make the peak. Cases whalex does not yet predict that closely are st
 the check that misses, so a fix shows up as an unexpected pass."""
 
 import pytest
-from gpu_bench import gpu_compile
 
 import whalex as wh
+from support.gpu_bench import gpu_compile
 
 SIZE = gpu_compile.SIZES["medium"]
 MEMORY_TOL, COMM_TOL = 0.10, 0.05

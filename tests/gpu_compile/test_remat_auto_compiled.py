@@ -5,9 +5,9 @@ holds, so it recomputes more than the budget needs; compiling shows the room and
 
 import optax
 import pytest
-from gpu_bench import gpu_compile
 
 import whalex as wh
+from support.gpu_bench import gpu_compile
 
 SIZE = gpu_compile.SIZES["medium"]
 

@@ -6,9 +6,9 @@ gradient all-reduces with the backward pass without holding every segment's reco
 
 import optax
 import pytest
-from gpu_bench import gpu_compile
 
 import whalex as wh
+from support.gpu_bench import gpu_compile
 
 GB = 1e9
 FULL = gpu_compile.SIZES["full"]

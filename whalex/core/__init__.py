@@ -3,6 +3,6 @@
 collectives, optimizer-state specs, named calls).
 
 Bottom of whalex's layering: it imports only `primitives`, `state`, `errors` and `_compat`, never
-balance, memory, lowering, planner or moe (see tests/test_imports.py); `program.py`'s contract
+balance, memory, lowering, planner or moe (see tests/project/test_imports.py); `program.py`'s contract
 names memory's `Precision` and `RematPlan` records for type checkers only.
 """

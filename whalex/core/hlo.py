@@ -1,7 +1,7 @@
 """Reading compiled HLO text (`jax.stages.Compiled.as_text()`: after the SPMD partitioner, what one
 device runs): its collectives, its computations and their loops.
 
-Text only, no JAX: the tests read which collectives a plan compiles to (tests/hlo.py), and bench/
+Text only, no JAX: the tests read which collectives a plan compiles to (tests/support/hlo.py), and bench/
 reads their bytes (bench/harness.py adds the bytes each device sends, `whalex.core.comm.result_ring_bytes`).
 
     for c in collectives(compiled.as_text()):

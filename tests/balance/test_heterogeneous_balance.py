@@ -1,0 +1,220 @@
+"""Hardware-aware balance on a declared heterogeneous cluster (8 simulated devices)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import whalex as wh
+from conftest import HETERO, adam, assert_matches
+from support.models import flax_model, plain_model
+
+
+@pytest.mark.parametrize("builder", [plain_model, flax_model])
+def test_balanced_data_parallel_matches_single_device(builder):
+    loss_fn, params, batch = builder("dp", "ctx")
+    cluster = wh.Cluster(kinds=HETERO)
+    step, _ = assert_matches(loss_fn, params, batch, steps=5, cluster=cluster)
+    plan = step.plan
+    rows = np.array(plan.batch_sizes)
+    assert rows.sum() == batch["x"].shape[0]                           # the global batch is unchanged
+    speeds = np.array(cluster.speeds)
+    ideal = rows.sum() * speeds / speeds.sum()
+    assert np.all(np.abs(rows - ideal) <= plan.balance.unit)           # proportional within one unit
+    assert rows[0] > rows[-1]
+    assert plan.balance.applied and plan.balance.source == "spec table"
+    assert plan.balance.predicted_speedup > 1.2
+    assert "hardware-aware balance of the batch (applied" in plan.summary()
+
+
+def test_even_plan_when_hardware_aware_is_off():
+    loss_fn, params, batch = plain_model("dp", "ctx")
+    plan = wh.plan(loss_fn, params, batch, adam(), config=wh.Config(hardware_aware=False),
+                   cluster=wh.Cluster(kinds=HETERO))
+    assert plan.batch_sizes == (4,) * 8 and not plan.balance.applied
+    assert plan.balance.predicted_speedup > 1.2           # what balancing would have given
+
+
+def test_every_sample_counts_exactly_once():
+    """grad of mean(onehot @ w) is 1/B on every sample's coordinate: dropped -> 0, doubled -> 2/B.
+    Padding rows are NaN on the host side of the check: if one were read, the result would be NaN."""
+    B = 40
+    params = {"w": jnp.zeros(B)}
+    batch = {"onehot": jnp.eye(B)}
+
+    def loss_fn(p, b):
+        return jnp.mean(b["onehot"] @ p["w"])
+
+    cluster = wh.Cluster(kinds=HETERO)
+    plan = wh.plan(loss_fn, params, batch, None, cluster=cluster)
+    assert len(set(plan.batch_sizes)) > 1 and sum(plan.batch_sizes) == B
+    block = max(plan.batch_sizes)                                      # each device's padded block of rows
+    x = np.full((len(plan.batch_sizes) * block, B), np.nan, np.float32)  # poison every padding row
+    for i, (a, b) in enumerate(plan.device_rows()):
+        x[i * block:i * block + (b - a)] = np.asarray(batch["onehot"])[a:b]
+    assert x.shape == plan.batch_shapes()["onehot"].shape
+    placed = jax.device_put({"onehot": x}, plan.batch_shardings)
+    loss, grads = plan.jitted()(jax.device_put(params, plan.param_shardings), placed)
+    np.testing.assert_allclose(np.asarray(grads["w"]), np.full(B, 1.0 / B), rtol=1e-6)
+    assert np.isfinite(float(loss))
+    # and the rows each device owns tile the batch exactly once
+    ranges = plan.device_rows()
+    assert ranges[0][0] == 0 and ranges[-1][1] == B
+    assert all(r0[1] == r1[0] for r0, r1 in zip(ranges, ranges[1:]))
+    assert plan.local_rows(0) == [(0, B)]
+
+
+def test_calibrated_speeds_are_used_and_reported():
+    from whalex.balance.calibrate import calibrate
+    loss_fn, params, batch = plain_model("dp", "ctx")
+    measured = calibrate(wh.Cluster.detect(), size=128, chain=2, repeats=3)
+    assert measured.speed_source == "calibrated" and len(measured.speeds) == 8
+    # pretend half the devices measured 3x slower: the plan follows the measurement
+    cluster = measured.with_speeds([3.0] * 4 + [1.0] * 4)
+    step, _ = assert_matches(loss_fn, params, batch, steps=3, cluster=cluster)
+    assert step.plan.balance.source == "calibrated"
+    assert step.plan.batch_sizes[:4] == (6,) * 4 and step.plan.batch_sizes[4:] == (2,) * 4
+
+
+def test_memory_bound_moves_batch_off_a_small_device():
+    loss_fn, params, batch = plain_model("dp", "ctx")
+    tiny = wh.DeviceSpec("fast-but-tiny", 100e12, 100e12, 165_000, 1e12)
+    cluster = wh.Cluster(kinds=[tiny] + ["V100-32GB"] * 7)
+    plan = wh.plan(loss_fn, params, batch, adam(), cluster=cluster)
+    r = plan.balance
+    assert r.shifted > 0 and r.devices[0].memory <= r.devices[0].capacity
+    assert plan.batch_sizes[0] < 32 * 100 / (100 + 7 * 15.7) - 1       # less than its compute share
+    with pytest.raises(wh.PlanError, match="model state alone does not fit"):
+        wh.plan(loss_fn, params, batch, adam(),
+                cluster=wh.Cluster(kinds=[wh.DeviceSpec("t", 1e12, 1e12, 1000, 1e9)] + ["V100-32GB"] * 7))
+
+
+def _head_model(C=640, B=32):
+    D = 24
+    k = jax.random.split(jax.random.key(0), 5)
+    params = {"w1": jax.random.normal(k[0], (12, D)) / 3, "kernel": jax.random.normal(k[1], (D, C)) / 5,
+              "bias": jax.random.normal(k[2], (C,))}
+    batch = {"x": jax.random.normal(k[3], (B, 12)), "y": jax.random.randint(k[4], (B,), 0, C)}
+
+    def loss_fn(p, b):
+        with wh.replicate(8):
+            h = jnp.tanh(b["x"] @ p["w1"])
+        with wh.split(8):
+            return wh.ops.softmax_cross_entropy_head(h, p["kernel"], p["bias"], b["y"])
+    return loss_fn, params, batch
+
+
+def test_uneven_split_head_matches_single_device():
+    loss_fn, params, batch = _head_model()
+    # the op is exactly optax's cross-entropy of the dense layer outside whalex
+    import optax
+    ref = optax.softmax_cross_entropy_with_integer_labels(
+        jnp.tanh(batch["x"] @ params["w1"]) @ params["kernel"] + params["bias"], batch["y"]).mean()
+    np.testing.assert_allclose(loss_fn(params, batch), ref, rtol=1e-6)
+
+    step, state = assert_matches(loss_fn, params, batch, steps=5, cluster=wh.Cluster(kinds=HETERO))
+    r = step.plan.head_balance           # a hybrid: plan.balance is the batch's (tests/lowering/test_uneven_hybrid.py)
+    assert r.kind.startswith("classes") and r.applied
+    counts = [d.rows for d in r.devices]
+    assert sum(counts) == 640 and counts[:4] == [105] * 4 and counts[4:] == [55] * 4     # 15.7 : 8.1
+    kernel = state.stored_params["kernel"]              # stored padded: one even buffer per device
+    assert kernel.shape == (24, 840) and {s.data.shape for s in kernel.addressable_shards} == {(24, 105)}
+    assert step.params(state)["kernel"].shape == (24, 640)
+    # the gradient of the split head is never all-reduced, logits never gathered
+    from support.hlo import shapes_of
+    text = step.plan.lowered().compile().as_text()
+    assert (24, 105) not in shapes_of(text, "all-reduce") and (105, 24) not in shapes_of(text, "all-reduce")
+    assert not any(640 in s or 840 in s for s in shapes_of(text, "all-gather"))
+
+
+def test_even_split_head_on_a_homogeneous_cluster_uses_plain_sharding():
+    loss_fn, params, batch = _head_model()
+    step, state = assert_matches(loss_fn, params, batch, steps=3)
+    assert step.plan.balance is None and state.params["kernel"].shape == (24, 640)
+
+
+def test_memory_model_predicts_xla_memory_analysis():
+    """The per-device activation model (a line through XLA's temp bytes at 16 and 64 rows)
+    predicts the compiled temp memory at another batch size."""
+    from whalex.balance.cost import activation_model, temp_bytes
+    from whalex.core.capture import capture
+    from whalex.core.interpret import make_evaluator
+    from whalex.planner.common import micro_batch
+    loss_fn, params, batch = plain_model("dp", "ctx")
+
+    def make(rows):
+        c = capture(loss_fn, params, micro_batch(batch, rows))
+        ev, n = make_evaluator(c.jaxpr, {}, None), c.num_params
+
+        def f(*leaves):
+            return jax.value_and_grad(lambda ps: ev(*ps, *leaves[n:])[0])(list(leaves[:n]))
+        return (f, *[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in c.jaxpr.jaxpr.invars])
+
+    base, per = activation_model(make)
+    assert per > 0
+    for rows in (40, 128):
+        predicted = base + rows * per
+        assert abs(predicted - temp_bytes(*make(rows))) / temp_bytes(*make(rows)) < 0.10
+
+
+# ---- loads at a fine grain (full chunks plus binary remainder chunks) ----------------
+
+@pytest.mark.parametrize("ratio", [2.0, 3.0, 15.7 / 8.1, 1.3])
+@pytest.mark.parametrize("devices", [2, 8])
+def test_rounding_to_the_grain_costs_under_one_percent_at_any_batch(ratio, devices):
+    """With >= 64 rows per device, the step time of the rounded split is within 1% of the ideal
+    proportional one (max over devices of rows_i / speed_i against B / sum(speeds))."""
+    from whalex.balance import cost
+    from whalex.balance.algorithm import proportional
+    speeds = np.array([ratio] * (devices // 2) + [1.0] * (devices - devices // 2))
+    for b in [64 * devices, 100 * devices + 3, 2048, 4096, 4116, 6000, 8192, 12345]:
+        if b < 64 * devices:
+            continue
+        grain = cost.balance_grain(b, b * speeds.min() / speeds.sum())
+        rows = np.array(proportional(b // grain, speeds)) * grain
+        assert rows.sum() == b
+        assert (rows / speeds).max() / (b / speeds.sum()) < 1.01, (b, grain, rows)
+
+
+def _mlp_problem(b, seed=0):
+    """A stock Flax MLP (nn.Dense with biases) and a masked mean on a batch with padded rows."""
+    import flax.linen as nn
+    import optax
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(5)(nn.relu(nn.Dense(16)(x)))
+
+    rng = np.random.default_rng(seed)
+    batch = {"x": jnp.asarray(rng.standard_normal((b, 12), np.float32)),
+             "y": jnp.asarray(rng.integers(0, 5, b).astype(np.int32)),
+             "mask": jnp.asarray((rng.random(b) > 0.2).astype(np.float32))}
+    params = MLP().init(jax.random.key(seed), batch["x"][:1])["params"]
+
+    def loss_fn(p, bt):
+        ce = optax.softmax_cross_entropy_with_integer_labels(MLP().apply({"params": p}, bt["x"]), bt["y"])
+        return (ce * bt["mask"]).sum() / bt["mask"].sum()
+
+    return loss_fn, params, batch
+
+
+@pytest.mark.parametrize("b", [4096])
+def test_power_of_two_batch_follows_a_two_to_one_split(b):
+    """A 2:1 cluster at a power-of-two batch: rows follow the speeds to the grain (the old divisor
+    unit gave 5:3 at 4096), the parts cover every row once, the gradient is one all-reduce operand,
+    and training equals one device (SGD)."""
+    import optax
+
+    from support.hlo import shapes_of
+    loss_fn, params, batch = _mlp_problem(b)
+    cluster = wh.Cluster(devices=jax.devices()[:2]).with_speeds([2e12, 1e12])
+    step, _ = assert_matches(loss_fn, params, batch, steps=2, optimizer=optax.sgd(0.5), tol=1e-4, cluster=cluster)
+    program, rows = step.plan.program, step.plan.batch_sizes
+    assert abs(rows[0] / rows[1] - 2.0) < 0.01 and sum(rows) == b
+    assert any(any(bits) for bits in program.remainder_bits)           # remainder chunks run
+    ranges = program.part_ranges()
+    assert [a for a, _ in ranges] == list(np.cumsum([0] + [n for _, n in ranges])[:-1])  # contiguous, once each
+    assert sum(n for _, n in ranges) == b and program.parts.num_parts == len(ranges)
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    text = step.plan.lowered().compile().as_text()
+    assert (n_params,) in shapes_of(text, "all-reduce")                 # one fused gradient buffer

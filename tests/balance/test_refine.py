@@ -1,0 +1,196 @@
+"""Refining a balanced split on the real step: the search over a synthetic cost, and a Step that
+refines while it trains exactly as one device."""
+import numpy as np
+import pytest
+
+from whalex.balance.algorithm import proportional
+from whalex.balance.refine import (
+    CONFIRM_ROUNDS,
+    HI,
+    LO,
+    POINTS,
+    SplitTiming,
+    bracket_search,
+    confirmation_order,
+    confirmed,
+    max_steps,
+    rival,
+    scaled_speeds,
+    search,
+)
+
+BATCH = 4096
+
+
+def _synthetic(speeds, fixed, predicted_speeds):
+    """A step whose device i takes fixed[i] + rows_i / speeds[i] seconds, the split made by a model
+    that knows only `predicted_speeds` (no fixed time), its slow device's speed scaled: (cost of a
+    scale, rows of a scale, the true optimum's step time)."""
+    def rows(scale):
+        return tuple(proportional(BATCH, scaled_speeds(predicted_speeds, scale)[0]))
+
+    def cost(scale):
+        return max(f + r / s for f, r, s in zip(fixed, rows(scale), speeds))
+    best = max(f + r / s for f, r, s in zip(fixed, proportional(BATCH, speeds, fixed), speeds))
+    return cost, rows, best
+
+
+@pytest.mark.parametrize("fixed", [(0.0, 0.15), (0.25, 0.0), (0.0, 0.0)])
+def test_the_search_finds_the_fastest_split_when_fixed_time_differs_per_device(fixed):
+    # 3:1 speeds; the model that made the split saw no fixed time, the real step has some on one device
+    cost, rows, best = _synthetic((3000.0, 1000.0), fixed, (3.0, 1.0))
+    calls = []
+    scale, timed = search(lambda s: calls.append(s) or cost(s), key=rows)
+    assert timed[0][0] == 1.0                                          # the prediction is timed first
+    searched = calls[:len(calls) - 2 * CONFIRM_ROUNDS]
+    assert len(searched) == len({rows(s) for s in searched}) <= POINTS  # no placement searched twice, in budget
+    assert set(calls[len(searched):]) <= {1.0, *searched} and calls[len(searched)] == 1.0   # then confirmed
+    assert cost(scale) <= 1.01 * best                                  # within 1% of the true optimum
+    assert cost(scale) == min(t for _, t in timed) <= cost(1.0)       # never slower than the prediction
+    if fixed == (0.0, 0.0):                                            # the model was right: kept
+        assert scale == 1.0
+    else:                                                              # the slow side's fixed time moves rows away
+        assert (scale < 1.0) == (fixed[1] > fixed[0])
+
+
+def test_noise_cannot_make_the_kept_split_slower_than_the_best_timed():
+    cost, rows, best = _synthetic((3000.0, 1000.0), (0.0, 0.15), (3.0, 1.0))
+    rng = np.random.default_rng(0)
+    noisy = {}
+
+    def timed(s):
+        noisy[s] = cost(s) * (1 + 0.02 * rng.standard_normal())
+        return noisy[s]
+    scale, _ = search(timed, key=rows, rounds=0)
+    assert noisy[scale] == min(noisy.values())
+    assert cost(scale) <= 1.05 * best
+
+
+def test_the_confirmation_keeps_the_prediction_when_a_noisy_search_moved_to_a_slower_split():
+    # the prediction is the optimum; one lucky timing of a far split makes the search move there
+    cost, rows, best = _synthetic((3000.0, 1000.0), (0.0, 0.0), (3.0, 1.0))
+    rng = np.random.default_rng(1)
+    lucky = {"left": 1}
+
+    def timed(s):
+        if s < 0.9 and lucky["left"]:
+            lucky["left"] -= 1
+            return 0.5 * cost(s)
+        return cost(s) * (1 + 0.01 * rng.standard_normal())
+    assert search(timed, key=rows, rounds=0)[0] < 0.9                  # the search alone keeps the lucky split
+    scale, timed_all = search(timed, key=rows)
+    assert scale == 1.0 and cost(scale) == best                        # the alternating steps keep the prediction
+    assert len(timed_all) <= POINTS + 2 * CONFIRM_ROUNDS
+
+
+def test_the_confirmation_moves_to_the_rival_when_the_search_was_unlucky_on_it():
+    # the real optimum is below 1; its one search timing was unlucky, the confirmation re-times it
+    cost, rows, best = _synthetic((3000.0, 1000.0), (0.0, 0.15), (3.0, 1.0))
+    points = [SplitTiming(1.0, rows(1.0), cost(1.0)), SplitTiming(0.85, rows(0.85), 1.3 * cost(0.85)),
+              SplitTiming(1.15, rows(1.15), 1.5 * cost(1.15))]
+    other = rival(points)
+    assert other is not None and other.scale == 0.85
+    order = confirmation_order(other.scale)
+    assert order[:2] == (1.0, 0.85) and len(order) == 2 * CONFIRM_ROUNDS
+    kept = confirmed(0.85, [cost(s) for s in order if s == 1.0], [cost(s) for s in order if s != 1.0])
+    assert kept == 0.85 and cost(0.85) < cost(1.0)
+    assert confirmed(0.85, [1.0, 1.0], [1.0, 1.0]) == 1.0              # a tie keeps the prediction
+
+
+def test_the_search_is_a_generator_a_step_can_drive_and_its_cost_is_bounded():
+    gen = bracket_search()
+    s, n = next(gen), 0
+    assert s == 1.0
+    try:
+        while True:
+            n += 1
+            assert LO <= s <= HI
+            s = gen.send(abs(s - 0.9))
+    except StopIteration as stop:
+        assert abs(stop.value - 0.9) < 0.05
+    assert n <= POINTS and max_steps() == POINTS * 4 + 2 * CONFIRM_ROUNDS
+
+
+def test_bad_brackets_are_clear_errors():
+    with pytest.raises(ValueError, match="0 < lo < 1 < hi"):
+        next(bracket_search(1.1, 1.3))
+    with pytest.raises(ValueError, match="points >= 3"):
+        next(bracket_search(points=2))
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_a_refining_step_trains_exactly_as_one_device_and_keeps_its_fastest_timed_split(opt):
+    import optax
+
+    import whalex as wh
+    from conftest import HETERO, adam, assert_matches
+    from support.models import plain_model
+    loss_fn, params, batch = plain_model("dp", "ctx")
+    optimizer = optax.sgd(0.1) if opt == "sgd" else adam()
+    steps = max_steps() + 2
+    step, _ = assert_matches(loss_fn, params, batch, steps=steps, optimizer=optimizer,
+                             config=wh.Config(hardware_aware="refine"), cluster=wh.Cluster(kinds=HETERO))
+    r = step.plan.refinement
+    assert r is not None and r.steps <= max_steps()                    # settled within the stated budget
+    assert len({p.rows for p in r.points}) == len(r.points) >= 2       # it moved the split, each placement once
+    assert r.predicted.rows == wh.plan(loss_fn, params, batch, optimizer, cluster=wh.Cluster(kinds=HETERO)).batch_sizes
+    a, b = r.confirmed                                                 # then re-timed the prediction and its rival
+    assert a.scale == 1.0 and b.scale == min((p for p in r.points if p.scale != 1.0), key=lambda p: p.seconds).scale
+    assert a.steps == b.steps == CONFIRM_ROUNDS and r.kept in (1.0, b.scale)
+    assert r.chosen.seconds == min(a.seconds, b.seconds) and step.plan.batch_sizes == r.chosen.rows
+    assert r.slow == (4, 5, 6, 7)                                      # the T4s' speed was scaled
+    text = step.plan.summary()
+    assert "refined on the real step" in text and f"{r.steps} steps" in text and "confirmed in alternating" in text
+
+
+def test_a_refining_split_head_trains_exactly_as_one_device():
+    # Whale's Example 2 on a declared V100+T4 cluster: the backbone's rows and the head's classes move together
+    import optax
+
+    import whalex as wh
+    from balance.test_heterogeneous_balance import _head_model
+    from conftest import HETERO, assert_matches
+    loss_fn, params, batch = _head_model()
+    step, _ = assert_matches(loss_fn, params, batch, steps=max_steps() + 2, optimizer=optax.sgd(0.1),
+                             config=wh.Config(hardware_aware="refine"), cluster=wh.Cluster(kinds=HETERO))
+    r = step.plan.refinement
+    assert r is not None and r.steps <= max_steps() and len(r.points) >= 2
+    assert step.plan.head_balance.applied and step.plan.batch_sizes == r.chosen.rows
+    assert r.chosen.units == tuple(d.rows for d in step.plan.head_balance.devices)
+    assert "(head " in step.plan.summary()
+
+
+def test_a_refining_auto_parallel_pipeline_moves_its_stage_cut_and_trains_exactly_as_one_device():
+    import jax
+    import optax
+
+    import whalex as wh
+    from conftest import HETERO, assert_matches
+    from lowering.test_pipeline import Deep
+    model = Deep()
+    k = jax.random.split(jax.random.key(0), 3)
+    batch = {"x": jax.random.normal(k[0], (64, 8)), "y": jax.random.normal(k[1], (64, 4))}
+    params = model.init(k[2], batch["x"], batch["y"])["params"]
+    loss_fn = lambda p, b: model.apply({"params": p}, b["x"], b["y"])
+    config = wh.Config(num_micro_batch=4, num_task_graph=2, auto_parallel=True, hardware_aware="refine")
+    step, _ = assert_matches(loss_fn, params, batch, steps=max_steps() + 2, optimizer=optax.sgd(0.01),
+                             config=config, cluster=wh.Cluster(kinds=HETERO))
+    r = step.plan.refinement
+    assert r is not None and r.steps <= max_steps() and len(r.points) >= 2 and step.plan.schedule is not None
+    assert r.chosen.seconds == min(p.seconds for p in r.confirmed)
+
+
+def test_refine_is_refused_on_annotated_stages_and_bad_values_are_clear_errors():
+
+    import whalex as wh
+    from conftest import HETERO, adam
+    from lowering.test_pipeline import _plain, _two_stage
+    params, batch = _plain()
+    step = wh.parallelize(_two_stage, adam(), config=wh.Config(hardware_aware="refine", num_micro_batch=4),
+                          cluster=wh.Cluster(kinds=HETERO))
+    with pytest.raises(wh.PlanError, match=r"annotated scopes.*hardware_aware=True.*auto_parallel=True"):
+        step.init(params, batch)
+    for bad in ("Refine", 1, None):
+        with pytest.raises(wh.ConfigError, match=r"hardware_aware must be True.*'refine'"):
+            wh.Config(hardware_aware=bad)
+    assert wh.Config({"cluster.hardware_aware": "refine"}).hardware_aware == "refine"

@@ -1,0 +1,88 @@
+"""A pipeline's step time as its ticks run: in lockstep, each tick as long as its costliest task, so a
+backward beside a forward makes the forward's stage wait. The schedules report it, and the plan's
+predicted step time, summary and view use it."""
+import numpy as np
+import optax
+import pytest
+
+import whalex as wh
+from planner.test_auto_parallel import lm
+from whalex.balance.partition import FORWARD_SHARE, lockstep_time as partition_lockstep
+from whalex.core.schedules import RECOMPUTE_COSTS, lockstep_time, make_schedule
+from whalex.view.timing import predict
+
+
+def _by_hand(sched, f, b) -> float:
+    f, b = np.broadcast_to(f, (sched.num_stages,)), np.broadcast_to(b, (sched.num_stages,))
+    return sum(max([0.0] + [f[s] if t.kind == "F" else b[s] for s, t in enumerate(row) if t is not None])
+               for row in sched.ticks)
+
+
+@pytest.mark.parametrize("S, M, one_f_one_b, gpipe", [(2, 8, 0.706, 0.889), (4, 8, 0.600, 0.727),
+                                                       (4, 16, 0.667, 0.842), (4, 32, 0.706, 0.914),
+                                                       (8, 16, 0.571, 0.696)])
+def test_lockstep_utilisation_with_a_backward_of_two_forwards(S, M, one_f_one_b, gpipe):
+    a, g = make_schedule("1f1b", S, M), make_schedule("gpipe", S, M)
+    assert a.utilisation(1, 2) == pytest.approx(one_f_one_b, abs=5e-4)
+    assert g.utilisation(1, 2) == pytest.approx(gpipe, abs=5e-4)
+    # GPipe's ticks never mix kinds, so its utilisation is 1 - bubble; 1F1B's mixes them and is lower
+    assert g.utilisation(1, 2) == pytest.approx(1 - g.bubble_fraction)
+    assert a.utilisation(1, 2) < 1 - a.bubble_fraction - 0.05
+    assert a.utilisation(1, 1) == pytest.approx(1 - a.bubble_fraction)    # equal costs: the bubble is all
+
+
+def test_lockstep_time_with_a_cost_per_stage():
+    rng = np.random.default_rng(0)
+    for name in ("1f1b", "gpipe"):
+        sched = make_schedule(name, 3, 5)
+        f, b = rng.uniform(0.5, 2, 3), rng.uniform(1, 4, 3)
+        assert sched.lockstep_time(f, b) == pytest.approx(_by_hand(sched, f, b))
+        assert lockstep_time(sched.tables()["kind"], f, b) == pytest.approx(_by_hand(sched, f, b))
+        # the heterogeneous stage cut prices a cut the same way (a backward recomputes its forward)
+        per = rng.uniform(1, 3, 3)
+        assert partition_lockstep(per, np.ones(3), sched.tables()["kind"]) == \
+            pytest.approx(sched.lockstep_time(per * FORWARD_SHARE, per))
+    with pytest.raises(ValueError, match="finite and non-negative"):
+        make_schedule("1f1b", 2, 2).lockstep_time(-1.0, 2.0)
+
+
+def test_a_pipeline_plans_step_time_is_its_lockstep_time():
+    loss_fn, params, batch = lm(4)
+    cluster = wh.Cluster.abstract(kinds=["V100-32GB"] * 2 + ["T4-16GB"] * 2)
+    plan = wh.plan(loss_fn, params, batch, optax.sgd(0.1), cluster=cluster,
+                   config=wh.Config(auto_parallel=True, num_task_graph=2, num_micro_batch=4, schedule="1f1b"))
+    s = plan.schedule
+    speeds = plan.cluster.compute_speeds(None)
+    per = [t.flops / (t.nested_dp * s.num_micro_batch * t.device_count) / min(speeds[d] for d in t.devices)
+           for t in plan.task_graphs]
+    want = _by_hand(s, [p / 3 for p in per], per)
+    assert RECOMPUTE_COSTS == (1.0, 3.0)
+    got = predict(plan)
+    assert got.step_time == pytest.approx(want, rel=1e-9)
+    # more than the bubble alone predicts: a tick with a backward beside a forward lasts the backward
+    assert got.step_time > sum(per) * s.num_micro_batch / len(per) / (1 - s.bubble_fraction) * 0.999
+    assert "lockstep" in got.basis
+    text = plan.summary()
+    assert f"lockstep utilisation {s.utilisation(*RECOMPUTE_COSTS):.1%}" in text
+
+
+@pytest.mark.parametrize("S, M", [(2, 8), (4, 8), (4, 16), (8, 16)])
+def test_balanced_1f1b_never_pairs_a_backward_with_a_forward(S, M):
+    b, a, g = (make_schedule(n, S, M) for n in ("1f1b-balanced", "1f1b", "gpipe"))
+    kinds = b.tables()["kind"]                         # the table the tick loop scans
+    assert all(len(set(row) - {0}) == 1 for row in kinds)
+    assert lockstep_time(kinds, 1, 2) == pytest.approx(g.lockstep_time(1, 2))     # GPipe's speed
+    assert b.utilisation(1, 2) > a.utilisation(1, 2) + 0.1
+    assert b.utilisation(1, 3) == pytest.approx(b.utilisation(1, 2))             # any backward cost
+    for s in range(S):
+        assert b.max_in_flight(s) <= 2 * (S - 1 - s) + 2 and b.max_in_flight(0) <= 2 * S - 1
+
+
+def test_a_balanced_pipeline_plan_runs_its_table_at_072_or_more():
+    loss_fn, params, batch = lm(4, batch=32)
+    plan = wh.plan(loss_fn, params, batch, optax.sgd(0.1), cluster=wh.Cluster.abstract(kinds=["H100-80GB"] * 8),
+                   config=wh.Config(auto_parallel=True, num_task_graph=4, num_micro_batch=8, schedule="1f1b-balanced"))
+    kinds = plan.program.schedule.tables()["kind"]
+    S, M = kinds.shape[1], plan.schedule.num_micro_batch
+    assert (S, M) == (4, 8)
+    assert M * S * 3 / (S * lockstep_time(kinds, 1, 2)) >= 0.72
