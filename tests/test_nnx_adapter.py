@@ -15,7 +15,7 @@ from flax import nnx
 
 import whalex as wh
 from conftest import adam, rel_err
-from whalex.core.capture import capture
+from whalex.jaxpr.capture import capture
 from whalex.nnx import NnxModel, is_key, is_module
 
 STEPS = 3

@@ -19,9 +19,9 @@ import numpy as np
 from whalex import _compat as C
 from whalex.balance.layers import cut_penalties, granularities, stage_names
 from whalex.balance.profile import FlopsCache, group_flops
-from whalex.core import schedules
-from whalex.core.module_paths import Unit
 from whalex.errors import PlanError
+from whalex.jaxpr.module_paths import Unit
+from whalex.records import schedules
 
 __all__ = ["AutoStages", "Layer", "auto_stages", "lockstep_time", "partition", "profile_layers",
            "refine_lockstep", "stage_devices"]

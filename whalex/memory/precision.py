@@ -29,9 +29,9 @@ from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from whalex import _compat as C
-from whalex.core import capture as capture_mod
-from whalex.core.batch_dependence import analyse as batch_dependence
-from whalex.core.segments import segments
+from whalex.jaxpr import capture as capture_mod
+from whalex.jaxpr.batch_dependence import analyse as batch_dependence
+from whalex.jaxpr.segments import segments
 
 HALF = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 MAX_SCALE = 2.0 ** 15

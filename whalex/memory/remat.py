@@ -31,11 +31,11 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, NamedSharding
 
 from whalex import _compat as C
-from whalex.core.blocks import block_evaluator
-from whalex.core.flops import training_flops
-from whalex.core.primitives import REDUCTIONS
-from whalex.core.segments import Segment, run_segments, segment_function, segments
 from whalex.errors import PlanError
+from whalex.jaxpr.blocks import block_evaluator
+from whalex.jaxpr.flops import training_flops
+from whalex.jaxpr.primitive_table import REDUCTIONS
+from whalex.jaxpr.segments import Segment, run_segments, segment_function, segments
 from whalex.memory import offload as offload_lib, plan_memory, precision as pr, vjp_residual_bytes as residual_bytes
 from whalex.memory.layers import find_layers
 from whalex.memory.precision import Precision, describe, local_captures
@@ -303,7 +303,7 @@ def saved_bytes(cap, plan: RematPlan | None) -> float:
 
 def step_flops(cap, plan: RematPlan | None) -> float:
     """Forward + backward FLOPs of the captured loss (global batch) under `plan`'s remat, the
-    recomputed forwards included (whalex.core.flops): what remat costs in step time, on any backend."""
+    recomputed forwards included (whalex.jaxpr.flops): what remat costs in step time, on any backend."""
     evaluate = program_evaluator(cap, {}, None, None, plan)[0]
     jaxpr = jax.make_jaxpr(lambda *args: evaluate(*args)[0])(*[v.aval for v in cap.jaxpr.jaxpr.invars])
     return training_flops(jaxpr, [k < cap.num_params for k in range(len(cap.jaxpr.jaxpr.invars))], [True])

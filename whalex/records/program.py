@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from jax.sharding import PartitionSpec as P
 
-from whalex.core.capture import Captured
-from whalex.core.part_loss import PartLoss
-from whalex.core.sharding_plan import ExpertCall
+from whalex.records.sharding_plan import ExpertCall
 from whalex.state import ParamView, TrainState
 
-if TYPE_CHECKING:                 # the records' types only: memory sits above core and imports it
+if TYPE_CHECKING:                 # types only: the record layer sits below the layers that make these
+    from whalex.jaxpr.capture import Captured
+    from whalex.loss.evaluation import PartLoss
     from whalex.memory.precision import Precision
     from whalex.memory.remat import RematPlan
 
@@ -174,5 +174,5 @@ def step_program(cls: type[_Program]) -> type[_Program]:
     fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
     missing = [m for m in MEMBERS if m not in fields and not hasattr(cls, m)]
     if missing:
-        raise TypeError(f"{cls.__name__} is declared a step program but lacks {missing} (whalex.core.program)")
+        raise TypeError(f"{cls.__name__} is declared a step program but lacks {missing} (whalex.records.program)")
     return cls
