@@ -26,8 +26,8 @@ LAYERS = (
     ("whalex.validate",),             # checks of the user's inputs (reads only whalex.errors)
     ("whalex.distributed",),          # joins the process group (reads whalex._compat lazily)
     ("whalex.primitives",),           # recording user intent
-    ("whalex.mesh", "whalex.records"),  # clusters, device specs, VirtualDevices, meshes | plain records the layers hand each other
-    ("whalex.jaxpr",),                # capture, the evaluator, segments, the primitive table, FLOPs, HLO, batch dependence
+    ("whalex.mesh", "whalex.records"),  # clusters, device specs, meshes | plain records the layers hand each other
+    ("whalex.jaxpr",),                # capture, the evaluator, segments, primitive table, FLOPs, HLO, batch dependence
     ("whalex.loss",),                 # the loss contract: its analysis, its evaluation in parts, random rows
     ("whalex.memory",),               # ZeRO, remat, precision, offload, the per-device accounting and fit
     ("whalex.balance", "whalex.moe", "whalex.ops"),  # decides loads | MoE layers, ops (call names are records)
