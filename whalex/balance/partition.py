@@ -1,7 +1,7 @@
 """Automatic pipeline partitioning (Whale's `auto_parallel` + `num_task_graph`, Example 3).
 
 The model is cut into units (`balance.layers`: module paths at increasing depths, then single
-equations); each unit's forward+backward FLOPs are counted from its equations (`core.flops`) and
+equations); each unit's forward+backward FLOPs are counted from its equations (`jaxpr.flops`) and
 its memory from its parameter, gradient and optimizer-state bytes plus
 the activations its stage stashes. Contiguous units are split into k stages minimising the slowest
 stage's time (FLOPs / device FLOP/s) with every stage under its device's memory; among the cuts
