@@ -260,7 +260,7 @@ def _forbidden(edges) -> list[str]:
 
 @pytest.mark.parametrize("importer, imported", [
     ("whalex.plan", "whalex.lowering.step"),
-    ("whalex.view.sections", "whalex.lowering.collectives"),
+    ("whalex.view.sections", "whalex.lowering.fused_collectives"),
 ])
 def test_plan_and_view_importing_lowering_is_found(importer, imported):
     """A Plan holds plain records and the view reads only the Plan: an import of lowering by either fails."""

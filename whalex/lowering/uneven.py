@@ -27,8 +27,8 @@ from whalex.errors import PlanError
 from whalex.jaxpr.capture import Captured
 from whalex.loss import evaluation as parts_lib
 from whalex.loss.evaluation import PartLoss
-from whalex.lowering.collectives import fused_psum
 from whalex.lowering.emit import Emitter
+from whalex.lowering.fused_collectives import fused_psum
 from whalex.memory import precision as precision_lib, zero as zero_lib
 from whalex.memory.precision import Precision
 from whalex.memory.remat import RematPlan, program_evaluator

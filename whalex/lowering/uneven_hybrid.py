@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from whalex.distributed import place_global
 from whalex.jaxpr.capture import Captured
 from whalex.jaxpr.interpret import make_evaluator, subgraph_function
-from whalex.lowering.collectives import fused_psum
+from whalex.lowering.fused_collectives import fused_psum
 from whalex.lowering.step import Program
 from whalex.lowering.stored_vjp import part_vjp
 from whalex.lowering.uneven import UnevenProgram

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from whalex.jaxpr.interpret import make_evaluator
 from whalex.loss import evaluation as parts_lib
-from whalex.lowering.collectives import fused_psum
+from whalex.lowering.fused_collectives import fused_psum
 from whalex.lowering.pipeline.axes import DATA, MODEL, STAGE
 from whalex.lowering.pipeline.branches import Stage, branches
 from whalex.lowering.pipeline.packing import join_segments, pack_values, unpack_values

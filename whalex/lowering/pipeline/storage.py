@@ -16,7 +16,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from whalex.lowering import stage_rows
-from whalex.lowering.collectives import fused_all_gather
+from whalex.lowering.fused_collectives import fused_all_gather
 from whalex.lowering.pipeline.axes import DATA, MODEL, STAGE
 from whalex.lowering.pipeline.rows import ParamRows
 
