@@ -10,13 +10,13 @@ from whalex.memory import fit
 from whalex.memory.accounting import DeviceMemory
 from whalex.memory.host_link import HostTraffic, host_traffic
 from whalex.memory.peak import Peak, compiled_peak
-from whalex.memory.precision import Precision
-from whalex.memory.remat import RematPlan, summary_lines
+from whalex.memory.remat import summary_lines
 from whalex.mesh.cluster import Cluster
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
 from whalex.primitives.config import Config
 from whalex.records.comm import Comm
-from whalex.records.program import MemoryOptions, StageBuffers, StepProgram, TracedStep
+from whalex.records.memory_options import MemoryOptions, Precision, RematPlan
+from whalex.records.program import StageBuffers, StepProgram, TracedStep
 from whalex.records.sharding_plan import Coverage, ExpertCall, PatternChoice
 from whalex.view import html as view_html, sections as view_sections, text as view_text
 

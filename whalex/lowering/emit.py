@@ -26,9 +26,8 @@ from whalex.lowering import stage_rows
 from whalex.lowering.caller_layout import CallerLayout
 from whalex.memory import offload, precision, zero
 from whalex.memory.opt_state_specs import opt_state_specs
-from whalex.memory.precision import Precision
-from whalex.memory.remat import RematPlan
-from whalex.records.program import MemoryOptions, StageBuffers, StateLayout, TracedStep
+from whalex.records.memory_options import MemoryOptions, Precision, RematPlan
+from whalex.records.program import StageBuffers, StateLayout, TracedStep
 from whalex.records.sharding_plan import ExpertCall
 from whalex.state import ParamView, TrainState
 

@@ -19,9 +19,10 @@ from whalex.lowering.emit import Emitter
 from whalex.lowering.groups import ShardGroups, grouped_evaluator, same_outputs
 from whalex.lowering.padding import EvenPadding
 from whalex.memory import precision as precision_lib
-from whalex.memory.precision import Precision, value_and_grad as scaled_value_and_grad
-from whalex.memory.remat import RematPlan, program_evaluator
-from whalex.records.program import MemoryOptions, step_program
+from whalex.memory.precision import value_and_grad as scaled_value_and_grad
+from whalex.memory.remat import program_evaluator
+from whalex.records.memory_options import MemoryOptions, Precision, RematPlan
+from whalex.records.program import step_program
 from whalex.records.sharding_plan import ExpertCall, ShardingPlan
 
 

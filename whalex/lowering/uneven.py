@@ -30,9 +30,9 @@ from whalex.loss.evaluation import PartLoss
 from whalex.lowering.emit import Emitter
 from whalex.lowering.fused_collectives import fused_psum
 from whalex.memory import precision as precision_lib, zero as zero_lib
-from whalex.memory.precision import Precision
-from whalex.memory.remat import RematPlan, program_evaluator
-from whalex.records.program import MemoryOptions, step_program
+from whalex.memory.remat import program_evaluator
+from whalex.records.memory_options import MemoryOptions, Precision, RematPlan
+from whalex.records.program import step_program
 
 DATA = "data"
 

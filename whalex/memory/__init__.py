@@ -18,7 +18,8 @@ from jax.extend.core import jaxpr_as_fun
 from whalex.memory import zero
 from whalex.memory.accounting import DeviceMemory, Share, sharded_bytes
 from whalex.memory.opt_state_specs import opt_state_specs
-from whalex.records.program import MemoryOptions, StateLayout
+from whalex.records.memory_options import MemoryOptions
+from whalex.records.program import StateLayout
 
 OFFLOADED = "offload to pinned_host"     # the `Share.by` of state kept in host memory between steps
 

@@ -1,5 +1,6 @@
 """Plain records the layers hand each other: the step program's contract and what it hands the
-layers below lowering (`program`: state layout, traced step, memory options), the sharding
+layers below lowering (`program`: state layout, traced step), the memory options it carries
+(`memory_options`: ZeRO and offload, precision, remat), the sharding
 patterns' decisions (`sharding_plan`), pipeline schedules (`schedules`), planned collectives and
 their cost (`comm`), and the names of the calls whalex recognises (`call_names`).
 

@@ -54,7 +54,7 @@ class PipelineBody:
     per_replica: int                # rows per replica
     zero_level: int
     row_specs: tuple[P, P]          # the stage rows' spec, and split over `data` (ZeRO 2 and 3)
-    precision: Any = None           # whalex.memory.precision.Precision
+    precision: Any = None           # whalex.records.memory_options.Precision
 
     @property
     def home(self) -> int:

@@ -33,8 +33,8 @@ from whalex.lowering.pipeline.storage import SpreadStorage
 from whalex.lowering.pipeline.ticks import TickLoop
 from whalex.memory import precision as precision_lib, zero as zero_lib
 from whalex.memory.opt_state_specs import opt_state_specs
-from whalex.memory.precision import Precision
-from whalex.records.program import MemoryOptions, StageBuffers, step_program
+from whalex.records.memory_options import MemoryOptions, Precision
+from whalex.records.program import StageBuffers, step_program
 from whalex.records.schedules import Schedule
 
 
