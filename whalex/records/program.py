@@ -28,6 +28,7 @@ if TYPE_CHECKING:                 # types only: the record layer sits below the 
     from whalex.jaxpr.capture import Captured
     from whalex.loss.evaluation import PartLoss
 
+
 @dataclasses.dataclass(frozen=True)
 class StateLayout:
     """The training state as a program stores it, as plain data: what `whalex.memory` accounts
