@@ -79,7 +79,7 @@ PAPER_REDUCTION = 89.7
 def grad_bytes_per_step(text: str, param_dims: set) -> dict:
     """Parameter-shaped collective results per step (a leading dimension of 1 dropped, dims sorted):
     count, bytes, and the part of them inside loops."""
-    from whalex.core.hlo import looped_collectives, nbytes
+    from whalex.jaxpr.hlo import looped_collectives, nbytes
 
     out = {"count": 0, "bytes": 0.0, "in_loops_bytes": 0.0}
     for c, trips in looped_collectives(text):
@@ -178,7 +178,7 @@ def mode_record(args, n, batch, loss_fn, params, batch_shapes, mode) -> dict:
     import optax
 
     import whalex as wh
-    from whalex.core.hlo import nbytes
+    from whalex.jaxpr.hlo import nbytes
 
     leaves = jax.tree.leaves(params)
     backbone_n = sum(int(np.prod(l.shape)) for l in jax.tree.leaves(params["Backbone_0"]))

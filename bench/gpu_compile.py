@@ -35,7 +35,7 @@ from jax.sharding import (
 import harness  # noqa: E402
 import whalex as wh  # noqa: E402
 from models import GPT  # noqa: E402
-from whalex.core import hlo  # noqa: E402
+from whalex.jaxpr import hlo  # noqa: E402
 
 SIZES = {
     "small": dict(vocab=512, d=128, heads=4, layers=4, seq=128, batch=4),

@@ -6,8 +6,8 @@ its other runs kept as variants).
 A bench is run as ``python bench/<name>.py``: Python puts the script's directory first on its module
 search path, so the benches read this module as ``import harness``, as they read bench/models.py. It
 stays out of the whalex package: results files, busy loops and bootstraps are the benches' business,
-not the library's. The HLO parser it builds on is the package's (``whalex.core.hlo``), which the
-tests read too, and the bytes a collective sends are priced by ``whalex.core.comm``, as the planner
+not the library's. The HLO parser it builds on is the package's (``whalex.jaxpr.hlo``), which the
+tests read too, and the bytes a collective sends are priced by ``whalex.records.comm``, as the planner
 prices them.
 
 This module imports neither JAX nor whalex (which imports JAX) at the top, but where a function first
@@ -201,11 +201,11 @@ def bootstrap_ratio(a, b, rng: np.random.Generator, n_boot: int = 2000) -> list[
 # ------------------------------------------------------------------------------- collectives in HLO
 
 def collectives(text: str, num_devices: int) -> list[dict]:
-    """Every collective of compiled HLO text (`whalex.core.hlo.collectives`) as a record: kind, async,
+    """Every collective of compiled HLO text (`whalex.jaxpr.hlo.collectives`) as a record: kind, async,
     result arrays, group size (`num_devices` when it spans all), bytes of the result, bytes each device
-    sends (`whalex.core.comm.result_ring_bytes`: ring algorithms), and the JAX operation it came from."""
-    from whalex.core import hlo
-    from whalex.core.comm import result_ring_bytes
+    sends (`whalex.records.comm.result_ring_bytes`: ring algorithms), and the JAX operation it came from."""
+    from whalex.jaxpr import hlo
+    from whalex.records.comm import result_ring_bytes
 
     out = []
     for c in hlo.collectives(text):
@@ -217,7 +217,7 @@ def collectives(text: str, num_devices: int) -> list[dict]:
 
 def by_kind(colls: list[dict]) -> dict:
     """{kind: {count, bytes, ring_bytes}} over the kinds present."""
-    from whalex.core import hlo
+    from whalex.jaxpr import hlo
 
     out = {}
     for c in colls:
@@ -230,8 +230,8 @@ def by_kind(colls: list[dict]) -> dict:
 
 def looped_ring_bytes(text: str, num_devices: int) -> dict:
     """Ring bytes each device sends per step: straight-line collectives, and those in loops times the
-    trip count (a conditional: its largest branch), from `whalex.core.hlo.step_collectives`."""
-    from whalex.core import hlo
+    trip count (a conditional: its largest branch), from `whalex.jaxpr.hlo.step_collectives`."""
+    from whalex.jaxpr import hlo
 
     found = hlo.step_collectives(text, num_devices)
     return {"straight_line": found.ring_bytes - found.looped_bytes, "in_loops": found.looped_bytes,

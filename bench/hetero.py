@@ -44,7 +44,7 @@ Definitions (s0, s1: calibrated speeds of the two processes, W: work of one glob
     Collectives: gloo runs the operands of an all-reduce one after the other, each at a fixed cost
     of a few ms when a busy loop shares the core. The even plan (GSPMD, like plain jax.jit)
     all-reduces every gradient leaf (two per Dense layer); the balanced program psums one fused
-    gradient buffer after its chunk loop (`whalex.core.collectives.fused_psum`). The table prints
+    gradient buffer after its chunk loop (`whalex.lowering.fused_collectives.fused_psum`). The table prints
     even/plain and balanced/plain so that this difference is visible next to the speedup.
 
 Whale's Example 2 (``--model hybrid``)

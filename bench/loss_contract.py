@@ -1,7 +1,7 @@
 """Cost of the loss contract's global pre-pass (8 simulated CPU devices).
 
 What it measures
-    Plans that evaluate the loss in parts keep its whole-batch meaning (whalex/core/parts.py):
+    Plans that evaluate the loss in parts keep its whole-batch meaning (whalex/loss/analysis.py):
     a batch-only normaliser such as the real-token count ``sum(w)`` is computed over the global
     batch in a pre-pass (one more loop over the parts, then a combine over devices) before the
     parts run. This bench prices that pre-pass on a small GPT-style language model written with
@@ -43,7 +43,7 @@ How
       plan's host-side batch layout and transfer, identical for a and b).
 
     On 2 shared cores the end-to-end a/b interval is several percent wide, wider than the 2%
-    target, so the pre-pass is also timed alone (``plan.prepass()``: ``whalex.core.part_loss.prepass``
+    target, so the pre-pass is also timed alone (``plan.prepass()``: ``whalex.loss.evaluation.prepass``
     with the plan's PartLoss, the program's own loop over parts and the same combine over devices,
     as its own jitted program), beside a null program on the same inputs (the cost of a call). The whole call is an
     upper bound of what the pre-pass adds to a step. The compiled HLO of every program is
@@ -77,7 +77,7 @@ import numpy as np
 import optax
 
 import whalex as wh
-from whalex.core import hlo
+from whalex.jaxpr import hlo
 
 N_DEV = 8
 TARGET = 0.02

@@ -5,7 +5,7 @@ Remat against the hand-written equivalents (first table; ``--remat-only`` runs i
     ``remat="full"`` and ``remat="dots_with_no_batch_dims_saveable"`` beside ``nn.remat(Block)`` with
     the same policy, and ``remat="auto"`` at half of the no-remat step (state + saved residuals):
     what ``jax.vjp`` keeps for the backward pass per device and the training FLOPs (recomputed
-    forwards included, ``whalex.core.flops``), each as a fraction of no remat. Both are read from
+    forwards included, ``whalex.jaxpr.flops``), each as a fraction of no remat. Both are read from
     the jaxpr, so they hold on every backend (XLA's CPU compiler drops remat's barriers: its
     compiled memory cannot show remat). Peak bytes in use and step time on a GPU: bench/gpu.py.
 
@@ -80,8 +80,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import whalex as wh
 from models import GPT
-from whalex.core.flops import training_flops
 from whalex.errors import PlanError
+from whalex.jaxpr.flops import training_flops
 from whalex.memory import vjp_residual_bytes
 
 N_DEV = 8

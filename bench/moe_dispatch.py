@@ -25,7 +25,7 @@ What it measures
 The numbers (per training step, per device: the SPMD program is per device)
     * collectives: every all-reduce / all-gather / reduce-scatter / all-to-all / collective-permute
       in the COMPILED HLO (``Compiled.as_text()``, after the SPMD partitioner), counted by kind;
-      parsed by ``whalex.core.hlo`` through ``bench/harness.py`` (async start/done counted once).
+      parsed by ``whalex.jaxpr.hlo`` through ``bench/harness.py`` (async start/done counted once).
     * HLO bytes: the sum of the collectives' RESULT shapes (product(shape) * itemsize), the
       headline number; ring bytes: a ring-algorithm estimate of the bytes each device sends.
     * step time: the median of ``--steps`` individually timed steps per variant, each ended with

@@ -57,7 +57,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import whalex as wh
 from models import MLP  # bench/models.py: a stock Flax MLP
-from whalex.core.hlo import KINDS
+from whalex.jaxpr.hlo import KINDS
 
 N_DEV = 8
 TARGET = 1.02

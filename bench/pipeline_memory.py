@@ -176,7 +176,7 @@ def old_peak(row: dict) -> int:
 def grads_waiting(sched) -> list[int]:
     """Per stage s < S-1, the most gradients that have arrived from stage s+1 but whose backward
     B(s, m) has not run yet, over all ticks: what the gradient stash really has to hold."""
-    from whalex.lowering.schedules import Task
+    from whalex.records.schedules import Task
     when = sched.when()
     out = []
     for s in range(sched.num_stages - 1):

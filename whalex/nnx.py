@@ -42,7 +42,7 @@ Facts measured on jax 0.10.2 / flax 0.12.8 (tests/api/test_nnx.py):
 - Dropout masks have the shape of the activations they are drawn for. Whole-batch (GSPMD)
   evaluation reproduces single-device dropout bit for bit (`jax_threefry_partitionable` is on by
   default, so a sharded draw equals the unsharded one); plans that evaluate the loss in parts
-  replace each draw by the part's rows of the whole-batch draw (whalex/core/parts.py), and the
+  replace each draw by the part's rows of the whole-batch draw (whalex/loss/analysis.py), and the
   `RngCount` update is computed once from the whole-batch head, so they match too.
 """
 from __future__ import annotations

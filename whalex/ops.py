@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from whalex.core.names import EXPERT_ACTIVATIONS, attention_call_name, mlp_call_name
+from whalex.records.call_names import EXPERT_ACTIVATIONS, attention_call_name, mlp_call_name
 
 HEAD_NAME = "whalex_softmax_cross_entropy_head"
 

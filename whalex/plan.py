@@ -4,20 +4,20 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from whalex.core.capture import Captured
-from whalex.core.comm import Comm
-from whalex.core.hlo import StepCollectives, step_collectives
-from whalex.core.program import MemoryOptions, StageBuffers, StepProgram, TracedStep
-from whalex.core.sharding_plan import Coverage, ExpertCall, PatternChoice
+from whalex.jaxpr.capture import Captured
+from whalex.jaxpr.hlo import StepCollectives, step_collectives
 from whalex.memory import fit
 from whalex.memory.accounting import DeviceMemory
 from whalex.memory.host_link import HostTraffic, host_traffic
 from whalex.memory.peak import Peak, compiled_peak
-from whalex.memory.precision import Precision
-from whalex.memory.remat import RematPlan, summary_lines
+from whalex.memory.remat import summary_lines
 from whalex.mesh.cluster import Cluster
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
 from whalex.primitives.config import Config
+from whalex.records.comm import Comm
+from whalex.records.memory_options import MemoryOptions, Precision, RematPlan
+from whalex.records.program import StageBuffers, StepProgram, TracedStep
+from whalex.records.sharding_plan import Coverage, ExpertCall, PatternChoice
 from whalex.view import html as view_html, sections as view_sections, text as view_text
 
 
@@ -46,7 +46,7 @@ class TaskGraphInfo:
 class Plan:
     """The parallel plan: TaskGraphs, VirtualDevices, per-device batch sizes, shardings, memory.
 
-    It carries the step program the planner built (`program`, a `whalex.core.program.StepProgram`);
+    It carries the step program the planner built (`program`, a `whalex.records.program.StepProgram`);
     the api, checkpoints, the view and the benches use the methods below, never the program itself."""
 
     cluster: Cluster

@@ -136,8 +136,8 @@ def test_memory_model_predicts_xla_memory_analysis():
     """The per-device activation model (a line through XLA's temp bytes at 16 and 64 rows)
     predicts the compiled temp memory at another batch size."""
     from whalex.balance.cost import activation_model, temp_bytes
-    from whalex.core.capture import capture
-    from whalex.core.interpret import make_evaluator
+    from whalex.jaxpr.capture import capture
+    from whalex.jaxpr.interpret import make_evaluator
     from whalex.planner.common import micro_batch
     loss_fn, params, batch = plain_model("dp", "ctx")
 

@@ -1,4 +1,4 @@
-"""whalex/core/batch_dependence.py: the one batch-dependence analysis that the
+"""whalex/jaxpr/batch_dependence.py: the one batch-dependence analysis that the
 loss contract, the uneven hybrid and comm_dtype read. It looks into calls: a coupling inside a
 jitted function is found like one at the top level."""
 import jax
@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import whalex as wh
-from whalex.core.batch_dependence import analyse, traces_alike
+from whalex.jaxpr.batch_dependence import analyse, traces_alike
 
 
 def _jaxprs(f, *shapes_at):

@@ -1,14 +1,14 @@
-"""Repeated blocks (whalex.core.blocks): identical segments share one jitted function, evaluated exactly."""
+"""Repeated blocks (whalex.jaxpr.blocks): identical segments share one jitted function, evaluated exactly."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import whalex as wh
-from whalex.core.blocks import block_evaluator, shared_blocks
-from whalex.core.capture import capture
-from whalex.core.interpret import make_evaluator
-from whalex.core.segments import segments
+from whalex.jaxpr.blocks import block_evaluator, shared_blocks
+from whalex.jaxpr.capture import capture
+from whalex.jaxpr.interpret import make_evaluator
+from whalex.jaxpr.segments import segments
 
 
 def _loss(params, batch):

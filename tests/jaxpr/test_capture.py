@@ -5,7 +5,7 @@ import optax
 
 import whalex as wh
 from support.models import flax_model, plain_model
-from whalex.core.capture import capture, scope_of
+from whalex.jaxpr.capture import capture, scope_of
 
 
 def test_taskgraphs_from_scopes_and_default_runs():

@@ -1,4 +1,4 @@
-"""Training FLOPs counted from the jaxpr (whalex.core.flops), checked against XLA
+"""Training FLOPs counted from the jaxpr (whalex.jaxpr.flops), checked against XLA
 CPU's cost analysis of the same forward + vjp, and counted without lowering anything."""
 import flax.linen as nn
 import jax
@@ -10,8 +10,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from whalex.balance.profile import group_flops, taskgraph_flops
-from whalex.core.capture import capture
-from whalex.core.flops import equation_flops, training_flops
+from whalex.jaxpr.capture import capture
+from whalex.jaxpr.flops import equation_flops, training_flops
 
 VOCAB, WIDTH, HEADS, LENGTH, BLOCKS, BATCH = 256, 128, 4, 32, 2, 4
 

@@ -1,4 +1,4 @@
-"""Reading compiled HLO text (whalex.core.hlo, as XLA prints it): each collective with its group, an
+"""Reading compiled HLO text (whalex.jaxpr.hlo, as XLA prints it): each collective with its group, an
 async start/done pair as one collective, collectives in a loop counted once per trip, a conditional's
 branches, and the compute between an async start and its done."""
 import pytest
@@ -32,8 +32,8 @@ ENTRY %main.9 (p: f32[8,16]) -> f32[64,16] {
 
 
 def test_the_parser_reads_groups_async_pairs_and_loops():
-    """whalex.core.hlo on text in the forms XLA prints (CPU compiles no async collectives: this covers them)."""
-    from whalex.core import hlo
+    """whalex.jaxpr.hlo on text in the forms XLA prints (CPU compiles no async collectives: this covers them)."""
+    from whalex.jaxpr import hlo
 
     found = hlo.collectives(_TEXT)
     assert [(c.kind, c.is_async, c.group) for c in found] == [
@@ -84,7 +84,7 @@ ENTRY %main (p: f32[64]) -> f32[64] {
 
 def test_looped_collectives_count_trips_and_every_branch_or_the_largest():
     """A pipeline tick's switch: every branch counts, or (the most one step runs) only the heaviest."""
-    from whalex.core import hlo
+    from whalex.jaxpr import hlo
 
     every = [(c.bytes, trips) for c, trips in hlo.looped_collectives(_BRANCHED)]
     assert sorted(every) == [(32, 3), (256, 1), (256, 3)]
@@ -103,7 +103,7 @@ _PREDICATED = _BRANCHED.replace(
 def test_a_predicated_conditional_is_two_branches_and_a_tick_weighs_them_by_the_schedule():
     """XLA:GPU prints a two-way cond as true/false computations: branches, not two calls. A pipeline's
     tick runs its forward arm (false) on some trips and its backward arm (true) on others."""
-    from whalex.core import hlo
+    from whalex.jaxpr import hlo
 
     largest = hlo.looped_collectives(_PREDICATED, largest_branch=lambda c: c.bytes)
     assert sorted((c.bytes, t) for c, t in largest) == [(256, 1), (256, 3)]
@@ -131,7 +131,7 @@ ENTRY %main (p: f32[64]) -> f32[64] {
 
 
 def test_async_overlaps_count_the_compute_between_start_and_done():
-    from whalex.core import hlo
+    from whalex.jaxpr import hlo
 
     found = hlo.async_overlaps(_SCHEDULED)
     assert [(o.kind, o.overlapped_ops, o.overlapped_matmuls) for o in found] == [("all-reduce", 2, 1),

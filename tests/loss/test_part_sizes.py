@@ -12,9 +12,9 @@ import pytest
 
 import whalex as wh
 from conftest import HETERO, adam, assert_matches
-from whalex.core.align import align, difference
-from whalex.core.batch_dependence import traces_alike
-from whalex.core.capture import capture
+from whalex.jaxpr.batch_dependence import traces_alike
+from whalex.jaxpr.capture import capture
+from whalex.loss.align import align, difference
 
 S, D, V, B = 8, 16, 32, 16
 

@@ -11,7 +11,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from whalex import _compat
-from whalex.core.random_rows import UnsupportedKeyError, bits_rows, flat_index_2x32, row_bits_override, threefry_words
+from whalex.loss.random_rows import UnsupportedKeyError, bits_rows, flat_index_2x32, row_bits_override, threefry_words
 
 SHAPES = [(13,), (13, 3, 7), (9, 1, 5)]
 PARTS = [(0, 5), (4, 5), (8, 5), (0, 9), (8, 1), (3, 0)]
@@ -185,7 +185,7 @@ def test_wide_path_matches_narrow_path():
 
 
 def test_mul_const_against_numpy():
-    from whalex.core.random_rows import _mul_const
+    from whalex.loss.random_rows import _mul_const
     rng = np.random.default_rng(0)
     a = rng.integers(0, 1 << 32, 1000, dtype=np.uint64).astype(np.uint32)
     a[:3] = [0, 1, (1 << 32) - 1]

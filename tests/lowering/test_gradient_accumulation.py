@@ -17,7 +17,7 @@ import pytest
 
 import whalex as wh
 from conftest import adam, assert_matches, reference_train, rel_err, whalex_train
-from whalex.core import hlo
+from whalex.jaxpr import hlo
 
 B, T, F, H1, H2, C = 128, 3, 12, 20, 24, 40     # 3-d activations: no activation looks like a parameter
 none = contextlib.nullcontext

@@ -15,7 +15,7 @@ import whalex as wh
 from conftest import adam, assert_matches
 from lowering.test_pipeline_3d import SplitMlp
 from lowering.test_pipeline_optim import _attention, _ln, _mlp, lm_batch, lm_params
-from whalex.core.schedules import FWD, Schedule, Task, interleaved_order, lockstep_time, make_schedule, stage_order
+from whalex.records.schedules import FWD, Schedule, Task, interleaved_order, lockstep_time, make_schedule, stage_order
 
 
 @pytest.mark.parametrize("S, M, V", [(2, 4, 2), (2, 3, 2), (3, 5, 2), (4, 8, 2), (4, 16, 2), (4, 8, 3), (2, 8, 4)])

@@ -8,7 +8,7 @@ import pytest
 import whalex as wh
 from planner.test_auto_parallel import lm
 from whalex.balance.partition import FORWARD_SHARE, lockstep_time as partition_lockstep
-from whalex.core.schedules import RECOMPUTE_COSTS, lockstep_time, make_schedule
+from whalex.records.schedules import RECOMPUTE_COSTS, lockstep_time, make_schedule
 from whalex.view.timing import predict
 
 

@@ -2,7 +2,7 @@
 import pytest
 
 import whalex as wh
-from whalex.core.schedules import Schedule, Task, make_schedule, render, stage_order
+from whalex.records.schedules import Schedule, Task, make_schedule, render, stage_order
 
 
 @pytest.mark.parametrize("name", ["1f1b", "gpipe"])

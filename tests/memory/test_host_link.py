@@ -5,8 +5,9 @@ import pytest
 
 import whalex as wh
 from architectures.test_stock_gpt import loss_fn, problem
-from whalex.memory.remat import RematPlan, saved_bytes
+from whalex.memory.remat import saved_bytes
 from whalex.mesh.specs import PCIE5, lookup
+from whalex.records.memory_options import RematPlan
 
 
 def _plan(offload, cluster=None):

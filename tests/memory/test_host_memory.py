@@ -8,9 +8,9 @@ import pytest
 
 import whalex as wh
 from whalex.balance.profile import taskgraph_flops
-from whalex.core.capture import taskgraph_eqns
-from whalex.core.interpret import subgraph_functions, subgraph_key
 from whalex.errors import ClusterError
+from whalex.jaxpr.capture import taskgraph_eqns
+from whalex.jaxpr.interpret import subgraph_functions, subgraph_key
 
 GiB = 2**30
 N = 8

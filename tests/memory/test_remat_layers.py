@@ -9,8 +9,8 @@ import pytest
 import whalex as wh
 from architectures.test_stock_gpt import LAYERS, SEQ, VOCAB, Block, D, loss_fn, problem
 from conftest import adam, assert_matches
-from whalex.core.capture import capture
-from whalex.core.flops import training_flops
+from whalex.jaxpr.capture import capture
+from whalex.jaxpr.flops import training_flops
 from whalex.memory import vjp_residual_bytes
 from whalex.memory.layers import find_layers
 

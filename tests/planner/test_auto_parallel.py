@@ -12,8 +12,8 @@ import whalex as wh
 from conftest import adam, assert_matches, reference_train, rel_err, whalex_train
 from whalex.balance.layers import granularities
 from whalex.balance.partition import lockstep_time, partition
-from whalex.core.capture import capture
-from whalex.core.schedules import make_schedule
+from whalex.jaxpr.capture import capture
+from whalex.records.schedules import make_schedule
 
 VOCAB, WIDTH, LENGTH = 32, 16, 8
 BIAS = nn.initializers.normal(0.5)      # a zero bias (the keys': zero gradient) would measure float noise

@@ -11,7 +11,7 @@ from flax import nnx
 
 import whalex as wh
 from conftest import assert_matches
-from whalex.core.capture import capture
+from whalex.jaxpr.capture import capture
 from whalex.nnx import NnxModel
 
 

@@ -5,7 +5,7 @@ the tests fail on a cycle between modules, a cycle between packages, an import t
 layering below, and an import statement inside a function (a cycle dodged at run time), except
 the few allowed by name here, with their reason.
 
-A step program (`whalex.core.program.StepProgram`) can travel up and down untyped, where the import
+A step program (`whalex.records.program.StepProgram`) can travel up and down untyped, where the import
 graph does not see it, so its uses are checked too (`test_no_layer_below_lowering_takes_a_program`
 and the tests after it): memory and balance take plain records, programs are read through the Plan,
 and no code probes a program for what it has.
@@ -26,10 +26,11 @@ LAYERS = (
     ("whalex.validate",),             # checks of the user's inputs (reads only whalex.errors)
     ("whalex.distributed",),          # joins the process group (reads whalex._compat lazily)
     ("whalex.primitives",),           # recording user intent
-    ("whalex.mesh",),                 # clusters, device specs, VirtualDevices, meshes
-    ("whalex.core",),                 # capture, the jaxpr evaluator, the loss contract: read by all above
+    ("whalex.mesh", "whalex.records"),  # clusters, device specs, meshes | plain records the layers hand each other
+    ("whalex.jaxpr",),                # capture, the evaluator, segments, primitive table, FLOPs, HLO, batch dependence
+    ("whalex.loss",),                 # the loss contract: its analysis, its evaluation in parts, random rows
     ("whalex.memory",),               # ZeRO, remat, precision, offload, the per-device accounting and fit
-    ("whalex.balance", "whalex.moe", "whalex.ops"),  # decides loads | MoE layers, ops (call names live in core)
+    ("whalex.balance", "whalex.moe", "whalex.ops"),  # decides loads | MoE layers, ops (call names are records)
     ("whalex.lowering",),             # carries out a plan, decides nothing about balance
     ("whalex.view",),                 # the Plan's text, HTML, pictures, timing: functions of a Plan given to them
     ("whalex.plan",),                 # the Plan (data) and its views
@@ -45,9 +46,9 @@ FORBIDDEN = {
     ("whalex.lowering", "whalex.balance"):
         "lowering carries out a plan and decides nothing about balance; the planner hands balance's decisions down",
     ("whalex.lowering", "whalex.moe"):
-        "the MoE call names the sharding patterns recognise live in whalex.core.names",
+        "the MoE call names the sharding patterns recognise live in whalex.records.call_names",
     ("whalex.plan", "whalex.lowering"):
-        "a Plan holds plain records (whalex.core.sharding_plan, whalex.core.schedules), never lowering's types",
+        "a Plan holds plain records (whalex.records.sharding_plan, whalex.records.schedules), never lowering's types",
     ("whalex.view", "whalex.lowering"):
         "the view reads only the Plan and the plain records it holds",
 }
@@ -259,7 +260,7 @@ def _forbidden(edges) -> list[str]:
 
 @pytest.mark.parametrize("importer, imported", [
     ("whalex.plan", "whalex.lowering.step"),
-    ("whalex.view.sections", "whalex.lowering.schedules"),
+    ("whalex.view.sections", "whalex.lowering.fused_collectives"),
 ])
 def test_plan_and_view_importing_lowering_is_found(importer, imported):
     """A Plan holds plain records and the view reads only the Plan: an import of lowering by either fails."""
@@ -282,6 +283,22 @@ def test_memory_importing_balance_or_the_planner_is_found(importer, imported):
     assert any(line.startswith(f"whalex.memory -> {_unit(imported)}:") for line in _upward(edges))
 
 
+@pytest.mark.parametrize("importer, imported", [
+    ("whalex.records.program", "whalex.jaxpr.capture"),
+    ("whalex.records.schedules", "whalex.memory.remat"),
+])
+def test_records_importing_a_higher_layer_is_found(importer, imported):
+    """The record layer is plain data the layers hand each other: it sits below the jaxpr layer, the loss
+    contract and everything that makes or reads its records, and an import of any of them is found."""
+    rank = _rank()
+    assert rank["whalex.records"] < min(rank[u] for u in ("whalex.jaxpr", "whalex.loss", "whalex.memory",
+                                                          "whalex.lowering", "whalex.plan"))
+    assert rank["whalex.jaxpr"] < rank["whalex.loss"] < rank["whalex.memory"]
+    _, edges, _, _ = _graph()
+    edges = {**edges, importer: {**edges[importer], imported: ("whalex/x.py", 1)}}
+    assert any(line.startswith(f"whalex.records -> {_unit(imported)}:") for line in _upward(edges))
+
+
 def test_no_import_inside_a_function():
     _, _, _, inside = _graph()
     assert not inside, ("imports inside functions (move them to the top; a cycle means something is in the "
@@ -291,9 +308,9 @@ def test_no_import_inside_a_function():
 @pytest.mark.parametrize("source, expected", [
     ("from whalex import _compat as C", ["whalex._compat"]),
     ("from whalex.memory import MemoryOptions, zero", ["whalex.memory", "whalex.memory.zero"]),
-    ("import whalex.core.capture", ["whalex.core.capture"]),
+    ("import whalex.jaxpr.capture", ["whalex.jaxpr.capture"]),
     ("from . import zero", ["whalex.memory.zero"]),
-    ("from ..core import capture", ["whalex.core.capture"]),
+    ("from ..jaxpr import capture", ["whalex.jaxpr.capture"]),
     ("import numpy as np", []),
 ])
 def test_resolution(source, expected):
@@ -319,8 +336,8 @@ TAKES_A_PROGRAM: dict = {}
 
 
 def _contract() -> tuple[set[str], set[str]]:
-    """(methods, properties) of `StepProgram`, read from whalex/core/program.py's AST."""
-    tree = ast.parse((ROOT / "core" / "program.py").read_text())
+    """(methods, properties) of `StepProgram`, read from whalex/records/program.py's AST."""
+    tree = ast.parse((ROOT / "records" / "program.py").read_text())
     [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "StepProgram"]
     methods, props = set(), set()
     for f in cls.body:

@@ -1,7 +1,7 @@
-"""Reading collectives out of compiled HLO text: the parser is whalex.core.hlo (bench/ reads it too);
+"""Reading collectives out of compiled HLO text: the parser is whalex.jaxpr.hlo (bench/ reads it too);
 the tests read each collective as (op, [(dtype, shape), ...])."""
-from whalex.core import hlo
-from whalex.core.hlo import shapes_of  # noqa: F401  (the tests import it from here)
+from whalex.jaxpr import hlo
+from whalex.jaxpr.hlo import shapes_of  # noqa: F401  (the tests import it from here)
 
 
 def collectives(hlo_text: str):

@@ -13,7 +13,7 @@ import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 import whalex as wh
-from whalex.core.schedules import make_schedule, render
+from whalex.records.schedules import make_schedule, render
 from whalex.view import StepTiming, plot as plot_view, text as view_text
 from whalex.view.sections import Line, Pre, Table
 

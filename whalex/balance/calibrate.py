@@ -39,7 +39,7 @@ from jax.experimental import multihost_utils
 
 from whalex import _compat as C
 from whalex.balance.algorithm import proportional
-from whalex.core.flops import training_flops
+from whalex.jaxpr.flops import training_flops
 from whalex.mesh.cluster import Cluster
 
 IQR_TO_STD = 1.349           # the interquartile range of a normal sample, in units of its sigma

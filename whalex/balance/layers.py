@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from whalex import _compat as C
-from whalex.core.module_paths import BASE_DEPTH, Unit, name_parts, split_layers
+from whalex.jaxpr.module_paths import BASE_DEPTH, Unit, name_parts, split_layers
 
 
 @dataclasses.dataclass(frozen=True)

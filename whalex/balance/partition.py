@@ -1,7 +1,7 @@
 """Automatic pipeline partitioning (Whale's `auto_parallel` + `num_task_graph`, Example 3).
 
 The model is cut into units (`balance.layers`: module paths at increasing depths, then single
-equations); each unit's forward+backward FLOPs are counted from its equations (`core.flops`) and
+equations); each unit's forward+backward FLOPs are counted from its equations (`jaxpr.flops`) and
 its memory from its parameter, gradient and optimizer-state bytes plus
 the activations its stage stashes. Contiguous units are split into k stages minimising the slowest
 stage's time (FLOPs / device FLOP/s) with every stage under its device's memory; among the cuts
@@ -19,9 +19,9 @@ import numpy as np
 from whalex import _compat as C
 from whalex.balance.layers import cut_penalties, granularities, stage_names
 from whalex.balance.profile import FlopsCache, group_flops
-from whalex.core import schedules
-from whalex.core.module_paths import Unit
 from whalex.errors import PlanError
+from whalex.jaxpr.module_paths import Unit
+from whalex.records import schedules
 
 __all__ = ["AutoStages", "Layer", "auto_stages", "lockstep_time", "partition", "profile_layers",
            "refine_lockstep", "stage_devices"]

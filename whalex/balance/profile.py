@@ -1,6 +1,6 @@
 """Profiling: FLOPs per TaskGraph counted from the jaxpr.
 
-FLOPs are counted, not measured (`whalex.core.flops`): XLA's cost analysis has no FLOPs on a GPU,
+FLOPs are counted, not measured (`whalex.jaxpr.flops`): XLA's cost analysis has no FLOPs on a GPU,
 and lowering each TaskGraph only to ask is slow. The trained parameters are differentiated, the
 loss (a captured jaxpr's first output) is seeded.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 from whalex import _compat as C
-from whalex.core.capture import taskgraph_eqns
-from whalex.core.flops import equation_flops
+from whalex.jaxpr.capture import taskgraph_eqns
+from whalex.jaxpr.flops import equation_flops
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from whalex.core.shardings import param_tree_test
 from whalex.errors import PlanError
 from whalex.memory import offload
+from whalex.memory.opt_state_specs import param_tree_test
 from whalex.state import ParamView, TrainState
 
 if TYPE_CHECKING:

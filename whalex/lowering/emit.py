@@ -3,7 +3,7 @@ shardings, abstract arguments for lowering without devices, and placement of the
 
 A program (collocated GSPMD, pipeline, uneven data parallel, uneven hybrid) provides its storage
 shapes and shardings, `value_and_grad()` and `prepare_params()`; `Emitter` turns that into one
-jitted step, and gives every program the rest of the `whalex.core.program.StepProgram` contract
+jitted step, and gives every program the rest of the `whalex.records.program.StepProgram` contract
 (the state, the records for memory; the caller's layout from `caller_layout.CallerLayout`) with
 defaults a program may override.
 """
@@ -18,18 +18,17 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from whalex.core.capture import Captured
-from whalex.core.part_loss import PartLoss
-from whalex.core.program import MemoryOptions, StageBuffers, StateLayout, TracedStep
-from whalex.core.sharding_plan import ExpertCall
-from whalex.core.shardings import opt_state_specs
 from whalex.distributed import place_global
 from whalex.errors import PlanError
+from whalex.jaxpr.capture import Captured
+from whalex.loss.evaluation import PartLoss
 from whalex.lowering import stage_rows
 from whalex.lowering.caller_layout import CallerLayout
 from whalex.memory import offload, precision, zero
-from whalex.memory.precision import Precision
-from whalex.memory.remat import RematPlan
+from whalex.memory.opt_state_specs import opt_state_specs
+from whalex.records.memory_options import MemoryOptions, Precision, RematPlan
+from whalex.records.program import StageBuffers, StateLayout, TracedStep
+from whalex.records.sharding_plan import ExpertCall
 from whalex.state import ParamView, TrainState
 
 
@@ -85,7 +84,7 @@ def make_train_step(value_and_grad: Callable, optimizer, has_aux: bool, shard_up
 
 
 class Emitter(CallerLayout):
-    """The base of every step program (`whalex.core.program.StepProgram`). A program class (a frozen
+    """The base of every step program (`whalex.records.program.StepProgram`). A program class (a frozen
     dataclass) declares the records below as its fields, and provides `param_shapes()`,
     `param_spec_list()`, `param_shardings`, `batch_shapes()`, `batch_shardings`, `value_and_grad()`
     and `has_aux`; the rest of the contract is here, with defaults it may override."""

@@ -15,8 +15,9 @@ from collections.abc import Callable
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from whalex.core.segments import Segment, run_segments, segment_function, segments
-from whalex.memory.remat import RematPlan, comm_overrides, remat_segment, with_offload
+from whalex.jaxpr.segments import Segment, run_segments, segment_function, segments
+from whalex.memory.remat import comm_overrides, remat_segment, with_offload
+from whalex.records.memory_options import RematPlan
 
 SHARDS = "whalex_model_shards"      # the vmap axis of the model shards
 

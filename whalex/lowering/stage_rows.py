@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from whalex.core.collectives import fused_all_gather, fused_psum
+from whalex.lowering.fused_collectives import fused_all_gather, fused_psum
 
 
 def pad_to(x, n: int):

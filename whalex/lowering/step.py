@@ -12,17 +12,18 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from whalex.core import part_loss as parts_lib
-from whalex.core.capture import Captured
-from whalex.core.part_loss import PartLoss
-from whalex.core.program import MemoryOptions, step_program
-from whalex.core.sharding_plan import ExpertCall, ShardingPlan
+from whalex.jaxpr.capture import Captured
+from whalex.loss import evaluation as parts_lib
+from whalex.loss.evaluation import PartLoss
 from whalex.lowering.emit import Emitter
 from whalex.lowering.groups import ShardGroups, grouped_evaluator, same_outputs
 from whalex.lowering.padding import EvenPadding
 from whalex.memory import precision as precision_lib
-from whalex.memory.precision import Precision, value_and_grad as scaled_value_and_grad
-from whalex.memory.remat import RematPlan, program_evaluator
+from whalex.memory.precision import value_and_grad as scaled_value_and_grad
+from whalex.memory.remat import program_evaluator
+from whalex.records.memory_options import MemoryOptions, Precision, RematPlan
+from whalex.records.program import step_program
+from whalex.records.sharding_plan import ExpertCall, ShardingPlan
 
 
 @step_program
@@ -242,7 +243,7 @@ class Program(Emitter):
 
     def parts_driver(self, leaves):
         """For the global batch `leaves`: (loop, across, map_parts) over the micro-batches, as
-        `whalex.core.part_loss.value_and_grad` takes them. loop(fn, init) scans acc = fn(part, where, acc)
+        `whalex.loss.evaluation.value_and_grad` takes them. loop(fn, init) scans acc = fn(part, where, acc)
         over them; map_parts(g, kinds) evaluates g on every micro-batch at once (vmap), or is None.
 
         One row grouping for every leaf (so x_i stays with y_i): micro-batch k takes the k-th chunk of

@@ -8,7 +8,7 @@ number of full `chunk`-row chunks, then at most one chunk of each smaller size `
 ..., grain` (the binary digits of its remainder, each under a `lax.cond`): the work stays
 proportional to the rows and padding is never read. The trip counts and conditions differ between
 devices, so no collective runs inside them; sample-weighted loss and gradients are accumulated and
-one `psum` after them gives exactly the global-batch values (`whalex.core.part_loss`).
+one `psum` after them gives exactly the global-batch values (`whalex.loss.evaluation`).
 """
 from __future__ import annotations
 
@@ -22,17 +22,17 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from whalex.core import part_loss as parts_lib
-from whalex.core.capture import Captured
-from whalex.core.collectives import fused_psum
-from whalex.core.part_loss import PartLoss
-from whalex.core.program import MemoryOptions, step_program
 from whalex.distributed import place_global
 from whalex.errors import PlanError
+from whalex.jaxpr.capture import Captured
+from whalex.loss import evaluation as parts_lib
+from whalex.loss.evaluation import PartLoss
 from whalex.lowering.emit import Emitter
+from whalex.lowering.fused_collectives import fused_psum
 from whalex.memory import precision as precision_lib, zero as zero_lib
-from whalex.memory.precision import Precision
-from whalex.memory.remat import RematPlan, program_evaluator
+from whalex.memory.remat import program_evaluator
+from whalex.records.memory_options import MemoryOptions, Precision, RematPlan
+from whalex.records.program import step_program
 
 DATA = "data"
 
@@ -156,7 +156,7 @@ class UnevenProgram(Emitter):
     def parts_driver(self, leaves, axis=DATA):
         """Inside shard_map over `axis` (a mesh axis or a tuple of them: the device order of `rows`),
         for this device's block `leaves`: (loop, map_parts) as
-        `whalex.core.part_loss.value_and_grad` takes them. loop(fn, init) runs acc = fn(part, where, acc)
+        `whalex.loss.evaluation.value_and_grad` takes them. loop(fn, init) runs acc = fn(part, where, acc)
         over the device's parts (full chunks in a fori_loop, then the remainder chunks under lax.cond);
         map_parts(g, kinds) evaluates g on every part slot at once, identity where a slot is not real."""
         chunk, sizes = self.chunk, self.sizes

@@ -30,14 +30,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from whalex.core.capture import Captured
-from whalex.core.collectives import fused_psum
-from whalex.core.interpret import make_evaluator, subgraph_function
-from whalex.core.program import step_program
 from whalex.distributed import place_global
+from whalex.jaxpr.capture import Captured
+from whalex.jaxpr.interpret import make_evaluator, subgraph_function
+from whalex.lowering.fused_collectives import fused_psum
 from whalex.lowering.step import Program
 from whalex.lowering.stored_vjp import part_vjp
 from whalex.lowering.uneven import UnevenProgram
+from whalex.records.program import step_program
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from whalex.core.flops import equation_flops
+from whalex.jaxpr.flops import equation_flops
 from whalex.ops import ACTIVATIONS, attention_mix, attention_out, attention_project, attention_scores
 
 NEG = -1e30

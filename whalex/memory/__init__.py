@@ -1,7 +1,7 @@
 """Memory optimizations of the training state and their accounting: ZeRO, remat, precision, host
 offload, and the predicted per-device peak.
 
-`MemoryOptions` (a plain record, defined in `whalex.core.program`) is what a program needs from
+`MemoryOptions` (a plain record, defined in `whalex.records.program`) is what a program needs from
 `wh.Config` to lay out and update its state; `plan_memory` turns a program's `StateLayout` (its
 stored shapes, specs and options, never the program) into per-device bytes with each
 optimization's share.
@@ -15,10 +15,11 @@ import jax
 import numpy as np
 from jax.extend.core import jaxpr_as_fun
 
-from whalex.core.program import MemoryOptions, StateLayout
-from whalex.core.shardings import opt_state_specs
 from whalex.memory import zero
 from whalex.memory.accounting import DeviceMemory, Share, sharded_bytes
+from whalex.memory.opt_state_specs import opt_state_specs
+from whalex.records.memory_options import MemoryOptions
+from whalex.records.program import StateLayout
 
 OFFLOADED = "offload to pinned_host"     # the `Share.by` of state kept in host memory between steps
 

@@ -28,12 +28,12 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from whalex.core.capture import Captured, taskgraph_eqns
-from whalex.core.interpret import subgraph_functions, subgraph_key
-from whalex.core.program import StateLayout
-from whalex.core.sharding_plan import ExpertCall
-from whalex.core.shardings import opt_state_specs
+from whalex.jaxpr.capture import Captured, taskgraph_eqns
+from whalex.jaxpr.interpret import subgraph_functions, subgraph_key
 from whalex.memory.accounting import sharded_bytes, spec_shards
+from whalex.memory.opt_state_specs import opt_state_specs
+from whalex.records.program import StateLayout
+from whalex.records.sharding_plan import ExpertCall
 
 
 @dataclasses.dataclass(frozen=True)

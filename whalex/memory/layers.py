@@ -7,7 +7,7 @@ the most equations there, or the shallowest depth that covers within `COVERAGE` 
 block's sub-layers repeat as much as the blocks do: the blocks are the layers); depth 2 (the top
 module's children) stands when nothing repeats. A remat segment is then a layer within one
 TaskGraph: `Layers.cuts` gives the equations where a new one starts, and
-`whalex.core.segments.segments` cuts there too. `remat="full"` or a policy name applies to the
+`whalex.jaxpr.segments.segments` cuts there too. `remat="full"` or a policy name applies to the
 repeated layers (as `nn.remat` per block does); the others (embedding, head) keep their residuals.
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from whalex.core.interpret import subgraph_function, subgraph_key
-from whalex.core.module_paths import BASE_DEPTH, name_parts, split_layers
+from whalex.jaxpr.interpret import subgraph_function, subgraph_key
+from whalex.jaxpr.module_paths import BASE_DEPTH, name_parts, split_layers
 
 COVERAGE = 0.9
 

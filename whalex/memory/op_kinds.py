@@ -1,9 +1,9 @@
 """What XLA does with each kind of JAX primitive, as far as buffers go: the kinds the memory
 prediction (whalex/memory/peak.py) and its sharding propagation (shard_specs.py) tell apart, built
-from the classes of `whalex.core.primitives`."""
+from the classes of `whalex.jaxpr.primitive_table`."""
 from __future__ import annotations
 
-from whalex.core import primitives as P
+from whalex.jaxpr import primitive_table as P
 
 # element-wise ops XLA's CPU compiler fuses into one consumer but does not duplicate (transcendental)
 EXPENSIVE = frozenset("""exp exp2 log log1p expm1 tanh logistic sqrt rsqrt cbrt pow div erf erfc erf_inv sin cos

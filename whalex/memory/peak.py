@@ -29,12 +29,12 @@ from collections.abc import Sequence
 import jax
 
 from whalex import _compat as C
-from whalex.core.program import TracedStep
 from whalex.memory.buffer_schedule import BufferGraph, list_schedule, sweep
 from whalex.memory.flat import Op, aval_bytes, bodies, flatten
 from whalex.memory.gpu_fusion import shared_outputs
 from whalex.memory.op_kinds import CHEAP, EXPENSIVE, FUSIBLE, GPU_PLATFORMS, REDUCE, UPDATES, VIEW
 from whalex.memory.shard_specs import Spec, adopt, on_host, propagate, sharding_spec, shards, spec_of, valid, wanted
+from whalex.records.program import TracedStep
 
 
 @dataclasses.dataclass(frozen=True)

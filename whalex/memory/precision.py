@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,39 +28,14 @@ from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from whalex import _compat as C
-from whalex.core import capture as capture_mod
-from whalex.core.batch_dependence import analyse as batch_dependence
-from whalex.core.segments import segments
+from whalex.jaxpr import capture as capture_mod
+from whalex.jaxpr.batch_dependence import analyse as batch_dependence
+from whalex.jaxpr.segments import segments
+from whalex.records.memory_options import HALF, Precision
 
-HALF = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 MAX_SCALE = 2.0 ** 15
 NOT_SHARDED = "its batch is not sharded"
 INITIAL_SCALE = 2.0 ** 15
-
-
-@dataclasses.dataclass(frozen=True)
-class Precision:
-    """The precision options a program needs: compute dtype, gradient communication dtype."""
-
-    amp: str | None = None
-    comm: str | None = None
-    period: int = 2000            # Config.loss_scale_period
-    batch_axes: tuple = ()        # per TaskGraph: the mesh axes its batch is sharded over
-    local: Any = dataclasses.field(default_factory=dict, compare=False)   # n -> loss captured at batch / n
-
-    @classmethod
-    def from_config(cls, config) -> Precision | None:
-        if config.amp is None and config.comm_dtype is None:
-            return None
-        return cls(config.amp, config.comm_dtype, config.loss_scale_period)
-
-    @property
-    def scaled(self) -> bool:
-        return self.amp == "fp16"
-
-    @property
-    def comm_dtype(self):
-        return HALF[self.comm] if self.comm else None
 
 
 # ----------------------------------------------------------------------------------- amp capture

@@ -20,10 +20,8 @@ same segmentation: each in a shard_map, with remat inside it.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import numpy as np
@@ -31,14 +29,15 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, NamedSharding
 
 from whalex import _compat as C
-from whalex.core.blocks import block_evaluator
-from whalex.core.flops import training_flops
-from whalex.core.primitives import REDUCTIONS
-from whalex.core.segments import Segment, run_segments, segment_function, segments
 from whalex.errors import PlanError
+from whalex.jaxpr.blocks import block_evaluator
+from whalex.jaxpr.flops import training_flops
+from whalex.jaxpr.primitive_table import REDUCTIONS
+from whalex.jaxpr.segments import Segment, run_segments, segment_function, segments
 from whalex.memory import offload as offload_lib, plan_memory, precision as pr, vjp_residual_bytes as residual_bytes
 from whalex.memory.layers import find_layers
-from whalex.memory.precision import Precision, describe, local_captures
+from whalex.memory.precision import describe, local_captures
+from whalex.records.memory_options import Precision, RematPlan
 
 COMM = "whalex_comm"            # values at collective points: always saved
 BOUNDARY = "whalex_boundary"    # segment outputs: offloaded under offload="activations"
@@ -153,91 +152,6 @@ def offload_policy():
     return _offloading([BOUNDARY, COMM], jax.checkpoint_policies.everything_saveable)
 
 
-# ----------------------------------------------------------------------------------- the plan
-@dataclasses.dataclass(frozen=True)
-class RematPlan:
-    """What each remat segment recomputes (a layer within a TaskGraph), and whether boundary
-    activations are offloaded."""
-
-    levels: tuple            # per TaskGraph: None | "full" | a jax.checkpoint_policies name
-    mode: Any = None         # Config.remat as given ("full", a policy name, "auto", or None)
-    layers: Any = None       # whalex.memory.layers.Layers: remat applies per layer within a TaskGraph
-    offload: bool = False    # offload="activations"
-    budget: float | None = None      # remat="auto": the per-device budget in bytes
-    segment_levels: tuple | None = None   # remat="auto": per segment (layer), overriding `levels`
-    saved: float | None = None       # bytes per device JAX keeps for the backward pass with this remat
-    baseline: float | None = None    # the same without remat
-    state: float | None = None       # remat="auto": the per-device state the budget also holds
-    flops: float | None = None       # training FLOPs of the loss with this remat (recomputation included)
-    baseline_flops: float | None = None    # the same without remat
-    offloaded: float | None = None   # offload="activations": bytes per device sent to the host a step
-    compiled: float | None = None    # remat="auto" on an XLA topology: the compiled step's bytes per device
-    compiles: int = 0                # how many compiles that choice took
-
-    @property
-    def active(self) -> bool:
-        return self.offload or any(level is not None for level in self.levels + (self.segment_levels or ()))
-
-    @property
-    def cuts(self) -> tuple[int, ...]:
-        """Top-level equations where a remat segment starts besides TaskGraph boundaries (layers)."""
-        return self.layers.cuts if self.layers is not None else ()
-
-    def level(self, index: int, seg: Segment):
-        """The level of segment `index` (its own under remat="auto", else its TaskGraph's)."""
-        if self.segment_levels is not None and index < len(self.segment_levels):
-            return self.segment_levels[index]
-        return self.levels[seg.taskgraph] if seg.taskgraph < len(self.levels) else None
-
-    def describe(self) -> str:
-        layers = self.layers
-        if self.segment_levels is not None:
-            line = f"remat ({self.mode}): per layer, " + self._per_layer()
-        else:
-            parts = [f"TG{i} {level or 'none'}" for i, level in enumerate(self.levels)]
-            line = f"remat ({self.mode}): " + ", ".join(parts) if self.mode is not None else ""
-            if line and layers is not None and len(layers.names) > 1:
-                line += (f", per layer ({len(layers.names)} layers found at module depth {layers.depth}: "
-                         f"{_names(layers.names)})")
-        if line and self.saved is not None and self.baseline:
-            line += (f"; saved for the backward pass {_mib(self.saved)}/device, {_mib(self.baseline)} without remat "
-                     f"({self.saved / self.baseline:.0%}, as JAX counts residuals)")
-        if line and self.flops is not None and self.baseline_flops:
-            line += f"; recomputation adds {self.flops / self.baseline_flops - 1:.0%} to the step's FLOPs"
-        if self.budget is not None:
-            line += f"; budget {_mib(self.budget)}/device with {_mib(self.state or 0)} of state"
-        if self.compiled is not None:
-            line += (f"; decided from XLA's compiled step, {_mib(self.compiled)}/device "
-                     f"({self.compiles} compile{'s' if self.compiles > 1 else ''})")
-        if self.offload:
-            line = (line + "; " if line else "") + \
-                "activations at layer and TaskGraph boundaries offloaded to pinned_host"
-        return line
-
-
-    def _per_layer(self) -> str:
-        """The level of each layer, runs of equal levels grouped: 'GPT/Block_0 .. GPT/Block_7 full'."""
-        levels, layers = self.segment_levels, self.layers
-        if layers is None or len(layers.names) != len(levels):
-            counts = collections.Counter(level or "none" for level in levels)
-            return ", ".join(f"{n} x {level}" for level, n in counts.items()) + f" of {len(levels)} segments"
-        runs: list = []
-        for name, level in zip(layers.names, levels):
-            if runs and runs[-1][2] == level:
-                runs[-1][1] = name
-            else:
-                runs.append([name, name, level])
-        return "; ".join(f"{a}{'' if a == b else ' .. ' + b} {level or 'none'}" for a, b, level in runs) + \
-            f" ({len(levels)} layers at module depth {layers.depth})"
-
-
-def _names(names, shown: int = 4) -> str:
-    return ", ".join(names) if len(names) <= shown + 1 else ", ".join(names[:shown]) + f", ... {names[-1]}"
-
-
-def _mib(n) -> str:
-    return f"{n / 2**20:.2f} MiB"
-
 
 def remat_segment(plan: RematPlan, index: int, seg: Segment, fn: Callable,
                   derived: frozenset | None = None) -> Callable:
@@ -303,7 +217,7 @@ def saved_bytes(cap, plan: RematPlan | None) -> float:
 
 def step_flops(cap, plan: RematPlan | None) -> float:
     """Forward + backward FLOPs of the captured loss (global batch) under `plan`'s remat, the
-    recomputed forwards included (whalex.core.flops): what remat costs in step time, on any backend."""
+    recomputed forwards included (whalex.jaxpr.flops): what remat costs in step time, on any backend."""
     evaluate = program_evaluator(cap, {}, None, None, plan)[0]
     jaxpr = jax.make_jaxpr(lambda *args: evaluate(*args)[0])(*[v.aval for v in cap.jaxpr.jaxpr.invars])
     return training_flops(jaxpr, [k < cap.num_params for k in range(len(cap.jaxpr.jaxpr.invars))], [True])
@@ -478,3 +392,7 @@ def summary_lines(remat: RematPlan | None, prec: Precision | None, comm_report: 
     if prec is not None:
         lines.append(describe(prec, comm_report if prec.comm else None))
     return lines
+
+
+def _mib(n) -> str:
+    return f"{n / 2**20:.2f} MiB"

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from whalex.core.comm import Comm, ring_bytes
+from whalex.records.comm import Comm, ring_bytes
 
 
 def _axes(entry) -> tuple[str, ...]:

@@ -13,8 +13,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from whalex.core.names import EXPERT_ACTIVATIONS, call_name
 from whalex.moe.gating import Routing
+from whalex.records.call_names import EXPERT_ACTIVATIONS, call_name
 
 ACTIVATIONS = {"relu": jax.nn.relu, "gelu": jax.nn.gelu, "silu": jax.nn.silu, "tanh": jnp.tanh}
 assert tuple(ACTIVATIONS) == EXPERT_ACTIVATIONS       # the names the sharding patterns recognise

@@ -15,7 +15,6 @@ import dataclasses
 from collections.abc import Callable
 
 from whalex.balance.partition import auto_stages
-from whalex.core.schedules import make_schedule
 from whalex.errors import PlanError
 from whalex.memory.precision import amp_loss
 from whalex.plan import Plan
@@ -26,6 +25,7 @@ from whalex.planner.spmd import spmd_plan
 from whalex.planner.stages import choose, pipeline_rule
 from whalex.planner.uneven import balance_data_parallel
 from whalex.primitives.scopes import Strategy
+from whalex.records.schedules import make_schedule
 
 __all__ = ["build_plan"]
 

@@ -11,14 +11,14 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from whalex.balance.profile import taskgraph_flops
-from whalex.core.capture import Captured
-from whalex.core.comm import Comm
-from whalex.core.program import StepProgram
+from whalex.jaxpr.capture import Captured
 from whalex.memory import plan_memory, with_peak
 from whalex.memory.peak import Peak, traced_peak
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
 from whalex.plan import Plan, TaskGraphInfo
 from whalex.planner.common import Request
+from whalex.records.comm import Comm
+from whalex.records.program import StepProgram
 
 
 @dataclasses.dataclass(frozen=True)

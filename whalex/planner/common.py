@@ -11,11 +11,11 @@ import jax
 import numpy as np
 import optax
 
-from whalex.core.align import align
-from whalex.core.capture import dtype_of
-from whalex.core.part_loss import PartLoss
-from whalex.core.parts import WAY_OUT, analyse
 from whalex.errors import PlanError
+from whalex.jaxpr.capture import dtype_of
+from whalex.loss.align import align
+from whalex.loss.analysis import WAY_OUT, analyse
+from whalex.loss.evaluation import PartLoss
 from whalex.memory.precision import capture  # capture: amp casts moved to their first use
 from whalex.memory.remat import configure
 from whalex.mesh.cluster import Cluster
@@ -39,7 +39,7 @@ class Request:
 
     def capture(self, rows: int | None = None):
         """The loss captured at the example batch, or at `rows` samples (abstract shapes), aligned
-        with the example batch's trace (`whalex.core.align`: identities JAX left out put back)."""
+        with the example batch's trace (`whalex.loss.align`: identities JAX left out put back)."""
         if rows is None:
             return self.whole
         part = capture(self.loss_fn, self.params, micro_batch(self.batch, rows), has_aux=self.has_aux, **self.inputs)

@@ -20,9 +20,9 @@ from jax.sharding import PartitionSpec as P
 from whalex.balance import cost
 from whalex.balance.algorithm import balance, even
 from whalex.balance.profile import taskgraph_flops
-from whalex.core.align import refusal
-from whalex.core.batch_dependence import analyse as batch_dependence, shape_of, traces_alike
 from whalex.errors import PlanError
+from whalex.jaxpr.batch_dependence import analyse as batch_dependence, shape_of, traces_alike
+from whalex.loss.align import refusal
 from whalex.lowering.step import Program
 from whalex.lowering.uneven import UnevenProgram
 from whalex.lowering.uneven_hybrid import Backbone, HybridProgram

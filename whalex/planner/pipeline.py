@@ -10,12 +10,10 @@ from jax.sharding import PartitionSpec as P
 
 from whalex import _compat as C
 from whalex.balance.partition import stage_devices
-from whalex.core.align import refusal
-from whalex.core.batch_dependence import traces_alike
-from whalex.core.comm import Comm, ring_bytes
-from whalex.core.module_paths import layer_key
-from whalex.core.schedules import make_schedule
 from whalex.errors import PlanError
+from whalex.jaxpr.batch_dependence import traces_alike
+from whalex.jaxpr.module_paths import layer_key
+from whalex.loss.align import refusal
 from whalex.lowering.pipeline import DATA, MODEL, STAGE, PipelineProgram
 from whalex.memory import MemoryOptions
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
@@ -25,6 +23,8 @@ from whalex.planner.common import Request, configure_memory, loss_parts
 from whalex.planner.patterns import plan_shardings
 from whalex.planner.stage_cut import cut_stages
 from whalex.primitives.scopes import Strategy
+from whalex.records.comm import Comm, ring_bytes
+from whalex.records.schedules import make_schedule
 
 
 def model_degree(cap) -> int:

@@ -14,8 +14,8 @@ import numpy as np
 from whalex import _compat as C
 from whalex.balance.cost import BalanceReport, SplitCosts, lowered_split
 from whalex.balance.profile import taskgraph_flops
-from whalex.core.comm import ring_bytes
 from whalex.lowering.uneven_split import UnevenCall, recomputed_flops_per_unit
+from whalex.records.comm import ring_bytes
 
 _WEIGHTS = {"head": slice(1, 3), "mlp": slice(1, 4), "attention": slice(1, 8)}
 

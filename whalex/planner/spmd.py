@@ -14,11 +14,10 @@ from whalex import _compat as C
 from whalex.balance import cost
 from whalex.balance.algorithm import balance
 from whalex.balance.profile import taskgraph_flops
-from whalex.core.batch_dependence import source
-from whalex.core.names import parse_attention_name, parse_mlp_name
-from whalex.core.part_loss import PartLoss
-from whalex.core.parts import analyse
 from whalex.errors import PlanError
+from whalex.jaxpr.batch_dependence import source
+from whalex.loss.analysis import analyse
+from whalex.loss.evaluation import PartLoss
 from whalex.lowering.groups import ShardGroups, runs_per_shard, same_outputs
 from whalex.lowering.padding import EvenPadding
 from whalex.lowering.step import Program
@@ -34,6 +33,7 @@ from whalex.planner.common import Request, configure_memory, loss_parts
 from whalex.planner.patterns import plan_shardings
 from whalex.planner.patterns.stock import fuse_stock_layers
 from whalex.planner.split_cost import lowered_split_report
+from whalex.records.call_names import parse_attention_name, parse_mlp_name
 
 
 def spmd_plan(req: Request, cap, report=None) -> Plan:

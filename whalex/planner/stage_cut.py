@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from whalex import _compat as C
-from whalex.core.capture import Captured
+from whalex.jaxpr.capture import Captured
 from whalex.lowering.pipeline import StageCut
 
 

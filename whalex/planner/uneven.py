@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 from whalex.balance import cost
 from whalex.balance.algorithm import balance, even
 from whalex.balance.profile import taskgraph_flops
-from whalex.core.interpret import make_evaluator
 from whalex.errors import PlanError
+from whalex.jaxpr.interpret import make_evaluator
 from whalex.lowering.uneven import DATA, UnevenProgram
 from whalex.memory import MemoryOptions, account
 from whalex.mesh.virtual import MeshLayout, VirtualDevice

@@ -11,7 +11,7 @@ import dataclasses
 
 from jax.sharding import PartitionSpec as P
 
-from whalex.core.schedules import RECOMPUTE_COSTS, render as render_schedule
+from whalex.records.schedules import RECOMPUTE_COSTS, render as render_schedule
 from whalex.view.format import fmt_bytes, fmt_devices, fmt_flops, fmt_pct, fmt_speed, fmt_time
 
 TASKGRAPH_COLUMNS = ("TaskGraph", "strategy", "devices/replica", "device ids", "nested DP", "params",

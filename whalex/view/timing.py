@@ -21,7 +21,7 @@ import time
 
 import jax
 
-from whalex.core import schedules
+from whalex.records import schedules
 from whalex.view.format import fmt_pct, fmt_time
 
 

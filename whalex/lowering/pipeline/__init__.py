@@ -23,7 +23,7 @@ stage reads (`whalex.lowering.stage_batch`). Inside `shard_map`, a `lax.scan` ov
 ticks runs on every device its stage's forward or backward, then passes activations and gradients to
 the neighbouring stages. Gradients are summed over micro-batches in the loop and over replicas after
 it. The last stage returns the loss contract's part outputs for each micro-batch
-(`whalex.core.part_loss`), combined by their kind, so loss, aux and gradients equal the whole-batch
+(`whalex.loss.evaluation`), combined by their kind, so loss, aux and gradients equal the whole-batch
 ones.
 """
 from whalex.lowering.pipeline.axes import DATA, MODEL, STAGE

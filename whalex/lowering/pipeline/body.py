@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from whalex.core import part_loss as parts_lib
-from whalex.core.collectives import fused_psum
-from whalex.core.interpret import make_evaluator
+from whalex.jaxpr.interpret import make_evaluator
+from whalex.loss import evaluation as parts_lib
+from whalex.lowering.fused_collectives import fused_psum
 from whalex.lowering.pipeline.axes import DATA, MODEL, STAGE
 from whalex.lowering.pipeline.branches import Stage, branches
 from whalex.lowering.pipeline.packing import join_segments, pack_values, unpack_values
@@ -45,7 +45,7 @@ class PipelineBody:
     loop: TickLoop
     stages: tuple[Stage, ...]
     rows: ParamRows
-    parts: Any                      # whalex.core.part_loss.PartLoss
+    parts: Any                      # whalex.loss.evaluation.PartLoss
     num_params: int
     param_avals: tuple
     batch_avals: tuple
@@ -54,7 +54,7 @@ class PipelineBody:
     per_replica: int                # rows per replica
     zero_level: int
     row_specs: tuple[P, P]          # the stage rows' spec, and split over `data` (ZeRO 2 and 3)
-    precision: Any = None           # whalex.memory.precision.Precision
+    precision: Any = None           # whalex.records.memory_options.Precision
 
     @property
     def home(self) -> int:

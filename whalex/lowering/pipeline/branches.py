@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from whalex import _compat as C
-from whalex.core.capture import Captured
-from whalex.core.interpret import apply_eqn
+from whalex.jaxpr.capture import Captured
+from whalex.jaxpr.interpret import apply_eqn
 from whalex.lowering.pipeline.cut import StageCut
 from whalex.lowering.pipeline.outputs import PartOutputs
 from whalex.lowering.pipeline.packing import Slot, layout, pack, pack_values, unpack

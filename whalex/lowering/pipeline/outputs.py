@@ -1,4 +1,4 @@
-"""The last stage's part outputs (the loss contract's, `whalex.core.part_loss`), combined over
+"""The last stage's part outputs (the loss contract's, `whalex.loss.evaluation`), combined over
 micro-batches and replicas.
 
 Outputs without the batch dimension sit in one flat float32 accumulator and combine by their kind

@@ -17,12 +17,9 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from whalex import _compat as C
-from whalex.core import part_loss as parts_lib
-from whalex.core.capture import Captured
-from whalex.core.part_loss import PartLoss
-from whalex.core.program import MemoryOptions, StageBuffers, step_program
-from whalex.core.schedules import Schedule
-from whalex.core.shardings import opt_state_specs
+from whalex.jaxpr.capture import Captured
+from whalex.loss import evaluation as parts_lib
+from whalex.loss.evaluation import PartLoss
 from whalex.lowering import stage_batch, stage_rows
 from whalex.lowering.emit import Emitter
 from whalex.lowering.pipeline.axes import DATA, STAGE
@@ -35,7 +32,10 @@ from whalex.lowering.pipeline.rows import ParamRows
 from whalex.lowering.pipeline.storage import SpreadStorage
 from whalex.lowering.pipeline.ticks import TickLoop
 from whalex.memory import precision as precision_lib, zero as zero_lib
-from whalex.memory.precision import Precision
+from whalex.memory.opt_state_specs import opt_state_specs
+from whalex.records.memory_options import MemoryOptions, Precision
+from whalex.records.program import StageBuffers, step_program
+from whalex.records.schedules import Schedule
 
 
 @step_program

@@ -15,8 +15,8 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
-from whalex.core.collectives import fused_all_gather
 from whalex.lowering import stage_rows
+from whalex.lowering.fused_collectives import fused_all_gather
 from whalex.lowering.pipeline.axes import DATA, MODEL, STAGE
 from whalex.lowering.pipeline.rows import ParamRows
 

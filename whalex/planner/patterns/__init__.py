@@ -4,7 +4,7 @@ for every value of the captured TaskGraphs.
 Walking the captured equations in order (`walk`), each value carries an `Info`: for every
 dimension the mesh axes it is split over (or None). Inside a `split` TaskGraph, ShardingUnits that
 read a parameter are matched against patterns, and the pattern with the least communication
-(`cost`, priced by `whalex.core.comm.ring_bytes`) wins:
+(`cost`, priced by `whalex.records.comm.ring_bytes`) wins:
 
 - matmul SP1 (column): weight split on its output dim, input whole -> output split, no forward
   communication, input gradient all-reduced in the backward pass (`matmul`).
@@ -21,7 +21,7 @@ gather of the logits; reshapes, slices and concatenations keep splits whose bloc
 A value that crosses from one TaskGraph to another whose layout differs gets a bridge: a sharding
 constraint that gathers it to the consumer's layout. When the layouts agree (same batch axes,
 same split axes) the bridge is fused away. The result is data, a `ShardingPlan`
-(`whalex.core.sharding_plan`): parameter and batch PartitionSpecs plus the constraints lowering
+(`whalex.records.sharding_plan`): parameter and batch PartitionSpecs plus the constraints lowering
 inserts; XLA's SPMD partitioner then emits the collectives, so the maths is that of the
 unannotated model by construction.
 """

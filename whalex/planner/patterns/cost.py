@@ -1,10 +1,10 @@
 """The patterns' cost model: bytes of a value within one model group, and what each candidate
-pattern of a matmul or an embedding sends per device (`whalex.core.comm.ring_bytes`)."""
+pattern of a matmul or an embedding sends per device (`whalex.records.comm.ring_bytes`)."""
 from __future__ import annotations
 
 import numpy as np
 
-from whalex.core.comm import ring_bytes
+from whalex.records.comm import ring_bytes
 
 INF = float("inf")
 

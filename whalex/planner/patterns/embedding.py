@@ -3,11 +3,11 @@ table split on the hidden dim (no communication) or on the vocabulary (a masked 
 all-reduce); the cheaper wins, the hidden split on a tie."""
 from __future__ import annotations
 
-from whalex.core.sharding_plan import PatternChoice
 from whalex.errors import PlanError
 from whalex.planner.patterns import cost
 from whalex.planner.patterns.layout import Info, to_spec
 from whalex.planner.patterns.state import Site, Walk
+from whalex.records.sharding_plan import PatternChoice
 
 
 def _lookup(w: Walk, s: Site, eqn):

@@ -4,11 +4,11 @@ sharded over every axis of the replica (no bridge gather); lowering runs the cal
 / local experts / all-to-all shard_map (`whalex.moe.parallel`)."""
 from __future__ import annotations
 
-from whalex.core.sharding_plan import ExpertCall
 from whalex.errors import PlanError
 from whalex.planner.patterns import cost
 from whalex.planner.patterns.layout import Info, to_spec, unsplit
 from whalex.planner.patterns.state import Site, Walk
+from whalex.records.sharding_plan import ExpertCall
 
 
 def _check_counts(w: Walk, s: Site, g: int, e: int, n: int, shards: int):

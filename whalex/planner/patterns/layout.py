@@ -6,7 +6,7 @@ import dataclasses
 
 from jax.sharding import PartitionSpec as P
 
-from whalex.core.comm import Axes
+from whalex.records.comm import Axes
 
 
 @dataclasses.dataclass(frozen=True)

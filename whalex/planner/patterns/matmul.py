@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from whalex.core.sharding_plan import PatternChoice
 from whalex.errors import PlanError
 from whalex.planner.patterns import cost
 from whalex.planner.patterns.layout import Info, to_spec, unsplit
 from whalex.planner.patterns.state import Site, Walk
+from whalex.records.sharding_plan import PatternChoice
 
 
 @dataclasses.dataclass(frozen=True)

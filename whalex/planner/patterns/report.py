@@ -6,9 +6,9 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from whalex import _compat as C
-from whalex.core.sharding_plan import Coverage
 from whalex.planner.patterns import cost
 from whalex.planner.patterns.state import Walk
+from whalex.records.sharding_plan import Coverage
 
 
 def gradient_sync(w: Walk) -> None:

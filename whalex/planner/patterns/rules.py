@@ -2,7 +2,7 @@
 patterns where they match, then one rule per family of operations."""
 from __future__ import annotations
 
-from whalex.core import primitives as P
+from whalex.jaxpr import primitive_table as P
 from whalex.planner.patterns import elementwise as ew, reshape as rs
 from whalex.planner.patterns.embedding import embedding
 from whalex.planner.patterns.layout import Info

@@ -8,12 +8,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from whalex import _compat as C
-from whalex.core.capture import Captured
-from whalex.core.comm import Axes, Comm, ring_bytes
-from whalex.core.sharding_plan import ExpertCall, PatternChoice
+from whalex.jaxpr.capture import Captured
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
 from whalex.planner.patterns import cost
 from whalex.planner.patterns.layout import Info, unsplit
+from whalex.records.comm import Axes, Comm, ring_bytes
+from whalex.records.sharding_plan import ExpertCall, PatternChoice
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from whalex import _compat as C
-from whalex.core.capture import Captured
+from whalex.jaxpr.capture import Captured
 from whalex.ops import ACTIVATIONS, _named_attention, _named_mlp
 
 _BIAS_OPS = ("reshape", "broadcast_in_dim", "convert_element_type", "expand_dims")

@@ -8,11 +8,9 @@ from collections.abc import Sequence
 from jax.sharding import PartitionSpec as P
 
 from whalex import _compat as C
-from whalex.core.capture import Captured, passed_origin
-from whalex.core.names import parse_call_name
-from whalex.core.parts import is_floating
-from whalex.core.sharding_plan import ShardingPlan
 from whalex.errors import PlanError
+from whalex.jaxpr.capture import Captured, passed_origin
+from whalex.loss.analysis import is_floating
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
 from whalex.planner.patterns import cost, report
 from whalex.planner.patterns.elementwise import replicate_rule
@@ -20,6 +18,8 @@ from whalex.planner.patterns.experts import expert_parallel
 from whalex.planner.patterns.layout import Info, to_spec, unsplit
 from whalex.planner.patterns.rules import split_rule
 from whalex.planner.patterns.state import Site, Walk
+from whalex.records.call_names import parse_call_name
+from whalex.records.sharding_plan import ShardingPlan
 
 
 def plan_shardings(cap: Captured, vds: Sequence[VirtualDevice], layout: MeshLayout,

@@ -1,5 +1,5 @@
 """Which values of a traced loss depend on the batch, and which equations couple its samples: the
-one analysis that the loss contract (`core/parts.py`), the uneven rows of a hybrid
+one analysis that the loss contract (`loss/analysis.py`), the uneven rows of a hybrid
 (`planner/hybrid.py`) and the data-parallel segments of `comm_dtype` (`memory/precision.py`) read.
 
 One walk over the equations, descending into calls (plain calls, and the calls with a rule of their
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from whalex import _compat as C
-from whalex.core import primitives as P
+from whalex.jaxpr import primitive_table as P
 
 
 @dataclasses.dataclass(frozen=True)

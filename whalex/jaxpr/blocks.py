@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from whalex.core.interpret import make_evaluator, subgraph_key
-from whalex.core.segments import Segment, local_constraints, local_overrides, run_segments, segment_function, segments
+from whalex.jaxpr.interpret import make_evaluator, subgraph_key
+from whalex.jaxpr.segments import Segment, local_constraints, local_overrides, run_segments, segment_function, segments
 
 
 def block_key(cap, seg: Segment, constraints: dict, overrides: dict, memo: dict) -> tuple:

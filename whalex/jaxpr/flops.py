@@ -49,7 +49,7 @@ import jax
 import numpy as np
 
 from whalex import _compat as C
-from whalex.core import flop_rules as R
+from whalex.jaxpr import flop_rules as R
 
 
 @dataclasses.dataclass(frozen=True)

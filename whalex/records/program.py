@@ -15,43 +15,18 @@ Memory and balance never receive a program: the planner hands them records made 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from jax.sharding import PartitionSpec as P
 
-from whalex.core.capture import Captured
-from whalex.core.part_loss import PartLoss
-from whalex.core.sharding_plan import ExpertCall
+from whalex.records.memory_options import MemoryOptions, Precision, RematPlan
+from whalex.records.sharding_plan import ExpertCall
 from whalex.state import ParamView, TrainState
 
-if TYPE_CHECKING:                 # the records' types only: memory sits above core and imports it
-    from whalex.memory.precision import Precision
-    from whalex.memory.remat import RematPlan
-
-STATE_OFFLOAD = ("opt_state", "params")     # the training state offload moves to the host ("activations": remat's)
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryOptions:
-    """ZeRO level, offloaded state, and per stored parameter leaf its data-parallel mesh axes."""
-
-    zero_level: int = 0
-    offload: tuple[str, ...] = ()                         # subset of STATE_OFFLOAD
-    zero_axes: tuple[tuple[str, ...], ...] | None = None  # None: ZeRO has no axes to shard over
-
-    @classmethod
-    def from_config(cls, config, zero_axes: Sequence[Sequence[str]] | None) -> MemoryOptions:
-        offload = tuple(t for t in (config.offload or ()) if t in STATE_OFFLOAD)
-        axes = None if zero_axes is None else tuple(tuple(a) for a in zero_axes)
-        return cls(config.zero_level, offload, axes)
-
-    def offloads(self, what: str) -> bool:
-        return what in self.offload
-
-    @property
-    def active(self) -> bool:
-        return self.zero_level > 0 or bool(self.offload)
+if TYPE_CHECKING:                 # types only: the record layer sits below the jaxpr and loss layers
+    from whalex.jaxpr.capture import Captured
+    from whalex.loss.evaluation import PartLoss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,5 +149,5 @@ def step_program(cls: type[_Program]) -> type[_Program]:
     fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
     missing = [m for m in MEMBERS if m not in fields and not hasattr(cls, m)]
     if missing:
-        raise TypeError(f"{cls.__name__} is declared a step program but lacks {missing} (whalex.core.program)")
+        raise TypeError(f"{cls.__name__} is declared a step program but lacks {missing} (whalex.records.program)")
     return cls

@@ -4,7 +4,7 @@ operations that run along an axis, data movement, collectives, randomness, linea
 
 Every module that classifies equations by primitive name reads these classes (the loss contract
 and the batch-dependence analysis, the sharding patterns, FLOP counting, the memory prediction).
-What a class costs stays beside the code that prices it (`core/flop_rules.py`: FLOPs per element;
+What a class costs stays beside the code that prices it (`jaxpr/flop_rules.py`: FLOPs per element;
 `memory/op_kinds.py`: what XLA fuses, duplicates or does in place), built from these classes.
 Version-dependent names (the checkpoint primitive, the call primitives) come from `_compat`.
 """

@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from whalex import _compat as C
-from whalex.core.interpret import make_evaluator
+from whalex.jaxpr.interpret import make_evaluator
 
 
 @dataclasses.dataclass(frozen=True)

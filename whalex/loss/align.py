@@ -15,9 +15,9 @@ import dataclasses
 from typing import Any
 
 from whalex import _compat as C
-from whalex.core import capture as capture_mod
-from whalex.core.batch_dependence import shape_of, source, traces_alike
-from whalex.core.capture import Captured
+from whalex.jaxpr import capture as capture_mod
+from whalex.jaxpr.batch_dependence import shape_of, source, traces_alike
+from whalex.jaxpr.capture import Captured
 
 # primitives JAX drops when they are identities at the traced shapes (a broadcast, reshape or
 # squeeze of a size-1 batch dimension)

@@ -32,11 +32,12 @@ from typing import Any
 import jax.numpy as jnp
 
 from whalex import _compat as C
-from whalex.core import primitives as P, random_rows
-from whalex.core.align import refusal
-from whalex.core.batch_dependence import analyse as batch_dependence, shape_of, source, traces_alike
-from whalex.core.capture import Captured
 from whalex.errors import PlanError
+from whalex.jaxpr import primitive_table as P
+from whalex.jaxpr.batch_dependence import analyse as batch_dependence, shape_of, source, traces_alike
+from whalex.jaxpr.capture import Captured
+from whalex.loss import random_rows
+from whalex.loss.align import refusal
 
 OPT_IN = "wh.Config(batch_coupling='per_part')"
 WAY_OUT = "a larger global batch (larger parts), or a plan that does not evaluate the loss in parts"
@@ -132,7 +133,7 @@ class _Flow:
 def analyse(part: Captured, whole: Captured, *, per_part: bool = False, context: str = "parts",
             way_out: str = WAY_OUT) -> Semantics:
     """Find the batch reductions of the loss traced at `part.global_batch` rows and at
-    `whole.global_batch` rows (aligned: `whalex.core.align`); raise PlanError for traces that differ
+    `whole.global_batch` rows (aligned: `whalex.loss.align`); raise PlanError for traces that differ
     (naming `way_out`) and for couplings one pass cannot compute exactly."""
     jp, jg = part.jaxpr.jaxpr, whole.jaxpr.jaxpr
     b, B = part.global_batch, whole.global_batch

@@ -106,7 +106,7 @@ def subgraph_key(jaxpr, indices: Sequence[int], inputs: Sequence[Any], outputs: 
     """A hashable description of the equations `indices` as a function of `inputs` (from
     `subgraph_function`), variables numbered in order: equal keys compute the same function of the same input types
     (e.g. the repeated blocks of a model), so a measure of one (FLOPs, residuals) serves them all
-    and one traced function evaluates them all (`whalex.core.blocks`).
+    and one traced function evaluates them all (`whalex.jaxpr.blocks`).
     `consts` are the inputs that stand for constants; `memo` shares the keys of called jaxprs (their
     equations, keyed the same way; a closed jaxpr's constants count by identity)."""
     memo = {} if memo is None else memo

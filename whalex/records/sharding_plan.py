@@ -7,7 +7,7 @@ import dataclasses
 
 from jax.sharding import PartitionSpec as P
 
-from whalex.core.comm import Axes, Comm
+from whalex.records.comm import Axes, Comm
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,7 @@
 device runs): its collectives, its computations and their loops.
 
 Text only, no JAX: the tests read which collectives a plan compiles to (tests/support/hlo.py), and bench/
-reads their bytes (bench/harness.py adds the bytes each device sends, `whalex.core.comm.result_ring_bytes`).
+reads their bytes (bench/harness.py adds the bytes each device sends, `whalex.records.comm.result_ring_bytes`).
 
     for c in collectives(compiled.as_text()):
         c.kind, c.arrays, c.bytes, c.group       # 'all-reduce', (('f32', (512, 512)),), 1048576.0, 8
@@ -14,7 +14,7 @@ import math
 import re
 from collections.abc import Callable
 
-from whalex.core.comm import KINDS, result_ring_bytes
+from whalex.records.comm import KINDS, result_ring_bytes
 
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "token": 0,
@@ -35,7 +35,7 @@ Array = tuple  # (dtype name, shape)
 class Collective:
     """One collective of a compiled program (an async `-start`/`-done` pair counted once)."""
 
-    kind: str                       # one of KINDS (whalex.core.comm)
+    kind: str                       # one of KINDS (whalex.records.comm)
     arrays: tuple                   # its result arrays, (dtype, shape) each; async: the `-done`'s result
     is_async: bool
     group: int | None               # devices in one group; None: every device (`replica_groups={}`)

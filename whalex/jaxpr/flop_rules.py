@@ -1,7 +1,7 @@
-"""The per-primitive tables and shape formulas behind `whalex.core.flops`: which primitives cost
+"""The per-primitive tables and shape formulas behind `whalex.jaxpr.flops`: which primitives cost
 nothing, what XLA charges for the few it expands, JAX's backward costs per element, a convolution's
 valid multiply-adds, a power's multiplications, and the static trip count of a while loop. The
-classes of primitives (reductions, checkpoints, randomness, ...) come from `whalex.core.primitives`;
+classes of primitives (reductions, checkpoints, randomness, ...) come from `whalex.jaxpr.primitive_table`;
 the costs are this module's."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import math
 import numpy as np
 
 from whalex import _compat as C
-from whalex.core import primitives as P
+from whalex.jaxpr import primitive_table as P
 
 # Forward: 0 FLOPs (data movement, collectives, bookkeeping; their transposes are data movement too).
 MOVE = (P.LAYOUT - {"broadcast_in_dim", "stack", "unstack"}) | P.COLLECTIVES | P.PLACEMENT | frozenset({

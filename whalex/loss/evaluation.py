@@ -1,6 +1,6 @@
 """Evaluating a loss in parts with its whole-batch meaning (docs/architecture.md#the-loss-contract).
 
-`whalex.core.parts.analyse` says what the batch reductions of a loss are; this module carries it
+`whalex.loss.analysis.analyse` says what the batch reductions of a loss are; this module carries it
 out for the programs that run the loss on parts of the batch: `PartLoss` (the part jaxpr with
 global constants, the part outputs, the head evaluated once), the random draws of a part (its rows
 of the whole-batch draw), and the driver the uneven, micro-batched and pipelined programs call
@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from whalex import _compat as C
-from whalex.core import random_rows
-from whalex.core.capture import Captured
-from whalex.core.parts import Reduction, Semantics, cone, is_floating, random_draws, shape_of
 from whalex.errors import PlanError
+from whalex.jaxpr.capture import Captured
+from whalex.loss import random_rows
+from whalex.loss.analysis import Reduction, Semantics, cone, is_floating, random_draws, shape_of
 
 
 def random_overrides(draws, where) -> dict:

@@ -1,4 +1,5 @@
-"""Collectives used inside shard_map programs."""
+"""Collectives fused over a pytree (one psum or all-gather for many leaves), for the inside of lowering's
+shard_map programs."""
 from __future__ import annotations
 
 import jax
