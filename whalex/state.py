@@ -36,7 +36,7 @@ class TrainState:
     stored_params: Any           # the parameters as the step takes them (padded where `view` is set)
     opt_state: Any
     step: Any                    # a jax.Array; a sharding or a ShapeDtypeStruct in the plan's trees of those
-    loss_scale: Any = None       # amp="fp16": whalex.memory.precision.LossScale (scale, finite steps)
+    loss_scale: Any = None       # amp="fp16": whalex.precision.loss_scale.LossScale (scale, finite steps)
     model_state: Any = None      # updated by the step, untouched by the optimizer
     rng: Any = None              # split every step: the loss gets a fresh key
     view: ParamView | None = None

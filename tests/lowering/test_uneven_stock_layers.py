@@ -159,7 +159,7 @@ def test_other_stock_layers_keep_even_shards_and_train_exactly(model):
 
 def test_fused_regions_match_the_ops_and_keep_their_taskgraph():
     """The rewritten capture: one named call per layer, the same loss at the example batch."""
-    from whalex.memory.precision import capture
+    from whalex.jaxpr.capture import capture
     from whalex.mesh.virtual import mesh_layout, virtual_devices
     from whalex.planner.patterns.stock import fuse_stock_layers
 

@@ -27,7 +27,8 @@ from conftest import HETERO, reference_train, rel_err, whalex_train
 from lowering.test_pipeline import _plain, _two_stage
 from support.hlo import collectives
 from support.models import flax_model, plain_model
-from whalex.memory.precision import INITIAL_SCALE, AmpLoss, LossScale
+from whalex.precision.amp import AmpLoss
+from whalex.precision.loss_scale import INITIAL_SCALE, LossScale
 
 TOL = {"bf16": 8 * 2.0 ** -8, "fp16": 8 * 2.0 ** -11}
 SGD = optax.sgd(0.1)

@@ -14,7 +14,7 @@ from lowering.test_pipeline import _compare, _plain, _two_stage
 from memory.test_mixed_precision import SGD, TOL, moved_err
 from support.hlo import collectives
 from support.models import flax_model, plain_model
-from whalex.memory.precision import AmpLoss
+from whalex.precision.amp import AmpLoss
 
 B, D, H, C = 2048, 32, 128, 256
 

@@ -29,7 +29,8 @@ LAYERS = (
     ("whalex.mesh", "whalex.records"),  # clusters, device specs, meshes | plain records the layers hand each other
     ("whalex.jaxpr",),                # capture, the evaluator, segments, primitive table, FLOPs, HLO, batch dependence
     ("whalex.loss",),                 # the loss contract: its analysis, its evaluation in parts, random rows
-    ("whalex.memory",),               # ZeRO, remat, precision, offload, the per-device accounting and fit
+    ("whalex.precision",),            # amp on the loss and its capture, loss scaling, half-precision all-reduces
+    ("whalex.memory",),               # ZeRO, remat, offload, the per-device accounting and fit
     ("whalex.balance", "whalex.moe", "whalex.ops"),  # decides loads | MoE layers, ops (call names are records)
     ("whalex.lowering",),             # carries out a plan, decides nothing about balance
     ("whalex.view",),                 # the Plan's text, HTML, pictures, timing: functions of a Plan given to them

@@ -1,6 +1,6 @@
 """Which values of a traced loss depend on the batch, and which equations couple its samples: the
 one analysis that the loss contract (`loss/analysis.py`), the uneven rows of a hybrid
-(`planner/hybrid.py`) and the data-parallel segments of `comm_dtype` (`memory/precision.py`) read.
+(`planner/hybrid.py`) and the data-parallel segments of `comm_dtype` (`precision/comm.py`) read.
 
 One walk over the equations, descending into calls (plain calls, and the calls with a rule of their
 own whose sub-jaxpr takes the equation's operands one to one: custom derivatives, checkpoints),

@@ -1,7 +1,7 @@
 """The captured loss as segments: maximal runs of consecutive top-level equations of one
 TaskGraph, each evaluated as a function of the values crossing its edges (through
 `make_evaluator`, so the plan's constraints apply unchanged). Remat wraps segments in
-`jax.checkpoint`; comm_dtype runs data-parallel ones in a shard_map (whalex.memory.precision)."""
+`jax.checkpoint`; comm_dtype runs data-parallel ones in a shard_map (whalex.precision.comm)."""
 from __future__ import annotations
 
 import dataclasses

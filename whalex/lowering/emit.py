@@ -24,8 +24,9 @@ from whalex.jaxpr.capture import Captured
 from whalex.loss.evaluation import PartLoss
 from whalex.lowering import stage_rows
 from whalex.lowering.caller_layout import CallerLayout
-from whalex.memory import offload, precision, zero
+from whalex.memory import offload, zero
 from whalex.memory.opt_state_specs import opt_state_specs
+from whalex.precision import loss_scale
 from whalex.records.memory_options import MemoryOptions, Precision, RematPlan
 from whalex.records.program import StageBuffers, StateLayout, TracedStep
 from whalex.records.sharding_plan import ExpertCall
@@ -272,7 +273,7 @@ class Emitter(CallerLayout):
         prec = self.precision
         if prec is None or not prec.scaled:
             return None
-        return jax.tree.map(leaf, precision.LossScale.initial())
+        return jax.tree.map(leaf, loss_scale.LossScale.initial())
 
     def train_step(self) -> Callable:
         def build(value_and_grad):
@@ -281,7 +282,7 @@ class Emitter(CallerLayout):
 
         prec = self.precision
         if prec is not None and prec.scaled:     # fp16: dynamic loss scaling, non-finite steps skipped
-            inner = precision.loss_scaled_step(self.value_and_grad(), build, prec.period)
+            inner = loss_scale.loss_scaled_step(self.value_and_grad(), build, prec.period)
         else:
             inner = build(self.value_and_grad())
         if not self.memory_options.offload:

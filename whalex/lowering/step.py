@@ -18,9 +18,8 @@ from whalex.loss.evaluation import PartLoss
 from whalex.lowering.emit import Emitter
 from whalex.lowering.groups import ShardGroups, grouped_evaluator, same_outputs
 from whalex.lowering.padding import EvenPadding
-from whalex.memory import precision as precision_lib
-from whalex.memory.precision import value_and_grad as scaled_value_and_grad
 from whalex.memory.remat import program_evaluator
+from whalex.precision.loss_scale import unscale, value_and_grad as scaled_value_and_grad
 from whalex.records.memory_options import MemoryOptions, Precision, RematPlan
 from whalex.records.program import step_program
 from whalex.records.sharding_plan import ExpertCall, ShardingPlan
@@ -205,7 +204,7 @@ class Program(Emitter):
                 grads = [(g.reshape((-1,) + g.shape[2:]) if i in copied else g).sum(0) for i, g in enumerate(grads)]
             grads = stored_grads(jax.tree.unflatten(ptree, grads))[0]
             if scale is not None:
-                grads = precision_lib.unscale(grads, scale)
+                grads = unscale(grads, scale)
             grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
             value, aux, new_state = self.captured.split_outputs(outs)
             return (value, aux, new_state), grads

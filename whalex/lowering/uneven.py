@@ -29,8 +29,10 @@ from whalex.loss import evaluation as parts_lib
 from whalex.loss.evaluation import PartLoss
 from whalex.lowering.emit import Emitter
 from whalex.lowering.fused_collectives import fused_psum
-from whalex.memory import precision as precision_lib, zero as zero_lib
+from whalex.memory import zero as zero_lib
 from whalex.memory.remat import program_evaluator
+from whalex.precision.comm import reduce_in
+from whalex.precision.loss_scale import unscale
 from whalex.records.memory_options import MemoryOptions, Precision, RematPlan
 from whalex.records.program import step_program
 
@@ -247,10 +249,10 @@ class UnevenProgram(Emitter):
                                                    list(extra), scale, map_parts)
             grads = jax.tree.unflatten(ptree, grads)
             if level >= 2:            # ZeRO 2: reduce-scatter to each device's shard
-                grads = precision_lib.reduce_in(prec, lambda g: jax.tree.unflatten(
+                grads = reduce_in(prec, lambda g: jax.tree.unflatten(
                     ptree, zero_lib.scatter_sum(jax.tree.leaves(g), specs, zspecs, DATA)), grads)
             else:
-                grads = precision_lib.reduce_in(prec, lambda g: fused_psum(g, DATA), grads)
+                grads = reduce_in(prec, lambda g: fused_psum(g, DATA), grads)
             return outs[0], grads, list(outs[1:])
 
         tree = lambda ss: jax.tree.unflatten(ptree, list(ss))  # noqa: E731
@@ -261,7 +263,7 @@ class UnevenProgram(Emitter):
         def run(params, batch, extra=(), scale=None):
             value, grads, rest = smap(params, batch, list(extra), *((scale,) if scaled else ()))
             if scaled:
-                grads = precision_lib.unscale(grads, scale)
+                grads = unscale(grads, scale)
             _, aux, new_state = cap.split_outputs([value, *rest])
             return (value, aux, new_state), grads
 

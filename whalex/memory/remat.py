@@ -15,7 +15,7 @@ With activation offload, segment outputs (the values at TaskGraph boundaries) ar
 policy for its collective outputs) and come back for the backward pass. Those are the values remat
 keeps, so offload="activations" alone means remat="full" with them on the host.
 
-`program_evaluator` also runs comm_dtype's data-parallel segments (whalex.memory.precision) on the
+`program_evaluator` also runs comm_dtype's data-parallel segments (whalex.precision.comm) on the
 same segmentation: each in a shard_map, with remat inside it.
 """
 from __future__ import annotations
@@ -34,9 +34,9 @@ from whalex.jaxpr.blocks import block_evaluator
 from whalex.jaxpr.flops import training_flops
 from whalex.jaxpr.primitive_table import REDUCTIONS
 from whalex.jaxpr.segments import Segment, run_segments, segment_function, segments
-from whalex.memory import offload as offload_lib, plan_memory, precision as pr, vjp_residual_bytes as residual_bytes
+from whalex.memory import offload as offload_lib, plan_memory, vjp_residual_bytes as residual_bytes
 from whalex.memory.layers import find_layers
-from whalex.memory.precision import describe, local_captures
+from whalex.precision.comm import comm_segments, describe, local_captures, manual_segment, strip_axes
 from whalex.records.memory_options import Precision, RematPlan
 
 COMM = "whalex_comm"            # values at collective points: always saved
@@ -303,7 +303,7 @@ def program_evaluator(cap, constraints: dict, mesh, overrides: dict | None, plan
         plan = RematPlan((None,) * len(cap.taskgraphs), layers=plan.layers if plan is not None else None)
     split = {t.index for t in cap.taskgraphs if t.strategy.kind == "split"}
     segs = segments(cap, plan.cuts)
-    manual = pr.comm_segments(cap, segs, prec, overrides, dict(mesh.shape), plan.cuts) if comm_on else {}
+    manual = comm_segments(cap, segs, prec, overrides, dict(mesh.shape), plan.cuts) if comm_on else {}
     tagged = comm_overrides(cap, constraints, mesh, split, overrides) if remat_on else overrides
     local_segs = {n: segments(c, plan.cuts) for n, c in (prec.local.items() if comm_on else ())}
     parts = []
@@ -312,12 +312,12 @@ def program_evaluator(cap, constraints: dict, mesh, overrides: dict | None, plan
         if axes:                     # traced at the per-device batch, run in a shard_map over `axes`
             n = int(np.prod([dict(mesh.shape)[a] for a in axes]))
             local, lseg = prec.local[n], local_segs[n][k]
-            cons = pr.strip_axes({key: s for key, s in constraints.items() if seg.start <= key[0][0] < seg.stop},
+            cons = strip_axes({key: s for key, s in constraints.items() if seg.start <= key[0][0] < seg.stop},
                                  axes, tuple(mesh.axis_names))
             inner = mesh.abstract_mesh.update_axis_types({a: AxisType.Manual for a in axes})   # as seen inside
             ovr = comm_overrides(local, cons, inner, split, None) if remat_on else None
             fn = remat_segment(plan, k, lseg, segment_function(local, lseg, cons, inner, ovr))
-            fn = pr.manual_segment(seg, axes, mesh, cap, prec.comm_dtype)(fn)
+            fn = manual_segment(seg, axes, mesh, cap, prec.comm_dtype)(fn)
         else:
             fn, derived = segment_function(cap, seg, constraints, mesh, tagged), None
             if fetch is not None:

@@ -16,7 +16,6 @@ from collections.abc import Callable
 
 from whalex.balance.partition import auto_stages
 from whalex.errors import PlanError
-from whalex.memory.precision import amp_loss
 from whalex.plan import Plan
 from whalex.planner.common import Request, check_optimizer, refuse_host_memory_without_it, resolve
 from whalex.planner.hybrid import hybrid_plan
@@ -24,6 +23,7 @@ from whalex.planner.pipeline import model_degree, pipeline_plan
 from whalex.planner.spmd import spmd_plan
 from whalex.planner.stages import choose, pipeline_rule
 from whalex.planner.uneven import balance_data_parallel
+from whalex.precision.amp import amp_loss
 from whalex.primitives.scopes import Strategy
 from whalex.records.schedules import make_schedule
 

@@ -12,14 +12,14 @@ import numpy as np
 import optax
 
 from whalex.errors import PlanError
-from whalex.jaxpr.capture import dtype_of
+from whalex.jaxpr.capture import capture as capture_loss, dtype_of
 from whalex.loss.align import align
 from whalex.loss.analysis import WAY_OUT, analyse
 from whalex.loss.evaluation import PartLoss
-from whalex.memory.precision import capture  # capture: amp casts moved to their first use
 from whalex.memory.remat import configure
 from whalex.mesh.cluster import Cluster
 from whalex.planner.xla_fit import fit_compiled
+from whalex.precision.amp import AmpLoss, sink_casts
 from whalex.primitives.config import DEFAULTS, Config
 
 
@@ -42,13 +42,20 @@ class Request:
         with the example batch's trace (`whalex.loss.align`: identities JAX left out put back)."""
         if rows is None:
             return self.whole
-        part = capture(self.loss_fn, self.params, micro_batch(self.batch, rows), has_aux=self.has_aux, **self.inputs)
+        part = capture(self.loss_fn, self.params, micro_batch(self.batch, rows), self.has_aux, self.inputs)
         return align(part, self.whole)
 
     @functools.cached_property
     def whole(self):
         """The loss captured at the example batch."""
-        return capture(self.loss_fn, self.params, self.batch, has_aux=self.has_aux, **self.inputs)
+        return capture(self.loss_fn, self.params, self.batch, self.has_aux, self.inputs)
+
+
+def capture(loss_fn: Callable, params, batch, has_aux: bool, inputs: dict):
+    """The loss captured (`whalex.jaxpr.capture`), then amp's transform of the capture where the loss is
+    an `AmpLoss`: its input casts moved next to their first use."""
+    cap = capture_loss(loss_fn, params, batch, has_aux=has_aux, **inputs)
+    return sink_casts(cap) if isinstance(loss_fn, AmpLoss) else cap
 
 
 def configure_memory(program, config, cluster, batch_axes=(), recapture=None):

@@ -26,7 +26,8 @@ from whalex.lowering.pipeline.packing import join_segments, pack_values, unpack_
 from whalex.lowering.pipeline.rows import ParamRows
 from whalex.lowering.pipeline.ticks import Device, LoopState, TickLoop
 from whalex.lowering.stage_batch import StageBatchLayout
-from whalex.memory import precision as precision_lib, zero as zero_lib
+from whalex.memory import zero as zero_lib
+from whalex.precision.comm import reduce_in
 
 
 def from_stage(x, s, src: int, num_stages: int):
@@ -115,13 +116,13 @@ class PipelineBody:
         """The stage gradient rows summed over the replicas (ZeRO 2 and 3: reduce-scattered over them)."""
         prec, specs, zspecs = self.precision, [self.row_specs[0]], [self.row_specs[1]]
         if self.zero_level >= 2:
-            flat = precision_lib.reduce_in(prec, lambda g: zero_lib.scatter_sum([g[None]], specs, zspecs, DATA)[0],
+            flat = reduce_in(prec, lambda g: zero_lib.scatter_sum([g[None]], specs, zspecs, DATA)[0],
                                            grads[0])
         else:
-            flat = precision_lib.reduce_in(prec, lambda g: fused_psum(g, DATA), grads[0])[None]
+            flat = reduce_in(prec, lambda g: fused_psum(g, DATA), grads[0])[None]
         if not self.rows.three_d:
             return {"stages": flat}
-        return {"stages": flat, "model": precision_lib.reduce_in(prec, lambda g: fused_psum(g, DATA), grads[1])[None]}
+        return {"stages": flat, "model": reduce_in(prec, lambda g: fused_psum(g, DATA), grads[1])[None]}
 
     def step(self, packed, batch, extra, *scale):
         """(the loss's outputs, the stage gradient rows) of this device: the `shard_map` body."""

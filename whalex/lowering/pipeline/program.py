@@ -31,8 +31,9 @@ from whalex.lowering.pipeline.packing import layout
 from whalex.lowering.pipeline.rows import ParamRows
 from whalex.lowering.pipeline.storage import SpreadStorage
 from whalex.lowering.pipeline.ticks import TickLoop
-from whalex.memory import precision as precision_lib, zero as zero_lib
+from whalex.memory import zero as zero_lib
 from whalex.memory.opt_state_specs import opt_state_specs
+from whalex.precision.loss_scale import unscale
 from whalex.records.memory_options import MemoryOptions, Precision
 from whalex.records.program import StageBuffers, step_program
 from whalex.records.schedules import Schedule
@@ -282,7 +283,7 @@ class PipelineProgram(Emitter):
             outs, grad_rows = loss_and_grads(*args)
             grads = scatter(grad_rows)
             if scale is not None:
-                grads = precision_lib.unscale(grads, scale)
+                grads = unscale(grads, scale)
             value, aux, new_state = cap.split_outputs(outs)
             return (value, aux, new_state), grads
 
