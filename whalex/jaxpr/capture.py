@@ -139,7 +139,7 @@ def capture(loss_fn: Callable, params, batch, *, has_aux: bool = False,
     _check_loss(jaxpr, has_aux)
     if default is None:
         default = defaults[-1] if defaults else (DEFAULTS.strategy or Strategy("replicate", None))
-    taskgraphs, assign = _group(jaxpr.jaxpr, n, default)
+    taskgraphs, assign = group_taskgraphs(jaxpr.jaxpr, n, default)
     param_paths = tuple(jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0])
     aux_tree, num_aux = aux_box[0] if aux_box else (None, 0)
     return Captured(jaxpr, taskgraphs, assign, n, params_tree, batch_tree, param_paths, b, has_aux,
@@ -262,7 +262,9 @@ def scope_of(eqn) -> tuple[Strategy, int] | None:
     return found
 
 
-def _group(jaxpr, num_params: int, default: Strategy):
+def group_taskgraphs(jaxpr, num_params: int, default: Strategy):
+    """The TaskGraphs of a captured jaxpr (one per primitive scope, un-annotated runs taking `default`)
+    and each equation's TaskGraph: what capture groups, and what a transform of the jaxpr regroups."""
     keys: dict[Any, int] = {}        # scope uid or ("default", run) -> TaskGraph index
     strategies: list[Strategy] = []
     annotated: list[bool] = []

@@ -73,7 +73,7 @@ def align(part: Captured, whole: Captured) -> Captured:
         new = _Aligner((part.global_batch, whole.global_batch)).jaxpr(jp, jg)
     except _Differ:
         return part
-    taskgraphs, assign = capture_mod._group(new, part.num_params, part.default)
+    taskgraphs, assign = capture_mod.group_taskgraphs(new, part.num_params, part.default)
     return dataclasses.replace(part, jaxpr=C.ClosedJaxpr(new, part.jaxpr.consts), taskgraphs=taskgraphs,
                                assign=assign)
 

@@ -79,6 +79,6 @@ def sink_casts(cap):
     returned = [v for v in jaxpr.outvars if not isinstance(v, C.Literal) and v in pending]
     moved = [pending.pop(v) for v in returned] + moved        # an input returned as it is
     new = jaxpr.replace(eqns=moved)
-    taskgraphs, assign = capture_mod._group(new, cap.num_params, cap.default)
+    taskgraphs, assign = capture_mod.group_taskgraphs(new, cap.num_params, cap.default)
     return dataclasses.replace(cap, jaxpr=C.ClosedJaxpr(new, cap.jaxpr.consts), taskgraphs=taskgraphs,
                                assign=assign)
