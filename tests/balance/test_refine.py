@@ -66,6 +66,15 @@ def test_noise_cannot_make_the_kept_split_slower_than_the_best_timed():
     assert cost(scale) <= 1.05 * best
 
 
+def test_a_coarse_placement_widens_the_first_step_until_a_neighbour_differs():
+    # a stage cut: 12 layers, the split moves only past x0.8 and x1.2; the optimum is the cut below
+    cuts = lambda s: 3 if s < 0.8 else (5 if s > 1.2 else 4)      # noqa: E731  layers on the slow stage
+    cost = lambda s: {3: 0.9, 4: 1.0, 5: 1.2}[cuts(s)]              # noqa: E731
+    scale, timed = search(cost, key=cuts, rounds=0)
+    assert cuts(scale) == 3 and {cuts(s) for s, _ in timed} == {3, 4, 5}
+    assert len(timed) == 3                                             # each placement timed once
+
+
 def test_the_confirmation_keeps_the_prediction_when_a_noisy_search_moved_to_a_slower_split():
     # the prediction is the optimum; one lucky timing of a far split makes the search move there
     cost, rows, best = _synthetic((3000.0, 1000.0), (0.0, 0.0), (3.0, 1.0))

@@ -101,7 +101,9 @@ def bracket_search(lo: float = LO, hi: float = HI, points: int = POINTS, min_ste
     [lo, hi]) are timed; the faster neighbour, if either beats it, becomes the best, else the step
     halves, until it is below `min_step` or `points` distinct placements were timed. Scales whose
     `key` (the placement they round to; default the scale itself) was timed already reuse that time
-    without a yield, so a placement too coarse to move at a step counts as no better."""
+    without a yield, so a placement too coarse to move at a step counts as no better. Where the first
+    step's neighbours both round to the prediction's placement (a coarse placement: a pipeline's
+    stage cut), the step first widens until a neighbour differs or the bracket's edge is reached."""
     check_bracket(lo, hi, points)
     key = key or (lambda s: s)
     seen: dict = {}
@@ -116,9 +118,12 @@ def bracket_search(lo: float = LO, hi: float = HI, points: int = POINTS, min_ste
 
     best, step = 1.0, (hi - lo) / 4
     f_best = yield from cost(best)
+    widest = max(1.0 - lo, hi - 1.0)
+    while step < widest and all(key(s) == key(best) for s in _neighbours(best, step, lo, hi)):
+        step = min(2 * step, widest)          # reach for the nearest placement that differs
     while step >= min_step and f_best is not None:
         moved = False
-        for s in sorted({min(max(best - step, lo), hi), min(max(best + step, lo), hi)} - {best}):
+        for s in _neighbours(best, step, lo, hi):
             t = yield from cost(s)
             if t is None:
                 return best
@@ -127,6 +132,11 @@ def bracket_search(lo: float = LO, hi: float = HI, points: int = POINTS, min_ste
         if not moved:
             step /= 2
     return best
+
+
+def _neighbours(best: float, step: float, lo: float, hi: float) -> list[float]:
+    """The scales `step` either side of `best`, within [lo, hi], in order."""
+    return sorted({min(max(best - step, lo), hi), min(max(best + step, lo), hi)} - {best})
 
 
 def search(cost: Callable[[float], float], lo: float = LO, hi: float = HI, points: int = POINTS,
