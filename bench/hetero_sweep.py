@@ -118,11 +118,10 @@ def worker(args):
         add(f"whalex ({c})", cluster)
         add(f"refined ({c})", cluster, hardware_aware="refine")
         refine_steps[f"refined ({c})"] = refine(steps, states, f"refined ({c})", batch, log)
-    seen = {split_of(s.plan) for n, s in steps.items() if n.startswith("whalex")}
     for f in args.factors:
         add(f"x{f:g}", base.with_speeds(scaled_speeds(base.speeds, f)[0], overhead=base.overhead))
     splits = {name: split_of(s.plan) for name, s in steps.items()}
-    log(f"splits: {splits} (whalex's: {sorted(seen)})")
+    log(f"splits: {splits}")
 
     run = harness.step_runner(steps, states, batch)     # the loss as a float: waits for the step on both processes
     timings = harness.interleaved({n: (lambda n=n: run(n)) for n in steps}, args.rounds, block=args.block,
