@@ -63,7 +63,7 @@ def test_no_device_copy_of_a_parameter_is_kept_for_the_backward_pass(amp):
     assert not fetched, fetched
     assert not weights(saved), weights(saved)
     assert any("from the argument h" in src for _, src in saved)       # the host arrays are what is kept
-    moves = _host_moves(C.open_jaxpr(plan.traced_step().jaxpr)[0])
+    moves = _host_moves(C.open_jaxpr(plan.functions.traced_step().jaxpr)[0])
     leaves = len(jax.tree.leaves(params))
     read_back = sum(any(k in jax.tree_util.keystr(path) for k in ("kernel", "scale"))
                     for path, _ in jax.tree_util.tree_leaves_with_path(params))
@@ -81,7 +81,7 @@ def test_layers_fetch_without_a_cse_barrier_on_what_they_keep():
     params, batch = problem()
     plan = wh.plan(loss_fn, params, batch, optax.sgd(0.1), config=wh.Config(offload="params", amp="bf16"))
     p = plan.program
-    text = p.jitted(donate=True).trace(*p.abstract_args()).lower(lowering_platforms=("cuda",)).as_text()
+    text = p.jitted(donate=True).trace(*p.functions.abstract_args()).lower(lowering_platforms=("cuda",)).as_text()
     moves = [line for line in text.splitlines() if "annotate_device_placement" in line]
     to_device = [line for line in moves if '_xla_buffer_placement = "device"' in line]
     assert all("has_side_effect = true" in line for line in moves)

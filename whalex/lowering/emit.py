@@ -26,6 +26,7 @@ from whalex.lowering import stage_rows
 from whalex.lowering.caller_layout import CallerLayout
 from whalex.memory import offload, precision, zero
 from whalex.memory.opt_state_specs import opt_state_specs
+from whalex.records.comm import Comm
 from whalex.records.memory_options import MemoryOptions, Precision, RematPlan
 from whalex.records.program import StageBuffers, StateLayout, TracedStep
 from whalex.records.sharding_plan import ExpertCall
@@ -127,6 +128,11 @@ class Emitter(CallerLayout):
         """comm_dtype: per TaskGraph, the mesh axes its gradients are summed over in the comm dtype
         and why not; None where the program runs no comm_dtype segments."""
         return None
+
+    def collectives(self) -> tuple[Comm, ...]:
+        """The collectives the program adds itself beside those XLA's partitioner derives from the
+        planner's constraints (none by default; a pipeline's stage rows and messages)."""
+        return ()
 
     def prepass(self) -> tuple[Callable, Callable]:
         """The loss contract's pre-pass alone as a jitted program, and a null program of the same inputs

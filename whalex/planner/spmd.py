@@ -34,6 +34,7 @@ from whalex.planner.patterns import plan_shardings
 from whalex.planner.patterns.stock import fuse_stock_layers
 from whalex.planner.split_cost import lowered_split_report
 from whalex.records.call_names import parse_attention_name, parse_mlp_name
+from whalex.records.lazy import Lazy
 
 
 def spmd_plan(req: Request, cap, report=None) -> Plan:
@@ -56,8 +57,8 @@ def spmd_plan(req: Request, cap, report=None) -> Plan:
                                else [(DATA,)] * len(program.captured.taskgraphs), req.capture)
     first = vds[cap.assign[(0,)]] if cap.assign else vds[0]
     parts = program.parts
-    couplings = tuple(parts.sem.lines()) + once if parts is not None else \
-        (lambda: whole_batch_couplings(req, full))       # found when asked (one more trace)
+    couplings = Lazy.of(tuple(parts.sem.lines()) + once) if parts is not None else \
+        Lazy(lambda: whole_batch_couplings(req, full))   # found when asked (one more trace)
     return assemble(req, program, layout, vds, taskgraph_rows(cap), Work(cap, cap.assign, m),
                     batch_sizes=(full.global_batch // layout.axis_size(first.batch_axes),) * layout.size,
                     global_batch=full.global_batch, param_specs=dict(zip(cap.param_paths, sharding.param_specs)),

@@ -20,6 +20,7 @@ from whalex.memory import MemoryOptions, account
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
 from whalex.planner.assemble import Work, assemble, taskgraph_rows
 from whalex.planner.common import Request, configure_memory, loss_parts
+from whalex.records.lazy import Lazy
 
 WAY_OUT = ("wh.Config(hardware_aware=False) (an even batch: the whole batch in one program), or a larger global "
            "batch (larger per-device chunks)")
@@ -130,7 +131,7 @@ def _plan(req: Request, program: UnevenProgram, probe, rows, b: int, report):
     return assemble(req, program, MeshLayout((DATA,), (k,)), vds, taskgraph_rows(cap),
                     Work(probe, probe.assign, b / probe.global_batch), batch_sizes=rows, global_batch=b,
                     param_specs={p: P() for p in cap.param_paths}, balance=report,
-                    batch_couplings=tuple(program.parts.sem.lines()))
+                    batch_couplings=Lazy.of(tuple(program.parts.sem.lines())))
 
 
 def _program(req: Request, full, cap_at, mesh, rows, unit, mem, one_size=False) -> UnevenProgram:
