@@ -81,7 +81,7 @@ def test_layers_fetch_without_a_cse_barrier_on_what_they_keep():
     params, batch = problem()
     plan = wh.plan(loss_fn, params, batch, optax.sgd(0.1), config=wh.Config(offload="params", amp="bf16"))
     p = plan.program
-    text = p.jitted(donate=True).trace(*p.functions.abstract_args()).lower(lowering_platforms=("cuda",)).as_text()
+    text = p.jitted(donate=True).trace(*p.abstract_args()).lower(lowering_platforms=("cuda",)).as_text()
     moves = [line for line in text.splitlines() if "annotate_device_placement" in line]
     to_device = [line for line in moves if '_xla_buffer_placement = "device"' in line]
     assert all("has_side_effect = true" in line for line in moves)
