@@ -235,11 +235,11 @@ class Plan:
         """The collectives XLA compiled the step to, per device: how many, the bytes each device sends
         per step, and how many run asynchronously with compute scheduled between start and done
         (compiles the step once; needs real devices or a `Cluster.gpu_topology`)."""
-        if self.compiled.collectives is None:
-            self._compile_step()
-        return self.compiled.collectives
+        found = self.compiled.collectives
+        return found if found is not None else self._compile_step()
 
-    def _compile_step(self) -> None:
+    def _compile_step(self) -> StepCollectives:
+        """Compile the step as it runs and keep XLA's memory analysis and collectives of it."""
         if self.cluster.is_abstract:
             raise ValueError("compiling the step needs devices; an abstract cluster can only be lowered: use "
                              "plan.predicted_memory(), or plan on Cluster.gpu_topology(kinds=...) to compile for "
@@ -250,7 +250,9 @@ class Plan:
         if self.schedule is not None:     # a pipeline's tick: forward or backward, M of each per device
             share = self.config.num_micro_batch / self.schedule.num_ticks
             arms = (share, share)
-        self.compiled.collectives = step_collectives(compiled.as_text(), self.layout.size, arms)
+        found = step_collectives(compiled.as_text(), self.layout.size, arms)
+        self.compiled.collectives = found
+        return found
 
     def device_rows(self) -> tuple[tuple[int, int], ...]:
         """The global-batch rows [start, stop) each device trains on in one step."""
