@@ -130,8 +130,8 @@ class Emitter(CallerLayout):
         return None
 
     def collectives(self) -> tuple[Comm, ...]:
-        """The collectives the program adds itself beside those XLA's partitioner derives from the
-        planner's constraints (none by default; a pipeline's stage rows and messages)."""
+        """The collectives one step runs as this program lowers it, per device; none reported by default
+        (the GSPMD and the pipeline programs report theirs)."""
         return ()
 
     def prepass(self) -> tuple[Callable, Callable]:

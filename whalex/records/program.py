@@ -4,8 +4,9 @@ A step program is what lowering builds from the planner's decisions and a `Plan`
 contract is split by who reads it: `ProgramState` (the parameters and batch with their shardings,
 the state in its storage layout and in the caller's: the api and checkpoints), `ProgramStep` (the
 loss-and-gradient function and the one jitted training step around it: the api, lowering, timing)
-and `ProgramReport` (the records it was built with and the collectives it adds: the Plan's views
-and the planner). `StepProgram` is all three. Every program class (`whalex.lowering.step.Program`,
+and `ProgramReport` (the records it was built with and the collectives its step runs: the Plan's
+views, and the planner, which reads those collectives as its predicted traffic rather than deriving
+them again). `StepProgram` is all three. Every program class (`whalex.lowering.step.Program`,
 `uneven`, `uneven_hybrid`, `pipeline.program`) is declared with `@step_program`, which holds it to
 `StepProgram`: statically (the decorator's parameter is typed with the protocol) and when its
 module is imported (every member present). The planner, the Plan and the api read programs only
@@ -148,8 +149,9 @@ class ProgramReport(Protocol):
     def has_aux(self) -> bool: ...
     def stage_buffers(self) -> StageBuffers | None: ...  # a pipeline's buffers; None for other programs
     def comm_report(self) -> dict | None: ...            # comm_dtype: per TaskGraph (axes, why not); None: none
-    # the collectives the program adds itself, per step and device (a pipeline's stage rows and
-    # messages); () where XLA's partitioner derives them all from the planner's constraints
+    # the collectives one step runs as the program lowers it, per device: the GSPMD program's sharding
+    # patterns over its micro-batch loop and ZeRO, a pipeline's stage rows, replica sync and messages;
+    # () where the program reports none (the planner's prediction stands)
     def collectives(self) -> tuple[Comm, ...]: ...
 
 
