@@ -128,7 +128,7 @@ class Plan:
     def report(self) -> ProgramReport:
         """The records the program was built with and runs: the loss as captured, mesh, optimizer,
         memory options, precision, remat, the loss contract's parts, experts, a pipeline's buffers,
-        the comm_dtype report and the collectives the program adds itself."""
+        the comm_dtype report and the collectives its step runs."""
         return self.program
 
     @property
