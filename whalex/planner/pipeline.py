@@ -172,8 +172,8 @@ def _layout(cap, config, placement, dp: int, num_stages: int, mp: int) -> _Layou
 
 
 def _program(req: Request, full, cap, cut, schedule, lay: _Layout, dp: int, mp: int, parts) -> PipelineProgram:
-    """The PipelineProgram on the mesh; PlanError for remat or activation
-    offload, which a pipeline's recomputation of each stage replaces."""
+    """The PipelineProgram on the mesh; PlanError for remat or activation offload, which a pipeline's
+    recomputation of each stage replaces."""
     config, cluster = req.config, req.cluster
     ordered = [cluster.devices[i] for row in lay.grid for i in row] if cluster.devices is not None else None
     mesh = lay.layout.build(ordered)
