@@ -23,7 +23,6 @@ from whalex.planner.common import Request, configure_memory, loss_parts
 from whalex.planner.patterns import plan_shardings
 from whalex.planner.stage_cut import cut_stages
 from whalex.primitives.scopes import Strategy
-from whalex.records.comm import Comm
 from whalex.records.lazy import Lazy
 from whalex.records.schedules import make_schedule
 
@@ -86,11 +85,9 @@ def pipeline_plan(req: Request, full, stage_of_eqn, strategies, stage_layers=Non
     lay = _layout(cap, config, placement, dp, num_stages, mp)
     # build: lowering's program
     program = _program(req, full, cap, cut, schedule, lay, dp, mp, parts)
-    # report: the stage rows, and the collectives the program reports beside the split layers'
+    # report: the stage rows, and the collectives the program reports (the split layers' among them)
     rows, vds = _stage_rows(full, st, cut, program, strategies, placement, dp, mp)
-    comms = list(program.collectives())
-    if lay.sharding is not None:             # the split layers' collectives over `model`, per micro-batch
-        comms += split_comms(lay.sharding, cap, stage_of_eqn, m)
+    comms = program.collectives()
     # assemble: the state is stored spread over every device; while computing, a device also holds
     # its stage's gathered parameter row and the row's gradient accumulator (stage_bytes)
     grad_bytes = program.param_width * np.dtype(program.param_dtype).itemsize
@@ -178,8 +175,10 @@ def _program(req: Request, full, cap, cut, schedule, lay: _Layout, dp: int, mp: 
     ordered = [cluster.devices[i] for row in lay.grid for i in row] if cluster.devices is not None else None
     mesh = lay.layout.build(ordered)
     mem = MemoryOptions.from_config(config, ((DATA,),) * cap.num_params)
+    planned = tuple(lay.sharding.comms) if lay.sharding is not None else ()
     program = PipelineProgram(cap, cut, schedule, mesh, req.optimizer, cluster.platform, full.global_batch, dp, mem,
-                              parts=parts, model_parallel=mp, model_dims=lay.model_dims, constraints=lay.constraints)
+                              parts=parts, model_parallel=mp, model_dims=lay.model_dims, constraints=lay.constraints,
+                              model_comms=planned)
     _ = program.param_dtype
     if config.remat not in (None, "full") or "activations" in (config.offload or ()):
         raise PlanError(f"a pipeline already recomputes each stage's forward from its stashed input (remat='full'); "
@@ -243,17 +242,6 @@ def batch_over_model(cap, mp: int) -> dict:
             out.update({((i,), "in", pos): P(MODEL) for pos, v in enumerate(eqn.invars)
                         if not isinstance(v, C.Literal) and v in batch})
     return out
-
-
-def split_comms(sharding, cap, stage_of_eqn, micro_batches: int) -> list[Comm]:
-    """The sharding patterns' collectives (planned per micro-batch, per split TaskGraph) as the stage
-    devices run them: every micro-batch, forward ones twice (the backward recomputes the forward)."""
-    stage_of_tg = {}
-    for i, st in enumerate(stage_of_eqn):
-        stage_of_tg.setdefault(cap.assign[(i,)], st)
-    return [Comm(stage_of_tg.get(c.taskgraph, 0), c.kind, c.axes,
-                 c.bytes * micro_batches * (1 if "(bwd)" in c.reason else 2), f"TG{c.taskgraph} {c.reason}")
-            for c in sharding.comms if c.bytes > 0]
 
 
 def stage_labels(cap, stage_of_eqn, num_stages):

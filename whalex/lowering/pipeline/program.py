@@ -32,7 +32,7 @@ from whalex.lowering.pipeline.packing import layout
 from whalex.lowering.pipeline.rows import ParamRows
 from whalex.lowering.pipeline.storage import SpreadStorage
 from whalex.lowering.pipeline.ticks import TickLoop
-from whalex.lowering.pipeline.traffic import stage_collectives
+from whalex.lowering.pipeline.traffic import split_layer_collectives, stage_collectives
 from whalex.memory import precision as precision_lib, zero as zero_lib
 from whalex.memory.opt_state_specs import opt_state_specs
 from whalex.records.comm import Comm
@@ -61,6 +61,7 @@ class PipelineProgram(Emitter):
     model_parallel: int = 1      # split TaskGraphs inside the stages: devices of the `model` mesh axis
     model_dims: tuple = ()       # per parameter leaf: its dimension split over `model` (None: whole)
     constraints: Any = None      # the split layers' sharding constraints ((path, "in"|"out", pos) -> spec)
+    model_comms: tuple = ()      # the split layers' collectives over `model` as planned for one micro-batch
 
     # -- the parameter rows (`rows.ParamRows`) -------------------------------------------------
     @property
@@ -227,11 +228,13 @@ class PipelineProgram(Emitter):
 
     def collectives(self) -> tuple[Comm, ...]:
         """Per stage, the collectives this step runs: stage rows gathered and scattered, the gradient
-        sync over replicas, the messages every tick (`traffic.stage_collectives`)."""
+        sync over replicas, the messages every tick, the split layers' over `model` (`traffic`)."""
         grad_bytes = self.param_width * np.dtype(self.param_dtype).itemsize
         invars = self.captured.jaxpr.jaxpr.invars[: self.captured.num_params]
-        return stage_collectives(self.schedule, invars, self.memory_options.zero_level, self.data_parallel,
+        rows = stage_collectives(self.schedule, invars, self.memory_options.zero_level, self.data_parallel,
                                  grad_bytes, self.message_width)
+        return rows + split_layer_collectives(self.model_comms, self.captured, self.cut.eqns, self.schedule.num_stages,
+                                              self.schedule.num_micro_batch)
 
     # -- the part outputs (`outputs.PartOutputs`) ------------------------------------------------
     @functools.cached_property

@@ -1,6 +1,7 @@
 """The collectives a pipeline step runs, as the program lowers them (`whalex.lowering.stage_rows`:
 the state spread over every device, gathered into stage rows and scattered back; the gradient
-sync over replicas; the messages between stages every tick), per stage and device."""
+sync over replicas; the messages between stages every tick; the split layers' inside the stages),
+per stage and device."""
 from __future__ import annotations
 
 import numpy as np
@@ -48,3 +49,17 @@ def _replica_sync(s: int, level: int, dp: int, grad_bytes: float) -> list[Comm]:
         out.append(Comm(s, "all-gather", (DATA,), ring_bytes("all-gather", grad_bytes, dp),
                         f"zero {level}: stage parameters over replicas"))
     return out
+
+
+def split_layer_collectives(planned, cap, chunk_eqns, num_stages: int, micro_batches: int) -> tuple[Comm, ...]:
+    """The split layers' collectives as the stage devices run them: `planned`, the sharding patterns'
+    for one micro-batch per split TaskGraph, run every micro-batch, the forward ones twice (the
+    backward recomputes the forward); each on the stage of its TaskGraph's first equation (chunk c
+    of `chunk_eqns` runs on stage c % num_stages)."""
+    stage_of_eqn = {i: c % num_stages for c, eqns in enumerate(chunk_eqns) for i in eqns}
+    stage_of_tg: dict = {}
+    for i in sorted(stage_of_eqn):
+        stage_of_tg.setdefault(cap.assign[(i,)], stage_of_eqn[i])
+    return tuple(Comm(stage_of_tg.get(c.taskgraph, 0), c.kind, c.axes,
+                      c.bytes * micro_batches * (1 if "(bwd)" in c.reason else 2), f"TG{c.taskgraph} {c.reason}")
+                 for c in planned if c.bytes > 0)
