@@ -93,7 +93,7 @@ def build(args) -> dict:
     state = step.init(params, host_batches[0])
     tree = step.plan.caller_state(state)
     return {"step": step, "state": state, "params": params, "host_batches": host_batches,
-            "batches": [jax.device_put(b, step.plan.batch_shardings) for b in host_batches],
+            "batches": [jax.device_put(b, step.plan.storage.batch_shardings) for b in host_batches],
             "n_params": sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params)),
             "ckpt_bytes": sum(x.nbytes for x in jax.tree.leaves(tree))}
 

@@ -183,7 +183,7 @@ def case_memory(size: dict, res: dict, name: str):
         res["summary"] = fn.plan.summary()
         res["predicted_bytes"] = max((m.state + m.activations for m in fn.plan.memory), default=None)
         res["offloaded_bytes"] = max((m.host for m in fn.plan.memory), default=0.0)
-        r = fn.plan.remat
+        r = fn.plan.report.remat
         if r is not None and r.flops:
             res["predicted_flops_ratio"] = r.flops / r.baseline_flops     # what recomputation adds
         m = fn.plan.compiled_memory()           # XLA's figure for the same step: args + outputs + temp - alias

@@ -43,7 +43,7 @@ How
       plan's host-side batch layout and transfer, identical for a and b).
 
     On 2 shared cores the end-to-end a/b interval is several percent wide, wider than the 2%
-    target, so the pre-pass is also timed alone (``plan.prepass()``: ``whalex.loss.evaluation.prepass``
+    target, so the pre-pass is also timed alone (``plan.functions.prepass()``: ``whalex.loss.evaluation.prepass``
     with the plan's PartLoss, the program's own loop over parts and the same combine over devices,
     as its own jitted program), beside a null program on the same inputs (the cost of a call). The whole call is an
     upper bound of what the pre-pass adds to a step. The compiled HLO of every program is
@@ -302,7 +302,7 @@ def check_variant(m, ref, name, lname, step):
 
 def prepass_alone(m, name, plan, state, placed) -> dict:
     """The same pre-pass as its own program, and a null one, checked to give the normaliser."""
-    pre, null = plan.prepass()
+    pre, null = plan.functions.prepass()
     pargs = (state.stored_params, placed)
     got = float(pre(*pargs)[0])
     assert got == m["real_tokens"], (name, got, m["real_tokens"])   # the normaliser: sum(w) over the global batch

@@ -148,7 +148,7 @@ def row(name: str, config: wh.Config, loss_fn, params, batch, optimizer) -> dict
     mem = {k: int(v) for k, v in plan.compiled_memory().items() if k in KEYS}
     compiled = plan.lowered(donate=True).compile()      # the step as wh.parallelize runs it: the state is donated
     donated = {k: int(getattr(compiled.memory_analysis(), k)) for k in KEYS}
-    state, placed_batch = plan.abstract_args()
+    state, placed_batch = plan.functions.abstract_args()
     split = {"params": shard_bytes(state.stored_params), "opt_state": shard_bytes(state.opt_state),
              "batch": shard_bytes(placed_batch), "step": shard_bytes(state.step),
              "host": shard_bytes(state, "pinned_host")}
@@ -240,7 +240,7 @@ def remat_rows(size: dict) -> tuple[list[dict], dict]:
         hand[name] = {"saved_per_device": saved / N_DEV, "flops": flops}
     base = hand["no remat"]
     loss_fn, params, batch = gpt_loss(size)
-    remat = lambda config: wh.plan(loss_fn, params, batch, optax.adam(1e-3), config=config).remat  # noqa: E731
+    remat = lambda config: wh.plan(loss_fn, params, batch, optax.adam(1e-3), config=config).report.remat  # noqa: E731
     probe = remat(wh.Config(remat="auto"))
     budget = 0.5 * (probe.state + probe.baseline)
     rows = []

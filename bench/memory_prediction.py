@@ -107,7 +107,7 @@ def measure(name: str, build, config: dict) -> dict:
     t2 = time.perf_counter()
     compiled = plan.step_memory()
     t3 = time.perf_counter()
-    cap = plan.captured
+    cap = plan.report.captured
     state = plan.memory[0].state
     old = residual_bytes(cap.jaxpr, cap.num_params) * cap.global_batch / plan.global_batch / plan.layout.size
     return {"case": name, "config": config, "program": plan.program_kind,

@@ -88,7 +88,7 @@ def plan_one(name: str) -> dict:
     fit = plan.memory_fit()
     t_fit = time.perf_counter() - t2
     flops = sum(t.flops for t in plan.task_graphs)
-    [experts_tg] = {e.experts_per_device for e in plan.experts}
+    [experts_tg] = {e.experts_per_device for e in plan.report.experts}
     assert f"mhlo.num_partitions = {c['gpus']}" in text
     assert t_plan + t_fit < 60 and t_lower < 60, (t_plan, t_fit, t_lower)
     node = cluster.nodes[0]

@@ -112,7 +112,8 @@ class Pair:
         self.loss = {"whalex": None, "plain": None}
         # the whalex plan must be the same placement as the hand-written one
         self.same_specs = (all(a.sharding.spec == P() for a in jax.tree.leaves(self.wstate.params))
-                           and all(s.spec == P("data") for s in jax.tree.leaves(self.wstep.plan.batch_shardings)))
+                           and all(s.spec == P("data")
+                                   for s in jax.tree.leaves(self.wstep.plan.storage.batch_shardings)))
 
     def call(self, side, mode):
         """One step of `side` on the next batch of `mode`; returns what to block on."""

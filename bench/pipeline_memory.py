@@ -146,7 +146,7 @@ def pipeline_row(loss_fn, params, args, M: int, schedule: str, optimizer, cluste
     # the step as wh.parallelize runs it: the TrainState is donated (outputs may alias inputs)
     donated = mem_dict(plan.lowered(donate=True).compile())
     sched = plan.schedule
-    buffers = plan.stage_buffers()
+    buffers = plan.report.stage_buffers()
     stash = (sched.slots + sched.grad_slots) * buffers.message_width * 4   # forward + gradient stash, f32
     batch_bytes = buffers.batch_bytes                      # what each device holds (padded stage row)
     return {

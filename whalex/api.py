@@ -181,8 +181,8 @@ class Step:
             state, p, jitted = self._resolve(state, batch)
         self._last = p
         batch = p.place_batch(batch)
-        if not p.step_compiled:                    # first call: compile ahead (the call reuses it) and keep
-            p.record_step_memory(jitted.lower(state, batch).compile().memory_analysis())   # XLA's figures
+        if not p.compiled.step:                    # first call: compile ahead (the call reuses it) and keep
+            p.compiled.keep_step(jitted.lower(state, batch).compile().memory_analysis())   # XLA's figures
         state, metrics = jitted(state, batch)
         self._last_call = _LastCall(weakref.ref(state), batch_tree, batch_signature, p, jitted)
         return state, metrics
@@ -212,7 +212,7 @@ class Step:
         if isinstance(batch, StageBatch):         # placed by a pipeline plan's place_batch: that plan
             shapes = _signature(jax.tree.leaves(batch))
             for k, q in self._plans.items():
-                if q.schedule is not None and _signature(jax.tree.leaves(q.batch_shapes())) == shapes:
+                if q.schedule is not None and _signature(jax.tree.leaves(q.storage.batch_shapes())) == shapes:
                     return self._relayout(state, q), q, self._jitted[k]
         if self._last is not None and self._last.schedule is not None:
             raise PlanError("the batch shapes differ from the ones this pipeline was planned for; call "
@@ -225,7 +225,7 @@ class Step:
     def _relayout(self, state: TrainState, p: Plan) -> TrainState:
         """`state` in the storage layout of plan `p`: as it is, or re-laid out as a checkpoint restore would
         when another plan (a new batch shape can re-plan a padded head) or another step made it."""
-        return state if p.holds(state) else p.adopt_state(state)
+        return state if p.storage.holds(state) else p.storage.adopt_state(state)
 
     def params(self, state: TrainState):
         """The parameters of `state` as the caller's pytree (unpacks padded uneven shards)."""

@@ -10,7 +10,7 @@ the caller's pytree before saving (`Plan.caller_state`); ZeRO shards and offload
 just global arrays, which orbax writes as such. Restoring plans like `step.init`, builds the
 caller-layout abstract target with shardings on THIS plan's mesh (orbax's own
 `to_shape_dtype_struct` would keep the saving mesh), restores into it, and converts to this plan's
-storage layout (`Plan.place_caller_state`). So a checkpoint saved under any plan or cluster
+storage layout (`plan.storage.place_caller_state`). So a checkpoint saved under any plan or cluster
 restores under any other, and plain orbax reads it without whalex.
 """
 from __future__ import annotations
@@ -82,7 +82,7 @@ class CheckpointManager:
         if at is None:
             raise PlanError(f"no checkpoint in {self.directory}; start with step.init(params, batch).")
         plan, params, model_state = step._prepare(params, example_batch, model_state, rng)
-        target = plan.caller_targets(model_state, rng)
+        target = plan.storage.caller_targets(model_state, rng)
         metadata = self._manager.item_metadata(at)
         saved = set(metadata.keys())
         missing = {"model_state", "rng"} & (set(target) - saved)
@@ -98,7 +98,7 @@ class CheckpointManager:
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target["step"].sharding),
                 dict(metadata["loss_scale"]))
         tree = self._manager.restore(at, args=ocp.args.StandardRestore(target))
-        return step._adopt(plan.place_caller_state(tree, rng), params, example_batch)
+        return step._adopt(plan.storage.place_caller_state(tree, rng), params, example_batch)
 
     # -- bookkeeping ----------------------------------------------------------------------------
     def latest_step(self) -> int | None:

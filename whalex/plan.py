@@ -2,23 +2,52 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
-from whalex.jaxpr.capture import Captured
+from whalex.balance.cost import BalanceReport
+from whalex.balance.refine import Refinement
 from whalex.jaxpr.hlo import StepCollectives, step_collectives
 from whalex.memory import fit
 from whalex.memory.accounting import DeviceMemory
 from whalex.memory.host_link import HostTraffic, host_traffic
 from whalex.memory.peak import Peak, compiled_peak
-from whalex.memory.remat import summary_lines
 from whalex.mesh.cluster import Cluster
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
 from whalex.primitives.config import Config
 from whalex.records.comm import Comm
-from whalex.records.memory_options import MemoryOptions, Precision, RematPlan
-from whalex.records.program import StageBuffers, StepProgram, TracedStep
-from whalex.records.sharding_plan import Coverage, ExpertCall, PatternChoice
+from whalex.records.lazy import Lazy
+from whalex.records.program import ProgramReport, ProgramState, ProgramStep, StepProgram
+from whalex.records.schedules import Schedule
+from whalex.records.sharding_plan import Coverage, PatternChoice
 from whalex.view import html as view_html, sections as view_sections, text as view_text
+
+
+class CompiledStep:
+    """What XLA compiled for a plan's step, kept once found: the one mutable part of a Plan, kept
+    apart from its frozen fields. Compiling is deterministic, so this is a memo of facts, never a
+    decision: the api fills it on the step's first call (`keep_step`), `plan.step_memory()`,
+    `plan.compiled_collectives()` and `plan.compiled_memory()` when first asked, and the summary
+    shows what it holds."""
+
+    __slots__ = ("memory", "step", "step_memory", "collectives")
+
+    def __init__(self) -> None:
+        self.memory: dict | None = None                   # compiled_memory(): the step, state not donated
+        self.step = False                                 # the step as it runs has been compiled
+        self.step_memory: Peak | None = None              # its memory analysis (None: the backend has none)
+        self.collectives: StepCollectives | None = None   # its collectives (found by compiling here only)
+
+    def keep_step(self, memory_analysis) -> None:
+        """Keep XLA's memory analysis of the step as it runs (None where a backend has none)."""
+        self.step_memory = compiled_peak(memory_analysis) if memory_analysis is not None else None
+        self.step = True
+
+
+def _no_couplings() -> Lazy[tuple[str, ...]]:
+    return Lazy.of(())
+
+
+def _no_peak() -> Lazy[Peak | None]:
+    return Lazy.of(None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +75,10 @@ class TaskGraphInfo:
 class Plan:
     """The parallel plan: TaskGraphs, VirtualDevices, per-device batch sizes, shardings, memory.
 
-    It carries the step program the planner built (`program`, a `whalex.records.program.StepProgram`);
-    the api, checkpoints, the view and the benches use the methods below, never the program itself."""
+    It carries the step program the planner built (`program`, a `whalex.records.program.StepProgram`)
+    and hands it out by reader, each part typed by its protocol: `storage` (the state's layout and
+    placement), `functions` (the step's functions) and `report` (the records it was built with). The
+    api, checkpoints, the view and the benches read those, never `program` itself."""
 
     cluster: Cluster
     config: Config
@@ -61,52 +92,55 @@ class Plan:
     comms: tuple[Comm, ...]
     memory: tuple[DeviceMemory, ...]
     program: StepProgram = dataclasses.field(repr=False, compare=False)
-    schedule: Any = None                      # the pipeline Schedule, when the plan is a pipeline
+    schedule: Schedule | None = None          # the pipeline schedule, when the plan is a pipeline
     stage_layers: tuple = ()                  # per stage, the names of the layers it holds
     placement: str = ""                       # which plan places the TaskGraphs (stages or shared devices), and why
-    balance: Any = None                       # the hardware-aware BalanceReport, on heterogeneous clusters
-    head_balance: Any = None                  # the split head's class shards when `balance` is the batch's (hybrid)
+    balance: BalanceReport | None = None      # the hardware-aware balance, on heterogeneous clusters
+    head_balance: BalanceReport | None = None   # the split head's class shards when `balance` is the batch's (hybrid)
     coverage: tuple[Coverage, ...] = ()       # every parameter a split TaskGraph reads, and its layout
-    refinement: Any = None                    # the splits Config(hardware_aware="refine") timed, and the one kept
-    batch_couplings: Any = dataclasses.field(default=(), repr=False, compare=False)   # lines, or a function of none
-    # the step's predicted per-device memory (a Peak), or a function of none finding it (one trace of the step)
-    predicted_peak: Any = dataclasses.field(default=None, repr=False, compare=False)
-    _cache: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    refinement: Refinement | None = None      # the splits Config(hardware_aware="refine") timed, and the one kept
+    # the loss contract's lines, and the step's predicted per-device memory (one trace of the step):
+    # found when first read
+    batch_couplings: Lazy[tuple[str, ...]] = dataclasses.field(default_factory=_no_couplings, repr=False,
+                                                                compare=False)
+    predicted_peak: Lazy[Peak | None] = dataclasses.field(default_factory=_no_peak, repr=False, compare=False)
+    compiled: CompiledStep = dataclasses.field(default_factory=CompiledStep, repr=False, compare=False)
 
     @property
     def couplings(self) -> tuple[str, ...]:
         """How the plan computes each batch reduction of the loss (the loss contract), one line each."""
-        if "couplings" not in self._cache:
-            c = self.batch_couplings
-            self._cache["couplings"] = tuple(c() if callable(c) else c)
-        return self._cache["couplings"]
+        return self.batch_couplings.value
 
-    # -- the step program's records ---------------------------------------------------------------
+    # -- the step program, by reader ----------------------------------------------------------------
+    @property
+    def storage(self) -> ProgramState:
+        """How the step stores and places the state and the batch: shapes, shardings, the caller's
+        layout (`param_view`), fresh, checkpointed and adopted states, the state layout memory reads."""
+        return self.program
+
+    @property
+    def functions(self) -> ProgramStep:
+        """The step's functions: `value_and_grad`, the train and gradient steps, `jitted`, abstract
+        arguments, `lower`, the loss contract's pre-pass, the step traced to a jaxpr."""
+        return self.program
+
+    @property
+    def report(self) -> ProgramReport:
+        """The records the program was built with and runs: the loss as captured, mesh, optimizer,
+        memory options, precision, remat, the loss contract's parts, experts, a pipeline's buffers,
+        the comm_dtype report and the collectives its step runs."""
+        return self.program
+
     @property
     def program_kind(self) -> str:
         """The kind of step program carrying the plan out: Program (GSPMD), UnevenProgram,
         HybridProgram, PipelineProgram."""
         return type(self.program).__name__
 
-    @property
-    def captured(self) -> Captured:
-        """The loss as the program runs it (traced at the size of its parts: micro-batch, chunk)."""
-        return self.program.captured
-
-    @property
-    def memory_options(self) -> MemoryOptions:
-        """ZeRO level and offloaded state, as the program lays out its state."""
-        return self.program.memory_options
-
-    @property
-    def remat(self) -> RematPlan | None:
-        """What each TaskGraph (or layer) recomputes, and activation offload; None without remat."""
-        return self.program.remat
-
     def host_traffic(self) -> tuple[HostTraffic | None, ...]:
         """Per device: what offload moves over its host link a step, and the least time that takes at the
         device kind's host bandwidth (None on a device whose state and activations all stay on it)."""
-        r = self.remat
+        r = self.report.remat
         acts = r.offloaded if r is not None and r.offloaded else 0.0
         fetches = 3 if self.params_fetched_per_layer else 1
         return tuple(host_traffic(m, spec, acts, fetches) for m, spec in zip(self.memory, self.cluster.specs))
@@ -115,96 +149,25 @@ class Plan:
     def params_fetched_per_layer(self) -> bool:
         """offload="params": whether each layer fetches its parameters (forward, again for the backward)
         rather than the whole tree coming to the device at the start of the step."""
-        return self.program.fetch_shardings is not None
+        return self.storage.fetch_shardings is not None
 
-    @property
-    def precision(self) -> Precision | None:
-        """amp and comm_dtype as the program runs them; None in full precision."""
-        return self.program.precision
-
-    @property
-    def experts(self) -> tuple[ExpertCall, ...]:
-        """The MoE calls run expert-parallel."""
-        return self.program.experts
-
-    def remat_precision_lines(self) -> list[str]:
-        """What the summary says of remat (per TaskGraph or layer), amp and the gradient dtype."""
-        p = self.program
-        return summary_lines(p.remat, p.precision, p.comm_report())
-
-    def stage_buffers(self) -> StageBuffers | None:
-        """A pipeline's per-device buffers (parameter rows, messages, its batch); None otherwise."""
-        return self.program.stage_buffers()
-
-    # -- the step -------------------------------------------------------------------------------------
-    @property
-    def param_shardings(self):
-        """Where the stored parameters live (a pytree of shardings)."""
-        return self.program.param_shardings
-
-    @property
-    def batch_shardings(self):
-        """Where the batch the step takes lives (uneven plans: padded per-device blocks)."""
-        return self.program.batch_shardings
-
-    def batch_shapes(self):
-        """ShapeDtypeStructs of the batch the step takes, as `place_batch` lays it out."""
-        return self.program.batch_shapes()
-
-    def value_and_grad(self):
-        """(params, batch, extra=()) -> ((loss, aux, new model state), grads) as the step computes them
-        (params in the stored layout, the batch placed by `place_batch`)."""
-        return self.program.value_and_grad()
-
+    # -- the documented conveniences: the step without a Step ---------------------------------------
     def jitted(self, donate: bool = True):
         """The jitted training step (state, batch) -> (state, metrics), the state donated; without an
         optimizer, (params, batch) -> (loss, grads)."""
-        return self.program.jitted(donate)
-
-    def abstract_args(self) -> tuple:
-        """ShapeDtypeStructs with shardings for every argument of the jitted step."""
-        return self.program.abstract_args()
-
-    def traced_step(self) -> TracedStep:
-        """The step as `wh.parallelize` runs it (state donated), traced to a jaxpr: plain data."""
-        return self.program.traced_step()
-
-    def prepass(self):
-        """The loss contract's pre-pass alone as a jitted program, and a null program of the same
-        inputs (plans that run the loss in parts; a PlanError for the others)."""
-        return self.program.prepass()
-
-    # -- the state ------------------------------------------------------------------------------------
-    @property
-    def param_view(self):
-        """How `TrainState.params` reads the caller's pytree when the plan stores its own layout (None:
-        it stores the caller's)."""
-        return self.program.param_view
+        return self.functions.jitted(donate)
 
     def init_state(self, params, model_state=None, rng=None):
         """A fresh `TrainState`: params (copied) placed per the plan, a new optimizer state."""
-        return self.program.init_state(params, model_state, rng)
+        return self.storage.init_state(params, model_state, rng)
 
     def caller_state(self, state) -> dict:
         """`state` in the caller's layout (what a checkpoint holds)."""
-        return self.program.caller_state(state)
+        return self.storage.caller_state(state)
 
-    def caller_targets(self, model_state=None, rng=None) -> dict:
-        """Abstract caller-layout state on this plan's mesh, to restore a checkpoint into."""
-        return self.program.caller_targets(model_state, rng)
-
-    def place_caller_state(self, tree: dict, rng=None):
-        """A `TrainState` of this plan from caller-layout values (a restored checkpoint)."""
-        return self.program.place_caller_state(tree, rng)
-
-    def holds(self, state) -> bool:
-        """Whether `state` is stored as this plan stores it (what its jitted step accepts as it is)."""
-        return self.program.holds(state)
-
-    def adopt_state(self, state):
-        """`state`, made by another plan or step of the same parameters, placed per this plan as a
-        checkpoint restore would place it (values moved, never recomputed; `state` is copied)."""
-        return self.program.adopt_state(state)
+    def place_batch(self, batch):
+        """The global batch placed for the step (uneven plans lay rows out per device)."""
+        return self.storage.place_batch(batch)
 
     # -- memory -------------------------------------------------------------------------------------
     def memory_fit(self) -> fit.MemoryFit:
@@ -213,106 +176,87 @@ class Plan:
         fitting is judged on XLA:GPU's compiled step (compiled once, as `step_memory()`)."""
         n = self.layout.size
         compiled = self.step_memory().total if self.cluster.compile_only else None
-        return fit.memory_fit(self.program.state_layout(), self.captured, self.virtual_devices,
-                              self.cluster.specs[:n], self.cluster.host_bytes[:n], self.experts, compiled)
+        return fit.memory_fit(self.storage.state_layout(), self.report.captured, self.virtual_devices,
+                              self.cluster.specs[:n], self.cluster.host_bytes[:n], self.report.experts, compiled)
 
     # -- lowering ---------------------------------------------------------------------------
     def lowered(self, donate: bool = False):
         """The `jax.stages.Lowered` training step (works on abstract clusters too); `donate=True`: as
         `wh.parallelize` runs it, the state donated."""
+        step = self.functions
         if not donate:
-            return self.program.lower()
-        p = self.program
-        return p.jitted(donate=True).trace(*p.abstract_args()).lower(lowering_platforms=(p.platform,))
+            return step.lower()
+        return step.jitted(donate=True).trace(*step.abstract_args()).lower(lowering_platforms=(self.report.platform,))
 
     def lower(self) -> str:
         """The sharded StableHLO text of one training step."""
         return self.lowered().as_text()
 
     def compiled_memory(self) -> dict:
-        """XLA's per-device memory analysis of the compiled step (needs real devices; cached)."""
+        """XLA's per-device memory analysis of the compiled step (needs real devices; kept)."""
         if self.cluster.is_abstract:
             raise ValueError("compiled_memory() needs devices; an abstract cluster can only be lowered. Use "
                              "plan.memory for the planned per-device state, plan on Cluster.detect(), or on "
                              "Cluster.gpu_topology(kinds=...) to compile for XLA:GPU without GPUs.")
-        if "memory" not in self._cache:
+        if self.compiled.memory is None:
             m = self.lowered().compile().memory_analysis()
-            self._cache["memory"] = {k: getattr(m, k) for k in (
+            self.compiled.memory = {k: getattr(m, k) for k in (
                 "argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
                 "alias_size_in_bytes", "generated_code_size_in_bytes") if hasattr(m, k)}
-        return dict(self._cache["memory"])
+        return dict(self.compiled.memory)
 
     # -- the step's memory: predicted, and XLA's once compiled ------------------------------------
     def predicted_memory(self) -> Peak | None:
         """Predicted per-device memory of the training step as it runs, state donated (a `Peak`:
         arguments, outputs, temporaries, total), from a replay of the step's jaxpr; found when first
         asked (one trace of the step), no compilation, so abstract clusters have it too."""
-        if "predicted" not in self._cache:
-            p = self.predicted_peak
-            self._cache["predicted"] = p() if callable(p) else p
-        return self._cache["predicted"]
+        return self.predicted_peak.value
 
     @property
     def compiled_step_memory(self) -> Peak | None:
         """XLA's per-device figures for the training step as `wh.parallelize` runs it (arguments,
         outputs less those written into the donated state, temp), once it has been compiled: by its
         first call, or by `step_memory()`. None before."""
-        return self._cache.get("step_memory")
-
-    @property
-    def step_compiled(self) -> bool:
-        """Whether the step has been compiled and its memory analysis kept (`record_step_memory`)."""
-        return "step_memory" in self._cache
-
-    def record_step_memory(self, memory_analysis) -> None:
-        """Keep XLA's memory analysis of the compiled step (the step records it on its first call;
-        None where a backend has none)."""
-        self._cache["step_memory"] = compiled_peak(memory_analysis) if memory_analysis is not None else None
+        return self.compiled.step_memory
 
     def step_memory(self) -> Peak:
         """XLA's per-device figures for the training step as it runs (state donated), compiling it
         if no step has yet (needs real devices, or a `Cluster.gpu_topology` for XLA:GPU's figure)."""
-        if not self.step_compiled:
+        if not self.compiled.step:
             self._compile_step()
-        return self.compiled_step_memory
+        return self.compiled.step_memory
 
     @property
     def compiled_step_collectives(self) -> StepCollectives | None:
         """`compiled_collectives()` once the step has been compiled by it or by `step_memory()`; None before."""
-        return self._cache.get("collectives")
+        return self.compiled.collectives
 
     def compiled_collectives(self) -> StepCollectives:
         """The collectives XLA compiled the step to, per device: how many, the bytes each device sends
         per step, and how many run asynchronously with compute scheduled between start and done
         (compiles the step once; needs real devices or a `Cluster.gpu_topology`)."""
-        if "collectives" not in self._cache:
-            self._compile_step()
-        return self._cache["collectives"]
+        found = self.compiled.collectives
+        return found if found is not None else self._compile_step()
 
-    def _compile_step(self) -> None:
+    def _compile_step(self) -> StepCollectives:
+        """Compile the step as it runs and keep XLA's memory analysis and collectives of it."""
         if self.cluster.is_abstract:
             raise ValueError("compiling the step needs devices; an abstract cluster can only be lowered: use "
                              "plan.predicted_memory(), or plan on Cluster.gpu_topology(kinds=...) to compile for "
                              "XLA:GPU without GPUs.")
         compiled = self.lowered(donate=True).compile()
-        self.record_step_memory(compiled.memory_analysis())
+        self.compiled.keep_step(compiled.memory_analysis())
         arms = None
         if self.schedule is not None:     # a pipeline's tick: forward or backward, M of each per device
             share = self.config.num_micro_batch / self.schedule.num_ticks
             arms = (share, share)
-        self._cache["collectives"] = step_collectives(compiled.as_text(), self.layout.size, arms)
-
-    @property
-    def mesh(self):
-        return self.program.mesh
-
-    def place_batch(self, batch):
-        """The global batch placed for the step (uneven plans lay rows out per device)."""
-        return self.program.place_batch(batch)
+        found = step_collectives(compiled.as_text(), self.layout.size, arms)
+        self.compiled.collectives = found
+        return found
 
     def device_rows(self) -> tuple[tuple[int, int], ...]:
         """The global-batch rows [start, stop) each device trains on in one step."""
-        rows = self.program.row_ranges()
+        rows = self.storage.row_ranges()
         if rows is not None:
             return rows
         starts = [0]

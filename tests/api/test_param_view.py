@@ -93,9 +93,9 @@ def test_a_state_from_another_step_is_relaid_out():
     state, _ = _train(maker, maker.init(params, batch), [batch])
     step = wh.parallelize(loss_fn, SGD, cluster=cluster)
     step.init(params, batch)
-    assert state.view is not step.plan.program.param_view
+    assert state.view is not step.plan.storage.param_view
     moved, losses = _train(step, state, [batch] * 2)
-    assert moved.view is step.plan.program.param_view
+    assert moved.view is step.plan.storage.param_view
     kept, ref_losses = _train(maker, state, [batch] * 2)      # the other step's state was copied, not consumed
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     assert max(jax.tree.leaves(jax.tree.map(rel_err, moved.params, kept.params))) < 1e-6

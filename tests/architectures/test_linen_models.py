@@ -98,7 +98,9 @@ def test_convolution_gradients_under_gradient_accumulation():
         return jax.numpy.mean((h - b["y"]) ** 2)
 
     plan = wh.plan(loss_fn, params, batch, None, config=wh.Config(num_micro_batch=2))
-    _, grads = plan.jitted()(jax.device_put(params, plan.param_shardings), jax.device_put(batch, plan.batch_shardings))
+    storage = plan.storage
+    placed = jax.device_put(params, storage.param_shardings), jax.device_put(batch, storage.batch_shardings)
+    _, grads = plan.jitted()(*placed)
     assert rel_err(grads["k"], jax.grad(loss_fn)(params, batch)["k"]) < 1e-5
     assert any("once per micro-batch" in line and "convolution" in line for line in plan.couplings)
 

@@ -51,9 +51,9 @@ def test_every_sample_counts_exactly_once():
     x = np.full((len(plan.batch_sizes) * block, B), np.nan, np.float32)  # poison every padding row
     for i, (a, b) in enumerate(plan.device_rows()):
         x[i * block:i * block + (b - a)] = np.asarray(batch["onehot"])[a:b]
-    assert x.shape == plan.batch_shapes()["onehot"].shape
-    placed = jax.device_put({"onehot": x}, plan.batch_shardings)
-    loss, grads = plan.jitted()(jax.device_put(params, plan.param_shardings), placed)
+    assert x.shape == plan.storage.batch_shapes()["onehot"].shape
+    placed = jax.device_put({"onehot": x}, plan.storage.batch_shardings)
+    loss, grads = plan.jitted()(jax.device_put(params, plan.storage.param_shardings), placed)
     np.testing.assert_allclose(np.asarray(grads["w"]), np.full(B, 1.0 / B), rtol=1e-6)
     assert np.isfinite(float(loss))
     # and the rows each device owns tile the batch exactly once

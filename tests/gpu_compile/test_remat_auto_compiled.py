@@ -21,10 +21,10 @@ def _plan(cluster, budget):
 def test_remat_auto_is_decided_from_the_compiled_step():
     budget = 1.05e9
     plan = _plan(wh.Cluster.gpu_topology(kinds=["H100-80GB"] * 8), budget)
-    remat = plan.program.remat
+    remat = plan.report.remat
     assert remat.compiled is not None and remat.compiled <= budget and remat.compiles >= 2
     assert plan.step_memory().total == pytest.approx(remat.compiled)     # what it was decided on
-    replay_only = _plan(wh.Cluster.abstract(kinds=["H100-80GB"] * 8), budget).program.remat
+    replay_only = _plan(wh.Cluster.abstract(kinds=["H100-80GB"] * 8), budget).report.remat
     assert replay_only.compiled is None
     assert remat.flops < replay_only.flops            # it recomputes less than the replay alone chose
     assert "decided from XLA's compiled step" in plan.summary()

@@ -85,7 +85,7 @@ def test_broadcast_mask_in_a_pipeline_of_one_sample_micro_batches(opt):
     step, _ = assert_matches(loss_fn, params, batch, steps=3, optimizer=_optimizer(opt), config=config,
                              cluster=wh.Cluster.detect())
     plan = step.plan
-    assert plan.program_kind == "PipelineProgram" and plan.captured.global_batch == 1
+    assert plan.program_kind == "PipelineProgram" and plan.report.captured.global_batch == 1
     assert len(plan.task_graphs) == 2
 
 
@@ -93,7 +93,7 @@ def test_broadcast_mask_under_gradient_accumulation_of_one_sample():
     loss_fn, params, batch = _llama()
     step, _ = assert_matches(loss_fn, params, batch, steps=2, optimizer=optax.sgd(0.5),
                              config=wh.Config(num_micro_batch=B), cluster=wh.Cluster(kinds=["V100-32GB"]))
-    assert step.plan.captured.global_batch == 1
+    assert step.plan.report.captured.global_batch == 1
 
 
 def _abstract(batch):

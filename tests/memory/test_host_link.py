@@ -34,8 +34,8 @@ def test_offloaded_activations_are_what_full_remat_keeps():
     plan = _plan(("activations",))
     t = plan.host_traffic()[0]
     assert [x.what for x in t.transfers] == ["activations"]
-    cap = plan.captured
-    kept = saved_bytes(cap, RematPlan(("full",) * len(cap.taskgraphs), "full", plan.remat.layers))
+    cap = plan.report.captured
+    kept = saved_bytes(cap, RematPlan(("full",) * len(cap.taskgraphs), "full", plan.report.remat.layers))
     assert t.to_device == t.to_host == pytest.approx(kept / 8) and kept > 0
     assert kept < saved_bytes(cap, None)          # less than what the step keeps without remat
 

@@ -105,7 +105,7 @@ def test_plan_summary_checks_offload_against_host_memory_and_still_lowers():
 
 
 def test_repeated_blocks_are_measured_once_with_the_same_result():
-    cap = _plan(wh.Cluster.abstract(["V100-32GB"] * N)).captured
+    cap = _plan(wh.Cluster.abstract(["V100-32GB"] * N)).report.captured
     jaxpr = cap.jaxpr.jaxpr
     groups = taskgraph_eqns(jaxpr, cap.assign, len(cap.taskgraphs))
     keys = [subgraph_key(jaxpr, g, i, o) for g, (i, o, _) in zip(groups, subgraph_functions(jaxpr, groups))]

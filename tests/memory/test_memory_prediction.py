@@ -113,7 +113,7 @@ def test_gpt_activations_are_what_xla_keeps_not_every_residual_jax_saves():
     cheap ones inside its fusions. The former estimate (the residuals) overshot XLA's whole step."""
     loss_fn, params, batch = gpt()
     plan = wh.plan(loss_fn, params, batch, optax.adamw(1e-3))
-    cap = plan.captured
+    cap = plan.report.captured
     residuals = residual_bytes(cap.jaxpr, cap.num_params) / plan.layout.size
     assert plan.memory[0].state + residuals > 1.15 * plan.step_memory().total
     assert plan.memory[0].activations < 0.75 * residuals

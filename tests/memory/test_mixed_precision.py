@@ -69,7 +69,7 @@ def test_amp_trains_like_fp32_with_fp32_master_weights(builder, strategy, amp):
     assert float_dtypes(state.params) == {"float32"} and float_dtypes(state.opt_state) <= {"float32"}
     plan = step.plan
     half = {"bf16": "bfloat16", "fp16": "float16"}[amp]
-    dots = [e for e in plan.captured.jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    dots = [e for e in plan.report.captured.jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
     assert dots and {str(e.outvars[0].aval.dtype) for e in dots} == {half}       # compute is half precision
     # the casts joined the TaskGraphs that read each value: same TaskGraphs as the fp32 plan
     plain = wh.plan(loss_fn, params, batch, SGD)
@@ -209,7 +209,7 @@ def test_gradient_all_reduces_are_bf16_in_the_partitioned_hlo(strategy):
     plan = wh.plan(loss_fn, params, batch, SGD, config=wh.Config(comm_dtype="bf16"))
     half = all_reduce_operands(partitioned_hlo(plan.lowered()))
     shards = {tuple(sorted(sh.shard_shape(np.shape(x)))) for x, sh in                # per-device gradient shapes
-              zip(jax.tree.leaves(params), jax.tree.leaves(plan.param_shardings)) if np.ndim(x)}
+              zip(jax.tree.leaves(params), jax.tree.leaves(plan.storage.param_shardings)) if np.ndim(x)}
     synced = {s for d, s in base if s in shards}                             # gradients all-reduced in fp32
     assert synced and {d for d, s in base if s in synced} == {"f32"}
     assert {s for d, s in half if d == "bf16"} == synced                      # now all in bf16 ...
@@ -238,7 +238,7 @@ def test_comm_dtype_pipeline_and_uneven_psum_in_bf16():
     params, batch = _plain()
     plan = wh.plan(_two_stage, params, batch, SGD, config=wh.Config(comm_dtype="bf16", num_micro_batch=4))
     ops = all_reduce_operands(partitioned_hlo(plan.lowered()))
-    width = plan.stage_buffers().param_width
+    width = plan.report.stage_buffers().param_width
     assert ("bf16", (width,)) in ops and ("f32", (width,)) not in ops           # the stage gradient row
     _, fp32 = reference_train(_two_stage, params, batch, SGD, 3)
     _, state, step = whalex_train(_two_stage, params, batch, SGD, 3,

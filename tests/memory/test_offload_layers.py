@@ -63,7 +63,7 @@ def test_no_device_copy_of_a_parameter_is_kept_for_the_backward_pass(amp):
     assert not fetched, fetched
     assert not weights(saved), weights(saved)
     assert any("from the argument h" in src for _, src in saved)       # the host arrays are what is kept
-    moves = _host_moves(C.open_jaxpr(plan.traced_step().jaxpr)[0])
+    moves = _host_moves(C.open_jaxpr(plan.functions.traced_step().jaxpr)[0])
     leaves = len(jax.tree.leaves(params))
     read_back = sum(any(k in jax.tree_util.keystr(path) for k in ("kernel", "scale"))
                     for path, _ in jax.tree_util.tree_leaves_with_path(params))

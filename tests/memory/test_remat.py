@@ -41,7 +41,7 @@ def wide_model():
 def used(plan) -> float:
     """Per-device bytes of the compiled step as it runs, state donated: arguments + outputs + temp
     - aliased (XLA memory_analysis; the undonated compile parks gradients in its output buffers)."""
-    m = plan.jitted(donate=True).trace(*plan.abstract_args()).lower().compile().memory_analysis()
+    m = plan.jitted(donate=True).trace(*plan.functions.abstract_args()).lower().compile().memory_analysis()
     return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
 
 
@@ -57,7 +57,7 @@ def test_remat_trains_to_the_plain_parameters(builder, strategy, remat):
     loss_fn, params, batch = builder(strategy, "ctx")
     step, _ = assert_matches(loss_fn, params, batch, steps=5, config=wh.Config(remat=remat))
     assert f"remat ({remat}): TG0 {remat}" in step.plan.summary()
-    text = str(step.plan.traced_step().jaxpr)
+    text = str(step.plan.functions.traced_step().jaxpr)
     assert "remat2" in text or "checkpoint" in text                          # really rematerialized
 
 
@@ -80,7 +80,7 @@ def test_each_remat_segment_finishes_its_backward_before_the_next_starts():
     loss_fn, params, batch = wide_model()
     plan = wh.plan(loss_fn, params, batch, SGD, config=wh.Config(remat="dots_saveable"))
     barriers = plan.lower().count("optimization_barrier")
-    segments = sum(level is not None for level in plan.remat.levels)
+    segments = sum(level is not None for level in plan.report.remat.levels)
     assert segments == 3 and barriers >= 3 * segments           # the checkpoint's, before and after
 
 
@@ -88,17 +88,17 @@ def test_remat_auto_fits_a_budget_the_plain_plan_exceeds_and_trains_the_same():
     """remat="auto" decides per layer from what JAX keeps for the backward pass (a figure true on every
     backend), so it fits on CPU a budget of half the no-remat step's state + saved activations."""
     loss_fn, params, batch = wide_model()
-    full = wh.plan(loss_fn, params, batch, SGD, config=wh.Config(remat="full")).remat
+    full = wh.plan(loss_fn, params, batch, SGD, config=wh.Config(remat="full")).report.remat
     budget = (full.saved + 0.5 * (full.baseline - full.saved)) + _state(loss_fn, params, batch)
     config = wh.Config(remat="auto", memory_budget=budget)
     plan = wh.plan(loss_fn, params, batch, SGD, config=config)
-    r = plan.remat
+    r = plan.report.remat
     assert r.state + r.baseline > budget >= r.state + r.saved                  # needed remat, and fits
     assert any(r.segment_levels) and not all(r.segment_levels)                 # some layers, not all
     assert "remat (auto): per layer" in plan.summary() and "budget" in plan.summary()
     _, ref = reference_train(loss_fn, params, batch, SGD, 2)
     _, state, step = whalex_train(loss_fn, params, batch, SGD, 2, config=config)
-    assert step.plan.remat.segment_levels == r.segment_levels
+    assert step.plan.report.remat.segment_levels == r.segment_levels
     assert max(jax.tree.leaves(jax.tree.map(rel_err, step.params(state), ref))) < 1e-5
 
 
@@ -109,12 +109,12 @@ def _state(loss_fn, params, batch) -> float:
 def test_remat_auto_keeps_everything_when_the_budget_allows_and_refuses_an_impossible_one():
     loss_fn, params, batch = plain_model("hybrid", "ctx")
     plan = wh.plan(loss_fn, params, batch, adam(), config=wh.Config(remat="auto"))     # the device's memory
-    assert not any(plan.remat.segment_levels) and plan.remat.budget == 16 * 2 ** 30
+    assert not any(plan.report.remat.segment_levels) and plan.report.remat.budget == 16 * 2 ** 30
     with pytest.raises(wh.PlanError, match="cannot fit the step in memory_budget"):
         wh.plan(loss_fn, params, batch, adam(), config=wh.Config(remat="auto", memory_budget=4096))
     abstract = wh.plan(loss_fn, params, batch, adam(), config=wh.Config(remat="auto"),   # no compile needed
                        cluster=wh.Cluster.abstract(["V100-32GB"] * 8))
-    assert abstract.remat.budget == 32 * 2 ** 30
+    assert abstract.report.remat.budget == 32 * 2 ** 30
 
 
 def test_remat_policy_lowers_on_an_abstract_cluster():
@@ -145,11 +145,11 @@ def test_activation_offload_moves_boundary_activations_to_pinned_host(remat):
     loss_fn, params, batch = plain_model("hybrid", "ctx")
     config = wh.Config(offload="activations", remat=remat)
     step, _ = assert_matches(loss_fn, params, batch, steps=5, config=config)
-    jaxpr = str(step.plan.traced_step().jaxpr)
+    jaxpr = str(step.plan.functions.traced_step().jaxpr)
     # the backbone's output (batch 32 x hidden 24 on the host) is stored to pinned host memory ...
     assert "MemorySpace.Host" in jaxpr and "f32<host>[32,24]" in jaxpr
     assert "offloaded to pinned_host" in step.plan.summary()
-    plain = str(wh.plan(loss_fn, params, batch, adam()).traced_step().jaxpr)
+    plain = str(wh.plan(loss_fn, params, batch, adam()).functions.traced_step().jaxpr)
     assert "MemorySpace.Host" not in plain                                      # ... and only with the option
 
 
@@ -165,14 +165,14 @@ def test_zero3_with_auto_remat_and_bf16_amp():
     backward pass keeps) and trains like fp32 within bf16's tolerance (see test_amp)."""
     loss_fn, params, batch = wide_model()
     base = wh.Config(zero_level=3, amp="bf16")
-    full = wh.plan(loss_fn, params, batch, SGD, config=base.replace(remat="full")).remat
+    full = wh.plan(loss_fn, params, batch, SGD, config=base.replace(remat="full")).report.remat
     state = max(m.state for m in wh.plan(loss_fn, params, batch, SGD, config=base).memory)
     budget = state + (full.saved + full.baseline) / 2
     config = base.replace(remat="auto", memory_budget=budget)
     plan = wh.plan(loss_fn, params, batch, SGD, config=config)
-    r = plan.remat
+    r = plan.report.remat
     assert r.state + r.baseline > budget >= r.state + r.saved and any(r.segment_levels)
-    assert plan.memory_options.zero_level == 3
+    assert plan.report.memory_options.zero_level == 3
     _, fp32 = reference_train(loss_fn, params, batch, SGD, 3)
     _, same = reference_train(AmpLoss(loss_fn, "bf16", False), params, batch, SGD, 3)
     _, state, step = whalex_train(loss_fn, params, batch, SGD, 3, config=config)

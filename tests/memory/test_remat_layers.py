@@ -62,7 +62,7 @@ def test_full_remat_of_an_unannotated_model_saves_like_nn_remat_per_block():
     at most 1.10x the same fraction of the hand-written nn.remat(Block) model."""
     params, batch = problem()
     hand = _saved(_hand_loss, params, batch) / _saved(loss_fn, params, batch)
-    r = wh.plan(loss_fn, params, batch, optax.sgd(0.1), config=wh.Config(remat="full")).remat
+    r = wh.plan(loss_fn, params, batch, optax.sgd(0.1), config=wh.Config(remat="full")).report.remat
     assert r.saved / r.baseline <= 1.10 * hand, (r.saved / r.baseline, hand)
     assert 0 < r.saved < r.baseline
     assert "saved for the backward pass" in wh.plan(loss_fn, params, batch, optax.sgd(0.1),
@@ -75,11 +75,11 @@ def test_auto_remat_fits_half_the_no_remat_step_and_trains_as_one_device(optimiz
     keeps, as JAX counts it: true on CPU too), choosing per layer. A batch of 256 rows: activations,
     not the state, fill the step (as in the models remat is for)."""
     params, batch = problem(rows=256)
-    probe = wh.plan(loss_fn, params, batch, optimizer, config=wh.Config(remat="auto")).remat
+    probe = wh.plan(loss_fn, params, batch, optimizer, config=wh.Config(remat="auto")).report.remat
     whole = probe.state + probe.baseline
     config = wh.Config(remat="auto", memory_budget=0.5 * whole)
     step, _ = assert_matches(loss_fn, params, batch, steps=3, optimizer=optimizer, tol=1e-4, config=config)
-    r = step.plan.remat
+    r = step.plan.report.remat
     assert r.state + r.saved <= 0.5 * whole < r.state + r.baseline
     assert len(r.segment_levels) == len(r.layers.names) and any(r.segment_levels)
 
@@ -98,7 +98,7 @@ def test_full_remat_recomputes_the_blocks_like_nn_remat_and_not_the_head():
     FLOPs (what its step time costs), both within 3% of the hand-written model's; the summary
     lists the level per layer and the FLOPs recomputation adds."""
     params, batch = problem()
-    r = wh.plan(loss_fn, params, batch, optax.sgd(0.1), config=wh.Config(remat="full")).remat
+    r = wh.plan(loss_fn, params, batch, optax.sgd(0.1), config=wh.Config(remat="full")).report.remat
     hand_flops = _flops(_hand_loss, params, batch) / _flops(loss_fn, params, batch)
     assert hand_flops > 1.05                                   # nn.remat(Block) recomputes something
     assert r.flops / r.baseline_flops == pytest.approx(hand_flops, rel=0.03)
@@ -119,7 +119,7 @@ def test_activation_offload_is_per_layer_on_an_unannotated_model():
     step, _ = assert_matches(loss_fn, params, batch, steps=2, optimizer=optax.sgd(0.5), tol=1e-4,
                              config=wh.Config(offload="activations"))
     rows = batch["x"].shape[0]
-    jaxpr = str(step.plan.traced_step().jaxpr)
+    jaxpr = str(step.plan.functions.traced_step().jaxpr)
     host = set(re.findall(rf"(\w+):f32<host>\[{rows},{SEQ},{D}\]", jaxpr))
     assert len(host) >= LAYERS, host
-    assert len(step.plan.remat.layers.names) > LAYERS and "layer and TaskGraph boundaries" in step.plan.summary()
+    assert len(step.plan.report.remat.layers.names) > LAYERS and "layer and TaskGraph boundaries" in step.plan.summary()

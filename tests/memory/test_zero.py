@@ -68,7 +68,7 @@ def test_pipeline_plan_matches_single_device(level):
     step, state = _compare(_two_stage, params, batch, wh.Config(num_micro_batch=4, zero_level=level))
     mu = state.opt_state[0].mu["w2"]
     assert {s.data.size for s in mu.addressable_shards} == {mu.size // 8}
-    assert step.plan.stage_buffers().param_width % 4 == 0
+    assert step.plan.report.stage_buffers().param_width % 4 == 0
     assert step.plan.program.row_specs == (P("stage"), P("stage", "data"))   # the row split at levels 2 and 3
 
 

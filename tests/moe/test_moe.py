@@ -143,11 +143,11 @@ CASES = {
 def test_expert_parallel_matches_single_device(case):
     loss_fn, params, batch = _problem(**CASES[case])
     plan = wh.plan(loss_fn, params, batch, has_aux=True)
-    [call] = plan.experts
+    [call] = plan.report.experts
     assert call.experts_per_device == CASES[case]["experts"] // CASES[case]["split"]
-    ps = jax.device_put(params, plan.param_shardings)
+    ps = jax.device_put(params, plan.storage.param_shardings)
     placed = plan.place_batch(batch)
-    (loss, aux, _), _ = jax.jit(plan.value_and_grad())(ps, placed)
+    (loss, aux, _), _ = jax.jit(plan.functions.value_and_grad())(ps, placed)
     ref_loss, ref_aux = loss_fn(params, batch)
     assert rel_err(aux["out"], ref_aux["out"]) < 1e-5
     assert abs(float(aux["aux_loss"]) - float(ref_aux["aux_loss"])) < 1e-5 * float(ref_aux["aux_loss"])
@@ -252,7 +252,7 @@ def test_giant_style_plan_on_an_abstract_cluster_memory_and_lowering():
 
     plan = wh.plan(loss_fn, params, batch, optimizer=optax.adam(1e-3),
                    cluster=wh.Cluster.abstract(kinds=["V100-32GB"] * n))
-    [call] = plan.experts
+    [call] = plan.report.experts
     assert call.experts_per_device == e // n
     text = plan.lower()
     assert "all_to_all" in text and f"mhlo.num_partitions = {n}" in text

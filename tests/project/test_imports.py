@@ -337,15 +337,26 @@ TAKES_A_PROGRAM: dict = {}
 
 
 def _contract() -> tuple[set[str], set[str]]:
-    """(methods, properties) of `StepProgram`, read from whalex/records/program.py's AST."""
+    """(methods, properties) of `StepProgram` and the protocols it joins (`ProgramState`,
+    `ProgramStep`, `ProgramReport`), read from whalex/records/program.py's AST."""
     tree = ast.parse((ROOT / "records" / "program.py").read_text())
-    [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "StepProgram"]
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+    top = classes["StepProgram"]
+    parts = [top] + [classes[b.id] for b in top.bases if isinstance(b, ast.Name) and b.id in classes]
     methods, props = set(), set()
-    for f in cls.body:
-        if isinstance(f, ast.FunctionDef):
-            is_prop = any(isinstance(d, ast.Name) and d.id == "property" for d in f.decorator_list)
-            (props if is_prop else methods).add(f.name)
+    for cls in parts:
+        for f in cls.body:
+            if isinstance(f, ast.FunctionDef):
+                is_prop = any(isinstance(d, ast.Name) and d.id == "property" for d in f.decorator_list)
+                (props if is_prop else methods).add(f.name)
     return methods, props
+
+
+def test_the_contract_is_read_whole():
+    """Every part of the contract is read, and it names what `@step_program` checks."""
+    methods, props = _contract()
+    assert {"holds", "jitted", "comm_report", "collectives"} <= methods and {"captured", "param_view"} <= props
+    assert len(methods | props) > 30
 
 
 LIBRARIES = {"jax", "jnp", "lax", "np", "optax", "nn"}        # `jax.value_and_grad(...)` is not a program's
@@ -426,8 +437,9 @@ def _plan_program_reads(source: str, rel: str) -> list[str]:
 
 def test_plan_program_is_read_only_by_the_planner_and_lowering():
     """The Plan carries its step program for the planner and lowering; the api, checkpoints, the view,
-    the benches, tools and examples use the Plan's methods (`plan.jitted()`, `plan.caller_state(...)`,
-    `plan.experts`, ...), so the program's interface is not public API."""
+    the benches, tools and examples read it through the Plan, each part typed by its reader
+    (`plan.storage.holds(...)`, `plan.functions.traced_step()`, `plan.report.experts`) or a documented
+    convenience (`plan.jitted()`, `plan.caller_state(...)`), never `plan.program`."""
     found = []
     for top in SCANNED:
         for path in sorted((PROJECT / top).rglob("*.py")):

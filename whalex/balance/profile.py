@@ -13,10 +13,10 @@ from whalex.jaxpr.capture import taskgraph_eqns
 from whalex.jaxpr.flops import equation_flops
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(eq=False)
 class FlopsCache:
     """Counts shared between calls of `group_flops` on one jaxpr: `measured` holds each jaxpr's
-    per-equation FLOPs, `memo` the counts of the jaxprs it calls."""
+    per-equation FLOPs, `memo` the counts of the jaxprs it calls. Mutable: calls fill it."""
 
     measured: dict = dataclasses.field(default_factory=dict)
     memo: dict = dataclasses.field(default_factory=dict)

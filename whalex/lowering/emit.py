@@ -27,6 +27,7 @@ from whalex.lowering.caller_layout import CallerLayout
 from whalex.memory import offload, zero
 from whalex.memory.opt_state_specs import opt_state_specs
 from whalex.precision import loss_scale
+from whalex.records.comm import Comm
 from whalex.records.memory_options import MemoryOptions, Precision, RematPlan
 from whalex.records.program import StageBuffers, StateLayout, TracedStep
 from whalex.records.sharding_plan import ExpertCall
@@ -128,6 +129,11 @@ class Emitter(CallerLayout):
         """comm_dtype: per TaskGraph, the mesh axes its gradients are summed over in the comm dtype
         and why not; None where the program runs no comm_dtype segments."""
         return None
+
+    def collectives(self) -> tuple[Comm, ...]:
+        """The collectives one step runs as this program lowers it, per device; none reported by default
+        (the GSPMD and the pipeline programs report theirs)."""
+        return ()
 
     def prepass(self) -> tuple[Callable, Callable]:
         """The loss contract's pre-pass alone as a jitted program, and a null program of the same inputs

@@ -18,8 +18,10 @@ from whalex.loss.evaluation import PartLoss
 from whalex.lowering.emit import Emitter
 from whalex.lowering.groups import ShardGroups, grouped_evaluator, same_outputs
 from whalex.lowering.padding import EvenPadding
+from whalex.memory import zero, zero_sharded
 from whalex.memory.remat import program_evaluator
 from whalex.precision.loss_scale import unscale, value_and_grad as scaled_value_and_grad
+from whalex.records.comm import Comm
 from whalex.records.memory_options import MemoryOptions, Precision, RematPlan
 from whalex.records.program import step_program
 from whalex.records.sharding_plan import ExpertCall, ShardingPlan
@@ -50,6 +52,22 @@ class Program(Emitter):
     @property
     def experts(self) -> tuple[ExpertCall, ...]:
         return self.sharding.experts
+
+    def collectives(self) -> tuple[Comm, ...]:
+        """The sharding patterns' collectives as this step runs them: ZeRO's in place of the gradient
+        sums it shards, and with micro-batches those of the loop once per micro-batch, except the
+        gradient sums over the axes summed once after it (`group_axis`, `shard_groups`)."""
+        cap, level = self.captured, self.memory_options.zero_level
+        comms = self.sharding.comms
+        if level:
+            owner = {path: next((t.index for t in cap.taskgraphs if i in t.params), 0)
+                     for i, path in enumerate(cap.param_paths)}
+            comms = zero.comms(comms, level, zero_sharded(self.state_layout(), cap.param_paths), owner)
+        if self.num_micro_batch > 1:
+            once = ((self.group_axis,) if self.group_axis else ()) + \
+                (tuple(self.shard_groups.axes) if self.shard_groups is not None else ())
+            comms = per_step(comms, self.num_micro_batch, once)
+        return tuple(comms)
 
     # -- shardings -------------------------------------------------------------------------
     def named(self, spec_tree):
@@ -372,3 +390,14 @@ def _shards(spec, mesh) -> int:
 def _null(params, batch):
     """A program of the step's inputs that reads one parameter element and runs no collective."""
     return [jax.tree.leaves(params)[0].ravel()[0]]
+
+
+def per_step(comms, m: int, once: tuple) -> list:
+    """The collectives per step of a loop over `m` micro-batches: gradient sums over the `once` axes
+    alone run once, after the loop; every other collective once per micro-batch."""
+    out = []
+    for c in comms:
+        axes = tuple(c.axes) if isinstance(c.axes, (tuple, list)) else (c.axes,)
+        grad = c.reason.startswith("gradient sync") and axes and set(axes) <= set(once)
+        out.append(c if grad else dataclasses.replace(c, bytes=c.bytes * m))
+    return out

@@ -1,7 +1,7 @@
 """Memory optimizations of the training state and their accounting: ZeRO, remat, precision, host
 offload, and the predicted per-device peak.
 
-`MemoryOptions` (a plain record, defined in `whalex.records.program`) is what a program needs from
+`MemoryOptions` (a plain record, defined in `whalex.records.memory_options`) is what a program needs from
 `wh.Config` to lay out and update its state; `plan_memory` turns a program's `StateLayout` (its
 stored shapes, specs and options, never the program) into per-device bytes with each
 optimization's share.

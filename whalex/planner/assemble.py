@@ -5,8 +5,7 @@ record. The planners (`spmd`, `uneven`, `pipeline`, `hybrid`) decide; this modul
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -15,9 +14,10 @@ from whalex.jaxpr.capture import Captured
 from whalex.memory import plan_memory, with_peak
 from whalex.memory.peak import Peak, traced_peak
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
-from whalex.plan import Plan, TaskGraphInfo
+from whalex.plan import CompiledStep, Plan, TaskGraphInfo
 from whalex.planner.common import Request
 from whalex.records.comm import Comm
+from whalex.records.lazy import Lazy
 from whalex.records.program import StepProgram
 
 
@@ -70,24 +70,25 @@ def assemble(req: Request, program: StepProgram, layout: MeshLayout, vds: Sequen
     memory = plan_memory(program.state_layout(), req.cluster.specs[: layout.size])
     if stage_bytes:
         memory = [dataclasses.replace(d, params=d.params + stage_bytes, grads=d.grads + stage_bytes) for d in memory]
-    peak = peak_function(program)
+    peak = predicted_peak(program)
     return Plan(cluster=req.cluster, config=req.config, layout=layout, task_graphs=tuple(infos),
                 virtual_devices=tuple(vds), batch_sizes=tuple(batch_sizes), global_batch=global_batch,
                 param_specs=param_specs, patterns=sharding.choices if sharding is not None else (),
                 coverage=sharding.coverage if sharding is not None else (), comms=tuple(comms),
-                memory=with_peak(memory, peak), program=program, predicted_peak=peak, **fields)
+                memory=with_peak(memory, peak.get), program=program, predicted_peak=peak, **fields)
 
 
 def with_program(plan: Plan, program: StepProgram, **fields) -> Plan:
     """`plan` carried out by another program over the same stored state (a hybrid's backbone on
-    uneven rows): the predicted peak is the new program's; `fields` replace the Plan's others."""
-    peak = peak_function(program)
-    return dataclasses.replace(plan, program=program, memory=with_peak(plan.memory, peak), predicted_peak=peak,
-                               _cache={}, **fields)
+    uneven rows): the predicted peak is the new program's, nothing of the old one's compiled step
+    is kept; `fields` replace the Plan's others."""
+    peak = predicted_peak(program)
+    return dataclasses.replace(plan, program=program, memory=with_peak(plan.memory, peak.get), predicted_peak=peak,
+                               compiled=CompiledStep(), **fields)
 
 
-def peak_function(program: StepProgram) -> Callable[[], Peak]:
-    """A function of none giving the predicted per-device memory of `program`'s step as
-    `wh.parallelize` runs it, traced once when first called (planning stays free of the trace until
-    a view or a caller asks): memory replays the traced step, never the program."""
-    return functools.cache(lambda: traced_peak(program.traced_step()))
+def predicted_peak(program: StepProgram) -> Lazy[Peak | None]:
+    """The predicted per-device memory of `program`'s step as `wh.parallelize` runs it, traced when
+    first read (planning stays free of the trace until a view or a caller asks): memory replays the
+    traced step, never the program."""
+    return Lazy(lambda: traced_peak(program.traced_step()))

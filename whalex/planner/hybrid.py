@@ -118,6 +118,43 @@ def hybrid_plan(req: Request, full, plan: Plan) -> Plan:
     reason = _unsupported(req, full, plan, cut)
     if reason is not None:
         return _note(plan, reason)
+    # decide: Algorithm 1 over the backbone's rows
+    rows = _backbone_rows(req, full, plan, cut)
+    if len(set(rows.rows)) == 1:
+        return _note(plan, f"Algorithm 1 gives every device {rows.rows[0]} rows")
+    # build: the rows program, the backbone at every part size it runs, the hybrid program over both
+    program = _program(req, full, plan, cut, rows)
+    if isinstance(program, str):
+        return _note(plan, program)
+    # report: the batch's balance; the head's stays as head_balance
+    b, k = full.global_batch, cluster.size
+    head_note = f"; uneven {plan.balance.kind}" if plan.balance is not None else ""
+    report = cost.report(cluster.specs, cluster.speeds, rows.rows, even(b, k), source=cluster.speed_source,
+                         unit=rows.unit, applied=True, shifted=rows.shifted, flops_per_sample=rows.flops_per_sample,
+                         state_bytes=rows.state_bytes, act_base=0.0, act_per_sample=rows.per_row,
+                         spreads=cluster.spread, overheads=cluster.overhead)
+    kind = f"batch of the replicate TaskGraphs (the split head keeps its layout{head_note})"
+    # assemble
+    return with_program(plan, program, batch_sizes=tuple(rows.rows), balance=dataclasses.replace(report, kind=kind),
+                        head_balance=plan.balance)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    """Algorithm 1's rows for the backbone, and what it weighed."""
+
+    rows: list
+    unit: int                  # the grain of rows the loads are counted in
+    shifted: int
+    flops_per_sample: float    # the backbone's
+    per_row: float             # activation bytes kept per row (an upper bound)
+    state_bytes: float         # the largest stored state of a device
+
+
+def _backbone_rows(req: Request, full, plan: Plan, cut: int) -> _Rows:
+    """Algorithm 1 over the batch for the backbone (equations [0, cut)): its FLOPs per sample, the
+    activations it keeps per row, each device's stored state under the even plan."""
+    cluster = req.cluster
     b, k = full.global_batch, cluster.size
     speeds = np.asarray(cluster.speeds, np.float64)
     unit = cost.balance_grain(b, float(b * speeds.min() / speeds.sum()))
@@ -129,39 +166,35 @@ def hybrid_plan(req: Request, full, plan: Plan) -> Plan:
     flops_per_sample = sum(f for t, f in enumerate(flops) if t in backbone_tgs) / b
     bal = balance(b // unit, cluster.speeds, [float(s.memory_bytes) for s in cluster.specs], state,
                   [per_row * unit] * k, names, overheads=cluster.overhead, work_per_unit=unit * flops_per_sample)
-    rows = [u * unit for u in bal.loads]
-    if len(set(rows)) == 1:
-        return _note(plan, f"Algorithm 1 gives every device {rows[0]} rows")
-    chunk = cost.chunk_rows(rows, unit)
+    return _Rows([u * unit for u in bal.loads], unit, bal.shifted, flops_per_sample, per_row, max(state))
+
+
+def _program(req: Request, full, plan: Plan, cut: int, rows: _Rows) -> HybridProgram | str:
+    """The hybrid program: the backbone on `rows` per device (an UnevenProgram's loops, the backbone
+    traced at every part size they run), the head as `plan` runs it; or why the batch stays even."""
+    b, unit = full.global_batch, rows.unit
+    chunk = cost.chunk_rows(rows.rows, unit)
     head = plan.program
-    rows_program = UnevenProgram(req.capture(chunk), head.mesh, req.optimizer, cluster.platform, tuple(rows), chunk,
-                                 b, grain=unit)
+    rows_program = UnevenProgram(req.capture(chunk), head.mesh, req.optimizer, req.cluster.platform, tuple(rows.rows),
+                                 chunk, b, grain=unit)
     reason = check_per_sample(rows_program.captured, full, cut)
     if reason is not None:
-        return _note(plan, reason)
+        return reason
     sizes = [chunk] + [s for j, s in enumerate(rows_program.sizes)
                        if any(bits[j] for bits in rows_program.remainder_bits)]
     backbones = []
     for s in sizes:
         part = rows_program.captured if s == chunk else req.capture(s)
         if s != chunk and check_per_sample(part, full, cut) is not None:
-            return _note(plan, "the backbone traces differently at another part size")
+            return "the backbone traces differently at another part size"
         bb = Backbone(part, cut)
         reason = _boundary_problem(bb, Backbone(full, cut), s, b)
         if reason is not None:
-            return _note(plan, reason)
+            return reason
         backbones.append((s, bb))
     split_vd = next(vd for t, vd in zip(full.taskgraphs, plan.virtual_devices) if t.strategy.kind == "split")
     batch_axes = tuple(a for a in split_vd.batch_axes if plan.layout.axis_size((a,)) > 1)
-    program = HybridProgram.over(head, rows_program, tuple(backbones), cut, P(batch_axes) if batch_axes else P())
-    head_note = f"; uneven {plan.balance.kind}" if plan.balance is not None else ""
-    report = cost.report(cluster.specs, cluster.speeds, rows, even(b, k), source=cluster.speed_source, unit=unit,
-                         applied=True, shifted=bal.shifted, flops_per_sample=flops_per_sample,
-                         state_bytes=max(state), act_base=0.0, act_per_sample=per_row,
-                         spreads=cluster.spread, overheads=cluster.overhead)
-    kind = f"batch of the replicate TaskGraphs (the split head keeps its layout{head_note})"
-    return with_program(plan, program, batch_sizes=tuple(rows), balance=dataclasses.replace(report, kind=kind),
-                        head_balance=plan.balance)
+    return HybridProgram.over(head, rows_program, tuple(backbones), cut, P(batch_axes) if batch_axes else P())
 
 
 def _boundary_problem(part: Backbone, whole: Backbone, rows: int, b: int) -> str | None:

@@ -23,7 +23,7 @@ from whalex.planner.common import Request, configure_memory, loss_parts
 from whalex.planner.patterns import plan_shardings
 from whalex.planner.stage_cut import cut_stages
 from whalex.primitives.scopes import Strategy
-from whalex.records.comm import Comm, ring_bytes
+from whalex.records.lazy import Lazy
 from whalex.records.schedules import make_schedule
 
 
@@ -74,6 +74,7 @@ def pipeline_plan(req: Request, full, stage_of_eqn, strategies, stage_layers=Non
     stage c % S."""
     config, cluster = req.config, req.cluster
     m, V = config.num_micro_batch, virtual_stages
+    # decide: the stages, the degrees, the micro-batch loss, the schedule, the devices and the mesh
     st = _stages(stage_of_eqn, stage_layers, V)
     num_stages, stage_of_eqn = st.num_stages, st.stage_of_eqn
     mp, dp, micro = _degrees(cluster, full, num_stages, m)
@@ -82,20 +83,20 @@ def pipeline_plan(req: Request, full, stage_of_eqn, strategies, stage_layers=Non
     schedule = make_schedule(config.schedule, num_stages, m, V)
     placement = stage_devices(cluster, num_stages, config.hardware_aware)   # [stage][replica] -> device
     lay = _layout(cap, config, placement, dp, num_stages, mp)
-    program, mem = _program(req, full, cap, cut, schedule, lay, dp, mp, parts)
+    # build: lowering's program
+    program = _program(req, full, cap, cut, schedule, lay, dp, mp, parts)
+    # report: the stage rows, and the collectives the program reports (the split layers' among them)
     rows, vds = _stage_rows(full, st, cut, program, strategies, placement, dp, mp)
+    comms = program.collectives()
+    # assemble: the state is stored spread over every device; while computing, a device also holds
+    # its stage's gathered parameter row and the row's gradient accumulator (stage_bytes)
     grad_bytes = program.param_width * np.dtype(program.param_dtype).itemsize
-    comms = pipeline_comms(program, cap, mem.zero_level, dp, V, grad_bytes)
-    if lay.sharding is not None:             # the split layers' collectives over `model`, per micro-batch
-        comms += split_comms(lay.sharding, cap, stage_of_eqn, m)
-    # the state is stored spread over every device; while computing, a device also holds its stage's
-    # gathered parameter row and the row's gradient accumulator (stage_bytes)
     assign = {(i,): s for i, s in enumerate(stage_of_eqn)}
     return assemble(req, program, lay.layout, vds, rows, Work(cap, assign, m * dp),
                     batch_sizes=(full.global_batch // dp,) * lay.layout.size, global_batch=full.global_batch,
                     param_specs=dict(zip(cap.param_paths, program.param_spec_list())), comms=comms,
                     sharding=lay.sharding, stage_bytes=grad_bytes, schedule=schedule,
-                    batch_couplings=tuple(parts.sem.lines()), placement=rule,
+                    batch_couplings=Lazy.of(tuple(parts.sem.lines())), placement=rule,
                     stage_layers=tuple(st.stage_layers) if st.stage_layers is not None else
                     tuple(stage_layer_names(full, stage_of_eqn, s) for s in range(num_stages)))
 
@@ -167,22 +168,24 @@ def _layout(cap, config, placement, dp: int, num_stages: int, mp: int) -> _Layou
     return _Layout(layout, grid, sharding, model_dims, sharding.constraints)
 
 
-def _program(req: Request, full, cap, cut, schedule, lay: _Layout, dp: int, mp: int, parts):
-    """(the PipelineProgram on the mesh, its memory options); PlanError for remat or activation
-    offload, which a pipeline's recomputation of each stage replaces."""
+def _program(req: Request, full, cap, cut, schedule, lay: _Layout, dp: int, mp: int, parts) -> PipelineProgram:
+    """The PipelineProgram on the mesh; PlanError for remat or activation offload, which a pipeline's
+    recomputation of each stage replaces."""
     config, cluster = req.config, req.cluster
     ordered = [cluster.devices[i] for row in lay.grid for i in row] if cluster.devices is not None else None
     mesh = lay.layout.build(ordered)
     mem = MemoryOptions.from_config(config, ((DATA,),) * cap.num_params)
+    planned = tuple(lay.sharding.comms) if lay.sharding is not None else ()
     program = PipelineProgram(cap, cut, schedule, mesh, req.optimizer, cluster.platform, full.global_batch, dp, mem,
-                              parts=parts, model_parallel=mp, model_dims=lay.model_dims, constraints=lay.constraints)
+                              parts=parts, model_parallel=mp, model_dims=lay.model_dims, constraints=lay.constraints,
+                              model_comms=planned)
     _ = program.param_dtype
     if config.remat not in (None, "full") or "activations" in (config.offload or ()):
         raise PlanError(f"a pipeline already recomputes each stage's forward from its stashed input (remat='full'); "
                         f"remat={config.remat!r} / offload={config.offload!r} are not supported with pipelines. Use "
                         "remat=None or 'full' and offload 'opt_state'/'params' only.")
     num_stages = schedule.num_stages
-    return configure_memory(program, config.replace(remat=None), cluster, [(DATA,)] * num_stages), mem
+    return configure_memory(program, config.replace(remat=None), cluster, [(DATA,)] * num_stages)
 
 
 def _stage_rows(full, st: _Stages, cut, program, strategies, placement, dp: int, mp: int):
@@ -196,39 +199,6 @@ def _stage_rows(full, st: _Stages, cut, program, strategies, placement, dp: int,
                                 tuple(tuple(placement[s][r * mp:(r + 1) * mp]) for r in range(dp)))
            for s in range(num_stages)]
     return rows, vds
-
-
-def pipeline_comms(program, cap, level: int, dp: int, V: int, grad_bytes: float) -> list:
-    """Per stage, the collectives a pipeline step runs (whalex/lowering/stage_rows.py: the state spread
-    over every device, gathered into stage rows and scattered back; the gradient sync over replicas;
-    the messages every tick)."""
-    schedule = program.schedule
-    num_stages = schedule.num_stages
-    invars = cap.jaxpr.jaxpr.invars
-    total = sum(int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize for v in invars[:cap.num_params])
-    comms = []
-    for s in range(num_stages):
-        comms.append(Comm(s, "all-gather", (DATA,), ring_bytes("all-gather", total, dp) / num_stages,
-                          "1/stages of every stored parameter over the replicas"))
-        comms.append(Comm(s, "all-to-all", (STAGE,), ring_bytes("all-to-all", grad_bytes, num_stages),
-                          "the stage's parameter blocks to it"))
-        comms.append(Comm(s, "all-to-all", (STAGE,), ring_bytes("all-to-all", grad_bytes, num_stages),
-                          "its gradient blocks back to the spread state (tied parameters summed over their stages)"))
-        if dp > 1 and level >= 2:
-            comms.append(Comm(s, "reduce-scatter", (DATA,), ring_bytes("reduce-scatter", grad_bytes, dp),
-                              f"gradient sync over replicas (zero {level})"))
-        elif dp > 1:
-            comms.append(Comm(s, "all-reduce", (DATA,), ring_bytes("all-reduce", grad_bytes, dp),
-                              "gradient sync over replicas"))
-        if dp > 1 and level >= 3:
-            comms.append(Comm(s, "all-gather", (DATA,), ring_bytes("all-gather", grad_bytes, dp),
-                              f"zero {level}: stage parameters over replicas"))
-        sends = 2 if V > 1 else (s < num_stages - 1) + (s > 0)      # interleaved: around the ring
-        if sends:
-            comms.append(Comm(s, "collective-permute", (STAGE,), ring_bytes(
-                "collective-permute", schedule.num_ticks * sends * program.message_width * 4, num_stages),
-                              "activations to the next stage, gradients to the previous (every tick)"))
-    return comms
 
 
 def stage_virtual_device(cap, stage_of_eqn, s: int, strategy: Strategy, mp: int, groups) -> VirtualDevice:
@@ -272,17 +242,6 @@ def batch_over_model(cap, mp: int) -> dict:
             out.update({((i,), "in", pos): P(MODEL) for pos, v in enumerate(eqn.invars)
                         if not isinstance(v, C.Literal) and v in batch})
     return out
-
-
-def split_comms(sharding, cap, stage_of_eqn, micro_batches: int) -> list[Comm]:
-    """The sharding patterns' collectives (planned per micro-batch, per split TaskGraph) as the stage
-    devices run them: every micro-batch, forward ones twice (the backward recomputes the forward)."""
-    stage_of_tg = {}
-    for i, st in enumerate(stage_of_eqn):
-        stage_of_tg.setdefault(cap.assign[(i,)], st)
-    return [Comm(stage_of_tg.get(c.taskgraph, 0), c.kind, c.axes,
-                 c.bytes * micro_batches * (1 if "(bwd)" in c.reason else 2), f"TG{c.taskgraph} {c.reason}")
-            for c in sharding.comms if c.bytes > 0]
 
 
 def stage_labels(cap, stage_of_eqn, num_stages):

@@ -34,12 +34,14 @@ from whalex.planner.patterns import plan_shardings
 from whalex.planner.patterns.stock import fuse_stock_layers
 from whalex.planner.split_cost import lowered_split_report
 from whalex.records.call_names import parse_attention_name, parse_mlp_name
+from whalex.records.lazy import Lazy
 
 
 def spmd_plan(req: Request, cap, report=None) -> Plan:
     """Collocated TaskGraphs in one GSPMD program; micro-batches accumulate gradients."""
     config, cluster, optimizer = req.config, req.cluster, req.optimizer
     m = config.num_micro_batch
+    # decide: the mesh, the sharding patterns, uneven heads and experts, ZeRO, the loss contract
     cap, full, layout, vds, sharding = _shardings(req, cap, m)
     mesh = layout.build(cluster.devices)
     sharding, overrides, padded, split_report = _uneven_and_experts(req, cap, m, layout, vds, sharding, mesh)
@@ -47,22 +49,25 @@ def spmd_plan(req: Request, cap, report=None) -> Plan:
     readers = [[t.index for t in cap.taskgraphs if i in t.params] for i in range(cap.num_params)]
     mem = MemoryOptions.from_config(config, zero.data_parallel_axes(readers, [v.batch_axes for v in vds], axis_sizes))
     parts = _micro_batch_parts(cap, full, config, m)
-    fields, once, once_axes = reduce_once(req, full, m, layout, vds, sharding, overrides, parts, readers)
+    fields, once = reduce_once(req, full, m, layout, vds, sharding, overrides, parts, readers)
+    # build: lowering's program (ZeRO 2/3 on data parallelism: explicit collectives), its memory records
     program = Program(cap, sharding, mesh, optimizer, cluster.platform, m, overrides, padded, memory=mem,
                       **{"parts": parts, **fields})
     if mem.zero_level >= 2 and layout.axis_names == (DATA,) and layout.size > 1 and not overrides:
         program = zero_data_parallel(req, full, m, mesh, mem) or program
     program = configure_memory(program, config, cluster, [vd.batch_axes for vd in vds] if isinstance(program, Program)
                                else [(DATA,)] * len(program.captured.taskgraphs), req.capture)
-    first = vds[cap.assign[(0,)]] if cap.assign else vds[0]
+    # report: the collectives the program runs, the loss contract's lines
+    comms = program.collectives() if isinstance(program, Program) else _zero_comms(cap, sharding, program, readers)
     parts = program.parts
-    couplings = tuple(parts.sem.lines()) + once if parts is not None else \
-        (lambda: whole_batch_couplings(req, full))       # found when asked (one more trace)
+    couplings = Lazy.of(tuple(parts.sem.lines()) + once) if parts is not None else \
+        Lazy(lambda: whole_batch_couplings(req, full))   # found when asked (one more trace)
+    # assemble
+    first = vds[cap.assign[(0,)]] if cap.assign else vds[0]
     return assemble(req, program, layout, vds, taskgraph_rows(cap), Work(cap, cap.assign, m),
                     batch_sizes=(full.global_batch // layout.axis_size(first.batch_axes),) * layout.size,
                     global_batch=full.global_batch, param_specs=dict(zip(cap.param_paths, sharding.param_specs)),
-                    comms=_step_comms(cap, sharding, program, mem, readers, m, once_axes), sharding=sharding,
-                    balance=report or split_report, batch_couplings=couplings)
+                    comms=comms, sharding=sharding, balance=report or split_report, batch_couplings=couplings)
 
 
 def _shardings(req: Request, cap, m: int):
@@ -119,16 +124,12 @@ def _micro_batch_parts(cap, full, config, m: int) -> PartLoss | None:
                       f"(micro-batches of more than {b} samples)")
 
 
-def _step_comms(cap, sharding, program, mem, readers, m: int, once_axes) -> tuple:
-    """The plan's collectives per step: ZeRO's, and a micro-batch loop's m times (those reduced once,
-    once)."""
-    comms = sharding.comms
-    if mem.zero_level:
-        owner = {cap.param_paths[i]: (r[0] if r else 0) for i, r in enumerate(readers)}
-        comms = zero.comms(comms, mem.zero_level, zero_sharded(program.state_layout(), cap.param_paths), owner)
-    if m > 1 and isinstance(program, Program):
-        comms = per_step(comms, m, once_axes)
-    return comms
+def _zero_comms(cap, sharding, program, readers) -> tuple:
+    """The collectives of ZeRO on data parallelism run as explicit collectives (an UnevenProgram of
+    even counts): the sharding patterns' with ZeRO's in place of the gradient sums it shards."""
+    level = program.memory_options.zero_level
+    owner = {cap.param_paths[i]: (r[0] if r else 0) for i, r in enumerate(readers)}
+    return tuple(zero.comms(sharding.comms, level, zero_sharded(program.state_layout(), cap.param_paths), owner))
 
 
 def first_eqn(jaxpr, name: str):
@@ -144,13 +145,13 @@ def first_eqn(jaxpr, name: str):
 
 
 def reduce_once(req: Request, full, m: int, layout, vds, sharding, overrides, parts, readers):
-    """(Program fields, summary lines, axes whose gradient sums run once) for gradient accumulation:
+    """(Program fields, summary lines) for gradient accumulation:
     gradients kept per shard of the data axis inside the micro-batch loop and summed once after it
     (`Program.group_axis`, the loss contract then over one shard's rows), and per model shard for
     the replicate TaskGraphs of a collocated hybrid (`model_shards`). Where that is not exact or not
     built, the gradients are summed once per micro-batch as before, and the lines say why."""
     if m == 1:
-        return {}, (), ()
+        return {}, ()
     g = layout.axis_size((DATA,))
     unit, why = None, None
     if overrides:
@@ -168,14 +169,12 @@ def reduce_once(req: Request, full, m: int, layout, vds, sharding, overrides, pa
     if why is None and g == 1 and shards is None:
         why = "the data axis has one device" + (f" and {inner_why}" if inner_why else "")
     if why is not None:
-        return {}, (f"gradients: summed over the devices once per micro-batch ({m} times a step): {why}",), ()
+        return {}, (f"gradients: summed over the devices once per micro-batch ({m} times a step): {why}",)
     line = f"gradients: accumulated per '{DATA}' shard over the {m} micro-batches and summed over '{DATA}' once a step"
     fields = {"group_axis": DATA, "parts": unit}
-    once = (DATA,)
     if shards is not None:
         groups, inner = shards
         fields.update(shard_groups=groups, shard_parts=inner)
-        once += groups.axes
         tgs = ", ".join(f"TG{t}" for t in sorted(groups.taskgraphs))
         line += f", and per {list(groups.axes)} shard for {tgs} (rows spread over them too), " \
             "summed over them once a step"
@@ -183,7 +182,7 @@ def reduce_once(req: Request, full, m: int, layout, vds, sharding, overrides, pa
     elif inner_why:
         line += "; replicate TaskGraphs' gradients are still summed over the model axes once per micro-batch: " \
             f"{inner_why}"
-    return fields, (line,), once
+    return fields, (line,)
 
 
 def _shard_loss(req: Request, full, rows: int, where: str):
@@ -227,17 +226,6 @@ def model_shards(req: Request, full, layout, vds, unit: PartLoss, readers):
             f"{', ...' if len(left) > 3 else ''}) are still summed over {list(axes)} once per micro-batch") \
         if left else None
     return (dataclasses.replace(groups, copied=copied), inner), note
-
-
-def per_step(comms, m: int, once: tuple) -> list:
-    """The planned collectives per step: gradient sums over the `once` axes alone run once, every
-    other collective once per micro-batch."""
-    out = []
-    for c in comms:
-        axes = tuple(c.axes) if isinstance(c.axes, (tuple, list)) else (c.axes,)
-        grad = c.reason.startswith("gradient sync") and axes and set(axes) <= set(once)
-        out.append(c if grad else dataclasses.replace(c, bytes=c.bytes * m))
-    return out
 
 
 def _axes(spec) -> set:

@@ -20,6 +20,7 @@ from whalex.memory import MemoryOptions, account
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
 from whalex.planner.assemble import Work, assemble, taskgraph_rows
 from whalex.planner.common import Request, configure_memory, loss_parts
+from whalex.records.lazy import Lazy
 
 WAY_OUT = ("wh.Config(hardware_aware=False) (an even batch: the whole batch in one program), or a larger global "
            "batch (larger per-device chunks)")
@@ -56,6 +57,7 @@ def balance_data_parallel(req: Request, full):
             captures[rows] = req.capture(rows)
         return captures[rows]
 
+    # decide: Algorithm 1's rows from the per-device costs
     probe = cap_at(min(b, 64))
     costs = _costs(req, probe, cap_at)
     speeds = np.asarray(cluster.speeds, np.float64)
@@ -63,7 +65,7 @@ def balance_data_parallel(req: Request, full):
     bal, rows = _split(cluster, b, unit, costs)
     applied = config.hardware_aware and len(set(rows)) > 1
     program = None
-    if applied:
+    if applied:                # build: the uneven program (one chunk size where part sizes disagree)
         mesh = MeshLayout((DATA,), (k,)).build(cluster.devices)
         try:
             program = _program(req, full, cap_at, mesh, rows, unit, costs.mem)
@@ -73,6 +75,7 @@ def balance_data_parallel(req: Request, full):
             applied = len(set(rows)) > 1
             if applied:
                 program = _program(req, full, cap_at, mesh, rows, unit, costs.mem, one_size=True)
+    # report: the balance, applied or not; assemble: the uneven plan, or none (the even plan)
     report = cost.report(cluster.specs, cluster.speeds, rows, even(b, k),
                          source=cluster.speed_source, unit=unit, applied=applied, shifted=bal.shifted,
                          flops_per_sample=costs.flops_per_sample, state_bytes=costs.state, act_base=costs.act_base,
@@ -130,7 +133,7 @@ def _plan(req: Request, program: UnevenProgram, probe, rows, b: int, report):
     return assemble(req, program, MeshLayout((DATA,), (k,)), vds, taskgraph_rows(cap),
                     Work(probe, probe.assign, b / probe.global_batch), batch_sizes=rows, global_batch=b,
                     param_specs={p: P() for p in cap.param_paths}, balance=report,
-                    batch_couplings=tuple(program.parts.sem.lines()))
+                    batch_couplings=Lazy.of(tuple(program.parts.sem.lines())))
 
 
 def _program(req: Request, full, cap_at, mesh, rows, unit, mem, one_size=False) -> UnevenProgram:

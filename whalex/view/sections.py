@@ -11,6 +11,7 @@ import dataclasses
 
 from jax.sharding import PartitionSpec as P
 
+from whalex.memory.remat import summary_lines
 from whalex.records.schedules import RECOMPUTE_COSTS, render as render_schedule
 from whalex.view.format import fmt_bytes, fmt_devices, fmt_flops, fmt_pct, fmt_speed, fmt_time
 
@@ -251,7 +252,7 @@ def refinement_items(plan, report) -> list:
 
 def experts(plan) -> Section | None:
     lines = []
-    for e in plan.experts:
+    for e in plan.report.experts:
         a2a = sum(c.bytes for c in plan.comms if c.taskgraph == e.taskgraph and c.kind == "all-to-all")
         n = plan.layout.axis_size(e.expert_axes)
         lines.append(Line(f"expert parallelism: TG{e.taskgraph} experts over {'x'.join(e.expert_axes)} ({n} devices, "
@@ -422,12 +423,13 @@ def traffic(plan) -> Section:
 
 
 def precision(plan) -> Section | None:
-    lines = plan.remat_precision_lines()               # remat per TaskGraph, amp, comm dtype
+    report = plan.report                               # remat per TaskGraph, amp, comm dtype
+    lines = summary_lines(report.remat, report.precision, report.comm_report())
     return Section("precision", "Remat and precision", tuple(_lines(lines))) if lines else None
 
 
 def xla_memory(plan, compiled_memory: bool) -> Section | None:
-    if not (compiled_memory or "memory" in plan._cache):
+    if not (compiled_memory or plan.compiled.memory is not None):
         return None
     m = plan.compiled_memory()
     return Section("xla-memory", "XLA memory analysis", (Line("XLA memory analysis per device: " + ", ".join(

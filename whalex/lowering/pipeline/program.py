@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
@@ -31,9 +32,11 @@ from whalex.lowering.pipeline.packing import layout
 from whalex.lowering.pipeline.rows import ParamRows
 from whalex.lowering.pipeline.storage import SpreadStorage
 from whalex.lowering.pipeline.ticks import TickLoop
+from whalex.lowering.pipeline.traffic import split_layer_collectives, stage_collectives
 from whalex.memory import zero as zero_lib
 from whalex.memory.opt_state_specs import opt_state_specs
 from whalex.precision.loss_scale import unscale
+from whalex.records.comm import Comm
 from whalex.records.memory_options import MemoryOptions, Precision
 from whalex.records.program import StageBuffers, step_program
 from whalex.records.schedules import Schedule
@@ -59,6 +62,7 @@ class PipelineProgram(Emitter):
     model_parallel: int = 1      # split TaskGraphs inside the stages: devices of the `model` mesh axis
     model_dims: tuple = ()       # per parameter leaf: its dimension split over `model` (None: whole)
     constraints: Any = None      # the split layers' sharding constraints ((path, "in"|"out", pos) -> spec)
+    model_comms: tuple = ()      # the split layers' collectives over `model` as planned for one micro-batch
 
     # -- the parameter rows (`rows.ParamRows`) -------------------------------------------------
     @property
@@ -222,6 +226,16 @@ class PipelineProgram(Emitter):
         return StageBuffers(self.param_width, self.message_width, layout.device_bytes(dp),
                             layout.whole_bytes(dp), tuple(layout.stage_bytes(s, dp) for s in range(S)),
                             tuple(tuple(sl.leaf for sl in layout.stages[s]) for s in range(S)))
+
+    def collectives(self) -> tuple[Comm, ...]:
+        """Per stage, the collectives this step runs: stage rows gathered and scattered, the gradient
+        sync over replicas, the messages every tick, the split layers' over `model` (`traffic`)."""
+        grad_bytes = self.param_width * np.dtype(self.param_dtype).itemsize
+        invars = self.captured.jaxpr.jaxpr.invars[: self.captured.num_params]
+        rows = stage_collectives(self.schedule, invars, self.memory_options.zero_level, self.data_parallel,
+                                 grad_bytes, self.message_width)
+        return rows + split_layer_collectives(self.model_comms, self.captured, self.cut.eqns, self.schedule.num_stages,
+                                              self.schedule.num_micro_batch)
 
     # -- the part outputs (`outputs.PartOutputs`) ------------------------------------------------
     @functools.cached_property
