@@ -19,12 +19,14 @@ def _plan(cluster, budget):
 
 
 def test_remat_auto_is_decided_from_the_compiled_step():
+    """On an abstract cluster too: where JAX's CUDA plugin is installed it plans on its XLA:GPU twin."""
     budget = 1.05e9
-    plan = _plan(wh.Cluster.gpu_topology(kinds=["H100-80GB"] * 8), budget)
+    plan = _plan(wh.Cluster.abstract(kinds=["H100-80GB"] * 8), budget)
+    assert plan.cluster.compile_only
     remat = plan.report.remat
     assert remat.compiled is not None and remat.compiled <= budget and remat.compiles >= 2
     assert plan.step_memory().total == pytest.approx(remat.compiled)     # what it was decided on
-    replay_only = _plan(wh.Cluster.abstract(kinds=["H100-80GB"] * 8), budget).report.remat
+    replay_only = _plan(wh.Cluster.abstract(kinds=["H100-80GB"] * 8, compiler="replay"), budget).report.remat
     assert replay_only.compiled is None
     assert remat.flops < replay_only.flops            # it recomputes less than the replay alone chose
     assert "decided from XLA's compiled step" in plan.summary()

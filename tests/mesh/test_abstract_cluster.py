@@ -2,6 +2,7 @@
 import jax
 import jax.numpy as jnp
 import optax
+import pytest
 
 import whalex as wh
 from support.models import plain_params
@@ -29,3 +30,22 @@ def test_lower_on_64_abstract_v100s():
     assert plan.batch_sizes == (2,) * 64
     assert plan.task_graphs[1].flops > 0 and plan.memory[0].kind == "V100-32GB"
     assert "split(64)" in plan.summary() and "<table>" in plan._repr_html_()
+
+
+def test_what_compiles_an_abstract_clusters_plans():
+    """`compile_twin()` is the XLA:GPU topology an abstract cluster of GPU kinds plans on where JAX's CUDA
+    plugin is installed; without the plugin, with `compiler="replay"`, for CPU kinds or a cluster with
+    devices there is none, and the replay judges memory. A compiler whalex does not know is refused."""
+    from conftest import cuda_plugin_installed
+
+    gpus = wh.Cluster.abstract(kinds=["H100-80GB"] * 8)
+    twin = gpus.compile_twin()
+    assert (twin is not None) == cuda_plugin_installed()
+    if twin is not None:
+        assert twin.compile_only and twin.kinds == gpus.kinds and twin.nodes == gpus.nodes
+    assert wh.Cluster.abstract(kinds=["H100-80GB"] * 8, compiler="replay").compile_twin() is None
+    assert wh.Cluster.abstract(kinds=["cpu"] * 8).compile_twin() is None
+    assert wh.Cluster.detect().compile_twin() is None
+    assert gpus.with_speeds([1.0] * 8).compiler == "auto"
+    with pytest.raises(wh.ClusterError, match=r"compiler='xla'.*'auto', 'replay'"):
+        wh.Cluster.abstract(kinds=["H100-80GB"] * 8, compiler="xla")

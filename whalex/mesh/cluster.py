@@ -16,6 +16,8 @@ from whalex.errors import ClusterError
 from whalex.mesh.gpu_targets import gpu_target
 from whalex.mesh.specs import DeviceSpec, lookup, parse_bytes
 
+COMPILERS = ("auto", "replay")
+
 
 def _kind_list(kinds, where: str, n: int = 8) -> list:
     """`kinds` as a list, one kind per device; a lone kind (a string, a DeviceSpec) is refused with the
@@ -52,6 +54,7 @@ class Cluster:
     host_memory: tuple[float, ...] = ()           # host RAM of each node, bytes (inf: unknown)
     host_source: str = ""                         # "declared", "detected" or "spec table"
     target: str | None = None     # gpu_topology: the kind whose XLA:GPU target the devices are (compile only)
+    compiler: str = "auto"        # abstract: "auto" compiles on its XLA:GPU twin where it can, "replay" never
 
     def __init__(self, kinds: Sequence[str] | None = None, devices: Sequence[Any] | None = None,
                  host_memory: float | str | None = None, devices_per_node: int | None = None):
@@ -91,13 +94,21 @@ class Cluster:
 
     @classmethod
     def abstract(cls, kinds: Sequence[str], host_memory: float | str | None = None,
-                 devices_per_node: int | None = None) -> Cluster:
+                 devices_per_node: int | None = None, compiler: str = "auto") -> Cluster:
         """Kinds only, no devices: enough to plan and lower, not to run. Nodes (host RAM, devices
-        per node) are declared, or each kind's typical node from the spec table."""
+        per node) are declared, or each kind's typical node from the spec table.
+
+        `compiler`: what judges a plan's memory (`remat="auto"`, `plan.memory_fit()`,
+        `plan.step_memory()`). "auto": XLA's GPU compiler, on the cluster's deviceless topology
+        (`compile_twin()`), where JAX's CUDA plugin is installed and XLA has a target for the kinds,
+        otherwise the replay of the step's jaxpr; "replay": always the replay."""
         obj = object.__new__(cls)
         kinds = _kind_list(kinds, "Cluster.abstract")
         if not kinds:
             raise ClusterError("Cluster.abstract needs at least one device kind.")
+        if compiler not in COMPILERS:
+            raise ClusterError(f"Cluster.abstract(compiler={compiler!r}): use one of "
+                               f"{', '.join(map(repr, COMPILERS))}.")
         specs = tuple(lookup(k) for k in kinds)
         if devices_per_node is not None:
             nodes = _chunks(len(specs), [_positive_int(devices_per_node)] * len(specs))
@@ -105,7 +116,24 @@ class Cluster:
             nodes = _chunks(len(specs), [s.node_devices for s in specs], kinds=[s.name for s in specs])
         ram, source = _declared_or_typical(host_memory, specs, nodes)
         _set(obj, specs, None, None, None, nodes, ram, source)
+        object.__setattr__(obj, "compiler", compiler)
         return obj
+
+    def compile_twin(self) -> Cluster | None:
+        """The `Cluster.gpu_topology` of this abstract cluster's kinds and nodes, on which its plans
+        compile with XLA's GPU compiler: None where the cluster has devices, says `compiler="replay"`,
+        holds a kind XLA has no GPU target for or nodes of unequal size, or JAX's CUDA plugin is not
+        installed (or cannot start here)."""
+        if not self.is_abstract or self.compiler != "auto" or self.platform != "cuda":
+            return None
+        per = {len(n) for n in self.nodes}
+        if len(per) != 1:
+            return None
+        try:
+            twin = Cluster.gpu_topology(self.kinds, per.pop())
+        except ClusterError:
+            return None
+        return twin._with_host(self.host_memory, self.host_source)
 
     @classmethod
     def gpu_topology(cls, kinds: Sequence[str], devices_per_node: int | None = None,
@@ -193,6 +221,7 @@ class Cluster:
         object.__setattr__(obj, "overhead", overhead)
         object.__setattr__(obj, "calibrated_rows", rows)
         object.__setattr__(obj, "target", self.target)
+        object.__setattr__(obj, "compiler", self.compiler)
         return obj
 
     @property
@@ -258,7 +287,8 @@ class Cluster:
 def _set(obj: Cluster, specs, devices, measured, spread, nodes, host_memory, host_source) -> None:
     for name, value in (("specs", specs), ("devices", devices), ("measured", measured), ("spread", spread),
                         ("nodes", nodes), ("host_memory", host_memory), ("host_source", host_source),
-                        ("overhead", None), ("calibrated_rows", None), ("target", None)):
+                        ("overhead", None), ("calibrated_rows", None), ("target", None),
+                        ("compiler", "auto")):
         object.__setattr__(obj, name, value)
 
 

@@ -76,7 +76,11 @@ def resolve(config, cluster) -> tuple[Config, Cluster]:
     cluster = cluster if cluster is not None else (DEFAULTS.cluster or Cluster.detect())
     if not isinstance(cluster, Cluster):
         raise PlanError(f"cluster must be a wh.Cluster, got {type(cluster).__name__}; use wh.Cluster.detect().")
-    return config, cluster
+    # an abstract cluster of GPU kinds plans on its XLA:GPU twin where JAX's CUDA plugin is installed, so that
+    # remat="auto", memory_fit() and step_memory() read XLA:GPU's figure (offload keeps the replay: the twin's
+    # devices have no host memory)
+    twin = None if config.offload else cluster.compile_twin()
+    return config, twin if twin is not None else cluster
 
 
 def check_optimizer(optimizer):
