@@ -158,6 +158,7 @@ def compile_case(name: str, size: dict, cluster, budget_fraction: float = 0.5) -
     t1 = time.perf_counter()
     compiled = plan.step_memory()
     coll = plan.compiled_collectives()
+    copies = plan.compiled_host_copies()
     t2 = time.perf_counter()
     return {"case": name, "devices": n, "kind": cluster.target, "config": config, "program": plan.program_kind,
             "predicted_bytes": predicted.total, "xla_gpu_bytes": compiled.total,
@@ -165,6 +166,8 @@ def compile_case(name: str, size: dict, cluster, budget_fraction: float = 0.5) -
             "predicted_comm_bytes": plan.predicted_comm_bytes, "compiled_comm_bytes": coll.ring_bytes,
             "comm_ratio": plan.predicted_comm_bytes / coll.ring_bytes if coll.ring_bytes else None,
             "collectives": coll.count, "asynchronous": coll.asynchronous, "overlapped": coll.overlapped,
+            "host_copies": copies.count, "host_copy_bytes": copies.bytes, "host_copies_overlapped": copies.overlapped,
+            "host_copies_overlapping_matmuls": copies.overlapping_matmuls,
             "fits": compiled.total <= cluster.specs[0].memory_bytes, "plan_s": t1 - t0, "compile_s": t2 - t1}
 
 
@@ -210,7 +213,8 @@ def row_text(r: dict) -> str:
     comm = f"{r['comm_ratio']:.3f}" if r.get("comm_ratio") else "    -"
     return (f"{r['case']:18s} {r['devices']:4d}  {pred} {r['xla_gpu_bytes'] / gb:7.2f} {ratio}   "
             f"{r['compiled_comm_bytes'] / 1e6:9.1f} {comm}  {r['asynchronous']:3d}/{r['overlapped']:3d}  "
-            f"{r['compile_s']:6.1f}")
+            f"{r['compile_s']:6.1f}" + (f"  host copies {r['host_copies']} ({r['host_copy_bytes'] / 1e6:.0f} MB), "
+                                       f"{r['host_copies_overlapped']} overlapped" if r.get("host_copies") else ""))
 
 
 def main(argv=None) -> int:
@@ -245,7 +249,9 @@ def main(argv=None) -> int:
                                                       "rows": rows,
                              "method": "predicted: plan.predicted_memory(); XLA:GPU: plan.step_memory() on "
                                        "Cluster.gpu_topology (arguments + outputs + temp - aliased, per device); "
-                                       "collectives: plan.compiled_collectives() (ring bytes per device)"}, args.out)
+                                       "collectives: plan.compiled_collectives() (ring bytes per device); "
+                                       "host copies: plan.compiled_host_copies() (offload plans lower over an "
+                                       "abstract mesh and compile for the topology's devices)"}, args.out)
     return 0
 
 

@@ -14,9 +14,10 @@ from typing import Any
 
 import jax
 from flax.linen import module as linen_module
-from jax._src import core as src_core, source_info_util, xla_bridge
+from jax._src import compiler as src_compiler, core as src_core, source_info_util, xla_bridge
 from jax._src.ad_checkpoint import saved_residuals as _saved_residuals
 from jax._src.ad_util import add_jaxvals as add_any  # noqa: F401  (re-exported: the sum autodiff adds cotangents with)
+from jax._src.lib import xla_client
 from jax.experimental import topologies
 from jax.extend import core as jex
 
@@ -286,3 +287,18 @@ def gpu_topology(target_config: str, hosts: int, devices_per_host: int) -> list[
     topo = topologies.get_topology_desc(platform="cuda", target_config=target_config,
                                         topology=f"1x{hosts}x{devices_per_host}")
     return list(topo.devices)
+
+
+def compile_for_topology(lowered, devices: Sequence[Any]) -> tuple[Any, str]:
+    """(memory stats, scheduled HLO text) of `lowered` (a `jax.stages.Lowered` over an `AbstractMesh`)
+    compiled by the compile-only client of a deviceless topology's `devices`, one partition per device
+    in order. JAX drops memory kinds from shardings over a topology's devices, which address no memory;
+    a step lowered over an abstract mesh keeps them (`pinned_host`), and XLA compiles its host
+    transfers."""
+    devices = tuple(devices)
+    client = devices[0].client
+    options = src_compiler.get_compile_options(1, len(devices), device_assignment=[list(devices)], backend=client)
+    exe = client.compile(lowered.compiler_ir("stablehlo"), executable_devices=xla_client.DeviceList(devices),
+                         compile_options=options)
+    text = exe.as_text() if hasattr(exe, "as_text") else exe.hlo_modules()[0].to_string()
+    return exe.get_compiled_memory_stats(), text

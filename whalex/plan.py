@@ -5,7 +5,8 @@ import dataclasses
 
 from whalex.balance.cost import BalanceReport
 from whalex.balance.refine import Refinement
-from whalex.jaxpr.hlo import StepCollectives, step_collectives
+from whalex.jaxpr.compiled import compile_step
+from whalex.jaxpr.hlo import HostCopies, StepCollectives, host_copies, step_collectives
 from whalex.memory import fit
 from whalex.memory.accounting import DeviceMemory
 from whalex.memory.host_link import HostTraffic, host_traffic
@@ -28,13 +29,14 @@ class CompiledStep:
     `plan.compiled_collectives()` and `plan.compiled_memory()` when first asked, and the summary
     shows what it holds."""
 
-    __slots__ = ("memory", "step", "step_memory", "collectives")
+    __slots__ = ("memory", "step", "step_memory", "collectives", "host_copies")
 
     def __init__(self) -> None:
         self.memory: dict | None = None                   # compiled_memory(): the step, state not donated
         self.step = False                                 # the step as it runs has been compiled
         self.step_memory: Peak | None = None              # its memory analysis (None: the backend has none)
         self.collectives: StepCollectives | None = None   # its collectives (found by compiling here only)
+        self.host_copies: HostCopies | None = None        # its transfers to and from host memory (likewise)
 
     def keep_step(self, memory_analysis) -> None:
         """Keep XLA's memory analysis of the step as it runs (None where a backend has none)."""
@@ -238,20 +240,31 @@ class Plan:
         found = self.compiled.collectives
         return found if found is not None else self._compile_step()
 
+    def compiled_host_copies(self) -> HostCopies:
+        """The transfers between device and host memory XLA compiled the step to (offload), per device:
+        how many, their bytes, and how many have compute scheduled between start and done (compiles
+        the step once, as `compiled_collectives()`)."""
+        if self.compiled.host_copies is None:
+            self._compile_step()
+        return self.compiled.host_copies
+
     def _compile_step(self) -> StepCollectives:
-        """Compile the step as it runs and keep XLA's memory analysis and collectives of it."""
-        if self.cluster.is_abstract:
+        """Compile the step as it runs and keep XLA's memory analysis, collectives and host copies."""
+        if self.cluster.is_abstract and not self.cluster.compile_only:
             raise ValueError("compiling the step needs devices; an abstract cluster can only be lowered: use "
-                             "plan.predicted_memory(), or plan on Cluster.gpu_topology(kinds=...) to compile for "
-                             "XLA:GPU without GPUs.")
-        compiled = self.lowered(donate=True).compile()
-        self.compiled.keep_step(compiled.memory_analysis())
+                             "plan.predicted_memory(), plan on Cluster.gpu_topology(kinds=...) to compile for "
+                             "XLA:GPU without GPUs, or install JAX's CUDA plugin (pip install 'whalex[cuda]') so "
+                             "that an abstract cluster of GPU kinds plans on its XLA:GPU twin.")
+        devices = self.cluster.compile_devices
+        memory, text = compile_step(self.functions, self.report.platform,
+                                    None if devices is None else devices[: self.layout.size])
+        self.compiled.keep_step(memory)
         arms = None
         if self.schedule is not None:     # a pipeline's tick: forward or backward, M of each per device
             share = self.config.num_micro_batch / self.schedule.num_ticks
             arms = (share, share)
-        found = step_collectives(compiled.as_text(), self.layout.size, arms)
-        self.compiled.collectives = found
+        found = step_collectives(text, self.layout.size, arms)
+        self.compiled.collectives, self.compiled.host_copies = found, host_copies(text)
         return found
 
     def device_rows(self) -> tuple[tuple[int, int], ...]:

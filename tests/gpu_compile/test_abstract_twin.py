@@ -1,8 +1,8 @@
 """An abstract cluster of GPU kinds, where JAX's CUDA plugin is installed, plans on its deviceless
 XLA:GPU twin (`Cluster.compile_twin`): `step_memory()`, `compiled_collectives()`, `memory_fit()` and
 `remat="auto"` read XLA:GPU's figure, and the plan is the one a `Cluster.gpu_topology` of its kinds
-gives. `compiler="replay"` keeps the replay, and so do offload plans (the twin's devices have no host
-memory)."""
+gives (offload plans: lowered over an abstract mesh, compiled for its devices). `compiler="replay"` keeps
+the replay."""
 
 import optax
 import pytest
@@ -49,9 +49,8 @@ def test_memory_fit_is_judged_on_xla_gpu():
     assert replay.compiled is None and "judged on XLA" not in replay.verdict()
 
 
-def test_offload_plans_keep_the_replay():
-    plan = _plan("dp", wh.Cluster.abstract(kinds=H100), offload="opt_state")
-    assert plan.cluster.is_abstract
-    assert plan.memory_fit().compiled is None
-    with pytest.raises(ValueError, match="abstract cluster can only be lowered"):
-        plan.step_memory()
+def test_offload_plans_compile_over_an_abstract_mesh():
+    plan = _plan("offload_opt_state", wh.Cluster.abstract(kinds=H100))
+    assert plan.cluster.is_abstract and plan.cluster.compile_only and plan.cluster.target == "H100-80GB"
+    assert plan.memory_fit().compiled == plan.step_memory().total
+    assert plan.compiled_host_copies().count > 0

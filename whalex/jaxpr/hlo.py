@@ -259,3 +259,46 @@ def step_collectives(text: str, num_devices: int, tick_arms: tuple[float, ...] |
     overlaps = [o for o in async_overlaps(text) if o.kind != "copy"]
     return StepCollectives(len(found), total, looped, len(overlaps), sum(o.overlaps for o in overlaps),
                            sum(o.overlapped_matmuls > 0 for o in overlaps))
+
+
+_HOST_COPY = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\((.*)\)\s+copy-start\(")
+
+
+@dataclasses.dataclass(frozen=True)
+class HostCopies:
+    """The asynchronous copies between device and host memory (XLA's memory space S(5)) of one compiled
+    step, per device: how many, and of those how many move to the host; the bytes moved (in loops,
+    once per copy in the text); how many have compute scheduled between start and done, i.e. overlap."""
+
+    count: int
+    to_host: int
+    bytes: float
+    overlapped: int
+    overlapping_matmuls: int = 0
+
+
+def host_copies(text: str) -> HostCopies:
+    """`HostCopies` of scheduled HLO text: the `copy-start`s whose source or destination lives in host
+    memory (`S(5)` in its layout)."""
+    moves = {}
+    for line in text.splitlines():
+        m = _HOST_COPY.match(line)
+        if m and ":S(5)}" in m.group(2):
+            dest, src = _tuple_parts(m.group(2))[:2]
+            moves[m.group(1)] = (":S(5)}" in src and ":S(5)}" not in dest, nbytes(arrays(src)))
+    overlaps = [o for o in async_overlaps(text) if o.kind == "copy" and o.name in moves]
+    return HostCopies(len(moves), sum(not from_host for from_host, _ in moves.values()),
+                      sum(b for _, b in moves.values()), sum(o.overlaps for o in overlaps),
+                      sum(o.overlapped_matmuls > 0 for o in overlaps))
+
+
+def _tuple_parts(text: str) -> list[str]:
+    """The top-level comma-separated parts of a tuple type's inside."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    return parts + [text[start:].strip()]

@@ -55,6 +55,7 @@ class Cluster:
     host_source: str = ""                         # "declared", "detected" or "spec table"
     target: str | None = None     # gpu_topology: the kind whose XLA:GPU target the devices are (compile only)
     compiler: str = "auto"        # abstract: "auto" compiles on its XLA:GPU twin where it can, "replay" never
+    compile_devices: tuple[Any, ...] | None = None   # over_abstract_mesh: the topology devices it compiles for
 
     def __init__(self, kinds: Sequence[str] | None = None, devices: Sequence[Any] | None = None,
                  host_memory: float | str | None = None, devices_per_node: int | None = None):
@@ -176,6 +177,20 @@ class Cluster:
         per = len(self.nodes[0]) if self.nodes else self.size
         return Cluster.gpu_topology(self.kinds, per, None, kind)._with_host(self.host_memory, self.host_source)
 
+    def over_abstract_mesh(self) -> Cluster:
+        """This `gpu_topology` cluster with its devices kept for compiling only: plans lower over an
+        `AbstractMesh` and compile for these devices through their compile-only client. JAX drops
+        `pinned_host` from shardings over a deviceless topology's devices (they address no memory);
+        over an abstract mesh the memory kinds stay, so offload plans compile with their host transfers."""
+        if self.target is None or self.devices is None:
+            raise ClusterError("over_abstract_mesh() is for clusters made by Cluster.gpu_topology(...).")
+        obj = object.__new__(type(self))
+        _set(obj, self.specs, None, self.measured, self.spread, self.nodes, self.host_memory, self.host_source)
+        for name in ("overhead", "calibrated_rows", "target"):
+            object.__setattr__(obj, name, getattr(self, name))
+        object.__setattr__(obj, "compile_devices", self.devices)
+        return obj
+
     def _with_host(self, host_memory, host_source) -> Cluster:
         obj = object.__new__(type(self))
         _set(obj, self.specs, self.devices, self.measured, self.spread, self.nodes, host_memory, host_source)
@@ -222,6 +237,7 @@ class Cluster:
         object.__setattr__(obj, "calibrated_rows", rows)
         object.__setattr__(obj, "target", self.target)
         object.__setattr__(obj, "compiler", self.compiler)
+        object.__setattr__(obj, "compile_devices", self.compile_devices)
         return obj
 
     @property
@@ -278,9 +294,10 @@ class Cluster:
         for k in self.kinds:
             counts[k] = counts.get(k, 0) + 1
         desc = " + ".join(f"{n}x {k}" for k, n in counts.items())
-        extra = (", abstract" if self.is_abstract else "") + (", calibrated" if self.measured else "")
+        extra = (", abstract" if self.is_abstract and self.target is None else "") + \
+            (", calibrated" if self.measured else "")
         if self.target is not None:
-            extra += f", XLA:GPU topology for {self.target}"
+            extra += f", XLA:GPU topology for {self.target}" + (", over an abstract mesh" if self.is_abstract else "")
         return f"Cluster({desc}{extra})"
 
 
@@ -288,7 +305,7 @@ def _set(obj: Cluster, specs, devices, measured, spread, nodes, host_memory, hos
     for name, value in (("specs", specs), ("devices", devices), ("measured", measured), ("spread", spread),
                         ("nodes", nodes), ("host_memory", host_memory), ("host_source", host_source),
                         ("overhead", None), ("calibrated_rows", None), ("target", None),
-                        ("compiler", "auto")):
+                        ("compiler", "auto"), ("compile_devices", None)):
         object.__setattr__(obj, name, value)
 
 

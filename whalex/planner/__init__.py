@@ -17,7 +17,7 @@ from collections.abc import Callable
 from whalex.balance.partition import auto_stages
 from whalex.errors import PlanError
 from whalex.plan import Plan
-from whalex.planner.common import Request, check_optimizer, refuse_host_memory_without_it, resolve
+from whalex.planner.common import Request, check_optimizer, resolve
 from whalex.planner.hybrid import hybrid_plan
 from whalex.planner.pipeline import model_degree, pipeline_plan
 from whalex.planner.spmd import spmd_plan
@@ -35,7 +35,6 @@ def build_plan(loss_fn: Callable, params, batch, optimizer=None, config=None, cl
     """Plan `loss_fn(params, batch)`: the GSPMD, uneven data-parallel, hybrid or pipeline plan."""
     inputs = {k: v for k, v in (("model_state", model_state), ("rng", rng)) if v is not None}
     config, cluster = resolve(config, cluster)
-    refuse_host_memory_without_it(config, cluster)
     loss_fn = amp_loss(loss_fn, config.amp, has_aux)
     check_optimizer(optimizer)
     req = Request(loss_fn, params, batch, inputs, has_aux, optimizer, config, cluster)

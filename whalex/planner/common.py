@@ -77,28 +77,19 @@ def resolve(config, cluster) -> tuple[Config, Cluster]:
     if not isinstance(cluster, Cluster):
         raise PlanError(f"cluster must be a wh.Cluster, got {type(cluster).__name__}; use wh.Cluster.detect().")
     # an abstract cluster of GPU kinds plans on its XLA:GPU twin where JAX's CUDA plugin is installed, so that
-    # remat="auto", memory_fit() and step_memory() read XLA:GPU's figure (offload keeps the replay: the twin's
-    # devices have no host memory)
-    twin = None if config.offload else cluster.compile_twin()
-    return config, twin if twin is not None else cluster
+    # remat="auto", memory_fit() and step_memory() read XLA:GPU's figure; offload on a GPU topology lowers over
+    # an abstract mesh, where its shardings keep the host memory kind
+    twin = cluster.compile_twin()
+    cluster = twin if twin is not None else cluster
+    if config.offload and cluster.compile_only and not cluster.is_abstract:
+        cluster = cluster.over_abstract_mesh()
+    return config, cluster
 
 
 def check_optimizer(optimizer):
     if optimizer is not None and not isinstance(optimizer, optax.GradientTransformation):
         raise PlanError(f"optimizer must be an optax.GradientTransformation (e.g. optax.adam(1e-3)), "
                         f"got {type(optimizer).__name__}.")
-
-
-def refuse_host_memory_without_it(config: Config, cluster) -> None:
-    """Offload on a `Cluster.gpu_topology`: XLA's deviceless topology devices address no memory kinds,
-    and JAX drops `pinned_host` from shardings over them, so the compiled program would keep the
-    offloaded state on the device: refused rather than compiled differently."""
-    if config.offload and cluster.compile_only:
-        raise PlanError(
-            f"Config.offload={config.offload!r} on a Cluster.gpu_topology: the devices of XLA's deviceless GPU "
-            "topology have no host memory space (JAX drops pinned_host from their shardings), so the compiled step "
-            "would keep the offloaded state on the device. Compile offload plans on real GPUs, or plan them on "
-            "Cluster.abstract(kinds=...) for the predicted memory (plan.predicted_memory(), plan.memory_fit()).")
 
 
 def micro_batch(batch, size):

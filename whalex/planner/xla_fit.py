@@ -8,16 +8,17 @@ from __future__ import annotations
 import dataclasses
 
 from whalex.errors import PlanError
+from whalex.jaxpr.compiled import compile_step
 from whalex.memory.peak import compiled_peak
 from whalex.memory.remat import configure
 
 MAX_COMPILES = 4
 
 
-def compiled_bytes(program) -> float:
-    """XLA's per-device bytes of the donated step (arguments + outputs + temp - aliased)."""
-    lowered = program.jitted(donate=True).trace(*program.abstract_args()).lower(lowering_platforms=(program.platform,))
-    return compiled_peak(lowered.compile().memory_analysis()).total
+def compiled_bytes(program, devices=None) -> float:
+    """XLA's per-device bytes of the donated step (arguments + outputs + temp - aliased); `devices`: the
+    topology devices a step over an abstract mesh compiles for."""
+    return compiled_peak(compile_step(program, program.platform, devices)[0]).total
 
 
 def fit_compiled(program, config, cluster, batch_axes=(), recapture=None):
@@ -29,7 +30,7 @@ def fit_compiled(program, config, cluster, batch_axes=(), recapture=None):
     target, tried, best, seen = budget, [], None, set()
     while len(tried) < MAX_COMPILES:
         seen.add(_levels(program.remat))
-        got = compiled_bytes(program)
+        got = compiled_bytes(program, cluster.compile_devices)
         tried.append(got)
         if got <= budget:
             best = (program, got)

@@ -337,6 +337,11 @@ def peak_lines(plan) -> list[str]:
         off = peak.total / xla.total - 1 if xla.total else 0.0
         lines.append(f"  XLA's compiled step: {parts(xla, 'temp')} (memory_analysis, not counting outputs written "
                      f"into the donated state); predicted {'+' if off >= 0 else '-'}{fmt_pct(abs(off))}")
+    copies = plan.compiled.host_copies
+    if copies is not None and copies.count:
+        lines.append(f"  its host transfers: {copies.count} copies ({copies.count - copies.to_host} to the device, "
+                     f"{copies.to_host} to the host), {fmt_bytes(copies.bytes)}; {copies.overlapped} with compute "
+                     f"scheduled between start and done ({copies.overlapping_matmuls} with a matmul)")
     return lines
 
 
