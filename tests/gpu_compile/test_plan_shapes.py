@@ -50,7 +50,11 @@ def test_offload_compiles_with_its_host_transfers_overlapping_compute(h100x8):
     opt_bytes = plain.memory[0].opt_state
     assert copies.to_host == copies.count - copies.to_host > 0
     assert copies.bytes == pytest.approx(2 * opt_bytes, rel=0.01)       # each leaf in, and out again
-    assert copies.overlapped >= 0.5 * copies.count and copies.overlapping_matmuls > 0
+    assert copies.overlapped >= 0.4 * copies.count
     assert plan.step_memory().arguments <= plain.step_memory().arguments - 0.99 * opt_bytes
     assert plain.compiled_host_copies().count == 0
+    # fetched once every gradient is all-reduced: the all-reduces stay asynchronous, hidden by the backward
+    # (a fetch waiting on each gradient made XLA:GPU finish its all-reduce at once, synchronously)
+    ours, theirs = plan.compiled_collectives(), plain.compiled_collectives()
+    assert ours.asynchronous == ours.overlapped == theirs.asynchronous > 0
     assert "its host transfers:" in plan.summary()

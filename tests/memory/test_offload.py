@@ -97,3 +97,22 @@ def test_without_offload_there_is_no_barrier():
     params, batch = gpt_problem()
     text = wh.plan(gpt_loss, params, batch, optax.adam(1e-3)).lower()
     assert "optimization_barrier" not in text and "pinned_host" not in text
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+def test_state_is_fetched_per_leaf_on_one_device_and_after_every_gradient_on_many(devices):
+    """On one device each leaf's move waits for its own gradient (it overlaps the rest of the backward
+    pass); where gradients are all-reduced, every move waits for every gradient, so that XLA:GPU keeps
+    the all-reduces asynchronous instead of finishing each at once for the move that waits on it."""
+    params, batch = gpt_problem()
+    cluster = wh.Cluster(kinds=[jax.devices()[0].device_kind] * devices)
+    text = wh.plan(gpt_loss, params, batch, optax.adam(1e-3), config=wh.Config(offload="opt_state"),
+                   cluster=cluster).lower()
+    grads = len(jax.tree.leaves(params))
+    widths = [line.split("optimization_barrier", 1)[1].split(":")[0].count("%")
+              for line in text.splitlines() if "optimization_barrier" in line and "=" in line]
+    assert widths
+    if devices == 1:              # the moments: the leaf and its gradient (Adam's count: every gradient)
+        assert min(widths) == 2 and widths.count(2) >= 2 * grads
+    else:
+        assert min(widths) == 1 + grads                   # the leaf and every gradient

@@ -247,16 +247,16 @@ class Emitter(CallerLayout):
         once its gradient is computed (whalex.memory.offload.fetch_when_ready)."""
         if not self.memory_options.offloads("opt_state"):
             return None
-        compute = self.compute_shardings().opt_state
-        return lambda opt_state, grads: offload.fetch_when_ready(opt_state, compute, grads)
+        compute, per_leaf = self.compute_shardings().opt_state, offload.fetch_per_leaf(self.mesh.size)
+        return lambda opt_state, grads: offload.fetch_when_ready(opt_state, compute, grads, per_leaf)
 
     def _fetch_params(self) -> Callable | None:
         """Parameters offloaded per layer: (params, grads) -> the parameters in device memory for the
         update, each leaf once its gradient is computed."""
         if self.fetch_shardings is None:
             return None
-        compute = self.compute_shardings().stored_params
-        return lambda params, grads: offload.fetch_when_ready(params, compute, grads)
+        compute, per_leaf = self.compute_shardings().stored_params, offload.fetch_per_leaf(self.mesh.size)
+        return lambda params, grads: offload.fetch_when_ready(params, compute, grads, per_leaf)
 
     def _shard_update(self):
         """ZeRO 1/2: (params, grads) -> the same on each device's shard (3: already sharded)."""

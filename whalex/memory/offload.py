@@ -90,14 +90,24 @@ def from_fetched(avals, derived: frozenset) -> bool:
     return bool(arrays) and all((tuple(a.shape), a.dtype) in derived for a in arrays)
 
 
-def fetch_when_ready(opt_state, shardings, grads):
+def fetch_per_leaf(devices: int) -> bool:
+    """Whether offloaded state is fetched leaf by leaf as gradients are made (one device), or once every
+    gradient is (gradients all-reduced over `devices` > 1: see `fetch_when_ready`)."""
+    return devices == 1
+
+
+def fetch_when_ready(opt_state, shardings, grads, per_leaf: bool = True):
     """Inside a jitted step: the offloaded optimizer state moved to device memory leaf by leaf, each
     leaf once the gradient it updates is computed (the leaf whose key path ends with that gradient's
-    path and has its shape; any other leaf once every gradient is).
+    path and has its shape; any other leaf once every gradient is), or with `per_leaf=False` once
+    every gradient is.
 
     Each move reads an `optimization_barrier` shared with its gradient, so XLA cannot start it before
     the backward pass has made that gradient: the state does not sit in device memory through the
-    backward pass, and the moves of the last layers' state overlap the backward of the first."""
+    backward pass. Per leaf, the moves of the last layers' state overlap the backward of the first;
+    where gradients are all-reduced across devices, a move waiting on one gradient makes XLA:GPU finish
+    that all-reduce at once, with nothing to hide it, so there every move waits on every gradient and
+    overlaps the update of the leaves before it instead."""
     grad_leaves = jax.tree_util.tree_flatten_with_path(grads)[0]
     by_path = {tuple(path): g for path, g in grad_leaves}
     flat, tree = jax.tree_util.tree_flatten_with_path(opt_state)
@@ -105,7 +115,7 @@ def fetch_when_ready(opt_state, shardings, grads):
     gate = [g for _, g in grad_leaves]
     out = []
     for (path, leaf), target in zip(flat, targets):
-        grad = _matching_grad(tuple(path), leaf, by_path)
+        grad = _matching_grad(tuple(path), leaf, by_path) if per_leaf else None
         ready = jax.lax.optimization_barrier((leaf, grad if grad is not None else gate))[0]
         out.append(jax.device_put(ready, target))
     return jax.tree.unflatten(jax.tree.structure(opt_state), out)

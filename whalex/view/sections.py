@@ -11,6 +11,7 @@ import dataclasses
 
 from jax.sharding import PartitionSpec as P
 
+from whalex.memory.offload import fetch_per_leaf
 from whalex.memory.remat import summary_lines
 from whalex.records.schedules import RECOMPUTE_COSTS, render as render_schedule
 from whalex.view.format import fmt_bytes, fmt_devices, fmt_flops, fmt_pct, fmt_speed, fmt_time
@@ -339,9 +340,11 @@ def peak_lines(plan) -> list[str]:
                      f"into the donated state); predicted {'+' if off >= 0 else '-'}{fmt_pct(abs(off))}")
     copies = plan.compiled.host_copies
     if copies is not None and copies.count:
+        when = ("each leaf fetched once its gradient is made" if fetch_per_leaf(plan.layout.size) else
+                "the state fetched once every gradient is all-reduced, so that the all-reduces overlap the backward")
         lines.append(f"  its host transfers: {copies.count} copies ({copies.count - copies.to_host} to the device, "
                      f"{copies.to_host} to the host), {fmt_bytes(copies.bytes)}; {copies.overlapped} with compute "
-                     f"scheduled between start and done ({copies.overlapping_matmuls} with a matmul)")
+                     f"scheduled between start and done ({copies.overlapping_matmuls} with a matmul); {when}")
     return lines
 
 
