@@ -162,7 +162,7 @@ def test_micro_batches_that_do_not_divide_over_replicas():
 
 
 def test_abstract_cluster_cannot_train():
-    step = wh.parallelize(_head, adam(), cluster=wh.Cluster.abstract(["V100-32GB"] * 8))
+    step = wh.parallelize(_head, adam(), cluster=wh.Cluster.abstract(["V100-32GB"] * 8, compiler="replay"))
     with pytest.raises(wh.PlanError, match="abstract cluster can plan and lower but not run"):
         step.init(plain_params(), data())
 

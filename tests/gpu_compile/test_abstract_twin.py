@@ -38,6 +38,8 @@ def test_an_abstract_plan_compiles_as_on_the_gpu_topology(case):
     got, want = abstract.compiled_collectives(), topology.compiled_collectives()
     assert (got.count, got.ring_bytes, got.asynchronous) == (want.count, want.ring_bytes, want.asynchronous)
     assert "XLA's compiled step" in abstract.summary()
+    with pytest.raises(wh.PlanError, match="can plan, lower and compile but not run"):
+        wh.parallelize(lambda p, b: 0.0, optax.sgd(0.1), cluster=wh.Cluster.abstract(kinds=H100)).init({}, {})
 
 
 def test_memory_fit_is_judged_on_xla_gpu():
