@@ -4,6 +4,8 @@ XLA:GPU twin (`Cluster.compile_twin`): `step_memory()`, `compiled_collectives()`
 gives (offload plans: lowered over an abstract mesh, compiled for its devices). `compiler="replay"` keeps
 the replay."""
 
+import jax
+import jax.numpy as jnp
 import optax
 import pytest
 
@@ -38,8 +40,16 @@ def test_an_abstract_plan_compiles_as_on_the_gpu_topology(case):
     got, want = abstract.compiled_collectives(), topology.compiled_collectives()
     assert (got.count, got.ring_bytes, got.asynchronous) == (want.count, want.ring_bytes, want.asynchronous)
     assert "XLA's compiled step" in abstract.summary()
+
+
+
+def test_a_plan_on_the_twin_does_not_run():
+    annotations, _ = gpu_compile.CASES["dp"]
+    loss_fn, params, batch = gpu_compile.problem(SMALL, 8, annotations)
+    real = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (params, batch))
+    step = wh.parallelize(loss_fn, optax.sgd(0.1), cluster=wh.Cluster.abstract(kinds=H100))
     with pytest.raises(wh.PlanError, match="can plan, lower and compile but not run"):
-        wh.parallelize(lambda p, b: 0.0, optax.sgd(0.1), cluster=wh.Cluster.abstract(kinds=H100)).init({}, {})
+        step.init(*real)
 
 
 def test_memory_fit_is_judged_on_xla_gpu():
