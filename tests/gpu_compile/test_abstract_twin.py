@@ -26,6 +26,8 @@ def test_the_twin_is_the_kinds_gpu_topology():
     twin = wh.Cluster.abstract(kinds=H100, host_memory=1e12).compile_twin()
     assert twin is not None and twin.compile_only and twin.target == "H100-80GB" and len(twin.devices) == 8
     assert twin.host_memory == (1e12,)
+    slow = wh.Cluster.abstract(kinds=H100).with_speeds([2.0] * 4 + [1.0] * 4, overhead=[0.001] * 8)
+    assert slow.compile_twin().speeds == slow.speeds and slow.compile_twin().overhead == slow.overhead
     assert wh.Cluster.abstract(kinds=H100, compiler="replay").compile_twin() is None
     assert wh.Cluster.abstract(kinds=["cpu"] * 8).compile_twin() is None
 

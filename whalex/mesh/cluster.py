@@ -134,7 +134,10 @@ class Cluster:
             twin = Cluster.gpu_topology(self.kinds, per.pop())
         except ClusterError:
             return None
-        return twin._with_host(self.host_memory, self.host_source)
+        obj = twin._with_host(self.host_memory, self.host_source)
+        for name in ("measured", "spread", "overhead", "calibrated_rows"):     # declared speeds stay
+            object.__setattr__(obj, name, getattr(self, name))
+        return obj
 
     @classmethod
     def gpu_topology(cls, kinds: Sequence[str], devices_per_node: int | None = None,
