@@ -142,3 +142,19 @@ def test_padding_a_split_dimension_inside_a_stage_is_refused_by_name(monkeypatch
     with pytest.raises(wh.PlanError, match=r"split\(2\) inside a pipeline stage would pad "
                                            r".*\['odd'\]\['(kernel|bias)'\].*which 2 does not divide"):
         wh.plan(loss_fn, params, batch, config=config)
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_remat_full_checkpoints_each_layer_inside_the_stages(split_lm, opt):
+    """remat="full" on a pipeline: each layer inside a stage runs under `jax.checkpoint`, so the stage's
+    backward (which recomputes the stage's forward) holds one block's residuals at a time; training
+    still equals one device, 3D (data 2 x stage 2 x model 2) as well."""
+    loss_fn, params, batch = split_lm
+    base = dict(auto_parallel=True, num_task_graph=2, num_micro_batch=2)
+    opt = optax.sgd(0.5) if opt == "sgd" else adam()
+    step, _ = assert_matches(loss_fn, params, batch, steps=2, optimizer=opt, param_tol=1e-4,
+                             config=wh.Config(**base, remat="full"))
+    plain = wh.plan(loss_fn, params, batch, opt, config=wh.Config(**base))
+    assert step.plan.program.layer_cuts and not plain.program.layer_cuts
+    assert step.plan.layout.axis_sizes == (2, 2, 2)
+    assert step.plan.lower().count("optimization_barrier") > plain.lower().count("optimization_barrier")

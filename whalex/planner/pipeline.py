@@ -16,6 +16,7 @@ from whalex.jaxpr.module_paths import layer_key
 from whalex.loss.align import refusal
 from whalex.lowering.pipeline import DATA, MODEL, STAGE, PipelineProgram
 from whalex.memory import MemoryOptions
+from whalex.memory.layers import find_layers
 from whalex.mesh.virtual import MeshLayout, VirtualDevice
 from whalex.plan import Plan
 from whalex.planner.assemble import Row, Work, assemble
@@ -169,21 +170,22 @@ def _layout(cap, config, placement, dp: int, num_stages: int, mp: int) -> _Layou
 
 
 def _program(req: Request, full, cap, cut, schedule, lay: _Layout, dp: int, mp: int, parts) -> PipelineProgram:
-    """The PipelineProgram on the mesh; PlanError for remat or activation offload, which a pipeline's
-    recomputation of each stage replaces."""
+    """The PipelineProgram on the mesh, with remat="full" each stage's layers checkpointed; PlanError for
+    other remat modes or activation offload, which a pipeline's recomputation of each stage replaces."""
     config, cluster = req.config, req.cluster
     ordered = [cluster.devices[i] for row in lay.grid for i in row] if cluster.devices is not None else None
     mesh = lay.layout.build(ordered)
     mem = MemoryOptions.from_config(config, ((DATA,),) * cap.num_params)
     planned = tuple(lay.sharding.comms) if lay.sharding is not None else ()
+    if config.remat not in (None, "full") or "activations" in (config.offload or ()):
+        raise PlanError(f"a pipeline recomputes each stage's forward from its stashed input, and remat='full' "
+                        f"checkpoints each layer inside it; remat={config.remat!r} / offload={config.offload!r} are "
+                        "not supported with pipelines. Use remat=None or 'full' and offload 'opt_state'/'params' only.")
+    layer_cuts = find_layers(cap).cuts if config.remat == "full" else ()
     program = PipelineProgram(cap, cut, schedule, mesh, req.optimizer, cluster.platform, full.global_batch, dp, mem,
                               parts=parts, model_parallel=mp, model_dims=lay.model_dims, constraints=lay.constraints,
-                              model_comms=planned)
+                              model_comms=planned, layer_cuts=layer_cuts)
     _ = program.param_dtype
-    if config.remat not in (None, "full") or "activations" in (config.offload or ()):
-        raise PlanError(f"a pipeline already recomputes each stage's forward from its stashed input (remat='full'); "
-                        f"remat={config.remat!r} / offload={config.offload!r} are not supported with pipelines. Use "
-                        "remat=None or 'full' and offload 'opt_state'/'params' only.")
     num_stages = schedule.num_stages
     return configure_memory(program, config.replace(remat=None), cluster, [(DATA,)] * num_stages)
 

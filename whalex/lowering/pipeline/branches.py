@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -26,17 +26,21 @@ from whalex.lowering.pipeline.outputs import PartOutputs
 from whalex.lowering.pipeline.packing import Slot, layout, pack, pack_values, unpack
 from whalex.lowering.pipeline.rows import ParamRows
 from whalex.lowering.stage_batch import StageBatchLayout
+from whalex.memory.remat import in_order
 
 
-def stage_fn(cap: Captured, cut: StageCut, s: int, constraints=None):
+def stage_fn(cap: Captured, cut: StageCut, s: int, constraints=None, layer_cuts: Sequence[int] = ()):
     """f_s(params_s leaves, live_in values, (batch leaves, extra leaves), overrides) -> live_out values
-    (the last stage: the part outputs of the loss contract), with `live_in` and `live_out`."""
+    (the last stage: the part outputs of the loss contract), with `live_in` and `live_out`.
+    `layer_cuts` (remat="full"): the equations where a layer starts; each layer of the stage then runs
+    under `jax.checkpoint`, in order, so that the stage's backward, which recomputes its forward, holds
+    one layer's residuals at a time rather than the whole stage's."""
     jaxpr = cap.jaxpr.jaxpr
     consts = dict(zip(jaxpr.constvars, cap.jaxpr.consts))
     live_in, live_out = cut.live_in(s), cut.live_out(s, jaxpr.outvars)
     param_vars = [jaxpr.invars[p] for p in cut.params[s]]
     input_vars = jaxpr.invars[cap.num_params:]
-    eqns = [(i, jaxpr.eqns[i]) for i in cut.eqns[s]]
+    runs = layer_runs([(i, jaxpr.eqns[i]) for i in cut.eqns[s]], layer_cuts, live_out)
     constraints = dict(constraints or {})
     cpaths = [c[0] for c in constraints]
 
@@ -46,12 +50,57 @@ def stage_fn(cap: Captured, cut: StageCut, s: int, constraints=None):
         env.update((v, x) for v, x in zip(input_vars, inputs) if x is not None)
         env.update(zip(live_in, live))
         prefixes = {p[:k] for p in list(overrides) + cpaths for k in range(1, len(p) + 1)}
-        for i, eqn in eqns:
-            env.update(zip(eqn.outvars, apply_eqn(eqn, (i,), [C.read(env, v) for v in eqn.invars], overrides,
-                                                  prefixes, constraints)))
+
+        def run(eqns, reads, writes, *values):
+            local = dict(zip(reads, values))
+            for i, eqn in eqns:
+                local.update(zip(eqn.outvars, apply_eqn(eqn, (i,), [C.read(local, v) for v in eqn.invars],
+                                                        overrides, prefixes, constraints)))
+            return [local[v] for v in writes]
+
+        for r in runs:
+            body = functools.partial(run, r.eqns, r.reads, r.writes)
+            if r.checkpointed:
+                body = in_order(jax.checkpoint(body))
+            env.update(zip(r.writes, body(*[env[v] for v in r.reads])))
         return [C.read(env, v) for v in live_out]
 
     return fn, live_in, live_out
+
+
+class Run(NamedTuple):
+    """A run of a stage's equations evaluated as one function: the values it reads from before it, the
+    values it defines that later runs or the stage's outputs read, and whether it is a checkpointed layer."""
+
+    eqns: list
+    reads: list
+    writes: list
+    checkpointed: bool
+
+
+def layer_runs(eqns: list, layer_cuts: Sequence[int], live_out: Sequence) -> list[Run]:
+    """The stage's equations `[(index, eqn)]` cut before each of `layer_cuts` into runs (one run, not
+    checkpointed, without cuts; with them, every run checkpointed)."""
+    cuts = set(layer_cuts)
+    groups: list[list] = []
+    for i, eqn in eqns:
+        if not groups or (i in cuts and groups[-1]):
+            groups.append([])
+        groups[-1].append((i, eqn))
+    later: list[set] = []
+    needed = {v for v in live_out if isinstance(v, C.Var)}
+    for group in reversed(groups):           # what each run's successors (and the outputs) read
+        later.append(set(needed))
+        needed |= {v for _, e in group for v in e.invars if isinstance(v, C.Var)}
+    later.reverse()
+    runs = []
+    for group, after in zip(groups, later):
+        defined = {v for _, e in group for v in e.outvars}
+        reads = list(dict.fromkeys(v for _, e in group for v in e.invars
+                                   if isinstance(v, C.Var) and v not in defined))
+        writes = [v for _, e in group for v in e.outvars if v in after and not isinstance(v, C.DropVar)]
+        runs.append(Run(group, reads, writes, bool(cuts)))
+    return runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,14 +167,15 @@ def idle(width: int, outputs: PartOutputs, params, x, inputs):
 
 
 def make_stages(cap: Captured, cut: StageCut, constraints: Any, rows: ParamRows, outputs: PartOutputs,
-                batch: StageBatchLayout, width: int, num_stages: int | None = None) -> tuple[Stage, ...]:
+                batch: StageBatchLayout, width: int, num_stages: int | None = None,
+                layer_cuts: Sequence[int] = ()) -> tuple[Stage, ...]:
     """Every chunk of `cut` as a `Stage`: on `num_stages` stages (default: one chunk each), chunk c on
-    stage c % S as its chunk c // S."""
+    stage c % S as its chunk c // S; `layer_cuts`: see `stage_fn`."""
     K = cut.num_stages
     S = num_stages or K
     stages = []
     for c in range(K):
-        fn, live_in, live_out = stage_fn(cap, cut, c, constraints)
+        fn, live_in, live_out = stage_fn(cap, cut, c, constraints, layer_cuts)
         stages.append(Stage(c, fn, tuple(layout(live_in)[0]), tuple(layout(live_out)[0]), c == K - 1,
                             rows, outputs, batch, width, c // S, c % S))
     return tuple(stages)

@@ -63,6 +63,7 @@ class PipelineProgram(Emitter):
     model_dims: tuple = ()       # per parameter leaf: its dimension split over `model` (None: whole)
     constraints: Any = None      # the split layers' sharding constraints ((path, "in"|"out", pos) -> spec)
     model_comms: tuple = ()      # the split layers' collectives over `model` as planned for one micro-batch
+    layer_cuts: tuple = ()       # remat="full": the equations where a layer starts, checkpointed in each stage
 
     # -- the parameter rows (`rows.ParamRows`) -------------------------------------------------
     @property
@@ -256,7 +257,7 @@ class PipelineProgram(Emitter):
         loop = TickLoop(S, M, self.schedule.stash[0], self.schedule.grad_stash[0], self.message_width,
                         self.part_outputs, tables, self.virtual_stages)
         stages = make_stages(self.captured, self.cut, self.constraints, self.param_rows, self.part_outputs,
-                             self.batch_layout, self.message_width, S)
+                             self.batch_layout, self.message_width, S, self.layer_cuts)
         n = self.captured.num_params
         return PipelineBody(loop, stages, self.param_rows, self.parts, n,
                             tuple(v.aval for v in self.captured.jaxpr.jaxpr.invars[:n]),
