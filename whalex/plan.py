@@ -5,7 +5,7 @@ import dataclasses
 
 from whalex.balance.cost import BalanceReport
 from whalex.balance.refine import Refinement
-from whalex.jaxpr.compiled import compile_step
+from whalex.jaxpr.compiled import compile_step, lower_step
 from whalex.jaxpr.hlo import HostCopies, StepCollectives, host_copies, step_collectives
 from whalex.memory import fit
 from whalex.memory.accounting import DeviceMemory
@@ -185,10 +185,7 @@ class Plan:
     def lowered(self, donate: bool = False):
         """The `jax.stages.Lowered` training step (works on abstract clusters too); `donate=True`: as
         `wh.parallelize` runs it, the state donated."""
-        step = self.functions
-        if not donate:
-            return step.lower()
-        return step.jitted(donate=True).trace(*step.abstract_args()).lower(lowering_platforms=(self.report.platform,))
+        return lower_step(self.functions, self.report.platform) if donate else self.functions.lower()
 
     def lower(self) -> str:
         """The sharded StableHLO text of one training step."""

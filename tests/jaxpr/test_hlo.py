@@ -138,3 +138,32 @@ def test_async_overlaps_count_the_compute_between_start_and_done():
                                                                                 ("all-gather", 0, 0)]
     step = hlo.step_collectives(_SCHEDULED, 2)
     assert (step.count, step.asynchronous, step.overlapped, step.overlapping_matmuls) == (2, 2, 1, 1)
+
+
+_HOST_COPIES = """\
+HloModule step, is_scheduled=true
+
+ENTRY %main (p: f32[4096,1024], g: f32[8]) -> f32[8] {
+  %copy-start.2 = (f32[4096,1024]{1,0}, f32[4096,1024]{1,0:S(5)}, u32[]) copy-start(f32[4096,1024]{1,0:S(5)} %p)
+  %fusion.1 = f32[8]{0} fusion(f32[8]{0} %g), kind=kLoop, calls=%f
+  %copy-done.2 = f32[4096,1024]{1,0} copy-done((f32[4096,1024]{1,0}, f32[4096,1024]{1,0:S(5)}, u32[]) %copy-start.2)
+  %copy-start.3 = (f32[8]{0:S(5)}, f32[8]{0}, u32[]) copy-start(f32[8]{0} %fusion.1)
+  %copy-done.3 = f32[8]{0:S(5)} copy-done((f32[8]{0:S(5)}, f32[8]{0}, u32[]) %copy-start.3)
+  %copy-start.5 = (s32[], s32[]{:S(5)}, u32[]) copy-start(s32[]{:S(5)} %p)
+  %copy-done.5 = s32[] copy-done((s32[], s32[]{:S(5)}, u32[]) %copy-start.5)
+  %copy-start.4 = (f32[8]{0}, f32[8]{0}, u32[]) copy-start(f32[8]{0} %fusion.1)
+  %copy-done.4 = f32[8]{0} copy-done((f32[8]{0}, f32[8]{0}, u32[]) %copy-start.4)
+  ROOT %r = f32[8]{0} add(f32[8]{0} %copy-done.3, f32[8]{0} %copy-done.4)
+}
+"""
+
+
+def test_host_copies_are_the_copies_into_or_out_of_memory_space_5():
+    """A copy's result tuple is (destination, source, context): one copy to the device with a fusion
+    between its start and done, one to the host with nothing between, a scalar to the device, and a device-to-device copy,
+    which is not a host transfer; a scalar's type carries no layout but its memory space."""
+    from whalex.jaxpr import hlo
+
+    found = hlo.host_copies(_HOST_COPIES)
+    assert (found.count, found.to_host, found.overlapped, found.overlapping_matmuls) == (3, 1, 1, 0)
+    assert found.bytes == 4096 * 1024 * 4 + 8 * 4 + 4

@@ -12,10 +12,15 @@ if TYPE_CHECKING:
     from whalex.records.program import ProgramStep
 
 
+def lower_step(step: ProgramStep, platform: str):
+    """The `jax.stages.Lowered` step as `wh.parallelize` runs it, the state donated."""
+    return step.jitted(donate=True).trace(*step.abstract_args()).lower(lowering_platforms=(platform,))
+
+
 def compile_step(step: ProgramStep, platform: str, devices: Sequence[Any] | None = None) -> tuple[Any, str]:
     """(XLA's memory analysis, the scheduled HLO text) of the donated step; `devices`: the topology
     devices an abstract step compiles for."""
-    lowered = step.jitted(donate=True).trace(*step.abstract_args()).lower(lowering_platforms=(platform,))
+    lowered = lower_step(step, platform)
     if devices is None:
         compiled = lowered.compile()
         return compiled.memory_analysis(), compiled.as_text()

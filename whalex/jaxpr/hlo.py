@@ -262,6 +262,7 @@ def step_collectives(text: str, num_devices: int, tick_arms: tuple[float, ...] |
 
 
 _HOST_COPY = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\((.*)\)\s+copy-start\(")
+_LAID_OUT = re.compile(r"\b[a-z]+[0-9]*[a-z0-9]*\[[0-9,]*\](?:\{[^}]*\})?")   # an array type, its layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,21 +285,10 @@ def host_copies(text: str) -> HostCopies:
     for line in text.splitlines():
         m = _HOST_COPY.match(line)
         if m and ":S(5)}" in m.group(2):
-            dest, src = _tuple_parts(m.group(2))[:2]
+            dest, src = _LAID_OUT.findall(m.group(2))[:2]      # (destination, source, context)
             moves[m.group(1)] = (":S(5)}" in src and ":S(5)}" not in dest, nbytes(arrays(src)))
     overlaps = [o for o in async_overlaps(text) if o.kind == "copy" and o.name in moves]
     return HostCopies(len(moves), sum(not from_host for from_host, _ in moves.values()),
                       sum(b for _, b in moves.values()), sum(o.overlaps for o in overlaps),
                       sum(o.overlapped_matmuls > 0 for o in overlaps))
 
-
-def _tuple_parts(text: str) -> list[str]:
-    """The top-level comma-separated parts of a tuple type's inside."""
-    parts, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        depth += ch in "([{"
-        depth -= ch in ")]}"
-        if ch == "," and depth == 0:
-            parts.append(text[start:i].strip())
-            start = i + 1
-    return parts + [text[start:].strip()]

@@ -134,10 +134,8 @@ class Cluster:
             twin = Cluster.gpu_topology(self.kinds, per.pop())
         except ClusterError:
             return None
-        obj = twin._with_host(self.host_memory, self.host_source)
-        for name in ("measured", "spread", "overhead", "calibrated_rows"):     # declared speeds stay
-            object.__setattr__(obj, name, getattr(self, name))
-        return obj
+        return twin._replace(host_memory=self.host_memory, host_source=self.host_source, measured=self.measured,
+                             spread=self.spread, overhead=self.overhead, calibrated_rows=self.calibrated_rows)
 
     @classmethod
     def gpu_topology(cls, kinds: Sequence[str], devices_per_node: int | None = None,
@@ -178,7 +176,8 @@ class Cluster:
         if self.target is None:
             raise ClusterError("for_target() is for clusters made by Cluster.gpu_topology(...).")
         per = len(self.nodes[0]) if self.nodes else self.size
-        return Cluster.gpu_topology(self.kinds, per, None, kind)._with_host(self.host_memory, self.host_source)
+        return Cluster.gpu_topology(self.kinds, per, None, kind)._replace(host_memory=self.host_memory,
+                                                                          host_source=self.host_source)
 
     def over_abstract_mesh(self) -> Cluster:
         """This `gpu_topology` cluster with its devices kept for compiling only: plans lower over an
@@ -187,17 +186,14 @@ class Cluster:
         over an abstract mesh the memory kinds stay, so offload plans compile with their host transfers."""
         if self.target is None or self.devices is None:
             raise ClusterError("over_abstract_mesh() is for clusters made by Cluster.gpu_topology(...).")
-        obj = object.__new__(type(self))
-        _set(obj, self.specs, None, self.measured, self.spread, self.nodes, self.host_memory, self.host_source)
-        for name in ("overhead", "calibrated_rows", "target"):
-            object.__setattr__(obj, name, getattr(self, name))
-        object.__setattr__(obj, "compile_devices", self.devices)
-        return obj
+        return self._replace(devices=None, compile_devices=self.devices)
 
-    def _with_host(self, host_memory, host_source) -> Cluster:
+    def _replace(self, **changes) -> Cluster:
+        """A copy with `changes` to its fields (a Cluster has its own constructor, so not
+        `dataclasses.replace`)."""
         obj = object.__new__(type(self))
-        _set(obj, self.specs, self.devices, self.measured, self.spread, self.nodes, host_memory, host_source)
-        object.__setattr__(obj, "target", self.target)
+        for f in dataclasses.fields(self):
+            object.__setattr__(obj, f.name, changes.get(f.name, getattr(self, f.name)))
         return obj
 
     @property
@@ -234,14 +230,7 @@ class Cluster:
                 raise ClusterError(f"with_speeds(rows=...) is the (fewest, most) rows per device the speeds were "
                                    f"measured at, two integers 1 <= fewest <= most, got {rows!r}.")
             rows = (int(rows[0]), int(rows[1]))
-        obj = object.__new__(type(self))
-        _set(obj, self.specs, self.devices, speeds, spread, self.nodes, self.host_memory, self.host_source)
-        object.__setattr__(obj, "overhead", overhead)
-        object.__setattr__(obj, "calibrated_rows", rows)
-        object.__setattr__(obj, "target", self.target)
-        object.__setattr__(obj, "compiler", self.compiler)
-        object.__setattr__(obj, "compile_devices", self.compile_devices)
-        return obj
+        return self._replace(measured=speeds, spread=spread, overhead=overhead, calibrated_rows=rows)
 
     @property
     def host_bytes(self) -> tuple[float, ...]:
