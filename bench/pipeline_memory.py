@@ -13,11 +13,12 @@ What it measures
     Defaults (H=256, L=2, b=1024) make one micro-batch's stage input (b*H floats = 1 MiB) larger
     than one stage's parameters (~0.5 MiB), so activation memory is what differs.
 
-What to expect (whalex's pipeline runtime, ``whalex/lowering/pipeline.py``)
+What to expect (whalex's pipeline runtime, ``whalex/lowering/pipeline``)
     Per device, the runtime stashes only stage inputs in ``schedule.slots`` buffers of
-    ``message_width`` floats each (and incoming gradients in ``schedule.grad_slots`` = 1 buffer),
-    and recomputes the stage forward in the backward. slots = S (=4) for 1F1B and M for GPipe, so
-    the stash is predicted at (slots + grad_slots) * message_width * 4 bytes: flat in M for 1F1B,
+    ``message_bytes`` each (float32 here; a 16-bit float where every boundary value is one), plus
+    incoming gradients in ``schedule.grad_slots`` = 1 buffer, and recomputes the stage forward in the
+    backward. slots = S (=4) for 1F1B and M for GPipe, so the stash is predicted at
+    (slots + grad_slots) * message_bytes: flat in M for 1F1B,
     linear in M for GPipe. Everything
     else (one micro-batch's recomputed stage activations, gradient accumulator, Adam update) does
     not depend on M.
@@ -147,7 +148,7 @@ def pipeline_row(loss_fn, params, args, M: int, schedule: str, optimizer, cluste
     donated = mem_dict(plan.lowered(donate=True).compile())
     sched = plan.schedule
     buffers = plan.report.stage_buffers()
-    stash = (sched.slots + sched.grad_slots) * buffers.message_width * 4   # forward + gradient stash, f32
+    stash = (sched.slots + sched.grad_slots) * buffers.message_bytes   # forward + gradient stash
     batch_bytes = buffers.batch_bytes                      # what each device holds (padded stage row)
     return {
         "schedule": schedule, "M": M, "micro_batch": args.micro, "data_parallel": dp,
@@ -159,7 +160,8 @@ def pipeline_row(loss_fn, params, args, M: int, schedule: str, optimizer, cluste
         "batch_bytes_per_device_before": buffers.whole_batch_bytes,    # the replica's whole batch (before Build 6)
         "batch_bytes_read_per_stage": list(buffers.stage_batch_bytes),
         "batch_leaves_per_stage": [list(leaves) for leaves in buffers.stage_batch_leaves],
-        "message_width_floats": buffers.message_width, "param_width_floats": buffers.param_width,
+        "message_width_floats": buffers.message_width, "message_bytes": buffers.message_bytes,
+        "param_width_floats": buffers.param_width,
         "predicted_stash_bytes": stash,
         "memory": public, "memory_donated": donated,
         "activation_bytes": public["temp_size_in_bytes"],
@@ -336,7 +338,7 @@ def checks_of(Ms, by) -> dict:
     lo, mid, hi = Ms[0], Ms[len(Ms) // 2], Ms[-1]
     t = {(s, M): by[(s, M)]["memory"]["temp_size_in_bytes"] for s in ("1f1b", "gpipe") for M in Ms}
     # predicted GPipe bytes per micro-batch (one stashed input)
-    per_mb = by[("gpipe", lo)]["message_width_floats"] * 4
+    per_mb = by[("gpipe", lo)]["message_bytes"]
     slope = (t[("gpipe", hi)] - t[("gpipe", lo)]) / (hi - lo)
     inc1 = t[("gpipe", mid)] - t[("gpipe", lo)]
     inc2 = t[("gpipe", hi)] - t[("gpipe", mid)]
@@ -362,7 +364,7 @@ def where_the_bytes_go(Ms, rows, by) -> None:
     """The residual, the gradient stash, the batch and donation, computed from this run (not asserted)."""
     print()
     print("Where the bytes go (computed from this run):")
-    A4 = rows[0]["message_width_floats"] * 4
+    A4 = rows[0]["message_bytes"]
     resid = sorted({r["residual_bytes"] for r in rows})
     print(f"  * temp - predicted stash = {', '.join(mib(x).strip() for x in resid)} MiB in every config: the "
           f"per-tick buffers (activation/gradient messages of {A4 / 2**20:.2f} MiB each, in the scan carry, the "

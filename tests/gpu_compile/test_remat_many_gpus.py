@@ -43,9 +43,10 @@ def test_remat_full_saves_most_activations_of_the_3d_plan(h100x8):
     """The same GPT 3D (data 2 x stage 2 x model 2, the MLPs split): a pipeline stage's backward
     recomputes the stage's forward from its stashed input, and with remat="full" each block inside
     the stage runs under `jax.checkpoint`, so it holds one block's residuals at a time. Activations:
-    XLA:GPU's bytes per device less the stored state (parameters, gradients, optimizer state). The
-    head's float32 logits are not a repeated layer and keep their residuals, as with `nn.remat` per
-    block: the saving stays a little under 60% in bf16 (see docs/benchmarks.md)."""
+    XLA:GPU's bytes per device less the stored state (parameters, gradients, optimizer state). What
+    remat leaves is mostly the loss head's transient (its float32 and bfloat16 logits while its
+    backward runs), which no checkpoint removes: the saving stays a little under 60% in bf16 (see
+    docs/memory.md)."""
     annotations, base = gpu_compile.CASES["3d"]
     loss_fn, params, batch = gpu_compile.problem(FULL, 8, annotations)
     activations = {}
@@ -55,4 +56,4 @@ def test_remat_full_saves_most_activations_of_the_3d_plan(h100x8):
         assert plan.layout.axis_sizes == (2, 2, 2)
         d = plan.memory[0]
         activations[remat] = plan.step_memory().total - (d.params + d.grads + d.opt_state)
-    assert activations["full"] <= 0.45 * activations[None], activations
+    assert activations["full"] <= 0.42 * activations[None], activations

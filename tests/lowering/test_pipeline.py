@@ -262,3 +262,33 @@ def test_gradient_accumulator_segments_add_each_stage_into_its_own_width():
     np.testing.assert_allclose(np.concatenate(segs, axis=1), want, rtol=1e-6)
     with pytest.raises(AssertionError):            # a width that is no stage's: not a boundary
         _add_segments(segs, jnp.ones((2, 5)), bounds, 1)
+
+
+def test_messages_are_half_where_every_boundary_value_is_and_round_trip_exactly():
+    """A message between stages is a 16-bit float row where every boundary value is of that dtype (or
+    boolean), else float32; `unpack(pack(values))` gives back every value bit for bit."""
+    from types import SimpleNamespace
+
+    from whalex.lowering.pipeline.packing import Message, layout, unpack
+
+    def var(shape, dtype):
+        return SimpleNamespace(aval=jax.ShapeDtypeStruct(shape, dtype))
+
+    bf16, f16 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)
+    cases = {(bf16,): bf16, (bf16, jnp.bool_): bf16, (f16,): f16, (bf16, jnp.float32): jnp.float32,
+             (bf16, jnp.int32): jnp.float32, (bf16, f16): jnp.float32, (jnp.bool_,): jnp.float32, (): jnp.float32}
+    for dtypes, want in cases.items():
+        boundaries = [[var((2, 3), d) for d in dtypes], [var((5,), dtypes[0])] if dtypes else []]
+        msg = Message.of(boundaries)
+        assert msg.dtype == jnp.dtype(want), dtypes
+        assert msg.width == max(6 * len(dtypes), 5 if dtypes else 1)
+        assert msg.nbytes == msg.width * jnp.dtype(want).itemsize
+        slots, _ = layout(boundaries[0])
+        rng = np.random.default_rng(0)
+        values = [jnp.asarray(rng.standard_normal((2, 3)) * 100).astype(d) if jnp.issubdtype(d, jnp.floating)
+                  else jnp.asarray(rng.integers(-2**31, 2**31 - 1, (2, 3)), jnp.int32).astype(d) for d in dtypes]
+        flat = msg.pack(values)
+        assert flat.shape == (msg.width,) and flat.dtype == msg.dtype
+        for got, v in zip(unpack(flat, slots), values):
+            assert got.dtype == v.dtype
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(v))

@@ -85,6 +85,8 @@ def test_amp_pipeline_with_nested_data_parallelism(amp):
     params, batch = _plain()
     step, _ = check_half(_two_stage, params, batch, amp, config=wh.Config(amp=amp, num_micro_batch=4))
     assert step.plan.schedule is not None and step.plan.layout.axis_sizes == (4, 2)
+    buffers = step.plan.report.stage_buffers()        # the boundary is half: so are the messages
+    assert buffers.message_bytes == 2 * buffers.message_width
 
 
 def test_amp_on_uneven_heterogeneous_data_parallelism():

@@ -68,6 +68,7 @@ class StageBuffers:
 
     param_width: int                              # elements of one stage's parameter row
     message_width: int                            # elements of one message between stages
+    message_bytes: int                            # bytes of one message (its dtype's width)
     batch_bytes: int                              # the batch a device holds: its stage's leaves
     whole_batch_bytes: int                        # the replica's whole batch, for comparison
     stage_batch_bytes: tuple[int, ...]            # per stage: the batch bytes it reads

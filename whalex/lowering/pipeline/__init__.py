@@ -5,8 +5,8 @@ the planner (`whalex.planner.stage_cut` gives a `StageCut`); this package carrie
 modules of one job each:
 
 - `cut`: the `StageCut` record: equations, parameters and boundary values per stage.
-- `packing`: values in flat float32 buffers (messages, stash, outputs) and the gradient accumulator's
-  segments; `tree_switch`, the stage switch as two-way conds.
+- `packing`: values in flat buffers (messages and the stash in the `Message` format, outputs in
+  float32) and the gradient accumulator's segments; `tree_switch`, the stage switch as two-way conds.
 - `rows`: each stage's parameters as rows (`ParamRows`), and their gradients.
 - `storage`: the caller's parameters spread over every device between steps, and the collectives that
   gather them into the rows and scatter the gradients back (`SpreadStorage`).

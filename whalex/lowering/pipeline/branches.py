@@ -23,7 +23,7 @@ from whalex.jaxpr.capture import Captured
 from whalex.jaxpr.interpret import apply_eqn
 from whalex.lowering.pipeline.cut import StageCut
 from whalex.lowering.pipeline.outputs import PartOutputs
-from whalex.lowering.pipeline.packing import Slot, layout, pack, pack_values, unpack
+from whalex.lowering.pipeline.packing import Message, Slot, layout, pack_values, unpack
 from whalex.lowering.pipeline.rows import ParamRows
 from whalex.lowering.stage_batch import StageBatchLayout
 from whalex.memory.remat import in_order
@@ -117,7 +117,7 @@ class Stage:
     rows: ParamRows
     outputs: PartOutputs
     batch: StageBatchLayout
-    width: int                      # the message width
+    message: Message                # the messages' format
     slot: int = 0                   # its place among its device's chunks
     device: int = 0                 # the stage holding it (whose batch leaves it reads)
 
@@ -131,9 +131,9 @@ class Stage:
                        self.stage_inputs(inputs), overrides(inputs[2]))
         _, O = self.outputs.slots
         if self.last:
-            return jnp.zeros(self.width, jnp.float32), pack_values([outs[k] for k in self.outputs.values], O), \
+            return self.message.zeros(), pack_values([outs[k] for k in self.outputs.values], O), \
                 [outs[k] for k in self.outputs.rows]
-        return pack(outs, self.width), jnp.zeros(O, jnp.float32), self.outputs.no_rows()
+        return self.message.pack(outs), jnp.zeros(O, jnp.float32), self.outputs.no_rows()
 
     def backward(self, overrides: Callable, cot, gacc, params, x, ct, inputs):
         """(message back, `gacc` plus this micro-batch's gradient rows), the forward recomputed from `x`."""
@@ -158,16 +158,16 @@ class Stage:
         full = [jnp.zeros(sl.shape, jnp.float32) for sl in self.in_slots]
         for k, g in zip(diff, dl):
             full[k] = g
-        return pack(full, self.width), self.rows.add_chunk_grads(self.device, self.slot, gacc, dp)
+        return self.message.pack(full), self.rows.add_chunk_grads(self.device, self.slot, gacc, dp)
 
 
-def idle(width: int, outputs: PartOutputs, params, x, inputs):
+def idle(message: Message, outputs: PartOutputs, params, x, inputs):
     """The forward branch of a tick with no work: zeros shaped like a forward's results."""
-    return jnp.zeros(width, jnp.float32), jnp.zeros(outputs.slots[1], jnp.float32), outputs.no_rows()
+    return message.zeros(), jnp.zeros(outputs.slots[1], jnp.float32), outputs.no_rows()
 
 
 def make_stages(cap: Captured, cut: StageCut, constraints: Any, rows: ParamRows, outputs: PartOutputs,
-                batch: StageBatchLayout, width: int, num_stages: int | None = None,
+                batch: StageBatchLayout, message: Message, num_stages: int | None = None,
                 layer_cuts: Sequence[int] = ()) -> tuple[Stage, ...]:
     """Every chunk of `cut` as a `Stage`: on `num_stages` stages (default: one chunk each), chunk c on
     stage c % S as its chunk c // S; `layer_cuts`: see `stage_fn`."""
@@ -177,7 +177,7 @@ def make_stages(cap: Captured, cut: StageCut, constraints: Any, rows: ParamRows,
     for c in range(K):
         fn, live_in, live_out = stage_fn(cap, cut, c, constraints, layer_cuts)
         stages.append(Stage(c, fn, tuple(layout(live_in)[0]), tuple(layout(live_out)[0]), c == K - 1,
-                            rows, outputs, batch, width, c // S, c % S))
+                            rows, outputs, batch, message, c // S, c % S))
     return tuple(stages)
 
 
@@ -194,7 +194,7 @@ def branches(stages, overrides: Callable, cot) -> Branches:
     """The branches of one step. `overrides(m)`: the loss contract's overrides of micro-batch m; `cot`:
     the cotangent vector of the part outputs."""
     first = stages[0]
-    fwds = [functools.partial(idle, first.width, first.outputs)]
+    fwds = [functools.partial(idle, first.message, first.outputs)]
     fwds += [functools.partial(st.forward, overrides) for st in stages]
     bwds = [functools.partial(st.backward, overrides, cot) for st in stages]
-    return Branches(fwds, bwds, jnp.zeros(first.width, jnp.float32), jnp.zeros(first.outputs.slots[1], jnp.float32))
+    return Branches(fwds, bwds, first.message.zeros(), jnp.zeros(first.outputs.slots[1], jnp.float32))

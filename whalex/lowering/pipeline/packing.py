@@ -1,9 +1,11 @@
-"""Values in flat float32 buffers: the messages between stages, the stash, the part outputs, and the
+"""Values in flat buffers: the messages between stages, the stash, the part outputs, and the
 gradient accumulator held as segments.
 
-A message carries any stage boundary in one `[width]` float32 row: floats are cast, booleans become
-0/1 and integers are bit-cast through int32, so `unpack(pack(...))` is exact. Part outputs summed over
-micro-batches are cast by value instead (`pack_values`): an integer count adds up.
+A message carries any stage boundary in one `[width]` row of its `Message.dtype`: float32, where
+floats are cast, booleans become 0/1 and integers are bit-cast through int32, so `unpack(pack(...))`
+is exact; or, where every boundary value is a 16-bit float of one kind (or a boolean), that dtype, so
+a pipeline in mixed precision stashes and sends half the bytes. Part outputs summed over
+micro-batches are float32, cast by value (`pack_values`): an integer count adds up.
 """
 from __future__ import annotations
 
@@ -42,20 +44,54 @@ def layout(vars_: Sequence[Any]) -> tuple[list[Slot], int]:
     return slots, off
 
 
-def to_f32(x):
-    """`x` as float32 entries: floats cast, booleans 0/1, integers bit-cast through int32."""
-    if x.dtype == jnp.float32:
+HALF_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    """The format of every message between stages (and of the stash holding them): `width` entries of
+    `dtype`."""
+
+    width: int
+    dtype: Any = jnp.float32
+
+    @classmethod
+    def of(cls, boundaries: Sequence[Sequence[Any]]) -> Message:
+        """The format carrying every boundary's values exactly: as wide as the widest boundary; of a
+        16-bit float dtype where every value is of that dtype or boolean, else float32."""
+        width = max([layout(b)[1] for b in boundaries] + [1])
+        kinds = {jnp.dtype(v.aval.dtype) for b in boundaries for v in b} - {jnp.dtype(jnp.bool_)}
+        half = kinds.pop() if len(kinds) == 1 and next(iter(kinds)) in HALF_FLOATS else None
+        return cls(width, half if half is not None else jnp.dtype(jnp.float32))
+
+    @property
+    def nbytes(self) -> int:
+        return self.width * jnp.dtype(self.dtype).itemsize
+
+    def zeros(self, *lead: int):
+        """A zero message (`lead`: leading dimensions, a stash's slots)."""
+        return jnp.zeros((*lead, self.width), self.dtype)
+
+    def pack(self, values):
+        """`values` (in their slots' order) as one message (`to_entries`, zero padded)."""
+        parts = [to_entries(jnp.asarray(v), self.dtype).reshape(-1) for v in values]
+        flat = jnp.concatenate(parts) if parts else jnp.zeros((0,), self.dtype)
+        return pad_to(flat, self.width)
+
+
+def to_entries(x, dtype=jnp.float32):
+    """`x` as entries of a message of `dtype`: floats cast, booleans 0/1, integers bit-cast through
+    int32 (float32 messages only: `Message.of`)."""
+    if x.dtype == dtype:
         return x
-    if jnp.issubdtype(x.dtype, jnp.floating):
-        return x.astype(jnp.float32)
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.float32)
+    if jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == jnp.bool_:
+        return x.astype(dtype)
     return jax.lax.bitcast_convert_type(x.astype(jnp.int32), jnp.float32)
 
 
-def from_f32(x, dtype):
-    """The inverse of `to_f32`."""
-    if dtype == jnp.float32:
+def from_entries(x, dtype):
+    """The inverse of `to_entries`."""
+    if dtype == x.dtype:
         return x
     if jnp.issubdtype(dtype, jnp.floating):
         return x.astype(dtype)
@@ -64,16 +100,9 @@ def from_f32(x, dtype):
     return jax.lax.bitcast_convert_type(x, jnp.int32).astype(dtype)
 
 
-def pack(values, width: int):
-    """`values` (in their slots' order) as one `[width]` message (`to_f32`, zero padded)."""
-    parts = [to_f32(jnp.asarray(v)).reshape(-1) for v in values]
-    flat = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.float32)
-    return pad_to(flat, width)
-
-
 def unpack(flat, slots: Sequence[Slot]) -> list:
     """The values of a message, by their slots."""
-    return [from_f32(flat[s.offset:s.offset + s.size].reshape(s.shape), s.dtype) for s in slots]
+    return [from_entries(flat[s.offset:s.offset + s.size].reshape(s.shape), s.dtype) for s in slots]
 
 
 def pack_values(values, width: int):

@@ -28,7 +28,7 @@ from whalex.lowering.pipeline.body import PipelineBody
 from whalex.lowering.pipeline.branches import make_stages
 from whalex.lowering.pipeline.cut import StageCut
 from whalex.lowering.pipeline.outputs import PartOutputs
-from whalex.lowering.pipeline.packing import layout
+from whalex.lowering.pipeline.packing import Message
 from whalex.lowering.pipeline.rows import ParamRows
 from whalex.lowering.pipeline.storage import SpreadStorage
 from whalex.lowering.pipeline.ticks import TickLoop
@@ -133,8 +133,13 @@ class PipelineProgram(Emitter):
         return self.param_rows.pack_3d(jax.tree.leaves(params), self.mesh)
 
     @functools.cached_property
+    def message(self) -> Message:
+        """The messages' format: every stage boundary fits one."""
+        return Message.of(self.cut.boundaries)
+
+    @property
     def message_width(self) -> int:
-        return max([layout(b)[1] for b in self.cut.boundaries] + [1])
+        return self.message.width
 
     # -- the stored parameters (`storage.SpreadStorage`) -----------------------------------------
     @functools.cached_property
@@ -224,7 +229,7 @@ class PipelineProgram(Emitter):
     def stage_buffers(self) -> StageBuffers:
         """The per-device buffers: parameter row and message widths, the batch each device holds."""
         layout, dp, S = self.batch_layout, self.data_parallel, self.schedule.num_stages
-        return StageBuffers(self.param_width, self.message_width, layout.device_bytes(dp),
+        return StageBuffers(self.param_width, self.message_width, self.message.nbytes, layout.device_bytes(dp),
                             layout.whole_bytes(dp), tuple(layout.stage_bytes(s, dp) for s in range(S)),
                             tuple(tuple(sl.leaf for sl in layout.stages[s]) for s in range(S)))
 
@@ -234,7 +239,7 @@ class PipelineProgram(Emitter):
         grad_bytes = self.param_width * np.dtype(self.param_dtype).itemsize
         invars = self.captured.jaxpr.jaxpr.invars[: self.captured.num_params]
         rows = stage_collectives(self.schedule, invars, self.memory_options.zero_level, self.data_parallel,
-                                 grad_bytes, self.message_width)
+                                 grad_bytes, self.message.nbytes)
         return rows + split_layer_collectives(self.model_comms, self.captured, self.cut.eqns, self.schedule.num_stages,
                                               self.schedule.num_micro_batch)
 
@@ -254,10 +259,10 @@ class PipelineProgram(Emitter):
         """One device's step (`body.PipelineBody`), with the schedule's tables as arrays."""
         S, M, dp = self.schedule.num_stages, self.schedule.num_micro_batch, self.data_parallel
         tables = {k: jnp.asarray(v) for k, v in self.schedule.tables().items()}
-        loop = TickLoop(S, M, self.schedule.stash[0], self.schedule.grad_stash[0], self.message_width,
+        loop = TickLoop(S, M, self.schedule.stash[0], self.schedule.grad_stash[0], self.message,
                         self.part_outputs, tables, self.virtual_stages)
         stages = make_stages(self.captured, self.cut, self.constraints, self.param_rows, self.part_outputs,
-                             self.batch_layout, self.message_width, S, self.layer_cuts)
+                             self.batch_layout, self.message, S, self.layer_cuts)
         n = self.captured.num_params
         return PipelineBody(loop, stages, self.param_rows, self.parts, n,
                             tuple(v.aval for v in self.captured.jaxpr.jaxpr.invars[:n]),

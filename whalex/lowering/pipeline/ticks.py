@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from whalex.lowering.pipeline.axes import STAGE
 from whalex.lowering.pipeline.branches import Branches
 from whalex.lowering.pipeline.outputs import PartOutputs
-from whalex.lowering.pipeline.packing import tree_switch
+from whalex.lowering.pipeline.packing import Message, tree_switch
 
 
 class LoopState(NamedTuple):
@@ -66,7 +66,7 @@ class TickLoop:
     num_micro: int
     slots: int              # forward stash slots
     grad_slots: int         # gradient stash slots
-    width: int              # the message width
+    message: Message        # the messages' format
     outputs: PartOutputs
     tables: dict            # the schedule's tables as arrays, [ticks, stages] each
     virtual_stages: int = 1  # model chunks per stage
@@ -77,11 +77,11 @@ class TickLoop:
 
     def init_state(self, device: Device, zero_grads: Callable) -> LoopState:
         """Empty stashes, accumulators and messages."""
-        A = self.width
-        return LoopState(jnp.zeros((self.slots, A), jnp.float32), jnp.zeros((self.grad_slots, A), jnp.float32),
+        msg = self.message
+        return LoopState(msg.zeros(self.slots), msg.zeros(self.grad_slots),
                          zero_grads(), self.outputs.init(),
                          [jnp.zeros((device.per_replica,) + a.shape[1:], a.dtype) for a in self.outputs.row_avals],
-                         jnp.zeros(A, jnp.float32), jnp.zeros(A, jnp.float32))
+                         msg.zeros(), msg.zeros())
 
     def iteration_inputs(self, state: LoopState, row: dict, device: Device):
         """This tick's work: the messages of last tick stashed, then (state, task, micro-batch, inputs),

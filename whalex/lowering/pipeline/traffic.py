@@ -12,7 +12,7 @@ from whalex.records.schedules import Schedule
 
 
 def stage_collectives(schedule: Schedule, invars, zero_level: int, dp: int, grad_bytes: float,
-                      message_width: int) -> tuple[Comm, ...]:
+                      message_bytes: int) -> tuple[Comm, ...]:
     """Per stage: the spread state's gather over replicas, its parameter blocks to the stage and its
     gradient blocks back, the gradient sync over replicas (ZeRO: reduce-scatter, and at level 3 the
     stage parameters gathered), and the messages to the neighbouring stages every tick. `invars`:
@@ -31,7 +31,7 @@ def stage_collectives(schedule: Schedule, invars, zero_level: int, dp: int, grad
         sends = 2 if schedule.virtual_stages > 1 else (s < num_stages - 1) + (s > 0)   # interleaved: the ring
         if sends:
             comms.append(Comm(s, "collective-permute", (STAGE,), ring_bytes(
-                "collective-permute", schedule.num_ticks * sends * message_width * 4, num_stages),
+                "collective-permute", schedule.num_ticks * sends * message_bytes, num_stages),
                               "activations to the next stage, gradients to the previous (every tick)"))
     return tuple(comms)
 
