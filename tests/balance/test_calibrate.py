@@ -85,7 +85,7 @@ def test_a_split_must_show_twice(monkeypatch):
     def rounds(slow_per_call):
         calls = []
 
-        def fake(devices, fn, args, repeats):
+        def fake(devices, fn, args, repeats, sync=None):
             t = 1e-3 * np.exp(0.05 * rng.standard_normal((repeats, len(devices))))
             t[:, slow_per_call[len(calls)]] *= 1.75
             calls.append(1)
@@ -179,10 +179,11 @@ def _synthetic_rounds(fixed, per_row, noise, seed=0):
     of relative size `noise` and one 3x outlier, shaped (round, device, size) like the real timings."""
     rng = np.random.default_rng(seed)
 
-    def fake(devices, fn, args, repeats):
-        rows = np.array([jax.tree.leaves(a[-1])[0].shape[0] for a in args])
-        t = np.asarray(fixed)[None, :, None] + rows[None, None, :] * np.asarray(per_row)[None, :, None]
-        t = t * np.exp(noise * rng.standard_normal((repeats, len(devices), len(args))))
+    def fake(devices, fn, args, repeats, sync=None):
+        own = args if isinstance(args[0], list) else [args] * len(devices)      # per device, or shared
+        rows = np.array([[jax.tree.leaves(a[-1])[0].shape[0] for a in sets] for sets in own])
+        t = np.asarray(fixed)[None, :, None] + rows[None] * np.asarray(per_row)[None, :, None]
+        t = t * np.exp(noise * rng.standard_normal((repeats, len(devices), rows.shape[1])))
         t[1, 2, 1] *= 3.0
         return t
     return fake
@@ -219,7 +220,7 @@ def test_the_step_is_timed_at_a_quarter_half_and_all_of_the_batchs_rows(monkeypa
     cal = importlib.import_module("whalex.balance.calibrate")
     seen, fake = [], _synthetic_rounds([2e-4] * 8, [2e-5] * 8, 0.01)
 
-    def spy(devices, fn, args, repeats):
+    def spy(devices, fn, args, repeats, sync=None):
         seen.append([jax.tree.leaves(a[-1])[0].shape[0] for a in args])
         return fake(devices, fn, args, repeats)
     monkeypatch.setattr(cal, "time_rounds", spy)
@@ -245,25 +246,30 @@ def test_the_step_is_timed_at_a_quarter_half_and_all_of_the_batchs_rows(monkeypa
     assert cal._fractions({"x": np.zeros((1, 2))}) is None
 
 
-def test_devices_that_differ_are_timed_again_around_the_shares_the_plan_gives(monkeypatch):
-    # 8 devices, half 2x slower per row, with fixed time: the balanced shares (a few rows of 32) lie
-    # below the quarter first timed, so the step is timed again at counts spanning them, and kept
+def test_devices_that_differ_are_timed_again_each_around_its_own_share(monkeypatch):
+    # 8 devices, half 2x slower per row, with fixed time: once the speeds differ, every device is timed
+    # again at counts around the share the balanced plan gives it (all together), and that fit is kept
     loss_fn, params, batch = plain_model("dp", "ctx")
     cal = importlib.import_module("whalex.balance.calibrate")
     seen, fake = [], _synthetic_rounds([2e-4] * 8, [2e-5] * 4 + [4e-5] * 4, 0.01)
 
-    def spy(devices, fn, args, repeats):
-        seen.append(tuple(jax.tree.leaves(a[-1])[0].shape[0] for a in args))
+    def spy(devices, fn, args, repeats, sync=None):
+        own = args if isinstance(args[0], list) else [args] * len(devices)
+        seen.append([tuple(jax.tree.leaves(a[-1])[0].shape[0] for a in sets) for sets in own])
         return fake(devices, fn, args, repeats)
     monkeypatch.setattr(cal, "time_rounds", spy)
     cluster = calibrate(wh.Cluster.detect(), loss_fn, params, batch, optimizer=optax.adam(1e-3))
     plan = wh.plan(loss_fn, params, batch, cluster=cluster)
-    lo, hi = cluster.calibrated_rows
-    assert seen[0] == (8, 16, 32) and seen[-1][0] == lo and seen[-1][-1] == hi and hi < 8
-    assert lo <= min(plan.batch_sizes) and max(plan.batch_sizes) <= hi
+    assert seen[0] == [(8, 16, 32)] * 8
+    last = seen[-1]
+    for d, (lo, mid, hi) in enumerate(last):                 # around each device's own share
+        assert lo < mid < hi and lo <= plan.batch_sizes[d] <= hi, (d, last[d], plan.batch_sizes)
+    assert last[0][1] > last[4][1]                           # the fast devices' shares are larger
+    assert cluster.calibrated_rows == (min(r[0] for r in last), max(r[-1] for r in last))
     assert cluster.speeds[0] / cluster.speeds[4] == pytest.approx(2.0, rel=0.1)
     assert all(o == pytest.approx(2e-4, rel=0.2) for o in cluster.overhead)
     assert "every device's share lies inside" in plan.summary()
+    assert cal._own([0, 1, 5, 32], 32) == ((1, 1, 2), (1, 1, 2), (4, 5, 7), (25, 32, 32))
 
 
 def test_a_declared_fixed_time_shifts_rows_to_the_fast_devices():

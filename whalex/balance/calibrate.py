@@ -96,24 +96,29 @@ def _loss_work(loss_fn, params, optimizer):
     return step, (params, jax.jit(optimizer.init)(params)), flops
 
 
-def time_rounds(devices: Sequence, fn, args, repeats: int) -> np.ndarray:
+def time_rounds(devices: Sequence, fn, args, repeats: int, sync: Callable[[str], None] | None = None) -> np.ndarray:
     """Seconds of `fn(*args)` per (round, device): every device warmed up, then `repeats` rounds
     that each time every device once, in turn, so that outside load hits all devices alike; each
     round starts one device later than the last, so that load recurring with the rounds' period
     does not fall on the same device every round.
     `args` may be a list of argument tuples: then each round times each of them on each device, and
-    the result is shaped (round, device, argument set)."""
+    the result is shaped (round, device, argument set); or a list with one such list per device (each
+    device its own sets, as many on every device). `sync(name)`, where given, runs before each timing
+    (a barrier of every process, so that their devices are timed together, as a step runs them)."""
+    per_device = isinstance(args, list) and bool(args) and isinstance(args[0], list)
     many = isinstance(args, list)
-    sets = args if many else [args]
-    placed = [[jax.device_put(a, d) for a in sets] for d in devices]
-    for per_device in placed:
-        for a in per_device:
+    sets = args if per_device else [args if many else [args]] * len(devices)
+    placed = [[jax.device_put(a, d) for a in own] for d, own in zip(devices, sets)]
+    for own in placed:
+        for a in own:
             jax.block_until_ready(fn(*a))               # compile and warm up
-    times = np.zeros((repeats, len(devices), len(sets)))
+    times = np.zeros((repeats, len(devices), len(placed[0]) if placed else 0))
     with _no_gc():
         for r in range(repeats):
             for i in np.roll(np.arange(len(placed)), -r):
                 for j, a in enumerate(placed[i]):
+                    if sync is not None:
+                        sync(f"whalex calibrate {r} {j}")
                     t0 = time.perf_counter()
                     jax.block_until_ready(fn(*a))
                     times[r, i, j] = time.perf_counter() - t0
@@ -135,8 +140,9 @@ def _no_gc():
             gc.enable()
 
 
-def affine(rows: Sequence[int], times: np.ndarray, work_per_row: float) -> tuple[Measurement, np.ndarray]:
-    """Speeds and fixed times from (round, device, size) timings at two or more row counts.
+def affine(rows, times: np.ndarray, work_per_row: float) -> tuple[Measurement, np.ndarray]:
+    """Speeds and fixed times from (round, device, size) timings at two or more row counts: `rows`
+    (size,), the same counts on every device, or (device, size), each device's own.
 
     Per device, the least-squares line through the median seconds at each row count gives seconds
     per row (the slope) and fixed seconds (the intercept, at least 0); speed = work per row / slope.
@@ -150,9 +156,9 @@ def affine(rows: Sequence[int], times: np.ndarray, work_per_row: float) -> tuple
 
     def line(t):                                                        # (..., size) -> (slope, fixed)
         slope = _slopes(x, t)
-        fixed = t.mean(-1) - slope * x.mean()
+        fixed = t.mean(-1) - slope * x.mean(-1)
         ok = (slope > 0) & (fixed >= 0)
-        return np.where(ok, slope, t[..., -1] / x[-1]), np.where(ok, fixed, 0.0)
+        return np.where(ok, slope, t[..., -1] / x[..., -1]), np.where(ok, fixed, 0.0)
 
     slope, fixed = line(t)
     mslope, mfixed = line(np.median(t, axis=0))                         # (device, size)
@@ -161,12 +167,13 @@ def affine(rows: Sequence[int], times: np.ndarray, work_per_row: float) -> tuple
 
 
 def _slopes(x: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """Least-squares seconds per row of timings `t` (..., size) at row counts `x`."""
-    dx = x - x.mean()
-    return ((t - t.mean(-1, keepdims=True)) @ dx) / (dx @ dx)
+    """Least-squares seconds per row of timings `t` (..., size) at row counts `x` ((size,) or, per
+    device, (device, size))."""
+    dx = x - x.mean(-1, keepdims=True)
+    return ((t - t.mean(-1, keepdims=True)) * dx).sum(-1) / (dx * dx).sum(-1)
 
 
-def resolved(rows: Sequence[int], times: np.ndarray) -> np.ndarray:
+def resolved(rows, times: np.ndarray) -> np.ndarray:
     """Per device: whether the per-row time stands above the noise, i.e. the rounds' fitted slopes
     are positive in at least three rounds of four (their first quartile is positive). A tiny step
     whose time is nearly all fixed fails this: its slope is noise of either sign."""
@@ -285,30 +292,65 @@ def _fractions(batch, counts: Sequence[int] | None = None):
     return counts, [jax.tree.map(lambda x, k=k: x[:k], batch) for k in counts]
 
 
-def _around(shares: Sequence[int], n: int) -> tuple[int, ...]:
-    """Three row counts spanning a plan's `shares` of an `n`-row batch (a little beyond each end)."""
-    lo, hi = max(1, int(0.8 * min(shares))), min(n, int(np.ceil(1.25 * max(shares))))
-    return tuple(sorted({lo, int(round(np.sqrt(lo * hi))), hi}))
+def _own(shares: Sequence[int], n: int) -> tuple[tuple[int, int, int], ...]:
+    """Per device, three row counts around its own share of an `n`-row batch (a little beyond each
+    side, at least two of them distinct)."""
+    out = []
+    for share in shares:
+        k = min(max(int(share), 1), n)
+        lo, hi = max(1, min(int(0.8 * k), k - 1)), min(n, max(int(np.ceil(1.25 * k)), k + 1))
+        out.append((lo, k, hi))
+    return tuple(out)
+
+
+def _per_row(loss_fn, params, batch, optimizer, counts) -> float:
+    """The work (FLOPs) of one row of the step, between the first and last of `counts` rows."""
+    parts = _fractions(batch, counts)[1]
+    flops = _loss_work(loss_fn, params, optimizer)[2]
+    return max(flops(parts[-1]) - flops(parts[0]), 0.0) / (counts[-1] - counts[0]) or 1.0
 
 
 def _shares(loss_fn, params, batch, optimizer, speeds, overheads, counts) -> list[int]:
     """The rows per device a balanced plan gives for these speeds (work/s) and fixed seconds."""
-    parts = _fractions(batch, counts)[1]
-    flops = _loss_work(loss_fn, params, optimizer)[2]
-    per_row = max(flops(parts[-1]) - flops(parts[0]), 0.0) / (counts[-1] - counts[0]) or 1.0
+    per_row = _per_row(loss_fn, params, batch, optimizer, counts)
     n = jax.tree.leaves(batch)[0].shape[0]
     return proportional(n, [s / per_row for s in speeds], overheads)
 
 
+def _fixed_at_own_shares(again, loss_fn, params, batch, optimizer, speeds, overheads, counts, groups):
+    """(fixed seconds, rows timed) with every device timed again around the share the balanced plan
+    gives it, all devices together (`measure(own_rows=...)`): each then runs about as long as the
+    others while timed, as in the step, rather than alone once the faster ones are done. The per-row
+    time stays the wide fit's (a slope over a narrow range of rows is noise); the fixed time is what
+    makes the line meet the step's time at the device's own rows. Unchanged where that timing does
+    not resolve."""
+    per_row = _per_row(loss_fn, params, batch, optimizer, counts)
+    own = _own(_shares(loss_fn, params, batch, optimizer, speeds, overheads, counts),
+               jax.tree.leaves(batch)[0].shape[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = again(own_rows=own)
+    if m.overheads is None:
+        return overheads, counts
+    x = np.mean(np.asarray(own, np.float64), axis=1)                # where each device's line is pinned
+    at = np.asarray(m.overheads) + x * per_row / np.asarray(m.speeds)
+    fixed = np.maximum(at - x * per_row / speeds, 0.0)
+    for g in groups:
+        fixed[g] = np.median(fixed[g])
+    return fixed, (min(r[0] for r in own), max(r[-1] for r in own))
+
+
 def measure(cluster: Cluster, loss_fn: Callable | None = None, params=None, batch=None, *, optimizer=None,
-            size: int = 384, chain: int = 4, repeats: int = 7, rows: Sequence[int] | None = None) -> Measurement:
+            size: int = 384, chain: int = 4, repeats: int = 7, rows: Sequence[int] | None = None,
+            own_rows: Sequence[Sequence[int]] | None = None) -> Measurement:
     """Median speed and relative spread of every device of `cluster`, over `repeats` interleaved
     rounds (all processes' devices, all-gathered). No grouping: see `calibrate`.
 
     With a loss, each round times the user's step (value_and_grad; with `optimizer`, also its update)
     at a quarter, half and all of the batch's rows: the fitted line's slope is the speed, its
     intercept the device's fixed seconds per step (`Measurement.overheads`); `rows` times other
-    counts of the batch's rows instead."""
+    counts of the batch's rows instead, and `own_rows` each device at its own counts (as many on
+    each). Processes with as many devices each time them together (a barrier before each timing)."""
     if cluster.is_abstract or cluster.compile_only:
         raise ValueError("calibrate() needs real devices; an abstract cluster (or a gpu_topology one) has none "
                          "to time.")
@@ -316,29 +358,24 @@ def measure(cluster: Cluster, loss_fn: Callable | None = None, params=None, batc
     mine = [i for i, d in enumerate(cluster.devices) if d.process_index == jax.process_index()]
     devices = [cluster.devices[i] for i in mine]
     sized = _fractions(batch, rows) if loss_fn is not None else None
+    sync = None
     if jax.process_count() > 1:
         # one collective while every process is here: on CPU, the first collective sets up Gloo's
         # context and gives up after 30 s, and a slow device's timings end far later than a fast one's
         multihost_utils.sync_global_devices("whalex calibrate")
+        counts = np.bincount([d.process_index for d in cluster.devices], minlength=jax.process_count())
+        sync = multihost_utils.sync_global_devices if len(set(counts.tolist())) == 1 else None
     table = None                                        # (quantity, device) rows, this process's columns
-    if loss_fn is not None:
+    if loss_fn is not None and sized is not None:
+        table = _timed_affine(devices, mine, loss_fn, params, batch, optimizer, sized, own_rows, repeats, sync)
+    elif loss_fn is not None and mine:
         fn, lead, flops = _loss_work(loss_fn, params, optimizer)
-        if sized is not None:
-            rows, parts = sized
-            per_row = max(flops(parts[-1]) - flops(parts[0]), 0.0) / (rows[-1] - rows[0]) or 1.0
-            if mine:
-                t = time_rounds(devices, fn, [(*lead, b) for b in parts], repeats)
-                split, total = affine(rows, t, per_row)[0], summarize(per_row * rows[-1] / t[..., -1])
-                table = [split.speeds, split.spreads, split.overheads, total.speeds, total.spreads,
-                         resolved(rows, t)]
-        elif mine:
-            work = flops(batch) or 1.0
-            m = summarize(work / time_rounds(devices, fn, (*lead, batch), repeats))
-            table = [m.speeds, m.spreads]
+        m = summarize((flops(batch) or 1.0) / time_rounds(devices, fn, (*lead, batch), repeats, sync=sync))
+        table = [m.speeds, m.spreads]
     elif mine:
         fn, work = _matmul_work(size, chain)
         args = (jnp.asarray(np.random.default_rng(0).standard_normal((size, size)), jnp.float32) / size ** 0.5,)
-        m = summarize(work / time_rounds(devices, fn, args, repeats))
+        m = summarize(work / time_rounds(devices, fn, args, repeats, sync=sync))
         table = [m.speeds, m.spreads]
     full = np.zeros((6 if sized is not None else 2, cluster.size))   # zero where another process times
     if table is not None:
@@ -349,12 +386,33 @@ def measure(cluster: Cluster, loss_fn: Callable | None = None, params=None, batc
         return Measurement(tuple(map(float, full[0])), tuple(map(float, full[1])))
     if np.all(full[5] > 0):
         return Measurement(*(tuple(map(float, r)) for r in (*full[:3], full[3], full[4])))
-    warnings.warn(f"calibrate: at {', '.join(map(str, sized[0]))} rows the step took about as long either way on "
+    timed = sized[0] if own_rows is None else sorted({k for r in own_rows for k in r})
+    warnings.warn(f"calibrate: at {', '.join(map(str, timed))} rows the step took about as long either way on "
                   f"{int(np.sum(full[5] == 0))} of {cluster.size} devices (its time is nearly all fixed, or the "
                   "timings are noisy), so the per-row time and the fixed time cannot be told apart; every "
                   "device's whole step time counts as work instead (no fixed time). Pass a larger batch to "
                   "calibrate to measure the fixed time.", stacklevel=3)
     return Measurement(tuple(map(float, full[3])), tuple(map(float, full[4])))
+
+
+def _timed_affine(devices, mine, loss_fn, params, batch, optimizer, sized, own_rows, repeats, sync) -> list | None:
+    """This process's columns of `measure`'s table for a user step timed at several row counts (the
+    shared counts of `sized`, or each device's `own_rows`): fitted speeds, spreads and fixed times,
+    then the whole step's speed at the largest count and its spread, and whether the slope resolved."""
+    if not mine:
+        return None
+    fn, lead, flops = _loss_work(loss_fn, params, optimizer)
+    rows, parts = sized
+    per_row = max(flops(parts[-1]) - flops(parts[0]), 0.0) / (rows[-1] - rows[0]) or 1.0
+    if own_rows is None:
+        x = np.asarray(rows, np.float64)
+        t = time_rounds(devices, fn, [(*lead, b) for b in parts], repeats, sync=sync)
+    else:
+        x = np.asarray([own_rows[i] for i in mine], np.float64)
+        sets = [[(*lead, jax.tree.map(lambda v, k=int(k): v[:k], batch)) for k in own_rows[i]] for i in mine]
+        t = time_rounds(devices, fn, sets, repeats, sync=sync)
+    split, total = affine(x, t, per_row)[0], summarize(per_row * x[..., -1] / t[..., -1])
+    return [split.speeds, split.spreads, split.overheads, total.speeds, total.spreads, resolved(x, t)]
 
 
 def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, batch=None, *, optimizer=None,
@@ -378,10 +436,12 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
     Pass the batch the step will train on (or one as large): the fixed and per-row times are fitted
     between a quarter of its rows and all of them, which is where the plan's loads lie (a device a
     third as fast as its peer gets a quarter), and longer timings are less noisy. When the devices
-    differ and the shares a balanced plan would give them fall outside those rows (many devices, or
-    speeds far apart), the step is timed once more at counts spanning the shares, and that fit is
-    kept. The rows timed are kept (`Cluster.calibrated_rows`): `plan.summary()` says when a device's
-    share falls outside them.
+    differ, every device is timed once more at counts around the share a balanced plan would give it
+    (`measure(own_rows=...)`), all devices together, and its fixed time is set so that its line meets
+    that timing (`_fixed_at_own_shares`): each device then runs about as long as the others while
+    timed, as in the step, not alone once the faster ones are done, and nothing is extrapolated.
+    The rows timed are kept (`Cluster.calibrated_rows`): `plan.summary()` says when a device's share
+    falls outside them.
     What the plan's whole step costs beyond the timed work (collectives, launches; the optimizer
     update when `optimizer` is not passed) a refinement measures: `Config(hardware_aware="refine")`.
     """
@@ -401,17 +461,7 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
     spreads = m.spreads
     counts = None if sized is None else sized[0]
     if overheads is not None and len(groups) > 1:
-        shares = _shares(loss_fn, params, batch, optimizer, speeds, overheads, counts)
-        if min(shares) < counts[0] or max(shares) > counts[-1]:
-            # the plan's loads lie outside the rows timed: time the step again around them, and keep
-            # that fit where it resolves the per-row time (the grouping stays the first pass's)
-            around = _around(shares, jax.tree.leaves(batch)[0].shape[0])
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                m2 = again(rows=around) if len(around) > 1 else m
-            if m2 is not m and m2.overheads is not None:
-                speeds, overheads, spreads, counts = np.asarray(m2.speeds), np.asarray(m2.overheads), m2.spreads, around
-                for g in groups:
-                    speeds[g], overheads[g] = np.median(speeds[g]), np.median(overheads[g])
+        overheads, counts = _fixed_at_own_shares(again, loss_fn, params, batch, optimizer, speeds, overheads,
+                                                 counts, groups)
     rows = None if counts is None else (counts[0] if overheads is not None else counts[-1], counts[-1])
     return cluster.with_speeds(speeds, spread=spreads, overhead=overheads, rows=rows)
