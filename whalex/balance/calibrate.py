@@ -303,16 +303,14 @@ def _own(shares: Sequence[int], n: int) -> tuple[tuple[int, int, int], ...]:
     return tuple(out)
 
 
-def _per_row(loss_fn, params, batch, optimizer, counts) -> float:
-    """The work (FLOPs) of one row of the step, between the first and last of `counts` rows."""
-    parts = _fractions(batch, counts)[1]
-    flops = _loss_work(loss_fn, params, optimizer)[2]
+def _row_work(flops: Callable, counts: Sequence[int], parts: Sequence) -> float:
+    """The work (FLOPs, by `flops`) of one row of the step, between its first and last batch `parts`
+    of `counts` rows: the unit of every speed a calibration measures."""
     return max(flops(parts[-1]) - flops(parts[0]), 0.0) / (counts[-1] - counts[0]) or 1.0
 
 
-def _shares(loss_fn, params, batch, optimizer, speeds, overheads, counts) -> list[int]:
+def _shares(batch, per_row: float, speeds, overheads) -> list[int]:
     """The rows per device a balanced plan gives for these speeds (work/s) and fixed seconds."""
-    per_row = _per_row(loss_fn, params, batch, optimizer, counts)
     n = jax.tree.leaves(batch)[0].shape[0]
     return proportional(n, [s / per_row for s in speeds], overheads)
 
@@ -324,9 +322,8 @@ def _fixed_at_own_shares(again, loss_fn, params, batch, optimizer, speeds, overh
     time stays the wide fit's (a slope over a narrow range of rows is noise); the fixed time is what
     makes the line meet the step's time at the device's own rows. Unchanged where that timing does
     not resolve."""
-    per_row = _per_row(loss_fn, params, batch, optimizer, counts)
-    own = _own(_shares(loss_fn, params, batch, optimizer, speeds, overheads, counts),
-               jax.tree.leaves(batch)[0].shape[0])
+    per_row = _row_work(_loss_work(loss_fn, params, optimizer)[2], counts, _fractions(batch, counts)[1])
+    own = _own(_shares(batch, per_row, speeds, overheads), jax.tree.leaves(batch)[0].shape[0])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         m = again(own_rows=own)
@@ -403,7 +400,7 @@ def _timed_affine(devices, mine, loss_fn, params, batch, optimizer, sized, own_r
         return None
     fn, lead, flops = _loss_work(loss_fn, params, optimizer)
     rows, parts = sized
-    per_row = max(flops(parts[-1]) - flops(parts[0]), 0.0) / (rows[-1] - rows[0]) or 1.0
+    per_row = _row_work(flops, rows, parts)
     if own_rows is None:
         x = np.asarray(rows, np.float64)
         t = time_rounds(devices, fn, [(*lead, b) for b in parts], repeats, sync=sync)
