@@ -239,6 +239,13 @@ def shard_map_in_specs(eqn: JaxprEqn) -> tuple:
     return tuple(eqn.params["in_specs"])
 
 
+def shard_map_auto_axes(eqn: JaxprEqn) -> frozenset:
+    """The mesh axes a `shard_map` equation leaves to GSPMD (`axis_names=` a subset of the mesh's)."""
+    manual = eqn.params.get("newly_manual_axes")
+    names = frozenset(eqn.params["mesh"].axis_names)
+    return names - frozenset(manual) if manual is not None else frozenset()
+
+
 # Whether XLA lets a conditional's branch update an operand that dies at the conditional in place
 # (a pipeline tick adding into its gradient accumulator). XLA in jaxlib 0.10.2 copies the operand
 # first; 0.12.0.1 shares the buffer (both measured on CPU, whalex/memory/peak.py).

@@ -25,7 +25,13 @@ def test_a_1b_gpt_3d_on_64_gpus_compiles_as_predicted():
     predicted = plan.predicted_memory()
     assert abs(predicted.total / compiled.total - 1) <= 0.10, (predicted, compiled)
     coll = plan.compiled_collectives()
-    assert abs(plan.predicted_comm_bytes / coll.ring_bytes - 1) <= 0.05, (plan.predicted_comm_bytes, coll)
+    # The compiled figure counts each conditional's heaviest branch: here the busiest stage's forward and
+    # the last stage's backward, which sums the loss head's gradients over `model` every micro-batch (its
+    # rows are split there). So it lies between the busiest stage's prediction and that plus the head's.
+    head = sum(c.bytes for c in plan.comms if c.reason.startswith("loss head"))
+    assert head > 0
+    assert 0.95 * plan.predicted_comm_bytes <= coll.ring_bytes <= 1.05 * (plan.predicted_comm_bytes + head), \
+        (plan.predicted_comm_bytes, head, coll)
     assert compiled.total < cluster.specs[0].memory_bytes
     print(f"1.1B GPT 3D on 64 x H100: compiled in {seconds:.0f} s")
 

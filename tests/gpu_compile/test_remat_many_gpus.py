@@ -42,11 +42,10 @@ def test_the_hand_written_step_loses_its_saving_there(h100x8):
 def test_remat_full_saves_most_activations_of_the_3d_plan(h100x8):
     """The same GPT 3D (data 2 x stage 2 x model 2, the MLPs split): a pipeline stage's backward
     recomputes the stage's forward from its stashed input, and with remat="full" each block inside
-    the stage runs under `jax.checkpoint`, so it holds one block's residuals at a time. Activations:
-    XLA:GPU's bytes per device less the stored state (parameters, gradients, optimizer state). What
-    remat leaves is mostly the loss head's transient (its float32 and bfloat16 logits while its
-    backward runs), which no checkpoint removes: the saving stays a little under 60% in bf16 (see
-    docs/memory.md)."""
+    the stage runs under `jax.checkpoint`, so it holds one block's residuals at a time. The loss head
+    (the last stage after its last split layer) runs its rows split over `model`, so each model device
+    holds half the head's logits. Activations: XLA:GPU's bytes per device less the stored state
+    (parameters, gradients, optimizer state); the prediction within 10% of XLA:GPU's with remat."""
     annotations, base = gpu_compile.CASES["3d"]
     loss_fn, params, batch = gpu_compile.problem(FULL, 8, annotations)
     activations = {}
@@ -55,5 +54,8 @@ def test_remat_full_saves_most_activations_of_the_3d_plan(h100x8):
                        config=wh.Config(**base, remat=remat, amp="bf16"))
         assert plan.layout.axis_sizes == (2, 2, 2)
         d = plan.memory[0]
-        activations[remat] = plan.step_memory().total - (d.params + d.grads + d.opt_state)
-    assert activations["full"] <= 0.42 * activations[None], activations
+        total = plan.step_memory().total
+        activations[remat] = total - (d.params + d.grads + d.opt_state)
+        tol = 0.10 if remat else 0.12         # without remat the replay misses part of the peak (docs/memory.md)
+        assert abs(plan.predicted_memory().total / total - 1) <= tol, (remat, plan.predicted_memory(), total)
+    assert activations["full"] <= 0.40 * activations[None], activations

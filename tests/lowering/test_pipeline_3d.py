@@ -158,3 +158,28 @@ def test_remat_full_checkpoints_each_layer_inside_the_stages(split_lm, opt):
     assert step.plan.program.layer_cuts and not plain.program.layer_cuts
     assert step.plan.layout.axis_sizes == (2, 2, 2)
     assert step.plan.lower().count("optimization_barrier") > plain.lower().count("optimization_barrier")
+
+
+def test_the_loss_head_runs_its_rows_over_model(split_lm):
+    """The last stage's operations after its last split layer (the final LayerNorm, the vocabulary head
+    and the loss) take their operands' micro-batch rows split over `model`, so the two model devices of
+    a replica each compute half the head instead of all of it twice; the plan reports the gathers and
+    the head's gradient sums this adds, on the last stage. (Training equal to one device: above.)"""
+    from jax.sharding import PartitionSpec as P
+
+    from whalex.planner.stage_head import head_equations, head_rows
+    loss_fn, params, batch = split_lm
+    plan = wh.plan(loss_fn, params, batch, optimizer=optax.sgd(0.1),
+                   config=wh.Config(auto_parallel=True, num_task_graph=2, num_micro_batch=2))
+    program = plan.program
+    cap = program.captured
+    split = [i for i, e in enumerate(cap.jaxpr.jaxpr.eqns) if cap.taskgraphs[cap.assign[(i,)]].strategy.kind == "split"]
+    rows = {k[0][0] for k, spec in program.constraints.items() if k[1] == "in" and spec == P("model")}
+    assert rows and min(rows) > max(split) and rows <= set(program.cut.eqns[-1]), (rows, max(split))
+    names = {cap.jaxpr.jaxpr.eqns[i].primitive.name for i in rows}
+    assert "dot_general" in names, names                  # the vocabulary projection
+    head = [c for c in program.collectives() if c.reason.startswith("loss head")]
+    assert {c.kind for c in head} == {"all-gather", "all-reduce"}
+    assert all(c.taskgraph == 1 and c.bytes > 0 for c in head)
+    # rows that do not divide over `model` stay whole (the plan is what it was without the split)
+    assert head_rows(cap, head_equations(cap, list(program.cut.eqns[-1])), 2, 3) == {}

@@ -306,9 +306,7 @@ def _inner_peak(op: Op, lv: _Level, env: _Env, dying: Sequence[int] = ()) -> flo
     carries and the operands at positions `dying` (read last here) are the body's to overwrite."""
     e = op.eqn
     if e.primitive.name == "shard_map":
-        body = C.sub_jaxprs(e)[0]
-        bj, _ = C.open_jaxpr(body)
-        return _replay(body, [_Value(0.0, None) for _ in bj.invars], _Env(env.axis_sizes, True, env.platform))[0]
+        return _shard_map_peak(op, lv, env)
     if not bodies(e):
         return 0.0
     args = [lv.read(x, v.aval, env) for x, v in zip(op.ins, e.invars)]
@@ -321,6 +319,25 @@ def _inner_peak(op: Op, lv: _Level, env: _Env, dying: Sequence[int] = ()) -> flo
         peaks.append(_replay(b, _body_operands(e, b, args), env, range(_carries(e)), hints=outs,
                              owned=sorted(owned))[0])
     return max(peaks)
+
+
+def _shard_map_peak(op: Op, lv: _Level, env: _Env) -> float:
+    """The peak inside a shard_map's body: per-device shapes, and where it leaves mesh axes to GSPMD
+    (`axis_names=`), those axes' shardings as GSPMD propagates them from the operands' outside."""
+    e = op.eqn
+    body = C.sub_jaxprs(e)[0]
+    bj, _ = C.open_jaxpr(body)
+    auto = {a: n for a, n in env.axis_sizes.items() if a in C.shard_map_auto_axes(e) and n > 1}
+    if not auto or env.local:
+        return _replay(body, [_Value(0.0, None) for _ in bj.invars], _Env(env.axis_sizes, True, env.platform))[0]
+    inner = _Env(auto, False, env.platform)
+    ins = []
+    for x, v in zip(op.ins, bj.invars):
+        outer = lv.read(x, v.aval, env).spec or ()
+        spec = tuple(tuple(a for a in entry if a in auto) for entry in outer)
+        ins.append(_sized(v.aval, _Value(0.0, spec if len(spec) == len(v.aval.shape) else ((),) * len(v.aval.shape)),
+                          inner))
+    return _replay(body, ins, inner)[0]
 
 
 def _loop_carries(e) -> list[tuple[int, int]]:

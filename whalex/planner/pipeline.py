@@ -23,6 +23,7 @@ from whalex.planner.assemble import Row, Work, assemble
 from whalex.planner.common import Request, configure_memory, loss_parts
 from whalex.planner.patterns import plan_shardings
 from whalex.planner.stage_cut import cut_stages
+from whalex.planner.stage_head import head_collectives, head_equations, head_rows
 from whalex.primitives.scopes import Strategy
 from whalex.records.lazy import Lazy
 from whalex.records.schedules import make_schedule
@@ -182,9 +183,16 @@ def _program(req: Request, full, cap, cut, schedule, lay: _Layout, dp: int, mp: 
                         f"checkpoints each layer inside it; remat={config.remat!r} / offload={config.offload!r} are "
                         "not supported with pipelines. Use remat=None or 'full' and offload 'opt_state'/'params' only.")
     layer_cuts = find_layers(cap).cuts if config.remat == "full" else ()
+    constraints, head_comms = lay.constraints, ()
+    head = head_equations(cap, list(cut.eqns[-1]))
+    rows_split = head_rows(cap, head, mp, full.global_batch // (dp * schedule.num_micro_batch))
+    if rows_split:
+        constraints = {**rows_split, **constraints}
+        last = (cut.num_stages - 1) % schedule.num_stages
+        head_comms = head_collectives(cap, head, mp, schedule.num_micro_batch, last)
     program = PipelineProgram(cap, cut, schedule, mesh, req.optimizer, cluster.platform, full.global_batch, dp, mem,
-                              parts=parts, model_parallel=mp, model_dims=lay.model_dims, constraints=lay.constraints,
-                              model_comms=planned, layer_cuts=layer_cuts)
+                              parts=parts, model_parallel=mp, model_dims=lay.model_dims, constraints=constraints,
+                              model_comms=planned, head_comms=head_comms, layer_cuts=layer_cuts)
     _ = program.param_dtype
     num_stages = schedule.num_stages
     return configure_memory(program, config.replace(remat=None), cluster, [(DATA,)] * num_stages)

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from whalex import _compat as C
 from whalex.jaxpr.capture import Captured
@@ -45,6 +46,8 @@ def stage_fn(cap: Captured, cut: StageCut, s: int, constraints=None, layer_cuts:
     cpaths = [c[0] for c in constraints]
 
     def fn(params_s, live, inputs, overrides):
+        if constraints:     # 3D: the message and the batch rows arrive whole on each model device
+            live, inputs = whole(live), whole(inputs)
         env = dict(consts)
         env.update(zip(param_vars, params_s))
         env.update((v, x) for v, x in zip(input_vars, inputs) if x is not None)
@@ -66,6 +69,14 @@ def stage_fn(cap: Captured, cut: StageCut, s: int, constraints=None, layer_cuts:
         return [C.read(env, v) for v in live_out]
 
     return fn, live_in, live_out
+
+
+def whole(values: Sequence) -> list:
+    """`values` pinned whole over the mesh axes left to GSPMD: sliced from the flat message or batch
+    buffer, they are whole there, and a sharding GSPMD carries back from a later constraint would slice
+    the buffer across devices (a collective-permute inside a stage's branch, which the other stages
+    never reach)."""
+    return [jax.lax.with_sharding_constraint(x, P()) if x is not None else None for x in values]
 
 
 class Run(NamedTuple):

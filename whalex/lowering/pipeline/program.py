@@ -63,6 +63,7 @@ class PipelineProgram(Emitter):
     model_dims: tuple = ()       # per parameter leaf: its dimension split over `model` (None: whole)
     constraints: Any = None      # the split layers' sharding constraints ((path, "in"|"out", pos) -> spec)
     model_comms: tuple = ()      # the split layers' collectives over `model` as planned for one micro-batch
+    head_comms: tuple = ()       # the loss head's collectives over `model` (its rows split), per step, per stage
     layer_cuts: tuple = ()       # remat="full": the equations where a layer starts, checkpointed in each stage
 
     # -- the parameter rows (`rows.ParamRows`) -------------------------------------------------
@@ -235,13 +236,14 @@ class PipelineProgram(Emitter):
 
     def collectives(self) -> tuple[Comm, ...]:
         """Per stage, the collectives this step runs: stage rows gathered and scattered, the gradient
-        sync over replicas, the messages every tick, the split layers' over `model` (`traffic`)."""
+        sync over replicas, the messages every tick, the split layers' over `model` (`traffic`), the loss
+        head's over `model`."""
         grad_bytes = self.param_width * np.dtype(self.param_dtype).itemsize
         invars = self.captured.jaxpr.jaxpr.invars[: self.captured.num_params]
         rows = stage_collectives(self.schedule, invars, self.memory_options.zero_level, self.data_parallel,
                                  grad_bytes, self.message.nbytes)
         return rows + split_layer_collectives(self.model_comms, self.captured, self.cut.eqns, self.schedule.num_stages,
-                                              self.schedule.num_micro_batch)
+                                              self.schedule.num_micro_batch) + tuple(self.head_comms)
 
     # -- the part outputs (`outputs.PartOutputs`) ------------------------------------------------
     @functools.cached_property
