@@ -108,6 +108,8 @@ CASES = {
     "pipeline_1f1b": ({}, {"auto_parallel": True, "num_task_graph": 2, "num_micro_batch": 4, "schedule": "1f1b"}),
     "pipeline_gpipe": ({}, {"auto_parallel": True, "num_task_graph": 2, "num_micro_batch": 4, "schedule": "gpipe"}),
     "3d": ({"mlp_split": 2}, {"auto_parallel": True, "num_task_graph": 2, "num_micro_batch": 2}),
+    "3d_remat": ({"mlp_split": 2}, {"auto_parallel": True, "num_task_graph": 2, "num_micro_batch": 2, "remat": "full",
+                                    "amp": "bf16"}),
     "3d_4x4x4": ({"mlp_split": 4}, {"auto_parallel": True, "num_task_graph": 4, "num_micro_batch": 8}),  # 64 GPUs
     "zero1": ({}, {"zero_level": 1}),
     "zero2": ({}, {"zero_level": 2}),

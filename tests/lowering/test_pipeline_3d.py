@@ -181,5 +181,6 @@ def test_the_loss_head_runs_its_rows_over_model(split_lm):
     head = [c for c in program.collectives() if c.reason.startswith("loss head")]
     assert {c.kind for c in head} == {"all-gather", "all-reduce"}
     assert all(c.taskgraph == 1 and c.bytes > 0 for c in head)
+    assert "loss head (the last stage after its last split layer): its rows split over model" in plan.summary()
     # rows that do not divide over `model` stay whole (the plan is what it was without the split)
     assert head_rows(cap, head_equations(cap, list(program.cut.eqns[-1])), 2, 3) == {}

@@ -165,6 +165,11 @@ def pipeline(plan) -> Section | None:
         if layers:
             body.append(Line(f"stage {k}: {len(layers)} layer{'s' if len(layers) > 1 else ''} "
                              f"({', '.join(layers)})", 1))
+    if any(c.reason.startswith("loss head") for c in plan.comms):
+        mp = dict(zip(plan.layout.axis_names, plan.layout.axis_sizes)).get("model", 1)
+        body.append(Line(f"loss head (the last stage after its last split layer): its rows split over model, each of "
+                         f"the {mp} model devices computing 1/{mp} of every micro-batch's rows, its gradients "
+                         "summed over model", 1))
     body.append(Pre(render_schedule(s), "the schedule tick by tick (F: forward, B: backward of a micro-batch"
                     + ("; c: through chunk" if s.virtual_stages > 1 else "") + "; .. idle)"))
     return Section("pipeline", "Pipeline schedule", tuple(body))
