@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from whalex import _compat as C
 from whalex.jaxpr.batch_dependence import analyse
 from whalex.lowering.pipeline import MODEL
+from whalex.memory.flat import aval_bytes
 from whalex.records.comm import Comm, ring_bytes
 
 
@@ -51,9 +52,9 @@ def head_collectives(cap, head: list[int], mp: int, micro_batches: int, stage: i
     jaxpr = cap.jaxpr.jaxpr
     inside = {v for i in head for v in jaxpr.eqns[i].outvars}
     params = set(jaxpr.invars[:cap.num_params])
+    batch = set(cap.batch_vars)
     reads = {v for i in head for v in jaxpr.eqns[i].invars if isinstance(v, C.Var)}
-    entering = [v for v in reads if v not in inside and v not in params and _floating(v)
-                and v not in set(cap.batch_vars)]
+    entering = [v for v in reads if v not in inside and v not in params and v not in batch and _floating(v)]
     grads = [v for v in reads if v in params]
     m = micro_batches
     return (Comm(stage, "all-gather", (MODEL,), 3 * m * ring_bytes("all-gather", _nbytes(entering), mp),
@@ -67,4 +68,4 @@ def _floating(v) -> bool:
 
 
 def _nbytes(vs) -> float:
-    return float(sum(np.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize for v in vs))
+    return sum(aval_bytes(v.aval) for v in vs)

@@ -4,9 +4,8 @@ sync over replicas; the messages between stages every tick; the split layers' in
 per stage and device."""
 from __future__ import annotations
 
-import numpy as np
-
 from whalex.lowering.pipeline.axes import DATA, STAGE
+from whalex.memory.flat import aval_bytes
 from whalex.records.comm import Comm, ring_bytes
 from whalex.records.schedules import Schedule
 
@@ -18,7 +17,7 @@ def stage_collectives(schedule: Schedule, invars, zero_level: int, dp: int, grad
     stage parameters gathered), and the messages to the neighbouring stages every tick. `invars`:
     the stored parameters' jaxpr variables; `grad_bytes`: the bytes of one stage's row."""
     num_stages = schedule.num_stages
-    total = sum(int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize for v in invars)
+    total = sum(aval_bytes(v.aval) for v in invars)
     comms = []
     for s in range(num_stages):
         comms.append(Comm(s, "all-gather", (DATA,), ring_bytes("all-gather", total, dp) / num_stages,
