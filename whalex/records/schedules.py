@@ -17,6 +17,9 @@ from stage s to s+1 and from the last stage back to the first for its next chunk
 warm-up forwards over its chunks, then one forward and one backward in turn, then the remaining
 backwards; its tasks are a chunk's, so the bubble shrinks about V times. Tasks carry their chunk;
 with V = 1 every chunk is its stage and the tasks are the other schedules'.
+
+"zb-h1" (zero bubble, `zero_bubble`) splits the backward into B, the input gradient, and W, the weight
+gradient, and runs the W's where a stage would idle; its tasks are "F", "B" and "W".
 """
 from __future__ import annotations
 
@@ -27,27 +30,32 @@ import numpy as np
 
 from whalex.errors import ConfigError
 from whalex.primitives.config import SCHEDULES
+from whalex.records.schedule_picture import render
+from whalex.records.zero_bubble import zb_h1_ticks
 
-IDLE, FWD, BWD = 0, 1, 2
+IDLE, FWD, BWD, WGT = 0, 1, 2, 3
+KIND_CODES = {"F": FWD, "B": BWD, "W": WGT}
 # task costs in units of a stage's forward: a backward without recompute costs two forwards; whalex's
-# backward task recomputes its forward from the stashed stage input first, so it costs three
+# backward task recomputes its forward from the stashed stage input first, so it costs three. A split
+# backward's W (the weight gradient) costs about a forward, and its B the rest
 UNIT_COSTS = (1.0, 2.0)
 RECOMPUTE_COSTS = (1.0, 3.0)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Task:
-    """Stage (device position) `stage` runs `kind` ("F" or "B") of `microbatch` through model chunk
-    `chunk` (default: the stage's own, the only chunk of a schedule without virtual stages)."""
+    """Stage (device position) `stage` runs `kind` of `microbatch` through model chunk `chunk`
+    (default: the stage's own, the only chunk of a schedule without virtual stages). `kind`: "F", "B"
+    (the backward; with a split backward, its input gradient) or "W" (a split backward's weight gradient)."""
 
     stage: int
     microbatch: int
-    kind: str            # "F" or "B"
+    kind: str            # "F", "B" or "W"
     chunk: int | None = None
 
     def __post_init__(self):
-        if self.kind not in ("F", "B"):
-            raise ValueError(f"Task.kind must be 'F' or 'B', got {self.kind!r}")
+        if self.kind not in KIND_CODES:
+            raise ValueError(f"Task.kind must be 'F', 'B' or 'W', got {self.kind!r}")
         if self.chunk is None:
             object.__setattr__(self, "chunk", self.stage)
 
@@ -111,7 +119,7 @@ class Schedule:
 
     def __str__(self) -> str:
         """The picture: one row per stage, one column per tick (F3: forward of micro-batch 3, B3: its
-        backward, ..: idle), under a one-line header."""
+        backward, W3: its weight gradient, ..: idle), under a one-line header."""
         chunks = f", {self.virtual_stages} chunks per stage" if self.virtual_stages > 1 else ""
         head = (f"{self.name} schedule: {self.num_stages} stages{chunks}, {self.num_micro_batch} micro-batches, "
                 f"{self.num_ticks} ticks, bubble {self.bubble_fraction:.1%}, lockstep utilisation "
@@ -127,6 +135,11 @@ class Schedule:
     def num_ticks(self) -> int:
         return len(self.ticks)
 
+    @functools.cached_property
+    def split_backward(self) -> bool:
+        """Whether the backward runs as two tasks, B (input gradient) and W (weight gradient)."""
+        return any(task is not None and task.kind == "W" for row in self.ticks for task in row)
+
     @property
     def num_chunks(self) -> int:
         """Model chunks: S x V (the stages themselves without virtual stages)."""
@@ -141,8 +154,8 @@ class Schedule:
 
     @property
     def bubble_fraction(self) -> float:
-        """Idle stage-ticks over all stage-ticks (forward and backward counted as one tick each)."""
-        busy = 2 * self.num_chunks * self.num_micro_batch
+        """Idle stage-ticks over all stage-ticks (every task counted as one tick)."""
+        busy = (3 if self.split_backward else 2) * self.num_chunks * self.num_micro_batch
         return 1.0 - busy / (self.num_ticks * self.num_stages)
 
     def chunk_costs(self, cost) -> np.ndarray:
@@ -155,28 +168,30 @@ class Schedule:
         return np.asarray([per[k % self.num_stages] for k in range(self.num_chunks)])
 
     def chunk_kinds(self) -> np.ndarray:
-        """int32 [ticks, chunks]: what each chunk runs at each tick (0 idle, 1 F, 2 B); a stage runs
+        """int32 [ticks, chunks]: what each chunk runs at each tick (0 idle, 1 F, 2 B, 3 W); a stage runs
         one of its chunks per tick, so a tick's costliest chunk is its costliest stage. Without
         virtual stages it is `tables()["kind"]`."""
         kinds = np.zeros((self.num_ticks, self.num_chunks), np.int32)
         for t, row in enumerate(self.ticks):
             for task in row:
                 if task is not None:
-                    kinds[t, task.chunk] = FWD if task.kind == "F" else BWD
+                    kinds[t, task.chunk] = KIND_CODES[task.kind]
         return kinds
 
-    def lockstep_time(self, forward=UNIT_COSTS[0], backward=UNIT_COSTS[1]) -> float:
+    def lockstep_time(self, forward=UNIT_COSTS[0], backward=UNIT_COSTS[1], weight=None) -> float:
         """Time of one step run in lockstep ticks (each tick lasts its costliest task), with a
         forward and a backward costing `forward` and `backward` (`chunk_costs`: a number or one
-        per stage, a stage's cost shared by its chunks, or one per chunk)."""
-        return lockstep_time(self.chunk_kinds(), self.chunk_costs(forward), self.chunk_costs(backward))
+        per stage, a stage's cost shared by its chunks, or one per chunk); a split backward's W
+        costs `weight` (default: a forward) and its B the rest."""
+        w = None if weight is None else self.chunk_costs(weight)
+        return lockstep_time(self.chunk_kinds(), self.chunk_costs(forward), self.chunk_costs(backward), w)
 
-    def utilisation(self, forward=UNIT_COSTS[0], backward=UNIT_COSTS[1]) -> float:
+    def utilisation(self, forward=UNIT_COSTS[0], backward=UNIT_COSTS[1], weight=None) -> float:
         """Useful work over stages x lockstep time: what the stages really do, where
         `1 - bubble_fraction` counts every task as one tick."""
         f, b = self.chunk_costs(forward), self.chunk_costs(backward)
         work = self.num_micro_batch * float((f + b).sum())
-        return work / (self.num_stages * self.lockstep_time(f, b))
+        return work / (self.num_stages * self.lockstep_time(f, b, weight))
 
     def live_chunk(self, chunk: int) -> list[set[int]]:
         """Per tick, the micro-batches whose input to chunk `chunk` its stage holds (arrived, or
@@ -252,14 +267,26 @@ class Schedule:
                  for c in range(self.num_chunks - 1) for m in range(self.num_micro_batch)}
         return _pool(spans, S)
 
+    @functools.cached_property
+    def weight_stash(self) -> tuple[int, dict]:
+        """(slots of a stage's stash of W inputs, {(chunk, micro-batch): slot}): what a split backward's
+        B leaves for its W, held from the B to the W (no slots without a split backward)."""
+        if not self.split_backward:
+            return 0, {}
+        when, S = self.when(), self.num_stages
+        spans = {(c, m): (when[Task(c % S, m, "B", c)], when[Task(c % S, m, "W", c)])
+                 for c in range(self.num_chunks) for m in range(self.num_micro_batch)}
+        return _pool(spans, S)
+
     def tables(self) -> dict[str, np.ndarray]:
-        """int32 [ticks, stages] arrays: kind (0 idle, 1 F, 2 B), micro-batch, chunk, the stash
-        slots the task reads (slot: its input, gslot: its output gradient; `stash`, `grad_stash`)
-        and the slots that what arrives goes to (recv_f, recv_b; -1: nothing). Messages go to the
-        next chunk's stage, s+1 or (from the last stage, with virtual stages) 0; gradients back."""
+        """int32 [ticks, stages] arrays: kind (0 idle, 1 F, 2 B, 3 W), micro-batch, chunk, the stash
+        slots the task reads (slot: its input, gslot: its output gradient; `stash`, `grad_stash`),
+        the W stash slot a split backward's B writes and its W reads (wslot; `weight_stash`), and the
+        slots that what arrives goes to (recv_f, recv_b; -1: nothing). Messages go to the next
+        chunk's stage, s+1 or (from the last stage, with virtual stages) 0; gradients back."""
         T, S, K = self.num_ticks, self.num_stages, self.num_chunks
-        (_, at), (_, gat) = self.stash, self.grad_stash
-        kind, mb, chunk, slot, gslot = (np.zeros((T, S), np.int32) for _ in range(5))
+        (_, at), (_, gat), (_, wat) = self.stash, self.grad_stash, self.weight_stash
+        kind, mb, chunk, slot, gslot, wslot = (np.zeros((T, S), np.int32) for _ in range(6))
         recv_f = np.full((T, S), -1, np.int32)
         recv_b = np.full((T, S), -1, np.int32)
         for t, row in enumerate(self.ticks):
@@ -267,16 +294,16 @@ class Schedule:
                 if task is None:
                     continue
                 m, c = task.microbatch, task.chunk
-                kind[t, s] = FWD if task.kind == "F" else BWD
+                kind[t, s] = KIND_CODES[task.kind]
                 mb[t, s], chunk[t, s] = m, c
-                slot[t, s], gslot[t, s] = at.get((c, m), 0), gat.get((c, m), 0)
+                slot[t, s], gslot[t, s], wslot[t, s] = at.get((c, m), 0), gat.get((c, m), 0), wat.get((c, m), 0)
                 if t + 1 < T:
                     if task.kind == "F" and c + 1 < K:
                         recv_f[t + 1, (s + 1) % S] = at[(c + 1, m)]
                     if task.kind == "B" and c > 0:
                         recv_b[t + 1, (s - 1) % S] = gat[(c - 1, m)]
-        return {"kind": kind, "mb": mb, "chunk": chunk, "slot": slot, "gslot": gslot, "recv_f": recv_f,
-                "recv_b": recv_b}
+        return {"kind": kind, "mb": mb, "chunk": chunk, "slot": slot, "gslot": gslot, "wslot": wslot,
+                "recv_f": recv_f, "recv_b": recv_b}
 
     # -- validation --------------------------------------------------------------------------
     def validate(self) -> None:
@@ -297,13 +324,16 @@ class Schedule:
                 if task in seen:
                     raise ValueError(f"{task} runs twice (ticks {seen[task]} and {t})")
                 seen[task] = t
-        expected = {Task(c % S, m, k, c) for c in range(K) for m in range(M) for k in "FB"}
+        expected = {Task(c % S, m, k, c) for c in range(K) for m in range(M)
+                    for k in ("FBW" if self.split_backward else "FB")}
         if set(seen) != expected:
             raise ValueError(f"schedule misses tasks: {sorted(expected - set(seen))[:4]}")
         for task, t in seen.items():
             c, m = task.chunk, task.microbatch
             if task.kind == "F" and c > 0 and not seen[Task((c - 1) % S, m, "F", c - 1)] < t:
                 raise ValueError(f"F(chunk {c}, mb {m}) at tick {t} runs before its input arrives")
+            if task.kind == "W" and not seen[Task(c % S, m, "B", c)] < t:
+                raise ValueError(f"W(chunk {c}, mb {m}) at tick {t} runs before its B")
             if task.kind == "B":
                 if not seen[Task(c % S, m, "F", c)] < t:
                     raise ValueError(f"B(chunk {c}, mb {m}) at tick {t} runs before its forward")
@@ -348,18 +378,18 @@ def _per_stage(cost, num_stages: int) -> np.ndarray:
     return c
 
 
-def lockstep_time(kinds, forward, backward) -> float:
-    """Time of a tick table (`kinds[t, s]`: IDLE, FWD or BWD, as `Schedule.tables()["kind"]`) run in
-    lockstep: every tick ends on a ppermute, so it lasts as long as its costliest task. `forward`
-    and `backward`: a task's cost, one number or one per stage."""
+def lockstep_time(kinds, forward, backward, weight=None) -> float:
+    """Time of a tick table (`kinds[t, s]`: IDLE, FWD, BWD or WGT, as `Schedule.tables()["kind"]`)
+    run in lockstep: every tick ends on a ppermute, so it lasts as long as its costliest task.
+    `forward` and `backward`: a task's cost, one number or one per stage; where the backward is
+    split, W costs `weight` (default: a forward) and B the rest of the backward."""
     kinds = np.asarray(kinds)
     f, b = _per_stage(forward, kinds.shape[1]), _per_stage(backward, kinds.shape[1])
-    cost = np.where(kinds == FWD, f, np.where(kinds == BWD, b, 0.0))
+    w = f if weight is None else _per_stage(weight, kinds.shape[1])
+    if (kinds == WGT).any():
+        b = np.maximum(b - w, 0.0)
+    cost = np.where(kinds == FWD, f, np.where(kinds == BWD, b, np.where(kinds == WGT, w, 0.0)))
     return float(cost.max(axis=1).sum()) if cost.size else 0.0
-
-
-def astuple(task: Task):
-    return task.stage, task.microbatch, task.kind
 
 
 def make_schedule(name: str, num_stages: int, num_micro_batch: int, virtual_stages: int = 1) -> Schedule:
@@ -370,6 +400,13 @@ def make_schedule(name: str, num_stages: int, num_micro_batch: int, virtual_stag
         raise ConfigError("a pipeline needs at least one stage and one micro-batch.")
     if not isinstance(virtual_stages, int) or virtual_stages < 1:
         raise ConfigError(f"virtual_stages must be a positive integer, got {virtual_stages!r}.")
+    if name == "zb-h1":
+        if virtual_stages > 1:
+            raise ConfigError(f"virtual_stages={virtual_stages} needs schedule='interleaved' (schedule 'zb-h1' runs "
+                              "one chunk per stage).")
+        rows = zb_h1_ticks(num_stages, num_micro_batch)
+        return Schedule(name, num_stages, num_micro_batch,
+                        tuple(tuple(c and Task(s, c[1], c[0]) for s, c in enumerate(row)) for row in rows))
     if virtual_stages > 1 and name != "interleaved":
         raise ConfigError(f"virtual_stages={virtual_stages} needs schedule='interleaved' (schedule {name!r} runs "
                           "one chunk per stage).")
@@ -455,15 +492,3 @@ def _ready(task: Task, done: dict, t: int, S: int, K: int) -> bool:
     if done.get(Task(c % S, m, "F", c), t) >= t:
         return False
     return c == K - 1 or done.get(Task((c + 1) % S, m, "B", c + 1), t) < t
-
-
-def render(schedule: Schedule) -> str:
-    """A text picture: one row per stage, one column per tick (with virtual stages a cell names the
-    chunk too: F3c5 is the forward of micro-batch 3 through chunk 5)."""
-    rows, V = [], schedule.virtual_stages
-    for s in range(schedule.num_stages):
-        cells = [(f"{r[s].kind}{r[s].microbatch}" + (f"c{r[s].chunk}" if V > 1 else "") if r[s] else "..")
-                 for r in schedule.ticks]
-        head = f"stage {s}" + (f" (chunks {','.join(map(str, schedule.chunks_of(s)))})" if V > 1 else "")
-        rows.append(f"{head}: " + " ".join(f"{c:>{5 if V > 1 else 3}}" for c in cells))
-    return "\n".join(rows)

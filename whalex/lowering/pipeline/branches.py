@@ -26,26 +26,31 @@ from whalex.lowering.pipeline.cut import StageCut
 from whalex.lowering.pipeline.outputs import PartOutputs
 from whalex.lowering.pipeline.packing import Message, Slot, layout, pack_values, unpack
 from whalex.lowering.pipeline.rows import ParamRows
+from whalex.lowering.pipeline.weights import WeightSplit, weight_grads, weight_split
 from whalex.lowering.stage_batch import StageBatchLayout
 from whalex.memory.remat import in_order
 
 
-def stage_fn(cap: Captured, cut: StageCut, s: int, constraints=None, layer_cuts: Sequence[int] = ()):
-    """f_s(params_s leaves, live_in values, (batch leaves, extra leaves), overrides) -> live_out values
-    (the last stage: the part outputs of the loss contract), with `live_in` and `live_out`.
-    `layer_cuts` (remat="full"): the equations where a layer starts; each layer of the stage then runs
-    under `jax.checkpoint`, in order, so that the stage's backward, which recomputes its forward, holds
-    one layer's residuals at a time rather than the whole stage's."""
+def stage_fn(cap: Captured, cut: StageCut, s: int, constraints=None, layer_cuts: Sequence[int] = (),
+             keep: Sequence = ()):
+    """f_s(params_s leaves, live_in values, (batch leaves, extra leaves), overrides, taps) -> live_out
+    values (the last stage: the part outputs of the loss contract), then, given taps, the values of `keep`; with
+    `live_in` and `live_out`. `taps` ({var: value}) are added to those values where they are made
+    (zeros, differentiated: a split backward's B reads their cotangents). `layer_cuts` (remat="full"):
+    the equations where a layer starts; each layer of the stage then runs under `jax.checkpoint`, in
+    order, so that the stage's backward, which recomputes its forward, holds one layer's residuals at a
+    time rather than the whole stage's."""
     jaxpr = cap.jaxpr.jaxpr
     consts = dict(zip(jaxpr.constvars, cap.jaxpr.consts))
     live_in, live_out = cut.live_in(s), cut.live_out(s, jaxpr.outvars)
     param_vars = [jaxpr.invars[p] for p in cut.params[s]]
     input_vars = jaxpr.invars[cap.num_params:]
-    runs = layer_runs([(i, jaxpr.eqns[i]) for i in cut.eqns[s]], layer_cuts, live_out)
+    wanted = list(live_out) + list(keep)
+    runs = layer_runs([(i, jaxpr.eqns[i]) for i in cut.eqns[s]], layer_cuts, wanted)
     constraints = dict(constraints or {})
     cpaths = [c[0] for c in constraints]
 
-    def fn(params_s, live, inputs, overrides):
+    def fn(params_s, live, inputs, overrides, taps=None):
         if constraints:     # 3D: the message and the batch rows arrive whole on each model device
             live, inputs = whole(live), whole(inputs)
         env = dict(consts)
@@ -54,21 +59,44 @@ def stage_fn(cap: Captured, cut: StageCut, s: int, constraints=None, layer_cuts:
         env.update(zip(live_in, live))
         prefixes = {p[:k] for p in list(overrides) + cpaths for k in range(1, len(p) + 1)}
 
-        def run(eqns, reads, writes, *values):
+        def run(eqns, reads, writes, tapped, values, added):
             local = dict(zip(reads, values))
+            extra = dict(zip(tapped, added))
             for i, eqn in eqns:
-                local.update(zip(eqn.outvars, apply_eqn(eqn, (i,), [C.read(local, v) for v in eqn.invars],
-                                                        overrides, prefixes, constraints)))
+                outs = apply_eqn(eqn, (i,), [C.read(local, v) for v in eqn.invars], overrides, prefixes, constraints)
+                local.update((v, x + extra[v] if v in extra else x) for v, x in zip(eqn.outvars, outs))
             return [local[v] for v in writes]
 
         for r in runs:
-            body = functools.partial(run, r.eqns, r.reads, r.writes)
+            tapped = [v for _, e in r.eqns for v in e.outvars if taps and v in taps]
+            body = functools.partial(run, r.eqns, r.reads, r.writes, tapped)
             if r.checkpointed:
                 body = in_order(jax.checkpoint(body))
-            env.update(zip(r.writes, body(*[env[v] for v in r.reads])))
-        return [C.read(env, v) for v in live_out]
+            env.update(zip(r.writes, body([env[v] for v in r.reads], [taps[v] for v in tapped])))
+        return [C.read(env, v) for v in (wanted if taps is not None else live_out)]
 
     return fn, live_in, live_out
+
+
+def weight_fn(cap: Captured, cut: StageCut, s: int, split: WeightSplit, constraints=None):
+    """W of chunk s: (params_s leaves, the W stash row's values, overrides) -> the parameters' gradient."""
+    jaxpr = cap.jaxpr.jaxpr
+    consts = dict(zip(jaxpr.constvars, cap.jaxpr.consts))
+    param_vars = [jaxpr.invars[p] for p in cut.params[s]]
+    indices = list(cut.eqns[s])
+    eqns = [jaxpr.eqns[i] for i in indices]
+    constraints = dict(constraints or {})
+    cpaths = [c[0] for c in constraints]
+
+    def fn(params_s, row, overrides):
+        prefixes = {p[:k] for p in list(overrides) + cpaths for k in range(1, len(p) + 1)}
+
+        def apply(eqn, i, invals):
+            return apply_eqn(eqn, (i,), invals, overrides, prefixes, constraints)
+
+        return weight_grads(split, eqns, indices, apply, param_vars, consts, params_s, row)
+
+    return fn
 
 
 def whole(values: Sequence) -> list:
@@ -131,6 +159,10 @@ class Stage:
     message: Message                # the messages' format
     slot: int = 0                   # its place among its device's chunks
     device: int = 0                 # the stage holding it (whose batch leaves it reads)
+    split: WeightSplit | None = None    # a split backward (B, then W): what W needs
+    weight: Callable | None = None      # `weight_fn`
+    row: tuple[Slot, ...] = ()          # its W stash row
+    row_format: Message | None = None   # the W stash rows' format
 
     def stage_inputs(self, inputs) -> list:
         """This stage's batch leaves (None: not held), then the extra leaves."""
@@ -146,30 +178,59 @@ class Stage:
                 [outs[k] for k in self.outputs.rows]
         return self.message.pack(outs), jnp.zeros(O, jnp.float32), self.outputs.no_rows()
 
-    def backward(self, overrides: Callable, cot, gacc, params, x, ct, inputs):
-        """(message back, `gacc` plus this micro-batch's gradient rows), the forward recomputed from `x`."""
+    def _recompute(self, overrides: Callable, x, inputs, taps=None):
+        """(the differentiable part of the stage input, f(dl) -> (the outputs the backward starts from,
+        the saved activations of a split backward), their placement back into a message)."""
         live = unpack(x, self.in_slots)
         diff = [k for k, sl in enumerate(self.in_slots) if jnp.issubdtype(sl.dtype, jnp.floating)]
-        ovr = overrides(inputs[2])
-        ins = self.stage_inputs(inputs)
-        values = self.outputs.values
+        ovr, ins, values = overrides(inputs[2]), self.stage_inputs(inputs), self.outputs.values
+        n = len(self.out_slots) if not self.last else None
 
-        def f(p, dl):
+        def f(p, dl, added=()):
             full = list(live)
             for k, v in zip(diff, dl):
                 full[k] = v
-            outs = self.fn(p, full, ins, ovr)
-            return [outs[k] for k in values] if self.last else outs
+            outs = self.fn(p, full, ins, ovr, dict(zip(taps or (), added)))
+            main = outs[:len(outs) - len(self.split.saved)] if taps is not None else outs
+            return ([main[k] for k in values] if self.last else main[:n]), outs[len(main):]
 
-        outs, vjp = jax.vjp(f, self.rows.unpack_chunk(self.device, self.slot, params), [live[k] for k in diff])
+        def message_back(dl):
+            full = [jnp.zeros(sl.shape, jnp.float32) for sl in self.in_slots]
+            for k, g in zip(diff, dl):
+                full[k] = g
+            return self.message.pack(full)
+
+        return [live[k] for k in diff], f, message_back
+
+    def _cotangents(self, cot, ct, outs) -> list:
         cts = unpack(cot, self.outputs.slots[0]) if self.last else unpack(ct, self.out_slots)
-        cts = [c.astype(o.dtype) if jnp.issubdtype(o.dtype, jnp.floating)
-               else np.zeros(o.shape, jax.dtypes.float0) for c, o in zip(cts, outs)]
-        dp, dl = vjp(cts)
-        full = [jnp.zeros(sl.shape, jnp.float32) for sl in self.in_slots]
-        for k, g in zip(diff, dl):
-            full[k] = g
-        return self.message.pack(full), self.rows.add_chunk_grads(self.device, self.slot, gacc, dp)
+        return [c.astype(o.dtype) if jnp.issubdtype(o.dtype, jnp.floating)
+                else np.zeros(o.shape, jax.dtypes.float0) for c, o in zip(cts, outs)]
+
+    def backward(self, overrides: Callable, cot, gacc, params, x, ct, inputs):
+        """(message back, `gacc` plus this micro-batch's gradient rows), the forward recomputed from `x`."""
+        dl0, f, message_back = self._recompute(overrides, x, inputs)
+        p = self.rows.unpack_chunk(self.device, self.slot, params)
+        outs, vjp = jax.vjp(lambda p, dl: f(p, dl)[0], p, dl0)
+        dp, dl = vjp(self._cotangents(cot, ct, outs))
+        return message_back(dl), self.rows.add_chunk_grads(self.device, self.slot, gacc, dp)
+
+    def backward_input(self, overrides: Callable, cot, params, x, ct, inputs):
+        """B of a split backward: (message back, the W stash row: the saved activations and the tapped
+        cotangents), the forward recomputed from `x`."""
+        split = self.split
+        dl0, f, message_back = self._recompute(overrides, x, inputs, split.taps)
+        p = self.rows.unpack_chunk(self.device, self.slot, params)
+        zeros = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in split.taps]
+        outs, vjp, saved = jax.vjp(lambda dl, added: f(p, dl, added), dl0, zeros, has_aux=True)
+        dl, dtaps = vjp(self._cotangents(cot, ct, outs))
+        return message_back(dl), self.row_format.pack(list(saved) + list(dtaps))
+
+    def weight_gradient(self, overrides: Callable, gacc, params, row, inputs):
+        """W of a split backward: `gacc` plus the weight gradient from a W stash row."""
+        p = self.rows.unpack_chunk(self.device, self.slot, params)
+        dp = self.weight(p, unpack(row, self.row), overrides(inputs[2]))
+        return self.rows.add_chunk_grads(self.device, self.slot, gacc, dp)
 
 
 def idle(message: Message, outputs: PartOutputs, params, x, inputs):
@@ -177,18 +238,30 @@ def idle(message: Message, outputs: PartOutputs, params, x, inputs):
     return message.zeros(), jnp.zeros(outputs.slots[1], jnp.float32), outputs.no_rows()
 
 
+def chunk_split(cap: Captured, cut: StageCut, c: int) -> WeightSplit:
+    """What a split backward's W needs of chunk c (`weights.weight_split`)."""
+    jaxpr = cap.jaxpr.jaxpr
+    return weight_split([jaxpr.eqns[i] for i in cut.eqns[c]], [jaxpr.invars[p] for p in cut.params[c]],
+                        jaxpr.constvars, cut.live_out(c, jaxpr.outvars))
+
+
 def make_stages(cap: Captured, cut: StageCut, constraints: Any, rows: ParamRows, outputs: PartOutputs,
                 batch: StageBatchLayout, message: Message, num_stages: int | None = None,
-                layer_cuts: Sequence[int] = ()) -> tuple[Stage, ...]:
+                layer_cuts: Sequence[int] = (), splits: Sequence[WeightSplit] = (),
+                row_format: Message | None = None) -> tuple[Stage, ...]:
     """Every chunk of `cut` as a `Stage`: on `num_stages` stages (default: one chunk each), chunk c on
-    stage c % S as its chunk c // S; `layer_cuts`: see `stage_fn`."""
+    stage c % S as its chunk c // S; `layer_cuts`: see `stage_fn`; `splits` (one per chunk, for a split
+    backward) and `row_format`: what its W needs, and the W stash rows' format."""
     K = cut.num_stages
     S = num_stages or K
     stages = []
     for c in range(K):
-        fn, live_in, live_out = stage_fn(cap, cut, c, constraints, layer_cuts)
+        split = splits[c] if splits else None
+        fn, live_in, live_out = stage_fn(cap, cut, c, constraints, layer_cuts, split.saved if split else ())
+        extra = {} if split is None else dict(split=split, weight=weight_fn(cap, cut, c, split, constraints),
+                                              row=tuple(layout(split.row_vars)[0]), row_format=row_format)
         stages.append(Stage(c, fn, tuple(layout(live_in)[0]), tuple(layout(live_out)[0]), c == K - 1,
-                            rows, outputs, batch, message, c // S, c % S))
+                            rows, outputs, batch, message, c // S, c % S, **extra))
     return tuple(stages)
 
 
@@ -196,9 +269,11 @@ class Branches(NamedTuple):
     """What a tick may run on a device, for `packing.tree_switch`."""
 
     forward: list           # forward 0 is idle, forward 1 + c is chunk c's
-    backward: list          # chunk c's backward
+    backward: list          # chunk c's backward (with a split backward, its B)
     zero_message: Any       # the message a branch that sends none returns
     zero_outputs: Any       # the part outputs a branch that computes none returns
+    weight: list = []       # with a split backward: chunk c's W
+    zero_row: Any = None    # with a split backward: the W stash row a branch that makes none returns
 
 
 def branches(stages, overrides: Callable, cot) -> Branches:
@@ -207,5 +282,10 @@ def branches(stages, overrides: Callable, cot) -> Branches:
     first = stages[0]
     fwds = [functools.partial(idle, first.message, first.outputs)]
     fwds += [functools.partial(st.forward, overrides) for st in stages]
-    bwds = [functools.partial(st.backward, overrides, cot) for st in stages]
-    return Branches(fwds, bwds, first.message.zeros(), jnp.zeros(first.outputs.slots[1], jnp.float32))
+    zero_outputs = jnp.zeros(first.outputs.slots[1], jnp.float32)
+    if first.split is None:
+        bwds = [functools.partial(st.backward, overrides, cot) for st in stages]
+        return Branches(fwds, bwds, first.message.zeros(), zero_outputs)
+    bwds = [functools.partial(st.backward_input, overrides, cot) for st in stages]
+    wgts = [functools.partial(st.weight_gradient, overrides) for st in stages]
+    return Branches(fwds, bwds, first.message.zeros(), zero_outputs, wgts, first.row_format.zeros())

@@ -25,7 +25,7 @@ from whalex.lowering import stage_batch, stage_rows
 from whalex.lowering.emit import Emitter
 from whalex.lowering.pipeline.axes import DATA, STAGE
 from whalex.lowering.pipeline.body import PipelineBody
-from whalex.lowering.pipeline.branches import make_stages
+from whalex.lowering.pipeline.branches import chunk_split, make_stages
 from whalex.lowering.pipeline.cut import StageCut
 from whalex.lowering.pipeline.outputs import PartOutputs
 from whalex.lowering.pipeline.packing import Message
@@ -141,6 +141,18 @@ class PipelineProgram(Emitter):
     @property
     def message_width(self) -> int:
         return self.message.width
+
+    @functools.cached_property
+    def weight_splits(self) -> tuple:
+        """With a split backward (zero bubble), what each chunk's W needs (`weights.WeightSplit`)."""
+        if not self.schedule.split_backward:
+            return ()
+        return tuple(chunk_split(self.captured, self.cut, c) for c in range(self.cut.num_stages))
+
+    @functools.cached_property
+    def row_format(self) -> Message | None:
+        """The W stash rows' format: every chunk's row fits one (None without a split backward)."""
+        return Message.of([s.row_vars for s in self.weight_splits]) if self.weight_splits else None
 
     # -- the stored parameters (`storage.SpreadStorage`) -----------------------------------------
     @functools.cached_property
@@ -262,9 +274,9 @@ class PipelineProgram(Emitter):
         S, M, dp = self.schedule.num_stages, self.schedule.num_micro_batch, self.data_parallel
         tables = {k: jnp.asarray(v) for k, v in self.schedule.tables().items()}
         loop = TickLoop(S, M, self.schedule.stash[0], self.schedule.grad_stash[0], self.message,
-                        self.part_outputs, tables, self.virtual_stages)
+                        self.part_outputs, tables, self.virtual_stages, self.schedule.weight_stash[0], self.row_format)
         stages = make_stages(self.captured, self.cut, self.constraints, self.param_rows, self.part_outputs,
-                             self.batch_layout, self.message, S, self.layer_cuts)
+                             self.batch_layout, self.message, S, self.layer_cuts, self.weight_splits, self.row_format)
         n = self.captured.num_params
         return PipelineBody(loop, stages, self.param_rows, self.parts, n,
                             tuple(v.aval for v in self.captured.jaxpr.jaxpr.invars[:n]),

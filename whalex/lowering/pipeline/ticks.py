@@ -7,7 +7,8 @@ go. Only chunk inputs are stashed (`Schedule.stash`: S slots for 1F1B, M for GPi
 recomputes its chunk's forward from the stashed input. After the work, activations go to the next
 stage and gradients to the previous one by `ppermute`, around a ring with interleaved chunks (the
 last stage sends to the first); with 2 stages one swap carries both, as a device sends one message
-per tick. No collective runs inside a branch. The steps of a tick, in order: `iteration_inputs`,
+per tick. No collective runs inside a branch. With a split backward (zero bubble) a B also writes what
+its W needs into a row of the W stash, and a W (kind 3) reads it and adds the weight gradient. The steps of a tick, in order: `iteration_inputs`,
 `run_one_tick`, `accumulate_outputs`, `pass_messages`; `tick` composes them and `run` scans it.
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ class LoopState(NamedTuple):
     rows: list         # per-example part outputs, [per_replica, ...] each (the last stage's)
     fwd_in: Any        # [width]: the message that arrived from the previous stage
     bwd_in: Any        # [width]: the gradient that arrived from the next stage
+    weight_stash: Any  # [weight_slots, row width]: what a split backward's B left for its W ([0] without)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +72,8 @@ class TickLoop:
     outputs: PartOutputs
     tables: dict            # the schedule's tables as arrays, [ticks, stages] each
     virtual_stages: int = 1  # model chunks per stage
+    weight_slots: int = 0    # a split backward's W stash slots (0: the backward is not split)
+    row_format: Message | None = None   # the W stash rows' format
 
     @property
     def num_chunks(self) -> int:
@@ -78,14 +82,15 @@ class TickLoop:
     def init_state(self, device: Device, zero_grads: Callable) -> LoopState:
         """Empty stashes, accumulators and messages."""
         msg = self.message
+        wstash = self.row_format.zeros(self.weight_slots) if self.weight_slots else jnp.zeros((0,), jnp.float32)
         return LoopState(msg.zeros(self.slots), msg.zeros(self.grad_slots),
                          zero_grads(), self.outputs.init(),
                          [jnp.zeros((device.per_replica,) + a.shape[1:], a.dtype) for a in self.outputs.row_avals],
-                         msg.zeros(), msg.zeros())
+                         msg.zeros(), msg.zeros(), wstash)
 
     def iteration_inputs(self, state: LoopState, row: dict, device: Device):
         """This tick's work: the messages of last tick stashed, then (state, task, micro-batch, inputs),
-        the task (kind, chunk, stash slot, gradient stash slot) as the tables give it."""
+        the task (kind, chunk, stash slot, gradient stash slot, W stash slot) as the tables give it."""
         s = device.stage
         kind, m = row["kind"][s], row["mb"][s]
         rf, rb = row["recv_f"][s], row["recv_b"][s]
@@ -94,25 +99,36 @@ class TickLoop:
         gstash = state.grad_stash.at[bslot].set(jnp.where(rb >= 0, state.bwd_in, state.grad_stash[bslot]))
         m = jnp.clip(m, 0, self.num_micro - 1)
         inputs = (device.micro_rows(m), device.extra, m)
-        task = (kind, row["chunk"][s], row["slot"][s], row["gslot"][s])
+        task = (kind, row["chunk"][s], row["slot"][s], row["gslot"][s], row["wslot"][s])
         return state._replace(stash=stash, grad_stash=gstash), task, m, inputs
 
     def run_one_tick(self, state: LoopState, task, inputs, device: Device, work: Branches):
         """The chunk's forward, backward or nothing: (message on, message back, gradient accumulator,
-        part outputs, per-example outputs). A backward adds into its chunk's own segments of the
-        accumulator, which the other branches pass through."""
-        kind, c, slot, gslot = task
-        params = device.params
+        part outputs, per-example outputs, W stash row). A backward adds into its chunk's own segments
+        of the accumulator, which the other branches pass through; with a split backward, B makes a W
+        stash row and W adds the weight gradient."""
+        kind, c, slot, gslot, wslot = task
+        params, split = device.params, self.weight_slots > 0
+        no_row = work.zero_row if split else state.weight_stash
 
-        def backward(gacc, x, ct):
-            dx, gacc = tree_switch(c, work.backward, gacc, params, x, ct, inputs)
-            return work.zero_message, dx, gacc, work.zero_outputs, self.outputs.no_rows()
+        def backward(gacc, x, ct, row):
+            if split:
+                dx, row = tree_switch(c, work.backward, params, x, ct, inputs)
+            else:
+                dx, gacc = tree_switch(c, work.backward, gacc, params, x, ct, inputs)
+            return work.zero_message, dx, gacc, work.zero_outputs, self.outputs.no_rows(), row
 
-        def forward(gacc, x, ct):         # or idle
+        def weight(gacc, x, ct, row):
+            gacc = tree_switch(c, work.weight, gacc, params, row, inputs)
+            return work.zero_message, work.zero_message, gacc, work.zero_outputs, self.outputs.no_rows(), no_row
+
+        def forward(gacc, x, ct, row):         # or idle
             y, outs, routs = tree_switch(jnp.where(kind == 1, 1 + c, 0), work.forward, params, x, inputs)
-            return y, work.zero_message, gacc, outs, routs
+            return y, work.zero_message, gacc, outs, routs, no_row
 
-        return jax.lax.cond(kind == 2, backward, forward, state.grads, state.stash[slot], state.grad_stash[gslot])
+        rest = (lambda *ops: jax.lax.cond(kind == 3, weight, forward, *ops)) if split else forward
+        row = state.weight_stash[wslot] if split else state.weight_stash
+        return jax.lax.cond(kind == 2, backward, rest, state.grads, state.stash[slot], state.grad_stash[gslot], row)
 
     def accumulate_outputs(self, state: LoopState, task, m, outs, routs, device: Device):
         """The part outputs of the last chunk's forward of micro-batch m combined into the accumulators:
@@ -142,10 +158,18 @@ class TickLoop:
     def tick(self, device: Device, work: Branches, state: LoopState, row: dict):
         """One tick: the scan's body."""
         state, task, m, inputs = self.iteration_inputs(state, row, device)
-        y, dx, grads, outs, routs = self.run_one_tick(state, task, inputs, device, work)
+        y, dx, grads, outs, routs, wrow = self.run_one_tick(state, task, inputs, device, work)
         oacc, racc = self.accumulate_outputs(state, task, m, outs, routs, device)
         fout, bout = self.pass_messages(y, dx, device.stage, task[0])
-        return LoopState(state.stash, state.grad_stash, grads, oacc, racc, fout, bout), None
+        return LoopState(state.stash, state.grad_stash, grads, oacc, racc, fout, bout,
+                         self.keep_row(state.weight_stash, task, wrow)), None
+
+    def keep_row(self, weight_stash, task, wrow):
+        """The W stash with what this tick's B made in its slot (unchanged without a split backward)."""
+        if not self.weight_slots:
+            return weight_stash
+        kind, wslot = task[0], task[4]
+        return weight_stash.at[wslot].set(jnp.where(kind == 2, wrow, weight_stash[wslot]))
 
     def run(self, device: Device, work: Branches, zero_grads: Callable) -> LoopState:
         """Every tick of the schedule on this device: the final state."""

@@ -1,0 +1,135 @@
+"""A chunk's backward split in two (zero-bubble schedules): B, the input gradient the previous stage
+waits for, and W, the weight gradient nothing waits for, run at a later tick.
+
+The chunk's values fall in three classes: constant (literals, constants and what only they make),
+parameter (made from parameters and constants) and activation (anything that reads the stage's
+input, batch or extra leaves). A weight equation reads an activation and a floating parameter value
+(a Dense layer's matmul, its bias add, a LayerNorm's scale). W needs, for each, the cotangent of its
+floating outputs and the activations it reads; B taps the cotangents (a zero added to each output and
+differentiated) and saves both in a row of the W stash. W recomputes the parameter values from the
+parameters, evaluates each weight equation on its saved activations, and pulls the cotangents back to
+the parameters: the weight gradient, without the chain of input gradients B already ran.
+
+Two facts keep the row small. An add, subtract or concatenate is linear in its parameter operand,
+so its activation operand is not saved (W evaluates it on zeros). A weight equation whose output is
+read only by a same-shape add (a matmul before its bias) takes the add's cotangent, which equals its
+own, so one tap serves both.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from whalex import _compat as C
+
+LINEAR_IN_EACH = frozenset({"add", "add_any", "sub", "concatenate"})   # a parameter operand's vjp reads no activation
+SAME_COTANGENT = frozenset({"add", "add_any"})                     # a same-shape operand's cotangent is the output's
+
+
+def _floating(v) -> bool:
+    return jnp.issubdtype(v.aval.dtype, jnp.floating)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSplit:
+    """What W needs of one chunk: its weight equations, the parameter and constant equations they read,
+    the values whose cotangent B taps, each weight output's tap, and the activations B saves."""
+
+    weight_eqns: tuple[int, ...]         # positions in the chunk's equation list
+    param_eqns: tuple[int, ...]          # parameter and constant equations W recomputes, in order
+    taps: tuple[Any, ...]                # vars whose cotangent B saves
+    tap_of: dict                         # floating output of a weight equation -> its tap
+    saved: tuple[Any, ...]               # activations B saves
+
+    @property
+    def row_vars(self) -> tuple:
+        """The W stash row's values: the saved activations, then the tapped cotangents."""
+        return self.saved + self.taps
+
+
+def weight_split(eqns: Sequence, param_vars: Sequence, const_vars: Sequence, live_out: Sequence) -> WeightSplit:
+    """The split of a chunk whose equations are `eqns` (in order), reading `param_vars`; `live_out`: the
+    values the chunk hands on (their cotangents arrive from outside, so they are never aliased)."""
+    params, consts = set(param_vars), set(const_vars)
+    kind: dict = {}                      # var -> "const" | "param"; absent: an activation
+
+    def of(v):
+        if isinstance(v, C.Literal) or v in consts:
+            return "const"
+        return "param" if v in params else kind.get(v)
+
+    weight, fixed = [], []
+    for k, e in enumerate(eqns):
+        kinds = [of(v) for v in e.invars]
+        if all(x is not None for x in kinds):
+            kind.update((v, "param" if "param" in kinds else "const") for v in e.outvars)
+            fixed.append(k)
+        elif any(x == "param" and _floating(v) for x, v in zip(kinds, e.invars)):
+            weight.append(k)
+    return _taps_and_saved(eqns, weight, _needed(eqns, weight, fixed, of), of, live_out)
+
+
+def _needed(eqns, weight, fixed, of) -> list[int]:
+    """The parameter and constant equations the weight equations read, directly or through others."""
+    want = {v for k in weight for v in eqns[k].invars if not isinstance(v, C.Literal) and of(v) is not None}
+    keep = []
+    for k in reversed(fixed):
+        if any(v in want for v in eqns[k].outvars):
+            keep.append(k)
+            want |= {v for v in eqns[k].invars if not isinstance(v, C.Literal)}
+    return sorted(keep)
+
+
+def _taps_and_saved(eqns, weight, param_eqns, of, live_out) -> WeightSplit:
+    readers: dict = {}
+    for e in eqns:
+        for v in e.invars:
+            if not isinstance(v, C.Literal):
+                readers.setdefault(v, []).append(e)
+    outs = set(live_out)
+
+    def tap(v):                          # follow single same-shape adds: their cotangent is v's
+        while v not in outs and len(readers.get(v, ())) == 1:
+            e = readers[v][0]
+            if e.primitive.name not in SAME_COTANGENT or e.outvars[0].aval != v.aval:
+                break
+            v = e.outvars[0]
+        return v
+
+    tap_of = {v: tap(v) for k in weight for v in eqns[k].outvars if _floating(v) and not isinstance(v, C.DropVar)}
+    saved = [v for k in weight if eqns[k].primitive.name not in LINEAR_IN_EACH
+             for v in eqns[k].invars if not isinstance(v, C.Literal) and of(v) is None]
+    return WeightSplit(tuple(weight), tuple(param_eqns), tuple(dict.fromkeys(tap_of.values())), tap_of,
+                       tuple(dict.fromkeys(saved)))
+
+
+def weight_grads(split: WeightSplit, eqns: Sequence, indices: Sequence[int], apply, param_vars: Sequence,
+                 consts: dict, params: Sequence, row: Sequence) -> list:
+    """W: the gradient of the chunk's parameters from a W stash row (`row`: the values of
+    `split.row_vars`). `apply(eqn, index, invals)` evaluates one equation of the chunk (with the plan's
+    overrides and constraints); `indices[k]`: the jaxpr index of `eqns[k]`."""
+    saved = dict(zip(split.saved, row[:len(split.saved)]))
+    ct_of_tap = dict(zip(split.taps, row[len(split.saved):]))
+    outs = list(split.tap_of)
+
+    def weight_outputs(p):
+        env = dict(consts)
+        env.update(zip(param_vars, p))
+        for k in split.param_eqns:
+            e = eqns[k]
+            env.update(zip(e.outvars, apply(e, indices[k], [C.read(env, v) for v in e.invars])))
+        values: dict = {}
+        for k in split.weight_eqns:
+            e = eqns[k]
+            ins = [C.read(env, v) if isinstance(v, C.Literal) or v in env
+                   else saved[v] if v in saved else jnp.zeros(v.aval.shape, v.aval.dtype) for v in e.invars]
+            values.update(zip(e.outvars, apply(e, indices[k], ins)))
+        return [values[v] for v in outs]
+
+    _, pullback = jax.vjp(weight_outputs, list(params))
+    cts = [ct_of_tap[split.tap_of[v]].astype(v.aval.dtype) for v in outs]
+    return pullback(cts)[0]
