@@ -65,10 +65,10 @@ def parse(argv=None):
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--depth", type=int, default=12, help="hidden Dense layers (what the stages split)")
     ap.add_argument("--micro", type=int, default=8, help="micro-batches per step")
-    ap.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "1f1b-balanced"))
+    ap.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "1f1b-balanced", "zb-h1"))
     ap.add_argument("--compare-schedules", default=None, metavar="S1,S2,...",
                     help="time these schedules (the first is the baseline) on the calibrated cut instead of the "
-                         "even and balanced cuts of --schedule, e.g. 1f1b,gpipe,1f1b-balanced")
+                         "even and balanced cuts of --schedule, e.g. 1f1b,gpipe,1f1b-balanced,zb-h1")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--block", type=int, default=3)
     ap.add_argument("--calib-rows", type=int, default=1024,

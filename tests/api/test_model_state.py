@@ -140,6 +140,9 @@ PARTS = {
     "hetero": ({}, HETERO, {}, "uneven per-device chunks"),
     "pipe2": ({"num_micro_batch": 2}, None, {"head_scope": lambda: wh.replicate(1),
                                               "body_scope": lambda: wh.replicate(1)}, "pipeline micro-batches"),
+    "pipe2zb": ({"num_micro_batch": 2, "schedule": "zb-h1"}, None,
+                {"head_scope": lambda: wh.replicate(1), "body_scope": lambda: wh.replicate(1)},
+                "pipeline micro-batches"),
 }
 
 
@@ -223,20 +226,20 @@ def _mask_problem():
     return loss_fn, params, batch
 
 
-@pytest.mark.parametrize("plan", ["micro4", "hetero", "pipe"])
+@pytest.mark.parametrize("plan", ["micro4", "hetero", "pipe", "pipe-zb"])
 def test_dropout_masks_in_parts_are_the_whole_batch_masks(plan):
     """In plans that work in parts, each part draws its own rows of the whole-batch mask: masks
     never repeat across devices or micro-batches, and equal one device's with the same key."""
     loss_fn, params, batch = _mask_problem()
     rng = jax.random.key(3)
-    if plan == "pipe":
+    if plan.startswith("pipe"):
         def staged(p, b, rng):
             with wh.replicate(1):
                 keep = jax.random.bernoulli(rng, 0.5, b["x"].shape)
                 h = jnp.where(keep, b["x"], 0.0)
             with wh.replicate(1):
                 return jnp.mean(h @ p["w"])
-        fn, kw = staged, dict(config=wh.Config(num_micro_batch=4))
+        fn, kw = staged, dict(config=wh.Config(num_micro_batch=4, schedule="zb-h1" if plan == "pipe-zb" else "1f1b"))
     elif plan == "micro4":
         fn, kw = loss_fn, dict(config=wh.Config(num_micro_batch=4))
     else:

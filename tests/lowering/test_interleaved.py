@@ -145,16 +145,16 @@ def test_interleaved_3d(monkeypatch):
     assert plan.schedule.num_chunks == 4
 
 
-def test_interleaved_memory_is_near_1f1bs():
-    """Per-device memory of XLA's compiled step (CPU) at 4 stages, 8 micro-batches: a stage's row holds its
-    chunks' leaves (as wide as 1F1B's stage row), and the stash pool holds more chunk inputs (10 vs 4)."""
-    class Mlp(nn.Module):             # bench/models.py's MLP: 16 x (Dense(64) + ReLU), a Dense head
-        @nn.compact
-        def __call__(self, x):
-            for _ in range(16):
-                x = nn.relu(nn.Dense(64)(x))
-            return nn.Dense(64)(x)
+class Mlp(nn.Module):             # bench/models.py's MLP: 16 x (Dense(64) + ReLU), a Dense head
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(16):
+            x = nn.relu(nn.Dense(64)(x))
+        return nn.Dense(64)(x)
 
+
+def memory_problem():
+    """The model the memory tests compare schedules on: `Mlp`, MSE, a batch of 64 rows."""
     k = jax.random.split(jax.random.key(0), 2)
     batch = {"x": jax.random.normal(k[0], (64, 64)), "y": jax.random.normal(k[1], (64, 64))}
     params = Mlp().init(k[0], batch["x"][:1])["params"]
@@ -162,6 +162,13 @@ def test_interleaved_memory_is_near_1f1bs():
     def loss_fn(p, b):
         return jnp.mean((Mlp().apply({"params": p}, b["x"]) - b["y"]) ** 2)
 
+    return loss_fn, params, batch
+
+
+def test_interleaved_memory_is_near_1f1bs():
+    """Per-device memory of XLA's compiled step (CPU) at 4 stages, 8 micro-batches: a stage's row holds its
+    chunks' leaves (as wide as 1F1B's stage row), and the stash pool holds more chunk inputs (10 vs 4)."""
+    loss_fn, params, batch = memory_problem()
     plans = {V: wh.plan(loss_fn, params, batch, optax.adam(1e-3),
                         config=wh.Config(auto_parallel=True, num_task_graph=4, num_micro_batch=8,
                                          schedule="interleaved" if V > 1 else "1f1b", virtual_stages=V))

@@ -13,7 +13,7 @@ import jax
 
 from whalex.errors import ConfigError
 
-SCHEDULES = ("1f1b", "gpipe", "1f1b-balanced", "interleaved", "zb-h1")
+SCHEDULES = ("1f1b", "gpipe", "1f1b-balanced", "interleaved", "zb-h1", "zb-h2")
 MATMUL_PATTERNS = ("auto", "column", "row")
 BATCH_COUPLINGS = ("exact", "per_part")
 

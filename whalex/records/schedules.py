@@ -18,8 +18,9 @@ warm-up forwards over its chunks, then one forward and one backward in turn, the
 backwards; its tasks are a chunk's, so the bubble shrinks about V times. Tasks carry their chunk;
 with V = 1 every chunk is its stage and the tasks are the other schedules'.
 
-"zb-h1" (zero bubble, `zero_bubble`) splits the backward into B, the input gradient, and W, the weight
-gradient, and runs the W's where a stage would idle; its tasks are "F", "B" and "W".
+"zb-h1" and "zb-h2" (zero bubble, `zero_bubble`) split the backward into B, the input gradient, and W,
+the weight gradient, and run the W's where a stage would idle; their tasks are "F", "B" and "W". A stage
+defers at most S W's under zb-h1 and 2S under zb-h2, whose bubble is smaller.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import numpy as np
 from whalex.errors import ConfigError
 from whalex.primitives.config import SCHEDULES
 from whalex.records.schedule_picture import render
-from whalex.records.zero_bubble import zb_h1_ticks
+from whalex.records.zero_bubble import zb_ticks
 
 IDLE, FWD, BWD, WGT = 0, 1, 2, 3
 KIND_CODES = {"F": FWD, "B": BWD, "W": WGT}
@@ -400,11 +401,11 @@ def make_schedule(name: str, num_stages: int, num_micro_batch: int, virtual_stag
         raise ConfigError("a pipeline needs at least one stage and one micro-batch.")
     if not isinstance(virtual_stages, int) or virtual_stages < 1:
         raise ConfigError(f"virtual_stages must be a positive integer, got {virtual_stages!r}.")
-    if name == "zb-h1":
+    if name.startswith("zb-"):
         if virtual_stages > 1:
-            raise ConfigError(f"virtual_stages={virtual_stages} needs schedule='interleaved' (schedule 'zb-h1' runs "
+            raise ConfigError(f"virtual_stages={virtual_stages} needs schedule='interleaved' (schedule {name!r} runs "
                               "one chunk per stage).")
-        rows = zb_h1_ticks(num_stages, num_micro_batch)
+        rows = zb_ticks(num_stages, num_micro_batch, num_stages * (2 if name == "zb-h2" else 1))
         return Schedule(name, num_stages, num_micro_batch,
                         tuple(tuple(c and Task(s, c[1], c[0]) for s, c in enumerate(row)) for row in rows))
     if virtual_stages > 1 and name != "interleaved":

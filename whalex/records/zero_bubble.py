@@ -1,5 +1,5 @@
-"""Zero-bubble pipeline ticks (ZB-H1, after Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024)
-for a program that runs its ticks in lockstep.
+"""Zero-bubble pipeline ticks (ZB-H1 and ZB-H2, after Qi et al., "Zero Bubble Pipeline Parallelism", ICLR
+2024) for a program that runs its ticks in lockstep.
 
 The backward is split into B, the input gradient the previous stage waits for, and W, the weight
 gradient nothing waits for. Ticks alternate between forward ticks and B ticks as in "1f1b-balanced",
@@ -7,16 +7,16 @@ so no tick pairs a forward with a B (which costs more); a stage with no task of 
 one of its pending W's instead, which costs no more than either, so the W's fill what would be
 bubbles. Stage s holds at most 2(S-1-s)+1 stage inputs, as "1f1b-balanced", and at most `pending`
 W's, whose inputs wait in a stash: at the cap it runs a W before its next B. When no stage has a
-forward or a B ready, the tick runs W's only.
+forward or a B ready, the tick runs W's only. The cap trades memory for time: ZB-H1 defers at most S
+W's per stage, ZB-H2 2S, and more deferred W's fill more of the bubble.
 """
 from __future__ import annotations
 
 
-def zb_h1_ticks(num_stages: int, num_micro_batch: int, pending: int | None = None) -> list[list]:
+def zb_ticks(num_stages: int, num_micro_batch: int, pending: int) -> list[list]:
     """Rows of (kind, micro-batch) per stage, or None where a stage idles; kind "F", "B" or "W".
-    `pending`: the most W's a stage defers (default: the number of stages)."""
-    S, M = num_stages, num_micro_batch
-    cap = pending or S
+    `pending`: the most W's a stage defers."""
+    S, M, cap = num_stages, num_micro_batch, pending
     state = _Progress(S, M)
     ticks, kind = [], "F"
     while min(state.nw) < M:

@@ -22,7 +22,8 @@ from whalex.view.timing import predict
 
 KIND_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C")
 MEMORY_COLORS = {"params": "#4C72B0", "grads": "#DD8452", "opt state": "#55A868", "activations": "#C44E52"}
-FWD_COLOR, BWD_COLOR, IDLE_COLOR = "#4C72B0", "#DD8452", "#EEEEEE"
+FWD_COLOR, BWD_COLOR, WGT_COLOR, IDLE_COLOR = "#4C72B0", "#DD8452", "#55A868", "#EEEEEE"
+TASK_COLORS = {"F": FWD_COLOR, "B": BWD_COLOR, "W": WGT_COLOR}
 COMM_COLORS = {"all-reduce": "#4C72B0", "all-gather": "#55A868", "reduce-scatter": "#8172B3",
                "all-to-all": "#C44E52"}
 
@@ -187,8 +188,7 @@ def draw_schedule(ax, plan) -> None:
         for k, task in enumerate(row):
             if task is None:
                 continue
-            fwd = task.kind == "F"
-            ax.add_patch(Rectangle((t + 0.03, k + 0.06), 0.94, 0.88, facecolor=FWD_COLOR if fwd else BWD_COLOR,
+            ax.add_patch(Rectangle((t + 0.03, k + 0.06), 0.94, 0.88, facecolor=TASK_COLORS[task.kind],
                                    edgecolor="none", alpha=0.95))
             if T <= 80:
                 label = str(task.microbatch) + (f"c{task.chunk}" if s.virtual_stages > 1 else "")
@@ -201,8 +201,11 @@ def draw_schedule(ax, plan) -> None:
     ax.set_title(f"Pipeline schedule {s.name}: {S} stages x {s.num_micro_batch} micro-batches, {T} ticks, "
                  f"bubble {s.bubble_fraction:.1%} (numbers: micro-batch"
                  + (", c: chunk" if s.virtual_stages > 1 else "") + ")", fontsize=10)
-    ax.legend(handles=[Patch(color=FWD_COLOR, label="forward"), Patch(color=BWD_COLOR, label="backward"),
-                       Patch(color=idle, label="idle")], fontsize=8, loc="upper left",
+    kinds = [Patch(color=FWD_COLOR, label="forward"), Patch(color=BWD_COLOR, label="backward")]
+    if s.split_backward:
+        kinds = [kinds[0], Patch(color=BWD_COLOR, label="B (input gradient)"),
+                 Patch(color=WGT_COLOR, label="W (weight gradient)")]
+    ax.legend(handles=kinds + [Patch(color=idle, label="idle")], fontsize=8, loc="upper left",
               bbox_to_anchor=(1.0, 1.0), frameon=False)
     ax.set_label("schedule")
 

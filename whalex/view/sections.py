@@ -160,7 +160,9 @@ def pipeline(plan) -> Section | None:
     body = [Line(f"pipeline: {s.num_stages} stages x {reps} replica{'s' if reps > 1 else ''}, schedule "
                  f"{s.name}{chunks}, {s.num_micro_batch} micro-batches, {s.num_ticks} ticks, bubble "
                  f"{s.bubble_fraction:.1%}, lockstep utilisation {s.utilisation(*RECOMPUTE_COSTS):.1%}, "
-                 f"{s.stash[0]} stashed {held} per stage")]
+                 f"{s.stash[0]} stashed {held} per stage"
+                 + (f", backward split into B and W (a W's inputs held until it runs: up to {s.weight_stash[0]} per "
+                    "stage)" if s.split_backward else ""))]
     for k, layers in enumerate(plan.stage_layers):
         if layers:
             body.append(Line(f"stage {k}: {len(layers)} layer{'s' if len(layers) > 1 else ''} "

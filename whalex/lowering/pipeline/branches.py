@@ -89,6 +89,8 @@ def weight_fn(cap: Captured, cut: StageCut, s: int, split: WeightSplit, constrai
     cpaths = [c[0] for c in constraints]
 
     def fn(params_s, row, overrides):
+        if constraints:     # 3D: the row's values are whole on each model device, as the message
+            row = whole(row)
         prefixes = {p[:k] for p in list(overrides) + cpaths for k in range(1, len(p) + 1)}
 
         def apply(eqn, i, invals):
@@ -224,7 +226,8 @@ class Stage:
         zeros = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in split.taps]
         outs, vjp, saved = jax.vjp(lambda dl, added: f(p, dl, added), dl0, zeros, has_aux=True)
         dl, dtaps = vjp(self._cotangents(cot, ct, outs))
-        return message_back(dl), self.row_format.pack(list(saved) + list(dtaps))
+        row = list(saved) + list(dtaps)
+        return message_back(dl), self.row_format.pack(whole(row) if self.rows.three_d else row)
 
     def weight_gradient(self, overrides: Callable, gacc, params, row, inputs):
         """W of a split backward: `gacc` plus the weight gradient from a W stash row."""
@@ -273,7 +276,6 @@ class Branches(NamedTuple):
     zero_message: Any       # the message a branch that sends none returns
     zero_outputs: Any       # the part outputs a branch that computes none returns
     weight: list = []       # with a split backward: chunk c's W
-    zero_row: Any = None    # with a split backward: the W stash row a branch that makes none returns
 
 
 def branches(stages, overrides: Callable, cot) -> Branches:
@@ -288,4 +290,4 @@ def branches(stages, overrides: Callable, cot) -> Branches:
         return Branches(fwds, bwds, first.message.zeros(), zero_outputs)
     bwds = [functools.partial(st.backward_input, overrides, cot) for st in stages]
     wgts = [functools.partial(st.weight_gradient, overrides) for st in stages]
-    return Branches(fwds, bwds, first.message.zeros(), zero_outputs, wgts, first.row_format.zeros())
+    return Branches(fwds, bwds, first.message.zeros(), zero_outputs, wgts)

@@ -8,8 +8,9 @@ recomputes its chunk's forward from the stashed input. After the work, activatio
 stage and gradients to the previous one by `ppermute`, around a ring with interleaved chunks (the
 last stage sends to the first); with 2 stages one swap carries both, as a device sends one message
 per tick. No collective runs inside a branch. With a split backward (zero bubble) a B also writes what
-its W needs into a row of the W stash, and a W (kind 3) reads it and adds the weight gradient. The steps of a tick, in order: `iteration_inputs`,
-`run_one_tick`, `accumulate_outputs`, `pass_messages`; `tick` composes them and `run` scans it.
+its W needs into a row of the W stash, and a W (kind 3) reads it and adds the weight gradient. The
+steps of a tick, in order: `iteration_inputs`, `run_one_tick`, `accumulate_outputs`,
+`pass_messages`; `tick` composes them and `run` scans it.
 """
 from __future__ import annotations
 
@@ -104,31 +105,32 @@ class TickLoop:
 
     def run_one_tick(self, state: LoopState, task, inputs, device: Device, work: Branches):
         """The chunk's forward, backward or nothing: (message on, message back, gradient accumulator,
-        part outputs, per-example outputs, W stash row). A backward adds into its chunk's own segments
-        of the accumulator, which the other branches pass through; with a split backward, B makes a W
-        stash row and W adds the weight gradient."""
+        part outputs, per-example outputs, W stash). A backward adds into its chunk's own segments of
+        the accumulator, which the other branches pass through; with a split backward, B writes its
+        row of the W stash and W reads it and adds the weight gradient (the stash, like the
+        accumulator, is written in place or passed through)."""
         kind, c, slot, gslot, wslot = task
         params, split = device.params, self.weight_slots > 0
-        no_row = work.zero_row if split else state.weight_stash
 
-        def backward(gacc, x, ct, row):
+        def backward(gacc, x, ct, wstash):
             if split:
                 dx, row = tree_switch(c, work.backward, params, x, ct, inputs)
+                wstash = jax.lax.dynamic_update_index_in_dim(wstash, row, wslot, 0)
             else:
                 dx, gacc = tree_switch(c, work.backward, gacc, params, x, ct, inputs)
-            return work.zero_message, dx, gacc, work.zero_outputs, self.outputs.no_rows(), row
+            return work.zero_message, dx, gacc, work.zero_outputs, self.outputs.no_rows(), wstash
 
-        def weight(gacc, x, ct, row):
-            gacc = tree_switch(c, work.weight, gacc, params, row, inputs)
-            return work.zero_message, work.zero_message, gacc, work.zero_outputs, self.outputs.no_rows(), no_row
+        def weight(gacc, x, ct, wstash):
+            gacc = tree_switch(c, work.weight, gacc, params, wstash[wslot], inputs)
+            return work.zero_message, work.zero_message, gacc, work.zero_outputs, self.outputs.no_rows(), wstash
 
-        def forward(gacc, x, ct, row):         # or idle
+        def forward(gacc, x, ct, wstash):         # or idle
             y, outs, routs = tree_switch(jnp.where(kind == 1, 1 + c, 0), work.forward, params, x, inputs)
-            return y, work.zero_message, gacc, outs, routs, no_row
+            return y, work.zero_message, gacc, outs, routs, wstash
 
         rest = (lambda *ops: jax.lax.cond(kind == 3, weight, forward, *ops)) if split else forward
-        row = state.weight_stash[wslot] if split else state.weight_stash
-        return jax.lax.cond(kind == 2, backward, rest, state.grads, state.stash[slot], state.grad_stash[gslot], row)
+        return jax.lax.cond(kind == 2, backward, rest, state.grads, state.stash[slot], state.grad_stash[gslot],
+                            state.weight_stash)
 
     def accumulate_outputs(self, state: LoopState, task, m, outs, routs, device: Device):
         """The part outputs of the last chunk's forward of micro-batch m combined into the accumulators:
@@ -158,18 +160,10 @@ class TickLoop:
     def tick(self, device: Device, work: Branches, state: LoopState, row: dict):
         """One tick: the scan's body."""
         state, task, m, inputs = self.iteration_inputs(state, row, device)
-        y, dx, grads, outs, routs, wrow = self.run_one_tick(state, task, inputs, device, work)
+        y, dx, grads, outs, routs, wstash = self.run_one_tick(state, task, inputs, device, work)
         oacc, racc = self.accumulate_outputs(state, task, m, outs, routs, device)
         fout, bout = self.pass_messages(y, dx, device.stage, task[0])
-        return LoopState(state.stash, state.grad_stash, grads, oacc, racc, fout, bout,
-                         self.keep_row(state.weight_stash, task, wrow)), None
-
-    def keep_row(self, weight_stash, task, wrow):
-        """The W stash with what this tick's B made in its slot (unchanged without a split backward)."""
-        if not self.weight_slots:
-            return weight_stash
-        kind, wslot = task[0], task[4]
-        return weight_stash.at[wslot].set(jnp.where(kind == 2, wrow, weight_stash[wslot]))
+        return LoopState(state.stash, state.grad_stash, grads, oacc, racc, fout, bout, wstash), None
 
     def run(self, device: Device, work: Branches, zero_grads: Callable) -> LoopState:
         """Every tick of the schedule on this device: the final state."""
