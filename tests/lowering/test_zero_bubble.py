@@ -13,7 +13,7 @@ import planner.test_auto_parallel as lm_model
 import whalex as wh
 from conftest import adam, assert_matches
 from lowering.test_interleaved import _masked_tied_loss, memory_problem
-from lowering.test_pipeline_3d import SplitMlp
+from lowering.test_pipeline_3d import SplitMlp, check_checkpoint
 from lowering.test_pipeline_optim import lm_batch, lm_params
 from whalex.lowering.pipeline.weights import weight_split
 from whalex.records.schedules import BWD, FWD, WGT, Schedule, Task, lockstep_time, make_schedule
@@ -129,14 +129,29 @@ def test_zero_bubble_masked_mean_with_tied_embeddings():
 
 
 @pytest.mark.parametrize("opt, remat", [("adam", None), ("sgd", "full")])
-def test_zero_bubble_3d(monkeypatch, opt, remat):
-    """data 2 x stage 2 x model 2, Adam; SGD with each layer checkpointed inside the stages."""
+def test_zero_bubble_3d(monkeypatch, opt, remat, tmp_path):
+    """data 2 x stage 2 x model 2, Adam (its checkpoint restored under data parallelism); SGD with each
+    layer checkpointed inside the stages."""
     monkeypatch.setattr(lm_model, "Mlp", SplitMlp)
     loss_fn, params, batch = lm_model.lm()
-    step, _ = assert_matches(loss_fn, params, batch, steps=2, optimizer=adam() if opt == "adam" else optax.sgd(0.5),
-                             config=_zb(2, 2, remat=remat), param_tol=1e-4)
+    step, state = assert_matches(loss_fn, params, batch, steps=2, param_tol=1e-4,
+                                 optimizer=adam() if opt == "adam" else optax.sgd(0.5), config=_zb(2, 2, remat=remat))
     assert step.plan.layout.axis_names == ("data", "stage", "model") and step.plan.layout.axis_sizes == (2, 2, 2)
     assert bool(step.plan.program.layer_cuts) == (remat == "full")
+    if opt == "adam":
+        check_checkpoint(step, state, loss_fn, params, batch, tmp_path)
+
+
+def test_zero_bubble_stage_cut_follows_device_speed():
+    """On V100s and T4s (planned, not run) the stages are cut for zb-h1's lockstep time: the V100 stage
+    carries more of the model than the T4 stage."""
+    loss_fn, params, batch = lm_model.lm(4)
+    cluster = wh.Cluster.abstract(kinds=["V100-32GB"] * 4 + ["T4-16GB"] * 4)
+    plan = wh.plan(loss_fn, params, batch, optax.sgd(0.1), config=_zb(2, 4), cluster=cluster)
+    fast, slow = (t.flops for t in plan.task_graphs)
+    assert {plan.cluster.specs[d].name for d in plan.task_graphs[0].devices} == {"V100-32GB"}
+    assert fast > 1.5 * slow, (fast, slow)
+    assert plan.schedule.split_backward and "backward split into B and W" in plan.summary()
 
 
 def test_zero_bubble_memory_is_near_1f1bs():

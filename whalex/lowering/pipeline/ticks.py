@@ -37,7 +37,7 @@ class LoopState(NamedTuple):
     rows: list         # per-example part outputs, [per_replica, ...] each (the last stage's)
     fwd_in: Any        # [width]: the message that arrived from the previous stage
     bwd_in: Any        # [width]: the gradient that arrived from the next stage
-    weight_stash: Any  # [weight_slots, row width]: what a split backward's B left for its W ([0] without)
+    weight_stash: tuple  # weight_slots rows: what a split backward's B left for its W (none without)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +83,7 @@ class TickLoop:
     def init_state(self, device: Device, zero_grads: Callable) -> LoopState:
         """Empty stashes, accumulators and messages."""
         msg = self.message
-        wstash = self.row_format.zeros(self.weight_slots) if self.weight_slots else jnp.zeros((0,), jnp.float32)
+        wstash = tuple(self.row_format.zeros() for _ in range(self.weight_slots))
         return LoopState(msg.zeros(self.slots), msg.zeros(self.grad_slots),
                          zero_grads(), self.outputs.init(),
                          [jnp.zeros((device.per_replica,) + a.shape[1:], a.dtype) for a in self.outputs.row_avals],
@@ -107,28 +107,47 @@ class TickLoop:
         """The chunk's forward, backward or nothing: (message on, message back, gradient accumulator,
         part outputs, per-example outputs, W stash). A backward adds into its chunk's own segments of
         the accumulator, which the other branches pass through; with a split backward, B writes its
-        row of the W stash and W reads it and adds the weight gradient (the stash, like the
-        accumulator, is written in place or passed through)."""
-        kind, c, slot, gslot, wslot = task
-        params, split = device.params, self.weight_slots > 0
+        row of the W stash and W reads it and adds the weight gradient (`split_tick`)."""
+        if self.weight_slots:
+            return self.split_tick(state, task, inputs, device, work)
+        kind, c, slot, gslot, _ = task
+        params = device.params
 
-        def backward(gacc, x, ct, wstash):
-            if split:
-                dx, row = tree_switch(c, work.backward, params, x, ct, inputs)
-                wstash = jax.lax.dynamic_update_index_in_dim(wstash, row, wslot, 0)
-            else:
-                dx, gacc = tree_switch(c, work.backward, gacc, params, x, ct, inputs)
-            return work.zero_message, dx, gacc, work.zero_outputs, self.outputs.no_rows(), wstash
+        def backward(gacc, x, ct):
+            dx, gacc = tree_switch(c, work.backward, gacc, params, x, ct, inputs)
+            return work.zero_message, dx, gacc, work.zero_outputs, self.outputs.no_rows()
 
-        def weight(gacc, x, ct, wstash):
-            gacc = tree_switch(c, work.weight, gacc, params, wstash[wslot], inputs)
-            return work.zero_message, work.zero_message, gacc, work.zero_outputs, self.outputs.no_rows(), wstash
-
-        def forward(gacc, x, ct, wstash):         # or idle
+        def forward(gacc, x, ct):         # or idle
             y, outs, routs = tree_switch(jnp.where(kind == 1, 1 + c, 0), work.forward, params, x, inputs)
-            return y, work.zero_message, gacc, outs, routs, wstash
+            return y, work.zero_message, gacc, outs, routs
 
-        rest = (lambda *ops: jax.lax.cond(kind == 3, weight, forward, *ops)) if split else forward
+        out = jax.lax.cond(kind == 2, backward, forward, state.grads, state.stash[slot], state.grad_stash[gslot])
+        return (*out, state.weight_stash)
+
+    def split_tick(self, state: LoopState, task, inputs, device: Device, work: Branches):
+        """`run_one_tick` with a split backward: W (adding into the accumulator) or B (writing its row of
+        the W stash) or the forward or nothing. The W stash is a tuple of rows, and a B replaces one of
+        them whole (a switch on its slot) while every other branch passes them through, so XLA updates
+        the stash in place, as the accumulator's segments (`packing.add_segments`)."""
+        kind, c, slot, gslot, wslot = task
+        params = device.params
+        keep = [lambda rows, row, k=k: rows[:k] + (row,) + rows[k + 1:] for k in range(self.weight_slots)]
+        read = [lambda rows, k=k: rows[k] for k in range(self.weight_slots)]
+
+        def backward(gacc, x, ct, rows):
+            dx, row = tree_switch(c, work.backward, params, x, ct, inputs)
+            rows = tree_switch(wslot, keep, rows, row)
+            return work.zero_message, dx, gacc, work.zero_outputs, self.outputs.no_rows(), rows
+
+        def weight(gacc, x, ct, rows):
+            gacc = tree_switch(c, work.weight, gacc, params, tree_switch(wslot, read, rows), inputs)
+            return work.zero_message, work.zero_message, gacc, work.zero_outputs, self.outputs.no_rows(), rows
+
+        def forward(gacc, x, ct, rows):         # or idle
+            y, outs, routs = tree_switch(jnp.where(kind == 1, 1 + c, 0), work.forward, params, x, inputs)
+            return y, work.zero_message, gacc, outs, routs, rows
+
+        rest = lambda *ops: jax.lax.cond(kind == 3, weight, forward, *ops)     # noqa: E731
         return jax.lax.cond(kind == 2, backward, rest, state.grads, state.stash[slot], state.grad_stash[gslot],
                             state.weight_stash)
 
