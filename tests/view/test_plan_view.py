@@ -168,3 +168,24 @@ def test_render_page_and_chromium_screenshot(views, tmp_path):
     png = tmp_path / "hybrid.png"
     render_plans.screenshot(chromium, html_path, png, "1200,1600", dark=False)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+
+def test_zero_bubble_picture_shows_b_and_w():
+    """A split backward's picture: B and W in their own colours and named in the legend; the text picture
+    names them W3 beside B3."""
+    import types
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from whalex.view.plot import BWD_COLOR, WGT_COLOR, draw_schedule
+    sched = make_schedule("zb-h1", 4, 8)
+    fig, ax = plt.subplots()
+    draw_schedule(ax, types.SimpleNamespace(schedule=sched))
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["forward", "B (input gradient)", "W (weight gradient)", "idle"]
+    colours = [matplotlib.colors.to_hex(p.get_facecolor()) for p in ax.patches[1:]]
+    assert colours.count(WGT_COLOR.lower()) == colours.count(BWD_COLOR.lower()) == 4 * 8
+    plt.close(fig)
+    assert "W7" in render(sched) and "B7" in render(sched)

@@ -73,6 +73,7 @@ class StageBuffers:
     whole_batch_bytes: int                        # the replica's whole batch, for comparison
     stage_batch_bytes: tuple[int, ...]            # per stage: the batch bytes it reads
     stage_batch_leaves: tuple[tuple[int, ...], ...]   # per stage: the batch leaves it holds
+    weight_row_bytes: int = 0                     # a split backward's W stash row (0: not split)
 
 
 @runtime_checkable

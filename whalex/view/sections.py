@@ -150,6 +150,13 @@ def speeds(plan) -> Section | None:
     return Section("speeds", "Calibrated speeds", tuple(_lines(lines))) if lines else None
 
 
+def _split_backward(plan) -> str:
+    buffers = plan.report.stage_buffers()
+    row = f" of {fmt_bytes(buffers.weight_row_bytes)}" if buffers and buffers.weight_row_bytes else ""
+    return (f", backward split into B and W (a W's inputs held until it runs: up to {plan.schedule.weight_stash[0]} "
+            f"rows{row} per stage)")
+
+
 def pipeline(plan) -> Section | None:
     s = plan.schedule
     if s is None:
@@ -161,8 +168,7 @@ def pipeline(plan) -> Section | None:
                  f"{s.name}{chunks}, {s.num_micro_batch} micro-batches, {s.num_ticks} ticks, bubble "
                  f"{s.bubble_fraction:.1%}, lockstep utilisation {s.utilisation(*RECOMPUTE_COSTS):.1%}, "
                  f"{s.stash[0]} stashed {held} per stage"
-                 + (f", backward split into B and W (a W's inputs held until it runs: up to {s.weight_stash[0]} per "
-                    "stage)" if s.split_backward else ""))]
+                 + (_split_backward(plan) if s.split_backward else ""))]
     for k, layers in enumerate(plan.stage_layers):
         if layers:
             body.append(Line(f"stage {k}: {len(layers)} layer{'s' if len(layers) > 1 else ''} "

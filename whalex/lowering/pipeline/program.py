@@ -244,7 +244,8 @@ class PipelineProgram(Emitter):
         layout, dp, S = self.batch_layout, self.data_parallel, self.schedule.num_stages
         return StageBuffers(self.param_width, self.message_width, self.message.nbytes, layout.device_bytes(dp),
                             layout.whole_bytes(dp), tuple(layout.stage_bytes(s, dp) for s in range(S)),
-                            tuple(tuple(sl.leaf for sl in layout.stages[s]) for s in range(S)))
+                            tuple(tuple(sl.leaf for sl in layout.stages[s]) for s in range(S)),
+                            self.row_format.nbytes if self.row_format else 0)
 
     def collectives(self) -> tuple[Comm, ...]:
         """Per stage, the collectives this step runs: stage rows gathered and scattered, the gradient
