@@ -107,6 +107,7 @@ CASES = {
     "hybrid": ({"head_split": 8}, {}),
     "pipeline_1f1b": ({}, {"auto_parallel": True, "num_task_graph": 2, "num_micro_batch": 4, "schedule": "1f1b"}),
     "pipeline_gpipe": ({}, {"auto_parallel": True, "num_task_graph": 2, "num_micro_batch": 4, "schedule": "gpipe"}),
+    "pipeline_zb": ({}, {"auto_parallel": True, "num_task_graph": 2, "num_micro_batch": 4, "schedule": "zb-h1"}),
     "3d": ({"mlp_split": 2}, {"auto_parallel": True, "num_task_graph": 2, "num_micro_batch": 2}),
     "3d_remat": ({"mlp_split": 2}, {"auto_parallel": True, "num_task_graph": 2, "num_micro_batch": 2, "remat": "full",
                                     "amp": "bf16"}),
