@@ -192,12 +192,19 @@ def test_interleaved_refusals():
         wh.plan(loss_fn, params, batch, optax.sgd(0.1), config=_interleaved(4, 8, virtual=4))
 
 
-def test_interleaved_chunk_cut_follows_device_speed():
-    """On V100s and T4s (planned, not run) each chunk takes its stage's speed: the V100 stage's chunks carry
-    more of the model than the T4 stage's."""
+def plan_on_v100s_and_t4s(config):
+    """A 2-stage plan of the 4-block LM on 4 V100s and 4 T4s (planned, not run), checked to give the V100
+    stage more than 1.5x the T4 stage's FLOPs."""
     loss_fn, params, batch = lm_model.lm(4)
     cluster = wh.Cluster.abstract(kinds=["V100-32GB"] * 4 + ["T4-16GB"] * 4)
-    plan = wh.plan(loss_fn, params, batch, optax.sgd(0.1), config=_interleaved(2, 4), cluster=cluster)
+    plan = wh.plan(loss_fn, params, batch, optax.sgd(0.1), config=config, cluster=cluster)
     fast, slow = (t.flops for t in plan.task_graphs)
     assert {plan.cluster.specs[d].name for d in plan.task_graphs[0].devices} == {"V100-32GB"}
     assert fast > 1.5 * slow, (fast, slow)
+    return plan
+
+
+def test_interleaved_chunk_cut_follows_device_speed():
+    """Each chunk takes its stage's speed: the V100 stage's chunks carry more of the model than the T4
+    stage's."""
+    plan_on_v100s_and_t4s(_interleaved(2, 4))

@@ -12,7 +12,7 @@ import pytest
 import planner.test_auto_parallel as lm_model
 import whalex as wh
 from conftest import adam, assert_matches
-from lowering.test_interleaved import _masked_tied_loss, memory_problem
+from lowering.test_interleaved import _masked_tied_loss, memory_problem, plan_on_v100s_and_t4s
 from lowering.test_pipeline_3d import SplitMlp, check_checkpoint
 from lowering.test_pipeline_optim import lm_batch, lm_params
 from whalex.lowering.pipeline.weights import weight_split
@@ -146,14 +146,9 @@ def test_zero_bubble_3d(monkeypatch, opt, remat, tmp_path):
 
 
 def test_zero_bubble_stage_cut_follows_device_speed():
-    """On V100s and T4s (planned, not run) the stages are cut for zb-h1's lockstep time: the V100 stage
-    carries more of the model than the T4 stage."""
-    loss_fn, params, batch = lm_model.lm(4)
-    cluster = wh.Cluster.abstract(kinds=["V100-32GB"] * 4 + ["T4-16GB"] * 4)
-    plan = wh.plan(loss_fn, params, batch, optax.sgd(0.1), config=_zb(2, 4), cluster=cluster)
-    fast, slow = (t.flops for t in plan.task_graphs)
-    assert {plan.cluster.specs[d].name for d in plan.task_graphs[0].devices} == {"V100-32GB"}
-    assert fast > 1.5 * slow, (fast, slow)
+    """The stages are cut for zb-h1's lockstep time: the V100 stage carries more of the model than the T4
+    stage."""
+    plan = plan_on_v100s_and_t4s(_zb(2, 4))
     assert plan.schedule.split_backward and "backward split into B and W" in plan.summary()
 
 
