@@ -79,7 +79,8 @@ def stage_fn(cap: Captured, cut: StageCut, s: int, constraints=None, layer_cuts:
 
 
 def weight_fn(cap: Captured, cut: StageCut, s: int, split: WeightSplit, constraints=None):
-    """W of chunk s: (params_s leaves, the W stash row's values, overrides) -> the parameters' gradient."""
+    """W of chunk s: (params_s leaves, the W stash row's values, overrides, (batch leaves, extra leaves))
+    -> the parameters' gradient."""
     jaxpr = cap.jaxpr.jaxpr
     consts = dict(zip(jaxpr.constvars, cap.jaxpr.consts))
     param_vars = [jaxpr.invars[p] for p in cut.params[s]]
@@ -87,16 +88,18 @@ def weight_fn(cap: Captured, cut: StageCut, s: int, split: WeightSplit, constrai
     eqns = [jaxpr.eqns[i] for i in indices]
     constraints = dict(constraints or {})
     cpaths = [c[0] for c in constraints]
+    where = {v: k for k, v in enumerate(jaxpr.invars[cap.num_params:])}
 
-    def fn(params_s, row, overrides):
+    def fn(params_s, row, overrides, inputs):
+        reread = [inputs[where[v]] for v in split.reread]
         if constraints:     # 3D: the row's values are whole on each model device, as the message
-            row = whole(row)
+            row, reread = whole(row), whole(reread)
         prefixes = {p[:k] for p in list(overrides) + cpaths for k in range(1, len(p) + 1)}
 
         def apply(eqn, i, invals):
             return apply_eqn(eqn, (i,), invals, overrides, prefixes, constraints)
 
-        return weight_grads(split, eqns, indices, apply, param_vars, consts, params_s, row)
+        return weight_grads(split, eqns, indices, apply, param_vars, consts, params_s, row, reread)
 
     return fn
 
@@ -232,7 +235,7 @@ class Stage:
     def weight_gradient(self, overrides: Callable, gacc, params, row, inputs):
         """W of a split backward: `gacc` plus the weight gradient from a W stash row."""
         p = self.rows.unpack_chunk(self.device, self.slot, params)
-        dp = self.weight(p, unpack(row, self.row), overrides(inputs[2]))
+        dp = self.weight(p, unpack(row, self.row), overrides(inputs[2]), self.stage_inputs(inputs))
         return self.rows.add_chunk_grads(self.device, self.slot, gacc, dp)
 
 
@@ -245,7 +248,7 @@ def chunk_split(cap: Captured, cut: StageCut, c: int) -> WeightSplit:
     """What a split backward's W needs of chunk c (`weights.weight_split`)."""
     jaxpr = cap.jaxpr.jaxpr
     return weight_split([jaxpr.eqns[i] for i in cut.eqns[c]], [jaxpr.invars[p] for p in cut.params[c]],
-                        jaxpr.constvars, cut.live_out(c, jaxpr.outvars))
+                        jaxpr.constvars, cut.live_out(c, jaxpr.outvars), jaxpr.invars[cap.num_params:])
 
 
 def make_stages(cap: Captured, cut: StageCut, constraints: Any, rows: ParamRows, outputs: PartOutputs,

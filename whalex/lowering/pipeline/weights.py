@@ -10,10 +10,11 @@ differentiated) and saves both in a row of the W stash. W recomputes the paramet
 parameters, evaluates each weight equation on its saved activations, and pulls the cotangents back to
 the parameters: the weight gradient, without the chain of input gradients B already ran.
 
-Two facts keep the row small. An add, subtract or concatenate is linear in its parameter operand,
+Three facts keep the row small. An add, subtract or concatenate is linear in its parameter operand,
 so its activation operand is not saved (W evaluates it on zeros). A weight equation whose output is
 read only by a same-shape add (a matmul before its bias) takes the add's cotangent, which equals its
-own, so one tap serves both.
+own, so one tap serves both. A batch or extra leaf the step holds anyway (the first layer's input) is
+read again by W, not saved.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ class WeightSplit:
     taps: tuple[Any, ...]                # vars whose cotangent B saves
     tap_of: dict                         # floating output of a weight equation -> its tap
     saved: tuple[Any, ...]               # activations B saves
+    reread: tuple[Any, ...] = ()         # the step's inputs (batch, extra leaves) W reads again
 
     @property
     def row_vars(self) -> tuple:
@@ -51,9 +53,11 @@ class WeightSplit:
         return self.saved + self.taps
 
 
-def weight_split(eqns: Sequence, param_vars: Sequence, const_vars: Sequence, live_out: Sequence) -> WeightSplit:
+def weight_split(eqns: Sequence, param_vars: Sequence, const_vars: Sequence, live_out: Sequence,
+                 input_vars: Sequence = ()) -> WeightSplit:
     """The split of a chunk whose equations are `eqns` (in order), reading `param_vars`; `live_out`: the
-    values the chunk hands on (their cotangents arrive from outside, so they are never aliased)."""
+    values the chunk hands on (their cotangents arrive from outside, so they are never aliased);
+    `input_vars`: the step's inputs after the parameters (batch and extra leaves), which W reads again."""
     params, consts = set(param_vars), set(const_vars)
     kind: dict = {}                      # var -> "const" | "param"; absent: an activation
 
@@ -70,7 +74,10 @@ def weight_split(eqns: Sequence, param_vars: Sequence, const_vars: Sequence, liv
             fixed.append(k)
         elif any(x == "param" and _floating(v) for x, v in zip(kinds, e.invars)):
             weight.append(k)
-    return _taps_and_saved(eqns, weight, _needed(eqns, weight, fixed, of), of, live_out)
+    split = _taps_and_saved(eqns, weight, _needed(eqns, weight, fixed, of), of, live_out)
+    inputs = set(input_vars)
+    return dataclasses.replace(split, saved=tuple(v for v in split.saved if v not in inputs),
+                               reread=tuple(v for v in split.saved if v in inputs))
 
 
 def _needed(eqns, weight, fixed, of) -> list[int]:
@@ -108,11 +115,13 @@ def _taps_and_saved(eqns, weight, param_eqns, of, live_out) -> WeightSplit:
 
 
 def weight_grads(split: WeightSplit, eqns: Sequence, indices: Sequence[int], apply, param_vars: Sequence,
-                 consts: dict, params: Sequence, row: Sequence) -> list:
+                 consts: dict, params: Sequence, row: Sequence, reread: Sequence = ()) -> list:
     """W: the gradient of the chunk's parameters from a W stash row (`row`: the values of
-    `split.row_vars`). `apply(eqn, index, invals)` evaluates one equation of the chunk (with the plan's
-    overrides and constraints); `indices[k]`: the jaxpr index of `eqns[k]`."""
+    `split.row_vars`) and the values of `split.reread`. `apply(eqn, index, invals)` evaluates one
+    equation of the chunk (with the plan's overrides and constraints); `indices[k]`: the jaxpr index of
+    `eqns[k]`."""
     saved = dict(zip(split.saved, row[:len(split.saved)]))
+    saved.update(zip(split.reread, reread))
     ct_of_tap = dict(zip(split.taps, row[len(split.saved):]))
     outs = list(split.tap_of)
 
