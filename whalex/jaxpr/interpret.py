@@ -16,6 +16,11 @@ from jax.sharding import NamedSharding
 from whalex import _compat as C
 
 
+def call_prefixes(paths) -> set:
+    """Every prefix of the equation paths `paths`: the calls an evaluator enters to reach them."""
+    return {p[:k] for p in paths for k in range(1, len(p) + 1)}
+
+
 def make_evaluator(closed: C.ClosedJaxpr, constraints: dict, mesh,
                    overrides: dict | None = None) -> Callable[..., list]:
     """A function of the jaxpr's inputs that applies `constraints[(path, "in"|"out", pos)]`.
@@ -25,7 +30,7 @@ def make_evaluator(closed: C.ClosedJaxpr, constraints: dict, mesh,
     overrides = overrides or {}
     shardings = {key: NamedSharding(mesh, spec) for key, spec in constraints.items()}
     paths = {key[0] for key in shardings}
-    prefixes = {p[:k] for p in paths | set(overrides) for k in range(1, len(p) + 1)}
+    prefixes = call_prefixes(paths | set(overrides))
 
     def evaluate(jaxpr, consts, args: Sequence[Any], frame: tuple) -> list:
         env: dict = {}
@@ -159,7 +164,7 @@ def apply_eqn(eqn, path: tuple, invals: Sequence[Any], overrides: dict, prefixes
     `with_sharding_constraint`, as `make_evaluator` applies them (a pipeline stage's split layers)."""
     constraints = constraints or {}
     if prefixes is None:
-        prefixes = {p[:k] for p in list(overrides) + [c[0] for c in constraints] for k in range(1, len(p) + 1)}
+        prefixes = call_prefixes(list(overrides) + [c[0] for c in constraints])
     if constraints:
         invals = [_constrain(x, constraints.get((path, "in", pos))) for pos, x in enumerate(invals)]
     if path in overrides:

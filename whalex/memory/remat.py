@@ -32,6 +32,7 @@ from whalex import _compat as C
 from whalex.errors import PlanError
 from whalex.jaxpr.blocks import block_evaluator
 from whalex.jaxpr.flops import training_flops
+from whalex.jaxpr.interpret import call_prefixes
 from whalex.jaxpr.primitive_table import REDUCTIONS
 from whalex.jaxpr.segments import Segment, run_segments, segment_function, segments
 from whalex.memory import offload as offload_lib, plan_memory, vjp_residual_bytes as residual_bytes
@@ -53,7 +54,7 @@ def comm_overrides(cap, constraints: dict, mesh, split_taskgraphs: set, override
     constrained: dict = {}
     for (path, kind, pos), spec in constraints.items():
         constrained.setdefault(path, []).append((kind, pos, NamedSharding(mesh, spec)))
-    descended = {p[:k] for p in constrained for k in range(1, len(p) + 1)}   # calls the evaluator enters
+    descended = call_prefixes(constrained)   # calls the evaluator enters
     out = dict(overrides)
     for path, eqn, _ in cap.walk():
         if len(path) > 1 and path[:-1] not in descended:

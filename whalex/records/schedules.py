@@ -401,16 +401,13 @@ def make_schedule(name: str, num_stages: int, num_micro_batch: int, virtual_stag
         raise ConfigError("a pipeline needs at least one stage and one micro-batch.")
     if not isinstance(virtual_stages, int) or virtual_stages < 1:
         raise ConfigError(f"virtual_stages must be a positive integer, got {virtual_stages!r}.")
-    if name.startswith("zb-"):
-        if virtual_stages > 1:
-            raise ConfigError(f"virtual_stages={virtual_stages} needs schedule='interleaved' (schedule {name!r} runs "
-                              "one chunk per stage).")
-        rows = zb_ticks(num_stages, num_micro_batch, num_stages * (2 if name == "zb-h2" else 1))
-        return Schedule(name, num_stages, num_micro_batch,
-                        tuple(tuple(c and Task(s, c[1], c[0]) for s, c in enumerate(row)) for row in rows))
     if virtual_stages > 1 and name != "interleaved":
         raise ConfigError(f"virtual_stages={virtual_stages} needs schedule='interleaved' (schedule {name!r} runs "
                           "one chunk per stage).")
+    if name.startswith("zb-"):
+        rows = zb_ticks(num_stages, num_micro_batch, num_stages * (2 if name == "zb-h2" else 1))
+        return Schedule(name, num_stages, num_micro_batch,
+                        tuple(tuple(c and Task(s, c[1], c[0]) for s, c in enumerate(row)) for row in rows))
     S, M, V = num_stages, num_micro_batch, virtual_stages
     if name == "1f1b-balanced" or name == "interleaved" and V > 1:
         return Schedule(name, S, M, _alternating_ticks(S, M, V), V)

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from whalex import _compat as C
 from whalex.jaxpr.capture import Captured
-from whalex.jaxpr.interpret import apply_eqn
+from whalex.jaxpr.interpret import apply_eqn, call_prefixes
 from whalex.lowering.pipeline.cut import StageCut
 from whalex.lowering.pipeline.outputs import PartOutputs
 from whalex.lowering.pipeline.packing import Message, Slot, layout, pack_values, unpack
@@ -57,7 +57,7 @@ def stage_fn(cap: Captured, cut: StageCut, s: int, constraints=None, layer_cuts:
         env.update(zip(param_vars, params_s))
         env.update((v, x) for v, x in zip(input_vars, inputs) if x is not None)
         env.update(zip(live_in, live))
-        prefixes = {p[:k] for p in list(overrides) + cpaths for k in range(1, len(p) + 1)}
+        prefixes = call_prefixes(list(overrides) + cpaths)
 
         def run(eqns, reads, writes, tapped, values, added):
             local = dict(zip(reads, values))
@@ -94,7 +94,7 @@ def weight_fn(cap: Captured, cut: StageCut, s: int, split: WeightSplit, constrai
         reread = [inputs[where[v]] for v in split.reread]
         if constraints:     # 3D: the row's values are whole on each model device, as the message
             row, reread = whole(row), whole(reread)
-        prefixes = {p[:k] for p in list(overrides) + cpaths for k in range(1, len(p) + 1)}
+        prefixes = call_prefixes(list(overrides) + cpaths)
 
         def apply(eqn, i, invals):
             return apply_eqn(eqn, (i,), invals, overrides, prefixes, constraints)
@@ -189,7 +189,6 @@ class Stage:
         live = unpack(x, self.in_slots)
         diff = [k for k, sl in enumerate(self.in_slots) if jnp.issubdtype(sl.dtype, jnp.floating)]
         ovr, ins, values = overrides(inputs[2]), self.stage_inputs(inputs), self.outputs.values
-        n = len(self.out_slots) if not self.last else None
 
         def f(p, dl, added=()):
             full = list(live)
@@ -197,7 +196,7 @@ class Stage:
                 full[k] = v
             outs = self.fn(p, full, ins, ovr, dict(zip(taps or (), added)))
             main = outs[:len(outs) - len(self.split.saved)] if taps is not None else outs
-            return ([main[k] for k in values] if self.last else main[:n]), outs[len(main):]
+            return ([main[k] for k in values] if self.last else main), outs[len(main):]
 
         def message_back(dl):
             full = [jnp.zeros(sl.shape, jnp.float32) for sl in self.in_slots]

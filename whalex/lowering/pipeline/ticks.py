@@ -106,37 +106,21 @@ class TickLoop:
     def run_one_tick(self, state: LoopState, task, inputs, device: Device, work: Branches):
         """The chunk's forward, backward or nothing: (message on, message back, gradient accumulator,
         part outputs, per-example outputs, W stash). A backward adds into its chunk's own segments of
-        the accumulator, which the other branches pass through; with a split backward, B writes its
-        row of the W stash and W reads it and adds the weight gradient (`split_tick`)."""
-        if self.weight_slots:
-            return self.split_tick(state, task, inputs, device, work)
-        kind, c, slot, gslot, _ = task
-        params = device.params
-
-        def backward(gacc, x, ct):
-            dx, gacc = tree_switch(c, work.backward, gacc, params, x, ct, inputs)
-            return work.zero_message, dx, gacc, work.zero_outputs, self.outputs.no_rows()
-
-        def forward(gacc, x, ct):         # or idle
-            y, outs, routs = tree_switch(jnp.where(kind == 1, 1 + c, 0), work.forward, params, x, inputs)
-            return y, work.zero_message, gacc, outs, routs
-
-        out = jax.lax.cond(kind == 2, backward, forward, state.grads, state.stash[slot], state.grad_stash[gslot])
-        return (*out, state.weight_stash)
-
-    def split_tick(self, state: LoopState, task, inputs, device: Device, work: Branches):
-        """`run_one_tick` with a split backward: W (adding into the accumulator) or B (writing its row of
-        the W stash) or the forward or nothing. The W stash is a tuple of rows, and a B replaces one of
-        them whole (a switch on its slot) while every other branch passes them through, so XLA updates
-        the stash in place, as the accumulator's segments (`packing.add_segments`)."""
+        the accumulator, which the other branches pass through. With a split backward, B writes its
+        row of the W stash and W (kind 3) reads it and adds the weight gradient; the stash is a tuple
+        of rows, and B replaces one whole (a switch on its slot) while every other branch passes them
+        through, so XLA updates it in place, as the accumulator's segments (`packing.add_segments`)."""
         kind, c, slot, gslot, wslot = task
-        params = device.params
+        params, split = device.params, self.weight_slots > 0
         keep = [lambda rows, row, k=k: rows[:k] + (row,) + rows[k + 1:] for k in range(self.weight_slots)]
         read = [lambda rows, k=k: rows[k] for k in range(self.weight_slots)]
 
         def backward(gacc, x, ct, rows):
-            dx, row = tree_switch(c, work.backward, params, x, ct, inputs)
-            rows = tree_switch(wslot, keep, rows, row)
+            if split:
+                dx, row = tree_switch(c, work.backward, params, x, ct, inputs)
+                rows = tree_switch(wslot, keep, rows, row)
+            else:
+                dx, gacc = tree_switch(c, work.backward, gacc, params, x, ct, inputs)
             return work.zero_message, dx, gacc, work.zero_outputs, self.outputs.no_rows(), rows
 
         def weight(gacc, x, ct, rows):
@@ -147,7 +131,7 @@ class TickLoop:
             y, outs, routs = tree_switch(jnp.where(kind == 1, 1 + c, 0), work.forward, params, x, inputs)
             return y, work.zero_message, gacc, outs, routs, rows
 
-        rest = lambda *ops: jax.lax.cond(kind == 3, weight, forward, *ops)     # noqa: E731
+        rest = (lambda *ops: jax.lax.cond(kind == 3, weight, forward, *ops)) if split else forward
         return jax.lax.cond(kind == 2, backward, rest, state.grads, state.stash[slot], state.grad_stash[gslot],
                             state.weight_stash)
 

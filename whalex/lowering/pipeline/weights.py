@@ -74,10 +74,7 @@ def weight_split(eqns: Sequence, param_vars: Sequence, const_vars: Sequence, liv
             fixed.append(k)
         elif any(x == "param" and _floating(v) for x, v in zip(kinds, e.invars)):
             weight.append(k)
-    split = _taps_and_saved(eqns, weight, _needed(eqns, weight, fixed, of), of, live_out)
-    inputs = set(input_vars)
-    return dataclasses.replace(split, saved=tuple(v for v in split.saved if v not in inputs),
-                               reread=tuple(v for v in split.saved if v in inputs))
+    return _taps_and_saved(eqns, weight, _needed(eqns, weight, fixed, of), of, live_out, set(input_vars))
 
 
 def _needed(eqns, weight, fixed, of) -> list[int]:
@@ -91,7 +88,7 @@ def _needed(eqns, weight, fixed, of) -> list[int]:
     return sorted(keep)
 
 
-def _taps_and_saved(eqns, weight, param_eqns, of, live_out) -> WeightSplit:
+def _taps_and_saved(eqns, weight, param_eqns, of, live_out, inputs: set) -> WeightSplit:
     readers: dict = {}
     for e in eqns:
         for v in e.invars:
@@ -108,10 +105,10 @@ def _taps_and_saved(eqns, weight, param_eqns, of, live_out) -> WeightSplit:
         return v
 
     tap_of = {v: tap(v) for k in weight for v in eqns[k].outvars if _floating(v) and not isinstance(v, C.DropVar)}
-    saved = [v for k in weight if eqns[k].primitive.name not in LINEAR_IN_EACH
-             for v in eqns[k].invars if not isinstance(v, C.Literal) and of(v) is None]
+    read = dict.fromkeys(v for k in weight if eqns[k].primitive.name not in LINEAR_IN_EACH
+                         for v in eqns[k].invars if not isinstance(v, C.Literal) and of(v) is None)
     return WeightSplit(tuple(weight), tuple(param_eqns), tuple(dict.fromkeys(tap_of.values())), tap_of,
-                       tuple(dict.fromkeys(saved)))
+                       tuple(v for v in read if v not in inputs), tuple(v for v in read if v in inputs))
 
 
 def weight_grads(split: WeightSplit, eqns: Sequence, indices: Sequence[int], apply, param_vars: Sequence,
