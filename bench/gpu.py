@@ -16,7 +16,17 @@ Cases:
   option each (parameters offloaded per layer: each block's fetched for its forward and backward);
   `whalex_remat_full_offload_params`: both, ZeRO-Offload with activation checkpointing.
 Memory cases run in their own process, so `memory_stats()["peak_bytes_in_use"]` is that option's
-alone (CPU devices report no memory stats: the figure is then absent).
+alone (CPU devices report no memory stats: the figure is then absent). Each records XLA's figure for
+the step it ran (`compiled_bytes`: arguments + outputs + temporaries - aliased, as the step runs).
+`offload="opt_state"` also times the host link alone: its state moved to the device and back in one
+jitted program, the transfers no offloaded step can avoid.
+
+    python bench/gpu.py --deviceless    # on a GPU: also the device's own XLA:GPU target and deviceless compiles
+
+With `--deviceless`, a `device` case first reads the GPU's CUDA properties and the XLA:GPU target they
+describe (`gpu_targets.from_cuda_properties`), beside the spec table's; then, in a process that sees no
+GPU (`JAX_PLATFORMS=cpu`, as on a CPU machine), each memory case is compiled for one GPU of that kind by
+the deviceless compiler, with the spec table's target and with the recorded one, while the cases run.
 """
 from __future__ import annotations
 
@@ -36,6 +46,7 @@ SIZES = {
 PAIRS = ("pair_bf16", "pair_fp32")
 MEMORY = ("plain", "plain_remat_block", "whalex", "whalex_remat_full", "whalex_offload_opt_state",
           "whalex_offload_params", "whalex_remat_full_offload_params")
+DEVICELESS = ("plain", "plain_remat_block", "whalex", "whalex_remat_full", "whalex_offload_opt_state")
 WHALEX_CONFIG = {"whalex": {}, "whalex_remat_full": {"remat": "full"},
                  "whalex_offload_opt_state": {"offload": "opt_state"}, "whalex_offload_params": {"offload": "params"},
                  "whalex_remat_full_offload_params": {"remat": "full", "offload": "params"}}
@@ -176,6 +187,9 @@ def case_memory(size: dict, res: dict, name: str):
     if name.startswith("plain"):
         init, fn = plain_step(bf16_loss_fn, optimizer)
         state = init(jax.device_put(params))
+        m = fn.lower(state, gbatch).compile().memory_analysis()
+        res["compiled_bytes"] = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                                 - m.alias_size_in_bytes)
     else:
         import whalex as wh
         fn = wh.parallelize(loss_fn, optimizer, config=wh.Config(amp="bf16", **WHALEX_CONFIG[name]))
@@ -186,14 +200,84 @@ def case_memory(size: dict, res: dict, name: str):
         r = fn.plan.report.remat
         if r is not None and r.flops:
             res["predicted_flops_ratio"] = r.flops / r.baseline_flops     # what recomputation adds
-        m = fn.plan.compiled_memory()           # XLA's figure for the same step: args + outputs + temp - alias
-        res["compiled_bytes"] = (m.get("argument_size_in_bytes", 0) + m.get("output_size_in_bytes", 0)
-                                 + m.get("temp_size_in_bytes", 0) - m.get("alias_size_in_bytes", 0))
+        res["compiled_bytes"] = fn.plan.step_memory().total       # XLA's figure for the step as it runs
     state, metrics = fn(state, gbatch)
     loop = Loop(fn, state, gbatch, size["steps"])
     times = [dt / size["steps"] for dt in harness.interleaved({name: loop}, size["rounds"]).times(name)]
     res.update(step_s=times, median_step_s=harness.median(times), loss=float(loop.metrics["loss"]),
                peak_bytes=peak_bytes(), flops_per_step=flops)
+    if name == "whalex_offload_opt_state":
+        res["host_link"] = host_link(loop.state.opt_state, 5 * size["rounds"])
+
+
+def host_link(tree, rounds: int) -> dict:
+    """Seconds (medians) to move `tree`, stored in pinned host memory, to the device and back in one
+    jitted program, and each way alone: what an offloaded step's transfers cost with nothing else."""
+    import jax
+    import numpy as np
+    host = jax.tree.map(lambda a: a.sharding, tree)
+    dev = jax.tree.map(lambda s: s.with_memory_kind("device"), host)
+    bump = lambda t: jax.tree.map(lambda a: a + np.ones((), a.dtype), t)       # noqa: E731 (XLA cannot elide it)
+    moves = {"round_trip": (jax.jit(lambda t: bump(jax.device_put(t, dev)), out_shardings=host), tree),
+             "to_device": (jax.jit(lambda t: bump(jax.device_put(t, dev)), out_shardings=dev), tree),
+             "to_host": (jax.jit(bump, out_shardings=host), jax.device_put(tree, dev))}
+    out = {"bytes": float(sum(a.nbytes for a in jax.tree.leaves(tree)))}
+    for name, (fn, arg) in moves.items():
+        jax.block_until_ready(fn(arg))
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(arg))
+            times.append(time.perf_counter() - t0)
+        out[f"{name}_s"] = harness.median(times)
+    return out
+
+
+def cuda_properties() -> dict:
+    """The GPU's CUDA device properties (CuPy's `getDeviceProperties`, the clocks read as attributes
+    where the CUDA runtime's struct no longer holds them)."""
+    import cupy
+    rt = cupy.cuda.runtime
+    props = dict(rt.getDeviceProperties(0))
+    for key, attr in (("clockRate", 13), ("memoryClockRate", 36), ("memoryBusWidth", 37)):
+        if not props.get(key):
+            props[key] = rt.deviceGetAttribute(attr, 0)
+    return {k: v.decode(errors="replace") if isinstance(v, bytes) else v for k, v in props.items()
+            if isinstance(v, (int, float, str, bytes))}
+
+
+def case_device(res: dict) -> None:
+    """The GPU's own XLA:GPU target description, and where the spec table's differs from it."""
+    import jax
+
+    from whalex.mesh import gpu_targets, specs
+    props = cuda_properties()
+    kind = specs.lookup(jax.devices()[0].device_kind).name
+    real = gpu_targets.from_cuda_properties(props)
+    res.update(properties=props, kind=kind, target_config=real.text(),
+               differences={k: list(v) for k, v in gpu_targets.differences(gpu_targets.gpu_target(kind), real).items()})
+
+
+def deviceless(size: dict, names, kind: str, target_config: str | None = None) -> dict:
+    """XLA:GPU's per-device bytes (arguments + outputs + temporaries - aliased) of each case compiled
+    for one GPU of `kind` without a GPU: the spec table's target, or `target_config`."""
+    import optax
+
+    import gpu_compile
+    import whalex as wh
+    cluster = wh.Cluster.gpu_topology(kinds=[kind], target_config=target_config)
+    out = {}
+    for name in names:
+        t0 = time.perf_counter()
+        if name.startswith("plain"):
+            total = gpu_compile.plain_step(size, cluster, name == "plain_remat_block")["xla_gpu_bytes"]
+        else:
+            loss_fn, params, batch = gpu_compile.problem(size, 1, {})
+            plan = wh.plan(loss_fn, params, batch, optax.adamw(1e-4), cluster=cluster,
+                           config=wh.Config(amp="bf16", **WHALEX_CONFIG[name]))
+            total = plan.step_memory().total
+        out[name] = {"bytes": float(total), "compile_s": time.perf_counter() - t0}
+    return out
 
 
 def run_case(name: str, size: dict, out: str) -> None:
@@ -205,6 +289,8 @@ def run_case(name: str, size: dict, out: str) -> None:
     try:
         if name in PAIRS:
             case_pair(size, res, amp=name == "pair_bf16")
+        elif name == "device":
+            case_device(res)
         else:
             case_memory(size, res, name)
         res["ok"] = True
@@ -240,8 +326,12 @@ def table(results: dict) -> str:
         else:
             t = r["median_step_s"]
             ratio = f"{t / base:>7.3f}" if base else f"{'':>7}"
-            plan = (f"; plan predicts {gb(r['predicted_bytes'])}, XLA compiled {gb(r.get('compiled_bytes'))}"
-                    if r.get("predicted_bytes") is not None else "")
+            plan = (f"; plan predicts {gb(r['predicted_bytes'])}" if r.get("predicted_bytes") is not None else "") + \
+                (f"; XLA compiled {gb(r.get('compiled_bytes'))}" if r.get("compiled_bytes") else "") + \
+                (f", deviceless {gb(r.get('deviceless_bytes'))}" if r.get("deviceless_bytes") else "") + \
+                (f" ({gb(r.get('deviceless_recorded_bytes'))} recorded target)"
+                 if r.get("deviceless_recorded_bytes") else "") + \
+                (f"; host link round trip {ms(r['host_link']['round_trip_s'])}" if r.get("host_link") else "")
             lines.append(f"{name:33} {ms(t):>10} {ms(base):>10} {ratio} {gb(r.get('peak_bytes')):>10}  "
                          f"loss {r['loss']:.4f}{plan}")
     return "\n".join(lines)
@@ -252,7 +342,7 @@ def checks(results: dict) -> dict:
     remat="full" at most 0.40x its peak at most +30% step time; offload="opt_state" lowering the peak
     by at least 90% of the bytes it moves to the host; offload="params" (per layer) by at least half of
     them (a block's parameters, the embedding's and the head's come to the device in turn)."""
-    plain, out = results.get("plain", {}), {}
+    plain, out = results.get("plain", {}), compile_checks(results)
     if not (plain.get("ok") and plain.get("peak_bytes")):
         return out
     remat, off, whalex, offp = (results.get(k, {}) for k in ("whalex_remat_full", "whalex_offload_opt_state", "whalex",
@@ -273,42 +363,128 @@ def checks(results: dict) -> dict:
     return out
 
 
-def write(results: dict, size: dict, args) -> tuple[dict, str]:
-    """The record so far, written to --out or bench/results/gpu_<device>_jax<version>.json."""
+def compile_checks(results: dict) -> dict:
+    """The deviceless compile against the same step compiled on the GPU (equal) and against its measured
+    peak (within 1%), per case; the offloaded step's time against the plain step's and the host link's."""
+    out = {}
+    for name, r in results.items():
+        for key, what in (("deviceless_bytes", "spec table's target"),
+                          ("deviceless_recorded_bytes", "recorded target")):
+            if r.get(key) and r.get("compiled_bytes"):
+                out[f"{name}: deviceless ({what}) == on-device compile"] = r[key] == r["compiled_bytes"]
+            if r.get(key) and r.get("peak_bytes"):
+                out[f"{name}: deviceless ({what}) within 1% of the measured peak"] = \
+                    abs(r[key] / r["peak_bytes"] - 1) <= 0.01
+    off, plain = results.get("whalex_offload_opt_state", {}), results.get("plain", {})
+    if off.get("host_link") and plain.get("median_step_s"):
+        bound = max(plain["median_step_s"], off["host_link"]["round_trip_s"])
+        out["offload opt_state: step <= 1.15x max(plain step, host-link round trip)"] = \
+            off["median_step_s"] <= 1.15 * bound
+    return out
+
+
+def write(results: dict, size: dict, args, extra: dict | None = None) -> tuple[dict, str]:
+    """The record so far, written to --out or bench/results/gpu_<device>_jax<version>.json; `extra`: the
+    device's target and the deviceless compiles (--deviceless)."""
     first = next((r for r in results.values() if "device" in r), {})
     record = {"bench": "gpu", "size": "small" if args.small else "full", "model": size, "jax": first.get("jax"),
               "device": first.get("device"), "platform": first.get("platform"), "cases": results,
-              "checks": checks(results)}
+              "checks": checks(results), **(extra or {})}
     device = "".join(c if c.isalnum() else "-" for c in str(first.get("device", "unknown"))).strip("-")
     return first, harness.write_result(f"gpu_{device}_jax{first.get('jax')}", record, args.out, indent=1, default=str)
 
 
-def main(argv=None):
+def deviceless_worker(args, size: dict) -> None:
+    """A process that sees no GPU: the deviceless compiles of `args.cases`, written to the work folder."""
+    config = open(args.target_config).read() if args.target_config else None
+    out = {"jax": __import__("jax").__version__, "kind": args.kind, "recorded_target": config is not None}
+    try:
+        out["cases"] = deviceless(size, [c for c in args.cases if c in DEVICELESS], args.kind, config)
+    except Exception as e:          # noqa: BLE001 (recorded beside the cases' results)
+        out["error"] = "".join(traceback.format_exception(e))[-3000:]
+    name = "deviceless_recorded" if config else "deviceless"
+    with open(os.path.join(args.workdir, f"{name}.json"), "w") as f:
+        json.dump(out, f, indent=1)
+
+
+def start_deviceless(args, work: str, kind: str, device: dict) -> list:
+    """The deviceless compiles, started in the background (spec table's target, then the recorded one)."""
+    import subprocess
+    env = dict(harness.worker_env(), JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", CUDA_VISIBLE_DEVICES="")
+    base = [sys.executable, os.path.abspath(__file__), "--deviceless-worker", "--kind", kind, "--workdir", work,
+            "--cases", *[c for c in args.cases if c in DEVICELESS]] + (["--small"] if args.small else [])
+    configs = [None]
+    if device.get("target_config"):
+        path = os.path.join(work, "target_config.txtpb")
+        open(path, "w").write(device["target_config"])
+        configs.append(path)
+    script = " && ".join(" ".join(base + (["--target-config", c] if c else [])) for c in configs)
+    return [subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)]
+
+
+def merge_deviceless(results: dict, work: str) -> dict:
+    """The deviceless compiles' records, their bytes copied beside each case's on-device figures."""
+    found = {}
+    for name, key in (("deviceless", "deviceless_bytes"), ("deviceless_recorded", "deviceless_recorded_bytes")):
+        path = os.path.join(work, f"{name}.json")
+        if os.path.exists(path):
+            found[name] = json.load(open(path))
+            for case, r in found[name].get("cases", {}).items():
+                results.get(case, {})[key] = r["bytes"]
+    return found
+
+
+def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="a tiny model: runs on CPU in seconds")
     ap.add_argument("--out", help="the results file (default bench/results/gpu_<device>_jax<version>.json)")
     ap.add_argument("--cases", nargs="*", default=list(PAIRS + MEMORY), choices=list(PAIRS + MEMORY))
+    ap.add_argument("--deviceless", action="store_true",
+                    help="also record the GPU's XLA:GPU target and compile each memory case for it without a GPU")
+    ap.add_argument("--kind", help="the spec table's kind for --deviceless-worker")
     ap.add_argument("--case", help=argparse.SUPPRESS)         # a worker: run this one case here
+    ap.add_argument("--deviceless-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--target-config", help=argparse.SUPPRESS)
     ap.add_argument("--workdir", help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=240, help="seconds per case")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def run_in_worker(name: str, args, work: str, env: dict) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--case", name, "--workdir", work] + \
+        (["--small"] if args.small else [])
+    p = harness.run_worker(cmd, args.timeout, env)
+    tail = f"timed out after {args.timeout} s" if p is None else (p.stdout + p.stderr)[-2000:]
+    path = os.path.join(work, f"{name}.json")
+    r = json.load(open(path)) if os.path.exists(path) else {"ok": False, "error": tail}
+    print(f"{name}: {'ok' if r.get('ok') else 'FAILED'} ({r.get('wall_s', 0):.0f} s)", flush=True)
+    return r
+
+
+def main(argv=None):
+    args = parse(argv)
     size = SIZES["small" if args.small else "full"]
     if args.case:
         return run_case(args.case, size, args.workdir)
+    if args.deviceless_worker:
+        return deviceless_worker(args, size)
     import tempfile
     work = tempfile.mkdtemp(prefix="whalex-gpu-")
     env = harness.worker_env()
-    results = {}
+    results, extra, compiles = {}, {}, []
+    if args.deviceless:
+        extra["device"] = run_in_worker("device", args, work, env)
+        kind = args.kind or extra["device"].get("kind") or "H200-141GB"
+        compiles = start_deviceless(args, work, kind, extra["device"])
     for name in args.cases:
-        cmd = [sys.executable, os.path.abspath(__file__), "--case", name, "--workdir", work] + \
-            (["--small"] if args.small else [])
-        p = harness.run_worker(cmd, args.timeout, env)
-        tail = f"timed out after {args.timeout} s" if p is None else (p.stdout + p.stderr)[-2000:]
-        path = os.path.join(work, f"{name}.json")
-        results[name] = json.load(open(path)) if os.path.exists(path) else {"ok": False, "error": tail}
-        print(f"{name}: {'ok' if results[name].get('ok') else 'FAILED'} ({results[name].get('wall_s', 0):.0f} s)",
-              flush=True)
-        first, out = write(results, size, args)          # after every case: a time-out keeps what finished
+        results[name] = run_in_worker(name, args, work, env)
+        first, out = write(results, size, args, extra)          # after every case: a time-out keeps what finished
+    for p in compiles:
+        log = p.communicate()[0]
+        print(log[-1500:] if p.returncode else "deviceless compiles: ok", flush=True)
+    extra.update(merge_deviceless(results, work))
+    first, out = write(results, size, args, extra)
     print(f"{first.get('device')} ({first.get('platform')}), jax {first.get('jax')}, model {size}")
     print(table(results))
     for name, ok in checks(results).items():

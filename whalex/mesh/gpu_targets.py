@@ -87,6 +87,44 @@ TARGETS: dict[str, GpuTarget] = {
 }
 
 
+def fpus_per_core(compute_capability: tuple[int, int]) -> int:
+    """FP32 units per SM of a compute capability, as XLA:GPU counts them for its cost model."""
+    major, minor = compute_capability
+    return 128 if major >= 9 or (major == 8 and minor > 0) else 64
+
+
+def from_cuda_properties(props: dict) -> GpuTarget:
+    """The XLA:GPU target of one real GPU from its CUDA device properties (`cudaDeviceProp`'s names, as
+    CuPy's `cupy.cuda.runtime.getDeviceProperties` returns them; `clockRate` and `memoryClockRate` in kHz),
+    computed as XLA:GPU describes a device it runs on: what to give the deviceless compiler for exactly
+    that GPU (`Cluster.gpu_topology(..., target_config=from_cuda_properties(p).text())`)."""
+    missing = [k for k in _CUDA_PROPERTIES if k not in props]
+    if missing:
+        raise ClusterError(f"from_cuda_properties: the CUDA properties lack {', '.join(missing)}; pass the dict "
+                           "cupy.cuda.runtime.getDeviceProperties(i) returns, with clockRate and memoryClockRate "
+                           "(kHz) read by cudaDeviceGetAttribute where the runtime's struct no longer holds them.")
+    cc = (int(props["major"]), int(props["minor"]))
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    return GpuTarget(
+        description=name, compute_capability=cc, sm_count=int(props["multiProcessorCount"]),
+        fpus_per_core=fpus_per_core(cc), threads_per_core=int(props["maxThreadsPerMultiProcessor"]),
+        shared_memory_per_core=int(props["sharedMemPerMultiprocessor"]),
+        shared_memory_per_block_optin=int(props["sharedMemPerBlockOptin"]), l2_bytes=int(props["l2CacheSize"]),
+        clock_ghz=int(props["clockRate"]) / 1e6, memory_bytes=int(props["totalGlobalMem"]),
+        bandwidth=2.0 * int(props["memoryClockRate"]) * 1e3 * int(props["memoryBusWidth"]) / 8)
+
+
+_CUDA_PROPERTIES = ("name", "major", "minor", "multiProcessorCount", "maxThreadsPerMultiProcessor",
+                    "sharedMemPerMultiprocessor", "sharedMemPerBlockOptin", "l2CacheSize", "clockRate",
+                    "totalGlobalMem", "memoryClockRate", "memoryBusWidth")
+
+
+def differences(a: GpuTarget, b: GpuTarget) -> dict:
+    """{field: (a's, b's)} for the fields two target descriptions disagree on."""
+    return {f.name: (getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(GpuTarget)
+            if getattr(a, f.name) != getattr(b, f.name)}
+
+
 def gpu_target(kind: str | DeviceSpec) -> GpuTarget:
     """The XLA:GPU target of a device kind (a name the spec table knows, or a DeviceSpec)."""
     spec = lookup(kind)
