@@ -201,6 +201,7 @@ def case_memory(size: dict, res: dict, name: str):
         if r is not None and r.flops:
             res["predicted_flops_ratio"] = r.flops / r.baseline_flops     # what recomputation adds
         res["compiled_bytes"] = fn.plan.step_memory().total       # XLA's figure for the step as it runs
+        save_hlo(fn.plan, name, "device")
     state, metrics = fn(state, gbatch)
     loop = Loop(fn, state, gbatch, size["steps"])
     times = [dt / size["steps"] for dt in harness.interleaved({name: loop}, size["rounds"]).times(name)]
@@ -246,6 +247,22 @@ def cuda_properties() -> dict:
             if isinstance(v, (int, float, str, bytes))}
 
 
+def cuda_versions() -> tuple[tuple[int, int], tuple[int, int]]:
+    """(cuDNN, CUDA runtime) versions the device's JAX runs with: its cuDNN wheel's and CuPy's runtime."""
+    from importlib import metadata
+
+    import cupy
+    dnn = (9, 8)
+    for wheel in ("nvidia-cudnn-cu13", "nvidia-cudnn-cu12"):
+        try:
+            dnn = tuple(int(x) for x in metadata.version(wheel).split(".")[:2])
+            break
+        except metadata.PackageNotFoundError:
+            continue
+    runtime = cupy.cuda.runtime.runtimeGetVersion()
+    return dnn, (runtime // 1000, runtime % 1000 // 10)
+
+
 def case_device(res: dict) -> None:
     """The GPU's own XLA:GPU target description, and where the spec table's differs from it."""
     import jax
@@ -253,8 +270,8 @@ def case_device(res: dict) -> None:
     from whalex.mesh import gpu_targets, specs
     props = cuda_properties()
     kind = specs.lookup(jax.devices()[0].device_kind).name
-    real = gpu_targets.from_cuda_properties(props)
-    res.update(properties=props, kind=kind, target_config=real.text(),
+    real = gpu_targets.from_cuda_properties(props, *cuda_versions())
+    res.update(properties=props, kind=kind, target_config=real.text(), versions=cuda_versions(),
                differences={k: list(v) for k, v in gpu_targets.differences(gpu_targets.gpu_target(kind), real).items()})
 
 
@@ -276,8 +293,20 @@ def deviceless(size: dict, names, kind: str, target_config: str | None = None) -
             plan = wh.plan(loss_fn, params, batch, optax.adamw(1e-4), cluster=cluster,
                            config=wh.Config(amp="bf16", **WHALEX_CONFIG[name]))
             total = plan.step_memory().total
+            save_hlo(plan, name, "deviceless")
         out[name] = {"bytes": float(total), "compile_s": time.perf_counter() - t0}
     return out
+
+
+def save_hlo(plan, case: str, where: str) -> None:
+    """With WHALEX_BENCH_HLO set (a folder), the scheduled HLO of `whalex_remat_full` as compiled `where`."""
+    folder = os.environ.get("WHALEX_BENCH_HLO")
+    if folder and case == "whalex_remat_full":
+        from whalex.jaxpr.compiled import compile_step
+        devices = plan.cluster.compile_devices
+        text = compile_step(plan.functions, plan.report.platform, None if devices is None else devices[:1])[1]
+        with open(os.path.join(folder, f"hlo_{where}_{os.environ.get('WHALEX_BENCH_TAG', 'spec')}.txt"), "w") as f:
+            f.write(text)
 
 
 def run_case(name: str, size: dict, out: str) -> None:
@@ -331,6 +360,8 @@ def table(results: dict) -> str:
                 (f", deviceless {gb(r.get('deviceless_bytes'))}" if r.get("deviceless_bytes") else "") + \
                 (f" ({gb(r.get('deviceless_recorded_bytes'))} recorded target)"
                  if r.get("deviceless_recorded_bytes") else "") + \
+                (f" ({gb(r.get('deviceless_autotuned_bytes'))} with its autotuning)"
+                 if r.get("deviceless_autotuned_bytes") else "") + \
                 (f"; host link round trip {ms(r['host_link']['round_trip_s'])}" if r.get("host_link") else "")
             lines.append(f"{name:33} {ms(t):>10} {ms(base):>10} {ratio} {gb(r.get('peak_bytes')):>10}  "
                          f"loss {r['loss']:.4f}{plan}")
@@ -368,8 +399,8 @@ def compile_checks(results: dict) -> dict:
     peak (within 1%), per case; the offloaded step's time against the plain step's and the host link's."""
     out = {}
     for name, r in results.items():
-        for key, what in (("deviceless_bytes", "spec table's target"),
-                          ("deviceless_recorded_bytes", "recorded target")):
+        for key, what in (("deviceless_bytes", "spec table's target"), ("deviceless_recorded_bytes", "recorded target"),
+                          ("deviceless_autotuned_bytes", "recorded target and autotuning")):
             if r.get(key) and r.get("compiled_bytes"):
                 out[f"{name}: deviceless ({what}) == on-device compile"] = r[key] == r["compiled_bytes"]
             if r.get(key) and r.get("peak_bytes"):
@@ -402,7 +433,7 @@ def deviceless_worker(args, size: dict) -> None:
         out["cases"] = deviceless(size, [c for c in args.cases if c in DEVICELESS], args.kind, config)
     except Exception as e:          # noqa: BLE001 (recorded beside the cases' results)
         out["error"] = "".join(traceback.format_exception(e))[-3000:]
-    name = "deviceless_recorded" if config else "deviceless"
+    name = args.tag or ("deviceless_recorded" if config else "deviceless")
     with open(os.path.join(args.workdir, f"{name}.json"), "w") as f:
         json.dump(out, f, indent=1)
 
@@ -418,15 +449,38 @@ def start_deviceless(args, work: str, kind: str, device: dict) -> list:
         path = os.path.join(work, "target_config.txtpb")
         open(path, "w").write(device["target_config"])
         configs.append(path)
-    script = " && ".join(" ".join(base + (["--target-config", c] if c else [])) for c in configs)
+    script = " && ".join(("WHALEX_BENCH_TAG=recorded " if c else "")
+                         + " ".join(base + (["--target-config", c] if c else [])) for c in configs)
     return [subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)]
+
+
+def start_autotuned(args, work: str, kind: str) -> list:
+    """Each case compiled deviceless for the recorded target with the autotuner's results from its run on
+    the GPU (`--xla_gpu_load_autotune_results_from`), one process per case, in parallel."""
+    import subprocess
+    config = os.path.join(work, "target_config.txtpb")
+    procs = []
+    for name in [c for c in args.cases if c in DEVICELESS]:
+        results = os.path.join(work, f"autotune_{name}.txtpb")
+        if not (os.path.exists(config) and os.path.exists(results)):
+            continue
+        env = dict(harness.worker_env(), JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1",
+                   CUDA_VISIBLE_DEVICES="", WHALEX_BENCH_TAG="autotuned",
+                   XLA_FLAGS=f"--xla_gpu_load_autotune_results_from={results}")
+        cmd = [sys.executable, os.path.abspath(__file__), "--deviceless-worker", "--kind", kind, "--workdir", work,
+               "--target-config", config, "--tag", f"deviceless_autotuned_{name}", "--cases", name] + \
+            (["--small"] if args.small else [])
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
 
 
 def merge_deviceless(results: dict, work: str) -> dict:
     """The deviceless compiles' records, their bytes copied beside each case's on-device figures."""
     found = {}
-    for name, key in (("deviceless", "deviceless_bytes"), ("deviceless_recorded", "deviceless_recorded_bytes")):
+    tags = [("deviceless", "deviceless_bytes"), ("deviceless_recorded", "deviceless_recorded_bytes")] + \
+        [(f"deviceless_autotuned_{c}", "deviceless_autotuned_bytes") for c in DEVICELESS]
+    for name, key in tags:
         path = os.path.join(work, f"{name}.json")
         if os.path.exists(path):
             found[name] = json.load(open(path))
@@ -446,12 +500,16 @@ def parse(argv):
     ap.add_argument("--case", help=argparse.SUPPRESS)         # a worker: run this one case here
     ap.add_argument("--deviceless-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--target-config", help=argparse.SUPPRESS)
+    ap.add_argument("--tag", help=argparse.SUPPRESS)
     ap.add_argument("--workdir", help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=240, help="seconds per case")
     return ap.parse_args(argv)
 
 
 def run_in_worker(name: str, args, work: str, env: dict) -> dict:
+    if args.deviceless and name in DEVICELESS:       # the autotuner's choices, for the deviceless compile
+        flag = f"--xla_gpu_dump_autotune_results_to={os.path.join(work, f'autotune_{name}.txtpb')}"
+        env = dict(env, XLA_FLAGS=" ".join(filter(None, [env.get("XLA_FLAGS"), flag])))
     cmd = [sys.executable, os.path.abspath(__file__), "--case", name, "--workdir", work] + \
         (["--small"] if args.small else [])
     p = harness.run_worker(cmd, args.timeout, env)
@@ -480,6 +538,8 @@ def main(argv=None):
     for name in args.cases:
         results[name] = run_in_worker(name, args, work, env)
         first, out = write(results, size, args, extra)          # after every case: a time-out keeps what finished
+    if args.deviceless:
+        compiles += start_autotuned(args, work, kind)
     for p in compiles:
         log = p.communicate()[0]
         print(log[-1500:] if p.returncode else "deviceless compiles: ok", flush=True)

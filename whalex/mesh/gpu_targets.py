@@ -93,11 +93,13 @@ def fpus_per_core(compute_capability: tuple[int, int]) -> int:
     return 128 if major >= 9 or (major == 8 and minor > 0) else 64
 
 
-def from_cuda_properties(props: dict) -> GpuTarget:
+def from_cuda_properties(props: dict, dnn_version: tuple[int, int] = (9, 8),
+                         cuda_runtime: tuple[int, int] = (12, 9)) -> GpuTarget:
     """The XLA:GPU target of one real GPU from its CUDA device properties (`cudaDeviceProp`'s names, as
     CuPy's `cupy.cuda.runtime.getDeviceProperties` returns them; `clockRate` and `memoryClockRate` in kHz),
     computed as XLA:GPU describes a device it runs on: what to give the deviceless compiler for exactly
-    that GPU (`Cluster.gpu_topology(..., target_config=from_cuda_properties(p).text())`)."""
+    that GPU (`Cluster.gpu_topology(..., target_config=from_cuda_properties(p).text())`); `dnn_version`
+    and `cuda_runtime`: the cuDNN and CUDA runtime the device's JAX runs with."""
     missing = [k for k in _CUDA_PROPERTIES if k not in props]
     if missing:
         raise ClusterError(f"from_cuda_properties: the CUDA properties lack {', '.join(missing)}; pass the dict "
@@ -111,7 +113,8 @@ def from_cuda_properties(props: dict) -> GpuTarget:
         shared_memory_per_core=int(props["sharedMemPerMultiprocessor"]),
         shared_memory_per_block_optin=int(props["sharedMemPerBlockOptin"]), l2_bytes=int(props["l2CacheSize"]),
         clock_ghz=int(props["clockRate"]) / 1e6, memory_bytes=int(props["totalGlobalMem"]),
-        bandwidth=2.0 * int(props["memoryClockRate"]) * 1e3 * int(props["memoryBusWidth"]) / 8)
+        bandwidth=2.0 * int(props["memoryClockRate"]) * 1e3 * int(props["memoryBusWidth"]) / 8,
+        dnn_version=dnn_version, cuda_runtime=cuda_runtime)
 
 
 _CUDA_PROPERTIES = ("name", "major", "minor", "multiProcessorCount", "maxThreadsPerMultiProcessor",
