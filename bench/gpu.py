@@ -532,9 +532,9 @@ def main(argv=None):
     env = harness.worker_env()
     results, extra, compiles = {}, {}, []
     if args.deviceless:
-        extra["device"] = run_in_worker("device", args, work, env)
-        kind = args.kind or extra["device"].get("kind") or "H200-141GB"
-        compiles = start_deviceless(args, work, kind, extra["device"])
+        extra["target"] = run_in_worker("device", args, work, env)      # the GPU's own XLA:GPU target
+        kind = args.kind or extra["target"].get("kind") or "H200-141GB"
+        compiles = start_deviceless(args, work, kind, extra["target"])
     for name in args.cases:
         results[name] = run_in_worker(name, args, work, env)
         first, out = write(results, size, args, extra)          # after every case: a time-out keeps what finished

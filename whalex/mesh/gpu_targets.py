@@ -3,9 +3,9 @@ cannot see (a `GpuTargetConfig` text proto), so a plan compiles for 8 to hundred
 machine without one.
 
 The figures are the vendors' datasheet values (SM count, compute capability, shared memory, L2,
-boost clock) and the device memory CUDA reports for the part. A description recorded from a real
-device (`jax.devices()[0]` on that GPU) can be given instead: `Cluster.gpu_topology(...,
-target_config=TEXT)`.
+boost clock) and the device memory CUDA reports for the part, or, where a part was at hand, what
+that device reported (`from_cuda_properties`). A description recorded from a real device can be
+given instead: `Cluster.gpu_topology(..., target_config=from_cuda_properties(props).text())`.
 """
 from __future__ import annotations
 
@@ -82,8 +82,8 @@ TARGETS: dict[str, GpuTarget] = {
                            80 * 1024 * MiB, 2039e9),
     "H100-80GB": GpuTarget("NVIDIA H100 80GB HBM3", (9, 0), 132, 128, 2048, 228 * KiB, 227 * KiB, 50 * MiB, 1.98,
                            84929347584, 3352320000000),
-    "H200-141GB": GpuTarget("NVIDIA H200", (9, 0), 132, 128, 2048, 228 * KiB, 227 * KiB, 50 * MiB, 1.98,
-                            143771 * MiB, 4.8e12),
+    "H200-141GB": GpuTarget("NVIDIA H200", (9, 0), 132, 128, 2048, 228 * KiB, 227 * KiB, 60 * MiB, 1.98,
+                            150109880320, 4814304000000),           # recorded from a real H200 SXM
 }
 
 
