@@ -1,6 +1,6 @@
-"""A pipeline's step time as its ticks run: in lockstep, each tick as long as its costliest task, so a
-backward beside a forward makes the forward's stage wait. The schedules report it, and the plan's
-predicted step time, summary and view use it."""
+"""A pipeline's step time as its ticks run: devices wait for each other where a tick's messages move,
+so a backward beside a forward in such a tick makes the forward's stage wait; between those ticks each
+device runs on. The schedules report it, and the plan's predicted step time, summary and view use it."""
 import numpy as np
 import optax
 import pytest
@@ -12,22 +12,35 @@ from whalex.records.schedules import RECOMPUTE_COSTS, lockstep_time, make_schedu
 from whalex.view.timing import predict
 
 
-def _by_hand(sched, f, b) -> float:
+def _by_hand(sched, f, b, exchange=0.0) -> float:
+    """Each device's clock runs through its tasks; at a tick where a message moves, every clock waits
+    for the latest and the exchange."""
     f, b = np.broadcast_to(f, (sched.num_stages,)), np.broadcast_to(b, (sched.num_stages,))
-    return sum(max([0.0] + [f[s] if t.kind == "F" else b[s] for s, t in enumerate(row) if t is not None])
-               for row in sched.ticks)
+    clocks, K, T = np.zeros(sched.num_stages), sched.num_chunks, len(sched.ticks)
+    split = any(x is not None and x.kind == "W" for row in sched.ticks for x in row)     # W costs a forward
+    cost = {"F": f, "W": f, "B": b - f if split else b}
+    for t, row in enumerate(sched.ticks):
+        for s, task in enumerate(row):
+            if task is not None:
+                clocks[s] += cost[task.kind][s]
+        if t < T - 1 and any(x is not None and (x.kind == "F" and x.chunk < K - 1 or x.kind == "B" and x.chunk > 0)
+                             for x in row):
+            clocks[:] = clocks.max() + exchange
+    return float(clocks.max())
 
 
-@pytest.mark.parametrize("S, M, one_f_one_b, gpipe", [(2, 8, 0.706, 0.889), (4, 8, 0.600, 0.727),
+@pytest.mark.parametrize("S, M, one_f_one_b, gpipe", [(2, 8, 0.889, 0.889), (4, 8, 0.600, 0.727),
                                                        (4, 16, 0.667, 0.842), (4, 32, 0.706, 0.914),
                                                        (8, 16, 0.571, 0.696)])
 def test_lockstep_utilisation_with_a_backward_of_two_forwards(S, M, one_f_one_b, gpipe):
     a, g = make_schedule("1f1b", S, M), make_schedule("gpipe", S, M)
     assert a.utilisation(1, 2) == pytest.approx(one_f_one_b, abs=5e-4)
     assert g.utilisation(1, 2) == pytest.approx(gpipe, abs=5e-4)
-    # GPipe's ticks never mix kinds, so its utilisation is 1 - bubble; 1F1B's mixes them and is lower
+    # GPipe's ticks never mix kinds, so its utilisation is 1 - bubble; 1F1B's mixes them and is lower,
+    # except with 2 stages, where its mixed ticks move no message and the devices run on
     assert g.utilisation(1, 2) == pytest.approx(1 - g.bubble_fraction)
-    assert a.utilisation(1, 2) < 1 - a.bubble_fraction - 0.05
+    if S > 2:
+        assert a.utilisation(1, 2) < 1 - a.bubble_fraction - 0.05
     assert a.utilisation(1, 1) == pytest.approx(1 - a.bubble_fraction)    # equal costs: the bubble is all
 
 
@@ -44,6 +57,18 @@ def test_lockstep_time_with_a_cost_per_stage():
             pytest.approx(sched.lockstep_time(per * FORWARD_SHARE, per))
     with pytest.raises(ValueError, match="finite and non-negative"):
         make_schedule("1f1b", 2, 2).lockstep_time(-1.0, 2.0)
+
+
+@pytest.mark.parametrize("name, S, M", [("1f1b", 2, 8), ("1f1b", 4, 8), ("zb-h1", 2, 8), ("gpipe", 3, 5)])
+def test_devices_wait_only_where_messages_move(name, S, M):
+    """Between ticks that move a message each device runs its own tasks back to back: with 2 stages
+    1F1B's backward-beside-forward ticks move nothing, so it runs at GPipe's speed; each moving tick
+    adds the exchange."""
+    sched = make_schedule(name, S, M)
+    f, b = np.linspace(1, 2, S), np.linspace(2, 5, S)
+    assert sched.lockstep_time(f, b, exchange=0.3) == pytest.approx(_by_hand(sched, f, b, 0.3))
+    moving = int(sched.tables()["send_f"][:, 0].astype(bool).__or__(sched.tables()["send_b"][:, 0] > 0).sum())
+    assert sched.lockstep_time(f, b, exchange=0.3) == pytest.approx(sched.lockstep_time(f, b) + 0.3 * moving)
 
 
 def test_a_pipeline_plans_step_time_is_its_lockstep_time():
@@ -72,7 +97,7 @@ def test_balanced_1f1b_never_pairs_a_backward_with_a_forward(S, M):
     kinds = b.tables()["kind"]                         # the table the tick loop scans
     assert all(len(set(row) - {0}) == 1 for row in kinds)
     assert lockstep_time(kinds, 1, 2) == pytest.approx(g.lockstep_time(1, 2))     # GPipe's speed
-    assert b.utilisation(1, 2) > a.utilisation(1, 2) + 0.1
+    assert b.utilisation(1, 2) > a.utilisation(1, 2) + 0.1 or S == 2 and b.utilisation(1, 2) == a.utilisation(1, 2)
     assert b.utilisation(1, 3) == pytest.approx(b.utilisation(1, 2))             # any backward cost
     for s in range(S):
         assert b.max_in_flight(s) <= 2 * (S - 1 - s) + 2 and b.max_in_flight(0) <= 2 * S - 1

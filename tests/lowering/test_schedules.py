@@ -63,3 +63,24 @@ def test_invalid_schedules_are_rejected():
 def test_render():
     text = render(make_schedule("1f1b", 2, 2))
     assert text.splitlines()[0].split()[2:] == ["F0", "F1", "..", "B0", "..", "B1"]
+
+
+@pytest.mark.parametrize("name, S, M, V", [("1f1b", 2, 8, 1), ("zb-h1", 2, 8, 1), ("zb-h1", 4, 8, 1),
+                                           ("gpipe", 4, 8, 1), ("interleaved", 4, 8, 2)])
+def test_a_tick_exchanges_only_where_a_message_moves(name, S, M, V):
+    """send_f / send_b: a tick sends forward (back) exactly when some stage receives at the next tick;
+    every stage's column says the same, and the last tick sends nothing."""
+    t = make_schedule(name, S, M, V).tables()
+    for key, recv in (("send_f", "recv_f"), ("send_b", "recv_b")):
+        moves = (t[recv][1:] >= 0).any(axis=1)
+        assert (t[key] == t[key][:, :1]).all()
+        assert list(t[key][:-1, 0]) == [int(x) for x in moves] and t[key][-1, 0] == 0
+
+
+def test_split_and_one_f_one_b_schedules_have_silent_ticks():
+    """With 2 stages, 1F1B's ticks where stage 0 runs a backward and stage 1 a forward move nothing, and
+    zero bubble's W ticks add ticks without messages: those skip the exchange."""
+    def silent(name):
+        t = make_schedule(name, 2, 8).tables()
+        return int(((t["send_f"][:, 0] | t["send_b"][:, 0]) == 0).sum())
+    assert silent("1f1b") == 8 and silent("zb-h1") == 9 and silent("gpipe") == 2

@@ -94,7 +94,7 @@ def _optimizer_factor(optimizer, cap) -> float:
     return sbytes / pbytes if pbytes else 0.0
 
 
-def lockstep_time(stage_flops: Sequence[float], speeds: Sequence[float], tick_kinds) -> float:
+def lockstep_time(stage_flops: Sequence[float], speeds: Sequence[float], tick_kinds, exchange: float = 0.0) -> float:
     """Predicted compute time of one step of a pipeline run in lockstep ticks (whalex's SPMD loop:
     every tick ends on a ppermute, so it lasts as long as its slowest task).
 
@@ -102,9 +102,10 @@ def lockstep_time(stage_flops: Sequence[float], speeds: Sequence[float], tick_ki
     recomputes its stage's forward from the stashed input, so it costs the stage's forward+backward
     FLOPs; a forward costs `FORWARD_SHARE` of them. With uneven speeds this, not the slowest stage's
     total, is what a cut changes: in 1F1B a fast stage's backward runs beside the slow stage's
-    forward and the other way round, so a tick pairs unlike tasks."""
+    forward and the other way round, so a tick pairs unlike tasks. `exchange`: seconds each tick
+    that moves a message adds."""
     per = np.asarray(stage_flops, np.float64) / np.asarray(speeds, np.float64)
-    return schedules.lockstep_time(tick_kinds, per * FORWARD_SHARE, per)
+    return schedules.lockstep_time(tick_kinds, per * FORWARD_SHARE, per, exchange=exchange)
 
 
 def partition(flops: Sequence[float], state_bytes: Sequence[float], input_bytes: Sequence[float],

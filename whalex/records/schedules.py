@@ -31,10 +31,18 @@ import numpy as np
 
 from whalex.errors import ConfigError
 from whalex.primitives.config import SCHEDULES
+from whalex.records.lockstep import (  # noqa: F401 (the kind codes and the cost model, re-exported)
+    BWD,
+    FWD,
+    IDLE,
+    WGT,
+    lockstep_time,
+    per_stage as _per_stage,
+    sending_ticks,
+)
 from whalex.records.schedule_picture import render
 from whalex.records.zero_bubble import zb_ticks
 
-IDLE, FWD, BWD, WGT = 0, 1, 2, 3
 KIND_CODES = {"F": FWD, "B": BWD, "W": WGT}
 # task costs in units of a stage's forward: a backward without recompute costs two forwards; whalex's
 # backward task recomputes its forward from the stashed stage input first, so it costs three. A split
@@ -179,13 +187,15 @@ class Schedule:
                     kinds[t, task.chunk] = KIND_CODES[task.kind]
         return kinds
 
-    def lockstep_time(self, forward=UNIT_COSTS[0], backward=UNIT_COSTS[1], weight=None) -> float:
+    def lockstep_time(self, forward=UNIT_COSTS[0], backward=UNIT_COSTS[1], weight=None, exchange=0.0) -> float:
         """Time of one step run in lockstep ticks (each tick lasts its costliest task), with a
         forward and a backward costing `forward` and `backward` (`chunk_costs`: a number or one
         per stage, a stage's cost shared by its chunks, or one per chunk); a split backward's W
-        costs `weight` (default: a forward) and its B the rest."""
+        costs `weight` (default: a forward) and its B the rest; each tick that moves a message
+        costs `exchange` more."""
         w = None if weight is None else self.chunk_costs(weight)
-        return lockstep_time(self.chunk_kinds(), self.chunk_costs(forward), self.chunk_costs(backward), w)
+        return lockstep_time(self.chunk_kinds(), self.chunk_costs(forward), self.chunk_costs(backward), w, exchange,
+                             self.num_stages)
 
     def utilisation(self, forward=UNIT_COSTS[0], backward=UNIT_COSTS[1], weight=None) -> float:
         """Useful work over stages x lockstep time: what the stages really do, where
@@ -283,8 +293,10 @@ class Schedule:
         """int32 [ticks, stages] arrays: kind (0 idle, 1 F, 2 B, 3 W), micro-batch, chunk, the stash
         slots the task reads (slot: its input, gslot: its output gradient; `stash`, `grad_stash`),
         the W stash slot a split backward's B writes and its W reads (wslot; `weight_stash`), and the
-        slots that what arrives goes to (recv_f, recv_b; -1: nothing). Messages go to the next
-        chunk's stage, s+1 or (from the last stage, with virtual stages) 0; gradients back."""
+        slots that what arrives goes to (recv_f, recv_b; -1: nothing), and whether any message goes
+        forward (send_f) or back (send_b) at the tick's end (1 in every stage's column: all devices
+        agree whether the tick exchanges). Messages go to the next chunk's stage, s+1 or (from the last
+        stage, with virtual stages) 0; gradients back."""
         T, S, K = self.num_ticks, self.num_stages, self.num_chunks
         (_, at), (_, gat), (_, wat) = self.stash, self.grad_stash, self.weight_stash
         kind, mb, chunk, slot, gslot, wslot = (np.zeros((T, S), np.int32) for _ in range(6))
@@ -303,8 +315,10 @@ class Schedule:
                         recv_f[t + 1, (s + 1) % S] = at[(c + 1, m)]
                     if task.kind == "B" and c > 0:
                         recv_b[t + 1, (s - 1) % S] = gat[(c - 1, m)]
+        send_f, send_b = (np.repeat(np.append((r[1:] >= 0).any(1), False)[:, None], S, 1).astype(np.int32)
+                          for r in (recv_f, recv_b))
         return {"kind": kind, "mb": mb, "chunk": chunk, "slot": slot, "gslot": gslot, "wslot": wslot,
-                "recv_f": recv_f, "recv_b": recv_b}
+                "recv_f": recv_f, "recv_b": recv_b, "send_f": send_f, "send_b": send_b}
 
     # -- validation --------------------------------------------------------------------------
     def validate(self) -> None:
@@ -370,27 +384,6 @@ def _modular_slots(lives: list[list[set[int]]], num_micro_batch: int) -> int:
         if all(len({m % slots for m in held}) == len(held) for held in rows):
             return slots
     return num_micro_batch
-
-
-def _per_stage(cost, num_stages: int) -> np.ndarray:
-    c = np.broadcast_to(np.asarray(cost, np.float64), (num_stages,))
-    if not np.all(np.isfinite(c)) or np.any(c < 0):
-        raise ValueError(f"task costs must be finite and non-negative, got {cost!r}")
-    return c
-
-
-def lockstep_time(kinds, forward, backward, weight=None) -> float:
-    """Time of a tick table (`kinds[t, s]`: IDLE, FWD, BWD or WGT, as `Schedule.tables()["kind"]`)
-    run in lockstep: every tick ends on a ppermute, so it lasts as long as its costliest task.
-    `forward` and `backward`: a task's cost, one number or one per stage; where the backward is
-    split, W costs `weight` (default: a forward) and B the rest of the backward."""
-    kinds = np.asarray(kinds)
-    f, b = _per_stage(forward, kinds.shape[1]), _per_stage(backward, kinds.shape[1])
-    w = f if weight is None else _per_stage(weight, kinds.shape[1])
-    if (kinds == WGT).any():
-        b = np.maximum(b - w, 0.0)
-    cost = np.where(kinds == FWD, f, np.where(kinds == BWD, b, np.where(kinds == WGT, w, 0.0)))
-    return float(cost.max(axis=1).sum()) if cost.size else 0.0
 
 
 def make_schedule(name: str, num_stages: int, num_micro_batch: int, virtual_stages: int = 1) -> Schedule:

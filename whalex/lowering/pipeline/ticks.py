@@ -7,7 +7,9 @@ go. Only chunk inputs are stashed (`Schedule.stash`: S slots for 1F1B, M for GPi
 recomputes its chunk's forward from the stashed input. After the work, activations go to the next
 stage and gradients to the previous one by `ppermute`, around a ring with interleaved chunks (the
 last stage sends to the first); with 2 stages one swap carries both, as a device sends one message
-per tick. No collective runs inside a branch. With a split backward (zero bubble) a B also writes what
+per tick. A tick at whose end no message moves (the tables' send_f and send_b, alike on every device)
+skips its exchange: the collective sits in a conditional every device takes the same way; no
+collective runs inside a branch a device chooses by its own task. With a split backward (zero bubble) a B also writes what
 its W needs into a row of the W stash, and a W (kind 3) reads it and adds the weight gradient. The
 steps of a tick, in order: `iteration_inputs`, `run_one_tick`, `accumulate_outputs`,
 `pass_messages`; `tick` composes them and `run` scans it.
@@ -146,26 +148,28 @@ class TickLoop:
                                                     m * n, 0) for a, o in zip(state.rows, routs)]
         return oacc, racc
 
-    def pass_messages(self, y, dx, s, kind):
+    def pass_messages(self, y, dx, s, kind, send_f, send_b):
         """(the message from the previous stage, the gradient from the next) after one exchange; with
-        interleaved chunks around the ring (the last stage's message goes to the first)."""
+        interleaved chunks around the ring (the last stage's message goes to the first). A direction
+        in which nothing moves this tick (`send_f`, `send_b`: the same on every device) is not
+        exchanged: what it returns then is never stashed (the next tick's recv tables say -1)."""
         S, ring = self.num_stages, self.virtual_stages > 1
         if S == 2:            # one swap: a device sends one message per tick (without chunks stage 0 only
             send = jnp.where(kind == 1, y, dx) if ring else jnp.where(s == 0, y, dx)   # forward, 1 back)
-            out = jax.lax.ppermute(send, STAGE, [(0, 1), (1, 0)])
+            out = _exchange(send_f | send_b, send, [(0, 1), (1, 0)])
             return out, out
         if S == 1:
             return y, dx
         n = S if ring else S - 1
-        return (jax.lax.ppermute(y, STAGE, [(i, (i + 1) % S) for i in range(n)]),
-                jax.lax.ppermute(dx, STAGE, [((i + 1) % S, i) for i in range(n)]))
+        return (_exchange(send_f, y, [(i, (i + 1) % S) for i in range(n)]),
+                _exchange(send_b, dx, [((i + 1) % S, i) for i in range(n)]))
 
     def tick(self, device: Device, work: Branches, state: LoopState, row: dict):
         """One tick: the scan's body."""
         state, task, m, inputs = self.iteration_inputs(state, row, device)
         y, dx, grads, outs, routs, wstash = self.run_one_tick(state, task, inputs, device, work)
         oacc, racc = self.accumulate_outputs(state, task, m, outs, routs, device)
-        fout, bout = self.pass_messages(y, dx, device.stage, task[0])
+        fout, bout = self.pass_messages(y, dx, device.stage, task[0], row["send_f"][0] > 0, row["send_b"][0] > 0)
         return LoopState(state.stash, state.grad_stash, grads, oacc, racc, fout, bout, wstash), None
 
     def run(self, device: Device, work: Branches, zero_grads: Callable) -> LoopState:
@@ -173,3 +177,9 @@ class TickLoop:
         state, _ = jax.lax.scan(lambda st, row: self.tick(device, work, st, row),
                                 self.init_state(device, zero_grads), self.tables)
         return state
+
+
+def _exchange(moves, x, perm):
+    """`x` sent along `perm` over the stage axis where `moves` (a value every device holds alike), else
+    `x` kept: a tick in which nothing moves pays no collective."""
+    return jax.lax.cond(moves, lambda v: jax.lax.ppermute(v, STAGE, perm), lambda v: v, x)

@@ -1,0 +1,49 @@
+"""The cost model of a pipeline's tick table as the tick loop runs it: every device runs one task per
+tick, and devices wait for each other where a tick's messages move."""
+from __future__ import annotations
+
+import numpy as np
+
+IDLE, FWD, BWD, WGT = 0, 1, 2, 3         # a tick table's task kinds (`Schedule.tables()["kind"]`)
+
+
+def per_stage(cost, num_stages: int) -> np.ndarray:
+    """`cost` (a number or one per stage) as one float per stage; finite and non-negative."""
+    c = np.broadcast_to(np.asarray(cost, np.float64), (num_stages,))
+    if not np.all(np.isfinite(c)) or np.any(c < 0):
+        raise ValueError(f"task costs must be finite and non-negative, got {cost!r}")
+    return c
+
+
+def lockstep_time(kinds, forward, backward, weight=None, exchange=0.0, num_stages: int | None = None) -> float:
+    """Time of a tick table (`kinds[t, c]`: IDLE, FWD, BWD or WGT per chunk in pipeline order, chunk c
+    on stage c % `num_stages` (default: one chunk per stage), as `Schedule.chunk_kinds()`) run as the
+    tick loop runs it. Devices wait for each other only where messages move (`sending_ticks`): the
+    ticks up to and including such a tick last as long as the stage whose tasks in them cost most,
+    plus `exchange`. Where every tick moves a message, each tick lasts its costliest task.
+    `forward` and `backward`: a task's cost, one number or one per chunk; where the backward is
+    split, W costs `weight` (default: a forward) and B the rest of the backward."""
+    kinds = np.asarray(kinds)
+    f, b = per_stage(forward, kinds.shape[1]), per_stage(backward, kinds.shape[1])
+    w = f if weight is None else per_stage(weight, kinds.shape[1])
+    if (kinds == WGT).any():
+        b = np.maximum(b - w, 0.0)
+    cost = np.where(kinds == FWD, f, np.where(kinds == BWD, b, np.where(kinds == WGT, w, 0.0)))
+    if not cost.size:
+        return 0.0
+    S = num_stages or kinds.shape[1]
+    stage = np.stack([cost[:, s::S].sum(axis=1) for s in range(S)], axis=1)      # [tick, stage]
+    sends = sending_ticks(kinds)
+    group = np.concatenate([[0], np.cumsum(sends)[:-1]])                       # a group ends on a send
+    per_group = np.zeros((group[-1] + 1, S))
+    np.add.at(per_group, group, stage)
+    return float(per_group.max(axis=1).sum() + exchange * sends.sum())
+
+
+def sending_ticks(kinds) -> np.ndarray:
+    """Per tick of a chunk kind table (as `lockstep_time` takes), whether a message moves at its end: a
+    forward of any chunk but the last, or a backward of any chunk but the first, before the last tick
+    (the tables' `send_f | send_b`)."""
+    kinds = np.asarray(kinds)
+    moves = (kinds[:, :-1] == FWD).any(axis=1) | (kinds[:, 1:] == BWD).any(axis=1)
+    return moves & (np.arange(len(kinds)) < len(kinds) - 1)
