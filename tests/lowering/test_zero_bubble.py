@@ -16,7 +16,7 @@ from lowering.test_interleaved import _masked_tied_loss, memory_problem, plan_on
 from lowering.test_pipeline_3d import SplitMlp, check_checkpoint
 from lowering.test_pipeline_optim import lm_batch, lm_params
 from whalex.lowering.pipeline.weights import weight_split
-from whalex.records.schedules import BWD, FWD, WGT, Schedule, Task, lockstep_time, make_schedule
+from whalex.records.schedules import BWD, FWD, WGT, Schedule, Task, lockstep_time, make_schedule, sending_ticks
 
 
 def _zb(stages, micro, **kw):
@@ -69,8 +69,12 @@ def test_zero_bubble_utilisation_from_the_programs_tick_table():
         assert zb.utilisation(1, 3) > make_schedule(name, 4, 8).utilisation(1, 3), name
     assert make_schedule("zb-h2", 4, 8).utilisation(1, 3) > zb.utilisation(1, 3) + 0.05
     assert zb.lockstep_time(1, 3) == pytest.approx(lockstep_time(kinds, 1, 3))
-    assert lockstep_time(kinds, 1, 3, 0.5) == pytest.approx(
-        np.where(kinds == FWD, 1, np.where(kinds == BWD, 2.5, np.where(kinds == WGT, 0.5, 0))).max(axis=1).sum())
+    # W costs `weight` and B the rest: with every task costing the same (W = B = F), each tick that moves
+    # a message waits for its costliest task, and the ticks between run on
+    cost = np.where(kinds == FWD, 1, np.where(kinds == BWD, 2.5, np.where(kinds == WGT, 0.5, 0)))
+    assert lockstep_time(kinds, 1, 3, 0.5) <= cost.max(axis=1).sum()
+    assert lockstep_time(kinds, 1, 2, 1) == pytest.approx(zb.num_ticks - (~sending_ticks(kinds)).sum()
+                                                          + sum(_silent_runs(kinds)))
     assert make_schedule("zb-h1", 4, 16).utilisation(1, 2) >= 0.9
 
 
@@ -175,3 +179,16 @@ def test_zero_bubble_memory_is_near_1f1bs():
     rows = 4 * zb.program.row_format.nbytes + 3 * zb.program.message.nbytes
     extra = zb.step_memory().total - base
     assert rows <= extra <= 1.02 * rows + 0.02 * base, (rows, extra)
+
+
+def _silent_runs(kinds):
+    """Per run of ticks that move no message (with the moving tick that ends it, if any), the most tasks
+    one stage runs in it, less the moving tick's one counted already: with unit costs, what the run
+    adds beyond that tick."""
+    sends, out, run = sending_ticks(kinds), [], np.zeros(kinds.shape[1])
+    for t in range(len(kinds)):
+        run += kinds[t] > 0
+        if sends[t] or t == len(kinds) - 1:
+            out.append(run.max() - (1 if sends[t] else 0))
+            run = np.zeros(kinds.shape[1])
+    return out

@@ -11,6 +11,8 @@ split is within `TOLERANCE` of the ideal (total time / total speed) is used.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 from collections.abc import Sequence
 
 import jax
@@ -169,12 +171,16 @@ def partition(flops: Sequence[float], state_bytes: Sequence[float], input_bytes:
     return starts
 
 
+EXHAUSTIVE_CUTS = 5000      # at most this many contiguous cuts: try every one
+
+
 def refine_lockstep(starts: Sequence[int], flops: Sequence[float], speeds: Sequence[float], tick_kinds,
                     fits=lambda s, a, b: True) -> list[int]:
-    """Coordinate descent on the boundaries of a contiguous split: each boundary in turn moves to
-    the position (between its neighbours, every stage non-empty and `fits(stage, first, end)`)
-    that minimises `lockstep_time`, until no move lowers it. The min-max split is the start, so
-    on equal speeds or a schedule without unlike pairs nothing moves."""
+    """The contiguous split (every stage non-empty and `fits(stage, first, end)`) that minimises
+    `lockstep_time`: every split where there are at most EXHAUSTIVE_CUTS, else coordinate descent on
+    the boundaries from `starts` (each boundary in turn moves to its best position between its
+    neighbours, until no move lowers the time). The min-max split is the start and wins ties, so on
+    equal speeds or a schedule without unlike pairs nothing moves."""
     n, k = len(flops), len(starts)
     pf = np.concatenate([[0.0], np.cumsum(flops)])
     cur = list(starts)
@@ -186,6 +192,12 @@ def refine_lockstep(starts: Sequence[int], flops: Sequence[float], speeds: Seque
         return lockstep_time([pf[b] - pf[a] for a, b in zip(st, ends)], speeds, tick_kinds)
 
     best = time(cur)
+    if math.comb(n - 1, k - 1) <= EXHAUSTIVE_CUTS:
+        for inner in itertools.combinations(range(1, n), k - 1):
+            t = time([0, *inner])
+            if t < best * (1 - 1e-9):
+                best, cur = t, [0, *inner]
+        return cur
     improved = True
     while improved:
         improved = False
