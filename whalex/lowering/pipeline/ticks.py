@@ -116,7 +116,6 @@ class TickLoop:
         kind, c, slot, gslot, wslot = task
         params, split = device.params, self.weight_slots > 0
         keep = [lambda rows, row, k=k: rows[:k] + (row,) + rows[k + 1:] for k in range(self.weight_slots)]
-        read = [lambda rows, k=k: rows[k] for k in range(self.weight_slots)]
 
         def backward(gacc, x, ct, rows):
             if split:
@@ -126,8 +125,10 @@ class TickLoop:
                 dx, gacc = tree_switch(c, work.backward, gacc, params, x, ct, inputs)
             return work.zero_message, dx, gacc, work.zero_outputs, self.outputs.no_rows(), rows
 
-        def weight(gacc, x, ct, rows):
-            gacc = tree_switch(c, work.weight, gacc, params, tree_switch(wslot, read, rows), inputs)
+        def weight(gacc, x, ct, rows):        # a switch on the slot: each branch reads its row in place
+            by_slot = [lambda g, k=k: tree_switch(c, work.weight, g, params, rows[k], inputs)
+                       for k in range(self.weight_slots)]
+            gacc = tree_switch(wslot, by_slot, gacc)
             return work.zero_message, work.zero_message, gacc, work.zero_outputs, self.outputs.no_rows(), rows
 
         def forward(gacc, x, ct, rows):         # or idle
