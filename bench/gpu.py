@@ -270,8 +270,9 @@ def case_device(res: dict) -> None:
     from whalex.mesh import gpu_targets, specs
     props = cuda_properties()
     kind = specs.lookup(jax.devices()[0].device_kind).name
-    real = gpu_targets.from_cuda_properties(props, *cuda_versions())
-    res.update(properties=props, kind=kind, target_config=real.text(), versions=cuda_versions(),
+    versions = cuda_versions()
+    real = gpu_targets.from_cuda_properties(props, *versions)
+    res.update(properties=props, kind=kind, target_config=real.text(), versions=versions,
                differences={k: list(v) for k, v in gpu_targets.differences(gpu_targets.gpu_target(kind), real).items()})
 
 
@@ -438,21 +439,31 @@ def deviceless_worker(args, size: dict) -> None:
         json.dump(out, f, indent=1)
 
 
+def _no_gpu_env(**extra) -> dict:
+    """A worker's environment in which JAX sees no GPU (as on a CPU machine) and compiles for one."""
+    return dict(harness.worker_env(), JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1",
+                CUDA_VISIBLE_DEVICES="", **extra)
+
+
+def _deviceless_cmd(args, work: str, kind: str, cases, *more: str) -> list[str]:
+    """The command line of a deviceless worker compiling `cases` for `kind`."""
+    return [sys.executable, os.path.abspath(__file__), "--deviceless-worker", "--kind", kind, "--workdir", work,
+            *more, "--cases", *cases] + (["--small"] if args.small else [])
+
+
 def start_deviceless(args, work: str, kind: str, device: dict) -> list:
     """The deviceless compiles, started in the background (spec table's target, then the recorded one)."""
+    import shlex
     import subprocess
-    env = dict(harness.worker_env(), JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", CUDA_VISIBLE_DEVICES="")
-    base = [sys.executable, os.path.abspath(__file__), "--deviceless-worker", "--kind", kind, "--workdir", work,
-            "--cases", *[c for c in args.cases if c in DEVICELESS]] + (["--small"] if args.small else [])
-    configs = [None]
+    cases = [c for c in args.cases if c in DEVICELESS]
+    script = shlex.join(_deviceless_cmd(args, work, kind, cases))
     if device.get("target_config"):
         path = os.path.join(work, "target_config.txtpb")
         open(path, "w").write(device["target_config"])
-        configs.append(path)
-    script = " && ".join(("WHALEX_BENCH_TAG=recorded " if c else "")
-                         + " ".join(base + (["--target-config", c] if c else [])) for c in configs)
-    return [subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True)]
+        script += " && WHALEX_BENCH_TAG=recorded " + shlex.join(_deviceless_cmd(args, work, kind, cases,
+                                                                                  "--target-config", path))
+    return [subprocess.Popen(["bash", "-c", script], env=_no_gpu_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)]
 
 
 def start_autotuned(args, work: str, kind: str) -> list:
@@ -465,12 +476,9 @@ def start_autotuned(args, work: str, kind: str) -> list:
         results = os.path.join(work, f"autotune_{name}.txtpb")
         if not (os.path.exists(config) and os.path.exists(results)):
             continue
-        env = dict(harness.worker_env(), JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1",
-                   CUDA_VISIBLE_DEVICES="", WHALEX_BENCH_TAG="autotuned",
-                   XLA_FLAGS=f"--xla_gpu_load_autotune_results_from={results}")
-        cmd = [sys.executable, os.path.abspath(__file__), "--deviceless-worker", "--kind", kind, "--workdir", work,
-               "--target-config", config, "--tag", f"deviceless_autotuned_{name}", "--cases", name] + \
-            (["--small"] if args.small else [])
+        env = _no_gpu_env(WHALEX_BENCH_TAG="autotuned", XLA_FLAGS=f"--xla_gpu_load_autotune_results_from={results}")
+        cmd = _deviceless_cmd(args, work, kind, [name], "--target-config", config,
+                              "--tag", f"deviceless_autotuned_{name}")
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
 

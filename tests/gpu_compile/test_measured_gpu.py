@@ -3,6 +3,9 @@ planned by whalex on one H200 without a GPU compiles to the per-device bytes XLA
 GPU, and those are the peak the GPU measured (`python bench/gpu.py --deviceless` on a lent H200
 wrote both into its results file, which this test reads)."""
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import optax
@@ -35,9 +38,6 @@ def test_deviceless_bytes_are_the_gpus_compile_and_its_measured_peak(case, measu
 def test_the_gpu_bench_compiles_its_cases_deviceless_beside_them(tmp_path):
     """`bench/gpu.py --small --deviceless` on this machine: the cases run on CPU, a process that sees no
     GPU compiles each for the spec table's H200 (no CUDA device to record here: its case says why)."""
-    import os
-    import subprocess
-    import sys
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
     out = tmp_path / "gpu.json"

@@ -67,7 +67,8 @@ def test_devices_wait_only_where_messages_move(name, S, M):
     sched = make_schedule(name, S, M)
     f, b = np.linspace(1, 2, S), np.linspace(2, 5, S)
     assert sched.lockstep_time(f, b, exchange=0.3) == pytest.approx(_by_hand(sched, f, b, 0.3))
-    moving = int(sched.tables()["send_f"][:, 0].astype(bool).__or__(sched.tables()["send_b"][:, 0] > 0).sum())
+    t = sched.tables()
+    moving = int(((t["send_f"][:, 0] | t["send_b"][:, 0]) > 0).sum())
     assert sched.lockstep_time(f, b, exchange=0.3) == pytest.approx(sched.lockstep_time(f, b) + 0.3 * moving)
 
 

@@ -97,8 +97,8 @@ def _optimizer_factor(optimizer, cap) -> float:
 
 
 def lockstep_time(stage_flops: Sequence[float], speeds: Sequence[float], tick_kinds, exchange: float = 0.0) -> float:
-    """Predicted compute time of one step of a pipeline run in lockstep ticks (whalex's SPMD loop:
-    every tick ends on a ppermute, so it lasts as long as its slowest task).
+    """Predicted compute time of one step of a pipeline run in ticks (whalex's SPMD loop: devices wait
+    for each other at the ticks whose messages move, `schedules.lockstep_time`).
 
     `tick_kinds[t, s]`: 0 idle, 1 forward, 2 backward (`Schedule.tables()["kind"]`). A backward
     recomputes its stage's forward from the stashed input, so it costs the stage's forward+backward

@@ -11,9 +11,8 @@ per tick. A tick at whose end no message moves (the tables' send_f and send_b, a
 skips its exchange: the collective sits in a conditional every device takes the same way; no
 collective runs inside a branch a device chooses by its own task. With a split backward (zero
 bubble) a B also writes what its W needs into a row of the W stash, and a W (kind 3) reads it and
-adds the weight gradient. The
-steps of a tick, in order: `iteration_inputs`, `run_one_tick`, `accumulate_outputs`,
-`pass_messages`; `tick` composes them and `run` scans it.
+adds the weight gradient. The steps of a tick, in order: `iteration_inputs`, `run_one_tick`,
+`accumulate_outputs`, `pass_messages`; `tick` composes them and `run` scans it.
 """
 from __future__ import annotations
 
