@@ -16,11 +16,7 @@ SIZE = gpu_compile.SIZES["medium"]
 MEMORY_TOL, COMM_TOL = 0.10, 0.05
 
 # "3d_4x4x4" is the 64-GPU plan (test_big_3d.py)
-GAPS: dict = {
-    # predicted 1.263 GB against XLA:GPU's 1.060 GB (1.19): the memory replay holds more copies of the W
-    # stash's rows through the tick's switch than XLA:GPU makes (the collectives match)
-    "pipeline_zb": "memory: the zero-bubble W stash is over-predicted (1.19 of XLA:GPU's)",
-}
+GAPS: dict = {}
 
 
 @pytest.fixture(scope="module")

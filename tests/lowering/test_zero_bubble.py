@@ -163,8 +163,8 @@ def test_zero_bubble_memory_is_near_1f1bs():
     """Per-device memory of XLA's compiled step (CPU) at 4 stages, 8 micro-batches, on the model of the
     interleaved memory test: zb-h1 holds 1f1b-balanced's stage inputs (7 vs 1F1B's 4) and at most 4 W
     stash rows (each layer's input and output cotangent), zb-h2 up to 8. The rows are what a
-    recomputing 1F1B never holds, so the ratio grows with the activations' share of the memory: it is
-    bounded here near the measured 1.101 (the acceptance bar, 1.10, is missed)."""
+    recomputing 1F1B never holds, so the ratio grows with the activations' share of the memory; here
+    it is at most 1.10."""
     loss_fn, params, batch = memory_problem()
     plans = {n: wh.plan(loss_fn, params, batch, optax.adam(1e-3),
                         config=wh.Config(auto_parallel=True, num_task_graph=4, num_micro_batch=8, schedule=n))
@@ -174,7 +174,7 @@ def test_zero_bubble_memory_is_near_1f1bs():
     assert zb.program.param_width == plans["1f1b"].program.param_width
     base = plans["1f1b"].step_memory().total
     ratios = {n: plans[n].step_memory().total / base for n in ("zb-h1", "zb-h2")}
-    assert 1.0 < ratios["zb-h1"] <= 1.12 and ratios["zb-h1"] < ratios["zb-h2"], ratios
+    assert 1.0 < ratios["zb-h1"] <= 1.10 and ratios["zb-h1"] < ratios["zb-h2"], ratios
     # the W stash and the three more stage inputs are the difference, to within 2%
     rows = 4 * zb.program.row_format.nbytes + 3 * zb.program.message.nbytes
     extra = zb.step_memory().total - base

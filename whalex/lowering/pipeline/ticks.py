@@ -39,7 +39,7 @@ class LoopState(NamedTuple):
     rows: list         # per-example part outputs, [per_replica, ...] each (the last stage's)
     fwd_in: Any        # [width]: the message that arrived from the previous stage
     bwd_in: Any        # [width]: the gradient that arrived from the next stage
-    weight_stash: tuple  # weight_slots rows: what a split backward's B left for its W (none without)
+    weight_stash: Any  # [weight_slots, width]: what a split backward's B left for its W (() without)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +85,7 @@ class TickLoop:
     def init_state(self, device: Device, zero_grads: Callable) -> LoopState:
         """Empty stashes, accumulators and messages."""
         msg = self.message
-        wstash = tuple(self.row_format.zeros() for _ in range(self.weight_slots))
+        wstash = self.row_format.zeros(self.weight_slots) if self.weight_slots else ()
         return LoopState(msg.zeros(self.slots), msg.zeros(self.grad_slots),
                          zero_grads(), self.outputs.init(),
                          [jnp.zeros((device.per_replica,) + a.shape[1:], a.dtype) for a in self.outputs.row_avals],
@@ -107,36 +107,29 @@ class TickLoop:
 
     def run_one_tick(self, state: LoopState, task, inputs, device: Device, work: Branches):
         """The chunk's forward, backward or nothing: (message on, message back, gradient accumulator,
-        part outputs, per-example outputs, W stash). A backward adds into its chunk's own segments of
-        the accumulator, which the other branches pass through. With a split backward, B writes its
-        row of the W stash and W (kind 3) reads it and adds the weight gradient; the stash is a tuple
-        of rows, and B replaces one whole (a switch on its slot) while every other branch passes them
-        through, so XLA updates it in place, as the accumulator's segments (`packing.add_segments`)."""
+        part outputs, per-example outputs, W stash). Each task is its own two-way conditional beside
+        the others, holding only the state it writes (the forward none; a backward the accumulator,
+        which it adds into its chunk's own segments; with a split backward, B the W stash, into whose
+        slot it writes its row, and W the accumulator): a conditional that threads state through a
+        branch nested in another made XLA copy it on every tick."""
         kind, c, slot, gslot, wslot = task
-        params, split = device.params, self.weight_slots > 0
-        keep = [lambda rows, row, k=k: rows[:k] + (row,) + rows[k + 1:] for k in range(self.weight_slots)]
+        params, x, ct = device.params, state.stash[slot], state.grad_stash[gslot]
+        y, outs, routs = tree_switch(jnp.where(kind == 1, 1 + c, 0), work.forward, params, x, inputs)
+        if not self.weight_slots:
+            dx, gacc = jax.lax.cond(kind == 2, lambda g: tree_switch(c, work.backward, g, params, x, ct, inputs),
+                                    lambda g: (work.zero_message, g), state.grads)
+            return y, dx, gacc, outs, routs, state.weight_stash
 
-        def backward(gacc, x, ct, rows):
-            if split:
-                dx, row = tree_switch(c, work.backward, params, x, ct, inputs)
-                rows = tree_switch(wslot, keep, rows, row)
-            else:
-                dx, gacc = tree_switch(c, work.backward, gacc, params, x, ct, inputs)
-            return work.zero_message, dx, gacc, work.zero_outputs, self.outputs.no_rows(), rows
+        def input_gradient(rows):
+            dx, row = tree_switch(c, work.backward, params, x, ct, inputs)
+            return dx, jax.lax.dynamic_update_index_in_dim(rows, row, wslot, 0)
 
-        def weight(gacc, x, ct, rows):        # a switch on the slot: each branch reads its row in place
-            by_slot = [lambda g, k=k: tree_switch(c, work.weight, g, params, rows[k], inputs)
-                       for k in range(self.weight_slots)]
-            gacc = tree_switch(wslot, by_slot, gacc)
-            return work.zero_message, work.zero_message, gacc, work.zero_outputs, self.outputs.no_rows(), rows
+        def weight_gradient(g, rows):
+            return tree_switch(c, work.weight, g, params, jax.lax.dynamic_index_in_dim(rows, wslot, 0, False), inputs)
 
-        def forward(gacc, x, ct, rows):         # or idle
-            y, outs, routs = tree_switch(jnp.where(kind == 1, 1 + c, 0), work.forward, params, x, inputs)
-            return y, work.zero_message, gacc, outs, routs, rows
-
-        rest = (lambda *ops: jax.lax.cond(kind == 3, weight, forward, *ops)) if split else forward
-        return jax.lax.cond(kind == 2, backward, rest, state.grads, state.stash[slot], state.grad_stash[gslot],
-                            state.weight_stash)
+        dx, wstash = jax.lax.cond(kind == 2, input_gradient, lambda rows: (work.zero_message, rows), state.weight_stash)
+        gacc = jax.lax.cond(kind == 3, weight_gradient, lambda g, rows: g, state.grads, wstash)
+        return y, dx, gacc, outs, routs, wstash
 
     def accumulate_outputs(self, state: LoopState, task, m, outs, routs, device: Device):
         """The part outputs of the last chunk's forward of micro-batch m combined into the accumulators:
