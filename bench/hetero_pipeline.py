@@ -191,7 +191,7 @@ def schedules_worker(args):
     states = {n: s.init(params, batch) for n, s in steps.items()}
     losses = {}
     run = harness.step_runner(steps, states, batch, losses)
-    swap = exchange_program(steps[names[0]].plan.program.message.nbytes)
+    swap = exchange_program(steps[names[0]].plan.report.stage_buffers().message_bytes)
     timings = harness.interleaved({**{n: (lambda n=n: run(n)) for n in names}, "exchange": swap}, args.rounds,
                                   block=args.block, warmup=2, order_by="fixed", sync=None,
                                   on_round=harness.progress(log, args.rounds))
