@@ -108,10 +108,12 @@ def stage_time(plan) -> float:
 
 
 def lockstep(plan, exchange: float = 0.0) -> float:
-    """The planner's model: the schedule's ticks in lockstep, each as long as its slowest task; with
-    `exchange`, that many seconds more for each tick whose messages move."""
+    """The planner's model in seconds: the schedule's ticks in lockstep, each task a micro-batch's share
+    of its stage's FLOPs at the stage's speed; with `exchange`, that many seconds more for each tick
+    whose messages move."""
     from whalex.balance.partition import lockstep_time
-    return lockstep_time([t.flops for t in plan.task_graphs], stage_speeds(plan), plan.schedule.tables()["kind"],
+    m = plan.schedule.num_micro_batch
+    return lockstep_time([t.flops / m for t in plan.task_graphs], stage_speeds(plan), plan.schedule.tables()["kind"],
                          exchange=exchange)
 
 
