@@ -107,18 +107,32 @@ class TickLoop:
 
     def run_one_tick(self, state: LoopState, task, inputs, device: Device, work: Branches):
         """The chunk's forward, backward or nothing: (message on, message back, gradient accumulator,
-        part outputs, per-example outputs, W stash). Each task is its own two-way conditional beside
-        the others, holding only the state it writes (the forward none; a backward the accumulator,
-        which it adds into its chunk's own segments; with a split backward, B the W stash, into whose
-        slot it writes its row, and W the accumulator): a conditional that threads state through a
-        branch nested in another made XLA copy it on every tick."""
+        part outputs, per-example outputs, W stash). A backward adds into its chunk's own segments of
+        the accumulator, which the forward branch passes through. A split backward's tasks are
+        conditionals side by side instead, each holding only the state it writes (`split_tick`)."""
+        if self.weight_slots:
+            return self.split_tick(state, task, inputs, device, work)
+        kind, c, slot, gslot, _ = task
+        params, x, ct = device.params, state.stash[slot], state.grad_stash[gslot]
+
+        def backward(gacc):
+            dx, gacc = tree_switch(c, work.backward, gacc, params, x, ct, inputs)
+            return work.zero_message, dx, gacc, work.zero_outputs, self.outputs.no_rows()
+
+        def forward(gacc):         # or idle
+            y, outs, routs = tree_switch(jnp.where(kind == 1, 1 + c, 0), work.forward, params, x, inputs)
+            return y, work.zero_message, gacc, outs, routs
+
+        return *jax.lax.cond(kind == 2, backward, forward, state.grads), state.weight_stash
+
+    def split_tick(self, state: LoopState, task, inputs, device: Device, work: Branches):
+        """`run_one_tick` with the backward split: the forward (or idle), B and W each their own two-way
+        conditional, side by side, holding only what it writes (the forward nothing, B the W stash,
+        into whose slot it writes its row, W the accumulator): a buffer threaded through a conditional
+        nested in another was copied by XLA on every tick."""
         kind, c, slot, gslot, wslot = task
         params, x, ct = device.params, state.stash[slot], state.grad_stash[gslot]
         y, outs, routs = tree_switch(jnp.where(kind == 1, 1 + c, 0), work.forward, params, x, inputs)
-        if not self.weight_slots:
-            dx, gacc = jax.lax.cond(kind == 2, lambda g: tree_switch(c, work.backward, g, params, x, ct, inputs),
-                                    lambda g: (work.zero_message, g), state.grads)
-            return y, dx, gacc, outs, routs, state.weight_stash
 
         def input_gradient(rows):
             dx, row = tree_switch(c, work.backward, params, x, ct, inputs)
