@@ -227,17 +227,18 @@ def summarise_schedules(res: dict) -> dict:
     if "failed" in res:
         return res
     med = {n: harness.median(v) for n, v in res["times"].items()}
+    ticks = {n: harness.median(v) for n, v in res["ticks_times"].items()}
     base, rows = res["baseline"], {}
+
+    def gain(times, n):                 # the baseline's time over this schedule's, less one
+        return times[base] / times[n] - 1
+
     for n in med:
-        measured = med[base] / med[n] - 1
-        predicted = res["lockstep"][base] / res["lockstep"][n] - 1
+        measured, predicted = gain(med, n), gain(res["lockstep"], n)
         ok = measured >= GAIN_SHARE * predicted if predicted > 0.01 else measured >= -0.05
-        with_exchange = res["lockstep_with_exchange"][base] / res["lockstep_with_exchange"][n] - 1 \
-            if "lockstep_with_exchange" in res else None
-        ticks = res.get("ticks_times")
         rows[n] = {"median_step_s": med[n], "gain_measured": measured, "gain_predicted": predicted,
-                   "gain_ticks": harness.median(ticks[base]) / harness.median(ticks[n]) - 1 if ticks else None,
-                   "gain_predicted_with_exchange": with_exchange, "verdict": "PASS" if ok else "FAIL"}
+                   "gain_predicted_with_exchange": gain(res["lockstep_with_exchange"], n),
+                   "gain_ticks": gain(ticks, n), "verdict": "PASS" if ok else "FAIL"}
     return {**res, "schedules": rows}
 
 
