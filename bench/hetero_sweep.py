@@ -134,6 +134,7 @@ def worker(args):
            "overheads": {c: list(cl.overhead or ()) for c, cl in clusters.items()},
            "calibrated_rows": {c: cl.calibrated_rows for c, cl in clusters.items()},
            "refine_steps": refine_steps, "confirm_rounds": CONFIRM_ROUNDS,
+           "refinements": {n: refinement_record(s.plan) for n, s in steps.items() if n.startswith("refined")},
            "variants": [{"name": n, "rows": list(s.plan.batch_sizes), "split": splits[n],
                          "median_s": harness.median(timings.times(n)), "spread": spread(timings.times(n)),
                          **({"confirmed_s": harness.median(confirmed.times(n))} if n in confirmed.wall else {})}
@@ -166,6 +167,16 @@ def refine(steps, states, name, batch, log):
     log(f"{name}: " + (f"kept x{ref.kept:.3g} ({split_of(steps[name].plan)}) after {ref.steps} steps"
                        if ref else "nothing refined"))
     return None if ref is None else ref.steps
+
+
+def refinement_record(plan) -> dict | None:
+    """What a refinement timed and kept, for the results file: (scale, rows, seconds) per split, in order,
+    and the confirmation's re-timings."""
+    ref = plan.refinement
+    if ref is None:
+        return None
+    row = lambda p: [p.scale, list(p.rows), p.seconds]          # noqa: E731
+    return {"kept": ref.kept, "points": [row(p) for p in ref.points], "confirmed": [row(p) for p in ref.confirmed]}
 
 
 def table(runs) -> list[str]:

@@ -5,7 +5,8 @@ pipeline's stage cut (whatever the cluster's speeds decide).
 The search is `whalex.balance.refine.bracket_search` over the slow devices' speed scale; each split is
 a whole plan (`build_plan` on the cluster with that speed), run for `WARMUP_STEPS` untimed steps (its
 compile) and `STEPS_PER_POINT` timed ones, then the confirmation (`CONFIRM_ROUNDS` alternating steps of
-the prediction and the fastest other split; `whalex.balance.refine.confirmed` keeps one). Every step
+the prediction and its rival, the vertex of a V fitted to every split timed;
+`whalex.balance.refine.confirmed` keeps one). Every step
 trains: only where the rows run changes, so training equals one device's throughout. In a
 multi-process run each split's time is the slowest process's, so every process settles on the same
 plan.
@@ -75,6 +76,7 @@ class Refiner:
         self.points: list[SplitTiming] = []
         self.steps = self.at_point = 0
         self.queue: list[float] = []           # the confirmation's scales still to time, in order
+        self.warmup = 0                        # of which untimed warm-up steps first
         self.confirming: dict[float, list[float]] = {}
         self.result: Plan | None = None
         self.slow = scaled_speeds(base.cluster.speeds, 1.0)[1]
@@ -125,17 +127,23 @@ class Refiner:
         try:
             self.scale = self.search.send(med)
         except StopIteration as stop:
-            other = rival(self.points)
+            other = rival(self.points, key=lambda s: placement(self.plan_at(s)))
             if other is None or CONFIRM_ROUNDS == 0:
-                self._finish(stop.value, ())
+                self._finish(1.0 if CONFIRM_ROUNDS else stop.value, ())
             else:
-                self.queue = list(confirmation_order(other.scale, CONFIRM_ROUNDS))
-                self.confirming = {1.0: [], other.scale: []}
+                self.warmup = 0 if any(p.scale == other for p in self.points) else WARMUP_STEPS
+                self.queue = list(confirmation_order(other, CONFIRM_ROUNDS, self.warmup))
+                self.confirming = {1.0: [], other: []}
                 self.scale = self.queue[0]
 
     def _confirm(self, seconds: float) -> None:
-        """One alternating step of the confirmation; after the last, keep the faster of the two."""
-        self.confirming[self.queue.pop(0)].append(seconds)
+        """One step of the confirmation (a warm-up of a rival the search did not time, or one of the
+        alternating steps); after the last, keep the faster of the two."""
+        scale = self.queue.pop(0)
+        if self.warmup:
+            self.warmup -= 1
+        else:
+            self.confirming[scale].append(seconds)
         if self.queue:
             self.scale = self.queue[0]
             return

@@ -12,9 +12,13 @@ starting at the prediction finds its minimum: the prediction is timed first and 
 timed split beats it.
 
 Timings taken one split after another carry drift (a busy neighbour, a throttling period) into the
-comparison, and three steps per split leave it noisy. So the search ends with a confirmation: the
-prediction and the fastest other split timed are re-timed in alternating steps (`confirmation_order`),
-and the other is kept only if its median beats the prediction's there (`confirmed`).
+comparison, and a few steps per split leave it noisy: the least of a few noisy times is as often a
+lucky draw as a fast split. So the rival to the prediction is read from every split timed: a V (one
+arm the fast devices' time, the other the slow devices') fitted to all of them by least squares, its
+vertex the split where the arms meet (`vertex`); where no V fits, the fastest split timed. The search
+ends with a confirmation: the prediction and the rival re-timed in alternating steps
+(`confirmation_order`, after a warm-up step where the rival was not timed), and the rival is kept
+only if its median beats the prediction's there (`confirmed`).
 
 The search is a generator (`bracket_search`) that yields the scale to time next and receives its
 seconds, so a training step can drive it one point at a time; `search` runs it over a timing
@@ -27,19 +31,21 @@ import math
 from collections.abc import Callable, Generator, Hashable, Sequence
 
 import numpy as np
+from scipy.optimize import nnls
 
 LO, HI = 0.7, 1.3                      # the bracket on the slow devices' speed, relative to the prediction
 POINTS = 9                             # the most distinct splits one search times (the prediction included)
 MIN_STEP = 0.01                        # the search stops when its step on the scale is below this
-STEPS_PER_POINT = 3                    # timed steps per split (their median counts)
+STEPS_PER_POINT = 5                    # timed steps per split (their median counts)
 WARMUP_STEPS = 1                       # untimed steps per split first (its compile, its first run)
-CONFIRM_ROUNDS = 4                     # alternating steps of the prediction and its rival, each, to confirm
+CONFIRM_ROUNDS = 8                     # alternating steps of the prediction and its rival, each, to confirm
 
 
 def max_steps(points: int = POINTS, steps_per_point: int = STEPS_PER_POINT, warmup: int = WARMUP_STEPS,
               rounds: int = CONFIRM_ROUNDS) -> int:
-    """The most training steps a refinement runs before it settles on a split."""
-    return points * (steps_per_point + warmup) + 2 * rounds
+    """The most training steps a refinement runs before it settles on a split (the confirmation's
+    warm-up of a rival that the search did not time included)."""
+    return points * (steps_per_point + warmup) + warmup + 2 * rounds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,8 +148,9 @@ def _neighbours(best: float, step: float, lo: float, hi: float) -> list[float]:
 def search(cost: Callable[[float], float], lo: float = LO, hi: float = HI, points: int = POINTS,
            key: Callable[[float], Hashable] | None = None,
            rounds: int = CONFIRM_ROUNDS) -> tuple[float, list[tuple[float, float]]]:
-    """Runs `bracket_search` and its confirmation (`rounds` alternating timings each, none when 0) over
-    a timing callback: (the scale kept, [(scale, seconds) timed, in order])."""
+    """Runs `bracket_search` and its confirmation against the `rival` (`rounds` alternating timings each)
+    over a timing callback: (the scale kept, [(scale, seconds) timed, in order]). With `rounds` 0, the
+    search's own fastest split is kept."""
     gen = bracket_search(lo, hi, points, key=key)
     timed = []
     try:
@@ -154,24 +161,59 @@ def search(cost: Callable[[float], float], lo: float = LO, hi: float = HI, point
             s = gen.send(t)
     except StopIteration as stop:
         best = stop.value
-    other = rival([SplitTiming(s, (), t) for s, t in timed])
-    if other is None or rounds == 0:
+    if rounds == 0:
         return best, timed
-    again = [(s, float(cost(s))) for s in confirmation_order(other.scale, rounds)]
+    other = rival([SplitTiming(s, (), t) for s, t in timed], key)
+    if other is None:
+        return 1.0, timed
+    again = [(s, float(cost(s))) for s in confirmation_order(other, rounds)]
     timed += again
-    return confirmed(other.scale, [t for s, t in again if s == 1.0], [t for s, t in again if s != 1.0]), timed
+    return confirmed(other, [t for s, t in again if s == 1.0], [t for s, t in again if s != 1.0]), timed
 
 
-def rival(points: Sequence[SplitTiming]) -> SplitTiming | None:
-    """The fastest timed split other than the prediction: what a confirmation re-times against it."""
+def rival(points: Sequence[SplitTiming], key: Callable[[float], Hashable] | None = None) -> float | None:
+    """The scale a confirmation re-times against the prediction: the `vertex` of the V fitted to every
+    timed split, or the timed split of the same placement (`key`) where there is one; where no V fits,
+    the fastest timed split other than the prediction. None: nothing to confirm (nothing else timed, or
+    the fitted vertex is the prediction's placement)."""
+    key = key or (lambda s: s)
     others = [p for p in points if p.scale != 1.0]
-    return min(others, key=lambda p: p.seconds) if others else None
+    if not others:
+        return None
+    v = vertex([(p.scale, p.seconds) for p in points])
+    if v is None:
+        return min(others, key=lambda p: p.seconds).scale
+    if key(v) == key(1.0):
+        return None
+    return next((p.scale for p in others if key(p.scale) == key(v)), v)
 
 
-def confirmation_order(other: float, rounds: int = CONFIRM_ROUNDS) -> tuple[float, ...]:
-    """The scales a confirmation times, one step each: the prediction and `other` alternating, so that
-    drift falls on both alike."""
-    return (1.0, other) * rounds
+def vertex(points: Sequence[tuple[float, float]], grid: int = 241) -> float | None:
+    """Where a V fitted to (scale, seconds) points has its vertex: the least squares fit of
+    `h + a * max(s - v, 0) + b * max(v - s, 0)` (a, b >= 0: the slow devices bound the step above the
+    vertex, the fast ones below) over vertices `v` on a grid with two distinct scales timed on either
+    side (an arm through one point would fit any vertex). Every point weighs in, so one lucky timing
+    moves the vertex a little rather than deciding it. None with fewer than four distinct scales, or
+    where the best fit has no arm on one side (the times only fall, or only rise, across the scales)."""
+    s, t = (np.asarray(x, np.float64) for x in zip(*points)) if points else (np.zeros(0), np.zeros(0))
+    distinct = np.unique(s)
+    if len(distinct) < 4:
+        return None
+    fits = []
+    for v in np.linspace(distinct[1], distinct[-2], grid):
+        design = np.stack([np.ones_like(s), np.maximum(s - v, 0.0), np.maximum(v - s, 0.0)], axis=1)
+        coef, residual = nnls(design, t)
+        fits.append((residual, float(v), coef))
+    residual, v, coef = min(fits, key=lambda f: f[0])
+    rise = coef[1:] * (distinct[-1] - distinct[0]) / t.mean()     # each arm's rise over the scales, relative
+    return v if np.all(rise > 1e-6) else None
+
+
+def confirmation_order(other: float, rounds: int = CONFIRM_ROUNDS, warmup: int = 0) -> tuple[float, ...]:
+    """The scales a confirmation times, one step each: `warmup` untimed steps of `other` (where the
+    search did not time it: its compile), then the prediction and `other` alternating, so that drift
+    falls on both alike."""
+    return (other,) * warmup + (1.0, other) * rounds
 
 
 def confirmed(other: float, predicted_times: Sequence[float], other_times: Sequence[float]) -> float:
