@@ -117,14 +117,23 @@ def lockstep(plan, exchange: float = 0.0) -> float:
                          exchange=exchange)
 
 
+def stage_mesh():
+    """The two processes' devices as one mesh axis, "s" (the programs that time a tick's parts)."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    return Mesh(np.array(jax.devices()), ("s",))
+
+
 def exchange_program(nbytes: int, swaps: int = EXCHANGES):
     """`swaps` exchanges of an `nbytes` message between the two processes' devices and nothing else: a
     moving tick's exchange, timed as the steps are."""
     import jax
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
-    mesh, n = Mesh(np.array(jax.devices()), ("s",)), max(nbytes // 4, 1)
+    mesh, n = stage_mesh(), max(nbytes // 4, 1)
 
     def body(x):
         return jax.lax.fori_loop(0, swaps, lambda _, y: jax.lax.ppermute(y, "s", [(0, 1), (1, 0)]) + 1.0, x)
@@ -141,9 +150,9 @@ def tick_program(kinds, layers, rows: int, width: int, split: bool = False, send
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
-    mesh = Mesh(np.array(jax.devices()), ("s",))
+    mesh = stage_mesh()
     per = np.array([[0, n, (2 if split else 3) * n, n] for n in layers])
     counts = jnp.asarray(np.stack([per[s][kinds[:, s]] for s in range(len(layers))], 1), jnp.int32)
     moves = jnp.asarray(np.ones(len(kinds), bool) if sends is None else np.asarray(sends, bool))

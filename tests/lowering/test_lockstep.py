@@ -8,8 +8,9 @@ import pytest
 import whalex as wh
 from planner.test_auto_parallel import lm
 from whalex.balance.partition import FORWARD_SHARE, lockstep_time as partition_lockstep
-from whalex.records.schedules import RECOMPUTE_COSTS, lockstep_time, make_schedule
-from whalex.view.timing import predict
+from whalex.mesh.specs import NETWORK_LATENCY, SPECS
+from whalex.records.schedules import RECOMPUTE_COSTS, lockstep_time, make_schedule, sending_ticks
+from whalex.view.timing import exchange, predict
 
 
 def _by_hand(sched, f, b, exchange=0.0) -> float:
@@ -81,15 +82,36 @@ def test_a_pipeline_plans_step_time_is_its_lockstep_time():
     speeds = plan.cluster.compute_speeds(None)
     per = [t.flops / (t.nested_dp * s.num_micro_batch * t.device_count) / min(speeds[d] for d in t.devices)
            for t in plan.task_graphs]
-    want = _by_hand(s, [p / 3 for p in per], per)
+    # each moving tick swaps one message between the V100 node and the T4 node: the T4 end's network
+    message = plan.report.stage_buffers().message_bytes
+    x = NETWORK_LATENCY + message / SPECS["T4-16GB"].network_bandwidth
+    assert exchange(plan) == (pytest.approx(x, rel=1e-12), "spec-table")
+    want = _by_hand(s, [p / 3 for p in per], per, x)
     assert RECOMPUTE_COSTS == (1.0, 3.0)
     got = predict(plan)
     assert got.step_time == pytest.approx(want, rel=1e-9)
     # more than the bubble alone predicts: a tick with a backward beside a forward lasts the backward
     assert got.step_time > sum(per) * s.num_micro_batch / len(per) / (1 - s.bubble_fraction) * 0.999
-    assert "lockstep" in got.basis
+    assert "lockstep" in got.basis and "spec-table links" in got.basis
     text = plan.summary()
     assert f"lockstep utilisation {s.utilisation(*RECOMPUTE_COSTS):.1%}" in text
+    assert "ticks move messages between stages" in text and "spec-table links" in text
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
+def test_a_slow_calibrated_link_adds_its_exchange_at_every_moving_tick(name):
+    loss_fn, params, batch = lm(4)
+    cluster = wh.Cluster.abstract(kinds=["H100-80GB"] * 2)
+    config = wh.Config(auto_parallel=True, num_task_graph=2, num_micro_batch=8, schedule=name)
+    fast = wh.plan(loss_fn, params, batch, optax.sgd(0.1), cluster=cluster, config=config)
+    slow = wh.plan(loss_fn, params, batch, optax.sgd(0.1), cluster=cluster.with_links(2e-3, 1e8), config=config)
+    x = 2e-3 + slow.report.stage_buffers().message_bytes / 1e8
+    assert exchange(slow) == (pytest.approx(x, rel=1e-12), "calibrated")
+    moving = int(sending_ticks(slow.schedule.chunk_kinds()).sum())
+    assert moving == (10 if name == "1f1b" else 16)                    # zb-h1's B ticks move apart from its forwards
+    compute = predict(fast).step_time - exchange(fast)[0] * moving
+    assert predict(slow).step_time == pytest.approx(compute + x * moving, rel=1e-9)
+    assert "calibrated links" in slow.summary()
 
 
 @pytest.mark.parametrize("S, M", [(2, 8), (4, 8), (4, 16), (8, 16)])

@@ -39,6 +39,7 @@ from jax.experimental import multihost_utils
 
 from whalex import _compat as C
 from whalex.balance.algorithm import proportional
+from whalex.balance.link_timing import time_links
 from whalex.jaxpr.flops import training_flops
 from whalex.mesh.cluster import Cluster
 
@@ -413,7 +414,8 @@ def _timed_affine(devices, mine, loss_fn, params, batch, optimizer, sized, own_r
 
 
 def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, batch=None, *, optimizer=None,
-              size: int = 384, chain: int = 4, repeats: int = 7, tolerance: float = 0.1) -> Cluster:
+              size: int = 384, chain: int = 4, repeats: int = 7, tolerance: float = 0.1,
+              links: bool | None = None) -> Cluster:
     """The cluster with measured speeds (FLOP/s, or relative work/s for a user loss) and their spreads.
 
     With `loss_fn`, `params` and a `batch`, times the user's step on each device (value_and_grad,
@@ -441,6 +443,10 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
     falls outside them.
     What the plan's whole step costs beyond the timed work (collectives, launches; the optimizer
     update when `optimizer` is not passed) a refinement measures: `Config(hardware_aware="refine")`.
+
+    `links`: also time a message between neighbouring devices (`link_timing.time_links`: its fixed
+    seconds and bytes/s, on `Cluster.links`), what a pipeline's predicted exchanges then cost instead
+    of the spec table's links. None (the default) times them where the cluster spans processes.
     """
     _check(size, chain, repeats, tolerance, loss_fn, params, batch, optimizer)
     again = functools.partial(measure, cluster, loss_fn, params, batch, optimizer=optimizer, size=size,
@@ -461,4 +467,7 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
         overheads, counts = _fixed_at_own_shares(again, loss_fn, params, batch, optimizer, speeds, overheads,
                                                  counts, groups)
     rows = None if counts is None else (counts[0] if overheads is not None else counts[-1], counts[-1])
-    return cluster.with_speeds(speeds, spread=spreads, overhead=overheads, rows=rows)
+    out = cluster.with_speeds(speeds, spread=spreads, overhead=overheads, rows=rows)
+    if cluster.size > 1 and (links or links is None and jax.process_count() > 1):
+        out = out.with_links(*time_links(cluster.devices, repeats))
+    return out

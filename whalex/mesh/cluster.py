@@ -14,6 +14,7 @@ from whalex import _compat as C
 from whalex.distributed import maybe_initialize
 from whalex.errors import ClusterError
 from whalex.mesh.gpu_targets import gpu_target
+from whalex.mesh.links import Link
 from whalex.mesh.specs import DeviceSpec, lookup, parse_bytes
 
 COMPILERS = ("auto", "replay")
@@ -56,6 +57,7 @@ class Cluster:
     target: str | None = None     # gpu_topology: the kind whose XLA:GPU target the devices are (compile only)
     compiler: str = "auto"        # abstract: "auto" compiles on its XLA:GPU twin where it can, "replay" never
     compile_devices: tuple[Any, ...] | None = None   # over_abstract_mesh: the topology devices it compiles for
+    links: Link | None = None     # calibrated: the link between any two devices (None: the spec table's)
 
     def __init__(self, kinds: Sequence[str] | None = None, devices: Sequence[Any] | None = None,
                  host_memory: float | str | None = None, devices_per_node: int | None = None):
@@ -232,6 +234,15 @@ class Cluster:
             rows = (int(rows[0]), int(rows[1]))
         return self._replace(measured=speeds, spread=spread, overhead=overhead, calibrated_rows=rows)
 
+    def with_links(self, latency: float, bandwidth: float) -> Cluster:
+        """A copy whose links between devices are measured ones, the same for every pair: a message of
+        n bytes costs `latency + n / bandwidth` seconds (`calibrate()` times them on multi-process
+        clusters); otherwise the spec table's, inside a node and between nodes (`whalex.mesh.links`)."""
+        if not (math.isfinite(latency) and latency >= 0 and math.isfinite(bandwidth) and bandwidth > 0):
+            raise ClusterError(f"with_links needs a non-negative latency (seconds) and a positive bandwidth "
+                               f"(bytes/s), got latency={latency!r}, bandwidth={bandwidth!r}.")
+        return self._replace(links=Link(float(latency), float(bandwidth), "calibrated"))
+
     @property
     def host_bytes(self) -> tuple[float, ...]:
         """Host RAM per device: its node's RAM shared evenly by the node's devices."""
@@ -297,7 +308,7 @@ def _set(obj: Cluster, specs, devices, measured, spread, nodes, host_memory, hos
     for name, value in (("specs", specs), ("devices", devices), ("measured", measured), ("spread", spread),
                         ("nodes", nodes), ("host_memory", host_memory), ("host_source", host_source),
                         ("overhead", None), ("calibrated_rows", None), ("target", None),
-                        ("compiler", "auto"), ("compile_devices", None)):
+                        ("compiler", "auto"), ("compile_devices", None), ("links", None)):
         object.__setattr__(obj, name, value)
 
 

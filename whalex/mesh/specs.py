@@ -14,6 +14,13 @@ g6.48xlarge 768 GB / 8 L4). A GB of RAM here is 2**30 bytes, as in the kind name
 The host link (what offload's transfers cross) is each kind's PCIe x16 generation from its datasheet:
 3.0 for P100, V100 and T4, 4.0 for A10, L4 and A100, 5.0 for H100 and H200, at the link's nominal
 rate each way. The CPU "device" shares the host's RAM: its figure is that RAM's bandwidth.
+
+The links between devices (what a pipeline's messages cross) are each way, per device: inside a node
+the SXM parts' NVLink (P100 4 links x 20 GB/s, V100 6 x 25, A100 12 x 25, H100 and H200 18 x 25), the
+PCIe parts' host link, the CPU's RAM; between nodes the node's network shared by its GPUs (DGX-1 4 x
+100 Gb/s, DGX A100 8 x 200 Gb/s, DGX H100 and H200 8 x 400 Gb/s, the AWS instances above 100 Gb/s,
+all for 8 GPUs; a CPU node 10 Gb/s). A message's fixed cost is an order of magnitude, not a datasheet
+figure: `calibrate` times the links of a multi-process cluster instead.
 """
 from __future__ import annotations
 
@@ -25,6 +32,9 @@ from whalex.errors import ClusterError
 GiB = 1024**3
 T = 1e12
 PCIE3, PCIE4, PCIE5 = 15.75e9, 31.5e9, 63.0e9     # bytes/s each way over a x16 link
+NVLINK = 25e9                                     # bytes/s each way over one NVLink (2.0 and later)
+GBIT = 1e9 / 8                                    # bytes/s of one Gb/s
+NODE_LATENCY, NETWORK_LATENCY = 10e-6, 25e-6      # seconds a message costs whatever its size, in and between nodes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,31 +48,44 @@ class DeviceSpec:
     node_host_bytes: int = 0    # host RAM of a typical node of this kind (0: unknown)
     node_devices: int = 1       # devices in that node
     host_bandwidth: float = 0.0     # bytes/s each way over the host link (0: unknown)
+    peer_bandwidth: float = 0.0     # bytes/s each way to another device of its node (0: the host link's)
+    network_bandwidth: float = 0.0  # bytes/s each way to a device of another node, its share of the node's
 
 
 SPECS: dict[str, DeviceSpec] = {s.name: s for s in [
     DeviceSpec("P100-16GB", 10.6 * T, 21.2 * T, 16 * GiB, 732e9, node_host_bytes=512 * GiB, node_devices=8,
-               host_bandwidth=PCIE3),
+               host_bandwidth=PCIE3, peer_bandwidth=4 * 20e9,
+               network_bandwidth=4 * 100 * GBIT / 8),
     DeviceSpec("V100-16GB", 15.7 * T, 125 * T, 16 * GiB, 900e9, node_host_bytes=512 * GiB, node_devices=8,
-               host_bandwidth=PCIE3),
+               host_bandwidth=PCIE3, peer_bandwidth=6 * NVLINK,
+               network_bandwidth=4 * 100 * GBIT / 8),
     DeviceSpec("V100-32GB", 15.7 * T, 125 * T, 32 * GiB, 900e9, node_host_bytes=512 * GiB, node_devices=8,
-               host_bandwidth=PCIE3),
+               host_bandwidth=PCIE3, peer_bandwidth=6 * NVLINK,
+               network_bandwidth=4 * 100 * GBIT / 8),
     DeviceSpec("T4-16GB", 8.1 * T, 65 * T, 16 * GiB, 320e9, node_host_bytes=384 * GiB, node_devices=8,
-               host_bandwidth=PCIE3),
+               host_bandwidth=PCIE3, peer_bandwidth=PCIE3,
+               network_bandwidth=100 * GBIT / 8),
     DeviceSpec("A10-24GB", 31.2 * T, 125 * T, 24 * GiB, 600e9, node_host_bytes=768 * GiB, node_devices=8,
-               host_bandwidth=PCIE4),
+               host_bandwidth=PCIE4, peer_bandwidth=PCIE4,
+               network_bandwidth=100 * GBIT / 8),
     DeviceSpec("L4-24GB", 30.3 * T, 121 * T, 24 * GiB, 300e9, node_host_bytes=768 * GiB, node_devices=8,
-               host_bandwidth=PCIE4),
+               host_bandwidth=PCIE4, peer_bandwidth=PCIE4,
+               network_bandwidth=100 * GBIT / 8),
     DeviceSpec("A100-40GB", 19.5 * T, 312 * T, 40 * GiB, 1555e9, node_host_bytes=1024 * GiB, node_devices=8,
-               host_bandwidth=PCIE4),
+               host_bandwidth=PCIE4, peer_bandwidth=12 * NVLINK,
+               network_bandwidth=8 * 200 * GBIT / 8),
     DeviceSpec("A100-80GB", 19.5 * T, 312 * T, 80 * GiB, 2039e9, node_host_bytes=2048 * GiB, node_devices=8,
-               host_bandwidth=PCIE4),
+               host_bandwidth=PCIE4, peer_bandwidth=12 * NVLINK,
+               network_bandwidth=8 * 200 * GBIT / 8),
     DeviceSpec("H100-80GB", 67 * T, 989 * T, 80 * GiB, 3350e9, node_host_bytes=2048 * GiB, node_devices=8,
-               host_bandwidth=PCIE5),
+               host_bandwidth=PCIE5, peer_bandwidth=18 * NVLINK,
+               network_bandwidth=8 * 400 * GBIT / 8),
     DeviceSpec("H200-141GB", 67 * T, 989 * T, 141 * GiB, 4800e9, node_host_bytes=2048 * GiB, node_devices=8,
-               host_bandwidth=PCIE5),
+               host_bandwidth=PCIE5, peer_bandwidth=18 * NVLINK,
+               network_bandwidth=8 * 400 * GBIT / 8),
     DeviceSpec("CPU", 0.1 * T, 0.1 * T, 16 * GiB, 20e9, platform="cpu", node_host_bytes=64 * GiB, node_devices=8,
-               host_bandwidth=20e9),
+               host_bandwidth=20e9, peer_bandwidth=20e9,
+               network_bandwidth=10 * GBIT),
 ]}
 
 _UNITS = {"": 1, "B": 1, "KB": 2**10, "KIB": 2**10, "MB": 2**20, "MIB": 2**20, "GB": GiB, "GIB": GiB,

@@ -40,10 +40,16 @@ def lockstep_time(kinds, forward, backward, weight=None, exchange=0.0, num_stage
     return float(per_group.max(axis=1).sum() + exchange * sends.sum())
 
 
-def sending_ticks(kinds) -> np.ndarray:
-    """Per tick of a chunk kind table (as `lockstep_time` takes), whether a message moves at its end: a
-    forward of any chunk but the last, or a backward of any chunk but the first, before the last tick
-    (the tables' `send_f | send_b`)."""
+def message_ticks(kinds) -> tuple[np.ndarray, np.ndarray]:
+    """Per tick of a chunk kind table (as `lockstep_time` takes), whether a message moves forward at
+    its end (a forward of any chunk but the last) and whether one moves back (a backward of any chunk
+    but the first), before the last tick: the tables' `send_f` and `send_b`."""
     kinds = np.asarray(kinds)
-    moves = (kinds[:, :-1] == FWD).any(axis=1) | (kinds[:, 1:] == BWD).any(axis=1)
-    return moves & (np.arange(len(kinds)) < len(kinds) - 1)
+    before_last = np.arange(len(kinds)) < len(kinds) - 1
+    return (kinds[:, :-1] == FWD).any(axis=1) & before_last, (kinds[:, 1:] == BWD).any(axis=1) & before_last
+
+
+def sending_ticks(kinds) -> np.ndarray:
+    """Per tick of a chunk kind table, whether any message moves at its end (`message_ticks`)."""
+    forward, back = message_ticks(kinds)
+    return forward | back

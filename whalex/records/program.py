@@ -74,6 +74,7 @@ class StageBuffers:
     stage_batch_bytes: tuple[int, ...]            # per stage: the batch bytes it reads
     stage_batch_leaves: tuple[tuple[int, ...], ...]   # per stage: the batch leaves it holds
     weight_row_bytes: int = 0                     # a split backward's W stash row (0: not split)
+    head_rows_split: bool = False                 # a 3D pipeline's loss head runs its rows split over `model`
 
 
 @runtime_checkable

@@ -37,6 +37,7 @@ from whalex.records.lockstep import (  # noqa: F401 (the kind codes and the cost
     IDLE,
     WGT,
     lockstep_time,
+    message_ticks,
     per_stage as _per_stage,
     sending_ticks,
 )
@@ -315,8 +316,7 @@ class Schedule:
                         recv_f[t + 1, (s + 1) % S] = at[(c + 1, m)]
                     if task.kind == "B" and c > 0:
                         recv_b[t + 1, (s - 1) % S] = gat[(c - 1, m)]
-        send_f, send_b = (np.repeat(np.append((r[1:] >= 0).any(1), False)[:, None], S, 1).astype(np.int32)
-                          for r in (recv_f, recv_b))
+        send_f, send_b = (np.repeat(m[:, None], S, 1).astype(np.int32) for m in message_ticks(self.chunk_kinds()))
         return {"kind": kind, "mb": mb, "chunk": chunk, "slot": slot, "gslot": gslot, "wslot": wslot,
                 "recv_f": recv_f, "recv_b": recv_b, "send_f": send_f, "send_b": send_b}
 

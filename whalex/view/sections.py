@@ -13,8 +13,9 @@ from jax.sharding import PartitionSpec as P
 
 from whalex.memory.offload import fetch_per_leaf
 from whalex.memory.remat import summary_lines
-from whalex.records.schedules import RECOMPUTE_COSTS, render as render_schedule
+from whalex.records.schedules import RECOMPUTE_COSTS, render as render_schedule, sending_ticks
 from whalex.view.format import fmt_bytes, fmt_devices, fmt_flops, fmt_pct, fmt_speed, fmt_time
+from whalex.view.timing import exchange
 
 TASKGRAPH_COLUMNS = ("TaskGraph", "strategy", "devices/replica", "device ids", "nested DP", "params",
                      "FLOPs (fwd+bwd)", "comm/device")
@@ -169,11 +170,17 @@ def pipeline(plan) -> Section | None:
                  f"{s.bubble_fraction:.1%}, lockstep utilisation {s.utilisation(*RECOMPUTE_COSTS):.1%}, "
                  f"{s.stash[0]} stashed {held} per stage"
                  + (_split_backward(plan) if s.split_backward else ""))]
+    seconds, source = exchange(plan)
+    if seconds:
+        body.append(Line(f"exchanges: {int(sending_ticks(s.chunk_kinds()).sum())} of {s.num_ticks} ticks move "
+                         f"messages between stages, {fmt_time(seconds)} each over the slowest link ({source} "
+                         "links), counted in the predicted step time", 1))
     for k, layers in enumerate(plan.stage_layers):
         if layers:
             body.append(Line(f"stage {k}: {len(layers)} layer{'s' if len(layers) > 1 else ''} "
                              f"({', '.join(layers)})", 1))
-    if any(c.reason.startswith("loss head") for c in plan.comms):
+    buffers = plan.report.stage_buffers()
+    if buffers is not None and buffers.head_rows_split:
         mp = dict(zip(plan.layout.axis_names, plan.layout.axis_sizes)).get("model", 1)
         body.append(Line(f"loss head (the last stage after its last split layer): its rows split over model, each of "
                          f"the {mp} model devices computing 1/{mp} of every micro-batch's rows, its gradients "

@@ -8,9 +8,9 @@ The prediction is the plan's cost model of compute only: on a heterogeneous plan
 report's per-device time (fixed time + rows x FLOPs per row / speed), otherwise each device's even
 share of the plan's FLOPs (counted from the jaxpr) over its speed (the spec table's peak FP32 FLOP/s,
 its bf16 tensor-core peak under amp, or calibrated speeds); a pipeline's as its ticks run in lockstep,
-each as long as its costliest task.
-Collectives, launches and memory traffic are not in it, so measured / predicted says how far a real
-step is from the compute bound.
+each as long as its costliest task, with the messages' exchanges between stages over the links
+(`whalex.mesh.links`). Other collectives, launches and memory traffic are not in it, so measured /
+predicted says how far a real step is from that bound.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import time
 
 import jax
 
+from whalex.mesh.links import exchange_seconds, stage_pairs
 from whalex.records import schedules
 from whalex.view.format import fmt_pct, fmt_time
 
@@ -64,16 +65,33 @@ def predict(plan) -> Prediction:
 def _lockstep(plan, speeds, precision: str) -> Prediction:
     """A pipeline's step: its ticks in lockstep, each as long as its costliest task, a stage's task
     timed on its slowest device (a forward a third of the stage's FLOPs per micro-batch; a backward,
-    which recomputes the forward first, all of them)."""
+    which recomputes the forward first, all of them), and each tick that moves messages their exchange
+    over the slowest link between neighbouring stages (`exchange`)."""
     s = plan.schedule
     fwd, bwd = schedules.RECOMPUTE_COSTS
     per = [t.flops / (max(t.nested_dp, 1) * s.num_micro_batch * max(t.device_count, 1))
            / min(speeds[d] for d in t.devices) for t in plan.task_graphs]
-    step = s.lockstep_time([p * fwd / bwd for p in per], per)
+    seconds, link_source = exchange(plan)
+    step = s.lockstep_time([p * fwd / bwd for p in per], per, exchange=seconds)
+    moving = int(schedules.sending_ticks(s.chunk_kinds()).sum())
     basis = (f"pipeline ticks in lockstep, each as long as its costliest task (stage FLOPs / device speed"
-             f"{precision}); utilisation {fmt_pct(s.utilisation(*schedules.RECOMPUTE_COSTS))}, "
+             f"{precision}), and {moving} exchanges of messages between stages, {fmt_time(seconds)} each "
+             f"({link_source} links); utilisation {fmt_pct(s.utilisation(*schedules.RECOMPUTE_COSTS))}, "
              f"bubble {fmt_pct(s.bubble_fraction)}")
     return Prediction(tuple(step for _ in speeds), basis)
+
+
+def exchange(plan) -> tuple[float, str]:
+    """(seconds of one tick's exchange, where its links' figures come from): each stage's message over
+    the slowest link to its neighbour, one collective per tick between two stages (a swap), two
+    otherwise (forward and back)."""
+    s, buffers = plan.schedule, plan.report.stage_buffers()
+    if buffers is None or s.num_stages < 2:
+        return 0.0, "no"
+    pairs = stage_pairs([t.devices for t in plan.task_graphs], ring=s.virtual_stages > 1)
+    collectives = 1 if s.num_stages == 2 and s.virtual_stages == 1 else 2
+    source = "calibrated" if plan.cluster.links is not None else "spec-table"
+    return exchange_seconds(plan.cluster, pairs, buffers.message_bytes, collectives), source
 
 
 @dataclasses.dataclass(frozen=True)

@@ -245,7 +245,7 @@ class PipelineProgram(Emitter):
         return StageBuffers(self.param_width, self.message_width, self.message.nbytes, layout.device_bytes(dp),
                             layout.whole_bytes(dp), tuple(layout.stage_bytes(s, dp) for s in range(S)),
                             tuple(tuple(sl.leaf for sl in layout.stages[s]) for s in range(S)),
-                            self.row_format.nbytes if self.row_format else 0)
+                            self.row_format.nbytes if self.row_format else 0, bool(self.head_comms))
 
     def collectives(self) -> tuple[Comm, ...]:
         """Per stage, the collectives this step runs: stage rows gathered and scattered, the gradient
