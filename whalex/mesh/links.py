@@ -2,9 +2,10 @@
 devices costs `latency + n / bandwidth` seconds.
 
 A link's figures come from the spec table (`whalex.mesh.specs`: a device's peer link inside its node,
-its share of the node's network between nodes, and the slower end's figure where the two kinds
-differ), or, where `calibrate` timed them on the cluster's devices (`Cluster.with_links`), from that
-measurement, which stands for every pair.
+its share of the node's network between nodes, the slower end's figure where the two kinds differ,
+and for a kind without one the next figure it has: its host link, its memory), or, where `calibrate`
+timed them on the cluster's devices (`Cluster.with_links`), from that measurement, which stands for
+every pair.
 """
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ def link(cluster, a: int, b: int) -> Link:
     same = any(a in node and b in node for node in cluster.nodes)
     ends = (cluster.specs[a], cluster.specs[b])
     if same:
-        return Link(NODE_LATENCY, min(s.peer_bandwidth or s.host_bandwidth for s in ends))
-    return Link(NETWORK_LATENCY, min(s.network_bandwidth or s.host_bandwidth for s in ends))
+        return Link(NODE_LATENCY, min(s.peer_bandwidth or s.host_bandwidth or s.bandwidth for s in ends))
+    return Link(NETWORK_LATENCY, min(s.network_bandwidth or s.host_bandwidth or s.bandwidth for s in ends))
 
 
 def exchange_seconds(cluster, pairs: Iterable[tuple[int, int]], nbytes: float, collectives: int = 1) -> float:
