@@ -28,6 +28,8 @@ def test_the_twin_is_the_kinds_gpu_topology():
     assert twin.host_memory == (1e12,)
     slow = wh.Cluster.abstract(kinds=H100).with_speeds([2.0] * 4 + [1.0] * 4, overhead=[0.001] * 8)
     assert slow.compile_twin().speeds == slow.speeds and slow.compile_twin().overhead == slow.overhead
+    linked = wh.Cluster.abstract(kinds=H100).with_links(1e-3, 1e8)            # calibrated links stay too
+    assert linked.compile_twin().links == linked.links == linked.compile_twin().for_target("H100-80GB").links
     assert wh.Cluster.abstract(kinds=H100, compiler="replay").compile_twin() is None
     assert wh.Cluster.abstract(kinds=["cpu"] * 8).compile_twin() is None
 

@@ -137,7 +137,8 @@ class Cluster:
         except ClusterError:
             return None
         return twin._replace(host_memory=self.host_memory, host_source=self.host_source, measured=self.measured,
-                             spread=self.spread, overhead=self.overhead, calibrated_rows=self.calibrated_rows)
+                             spread=self.spread, overhead=self.overhead, calibrated_rows=self.calibrated_rows,
+                             links=self.links)
 
     @classmethod
     def gpu_topology(cls, kinds: Sequence[str], devices_per_node: int | None = None,
@@ -179,7 +180,8 @@ class Cluster:
             raise ClusterError("for_target() is for clusters made by Cluster.gpu_topology(...).")
         per = len(self.nodes[0]) if self.nodes else self.size
         return Cluster.gpu_topology(self.kinds, per, None, kind)._replace(host_memory=self.host_memory,
-                                                                          host_source=self.host_source)
+                                                                          host_source=self.host_source,
+                                                                          links=self.links)
 
     def over_abstract_mesh(self) -> Cluster:
         """This `gpu_topology` cluster with its devices kept for compiling only: plans lower over an
