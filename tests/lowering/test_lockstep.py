@@ -9,7 +9,7 @@ import whalex as wh
 from planner.test_auto_parallel import lm
 from whalex.balance.partition import FORWARD_SHARE, lockstep_time as partition_lockstep
 from whalex.mesh.specs import NETWORK_LATENCY, SPECS
-from whalex.records.schedules import RECOMPUTE_COSTS, lockstep_time, make_schedule, sending_ticks
+from whalex.records.schedules import RECOMPUTE_COSTS, lockstep_time, make_schedule, message_ticks, sending_ticks
 from whalex.view.timing import exchange, predict
 
 
@@ -71,6 +71,9 @@ def test_devices_wait_only_where_messages_move(name, S, M):
     t = sched.tables()
     moving = int(((t["send_f"][:, 0] | t["send_b"][:, 0]) > 0).sum())
     assert sched.lockstep_time(f, b, exchange=0.3) == pytest.approx(sched.lockstep_time(f, b) + 0.3 * moving)
+    per_tick = np.arange(sched.num_ticks) * 0.01                         # one exchange per tick: only moving ones count
+    assert sched.lockstep_time(f, b, exchange=per_tick) == pytest.approx(
+        sched.lockstep_time(f, b) + per_tick[sending_ticks(sched.chunk_kinds())].sum())
 
 
 def test_a_pipeline_plans_step_time_is_its_lockstep_time():
@@ -85,7 +88,9 @@ def test_a_pipeline_plans_step_time_is_its_lockstep_time():
     # each moving tick swaps one message between the V100 node and the T4 node: the T4 end's network
     message = plan.report.stage_buffers().message_bytes
     x = NETWORK_LATENCY + message / SPECS["T4-16GB"].network_bandwidth
-    assert exchange(plan) == (pytest.approx(x, rel=1e-12), "spec-table")
+    seconds, source = exchange(plan)
+    moving = sending_ticks(s.chunk_kinds())
+    assert source == "spec-table" and np.allclose(seconds[moving], x, rtol=1e-12) and not seconds[~moving].any()
     want = _by_hand(s, [p / 3 for p in per], per, x)
     assert RECOMPUTE_COSTS == (1.0, 3.0)
     got = predict(plan)
@@ -106,12 +111,25 @@ def test_a_slow_calibrated_link_adds_its_exchange_at_every_moving_tick(name):
     fast = wh.plan(loss_fn, params, batch, optax.sgd(0.1), cluster=cluster, config=config)
     slow = wh.plan(loss_fn, params, batch, optax.sgd(0.1), cluster=cluster.with_links(2e-3, 1e8), config=config)
     x = 2e-3 + slow.report.stage_buffers().message_bytes / 1e8
-    assert exchange(slow) == (pytest.approx(x, rel=1e-12), "calibrated")
+    seconds, source = exchange(slow)
     moving = int(sending_ticks(slow.schedule.chunk_kinds()).sum())
+    assert source == "calibrated" and seconds[seconds > 0] == pytest.approx([x] * moving, rel=1e-12)
     assert moving == (10 if name == "1f1b" else 16)                    # zb-h1's B ticks move apart from its forwards
-    compute = predict(fast).step_time - exchange(fast)[0] * moving
+    compute = predict(fast).step_time - exchange(fast)[0].sum()
     assert predict(slow).step_time == pytest.approx(compute + x * moving, rel=1e-9)
     assert "calibrated links" in slow.summary()
+
+
+def test_beyond_two_stages_a_tick_pays_one_collective_per_direction_its_messages_move():
+    loss_fn, params, batch = lm(4)
+    cluster = wh.Cluster.abstract(kinds=["H100-80GB"] * 4).with_links(1e-3, 1e9)
+    plan = wh.plan(loss_fn, params, batch, optax.sgd(0.1), cluster=cluster,
+                   config=wh.Config(auto_parallel=True, num_task_graph=4, num_micro_batch=8, schedule="1f1b"))
+    forward, back = message_ticks(plan.schedule.chunk_kinds())
+    assert (forward & back).any() and (forward ^ back).any()
+    nbytes = plan.report.stage_buffers().message_bytes / 1e9
+    want = np.where(forward & back, 2e-3 + nbytes, np.where(forward | back, 1e-3 + nbytes, 0.0))
+    assert exchange(plan)[0] == pytest.approx(want, rel=1e-12)
 
 
 @pytest.mark.parametrize("S, M", [(2, 8), (4, 8), (4, 16), (8, 16)])

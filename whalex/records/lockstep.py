@@ -20,7 +20,8 @@ def lockstep_time(kinds, forward, backward, weight=None, exchange=0.0, num_stage
     on stage c % `num_stages` (default: one chunk per stage), as `Schedule.chunk_kinds()`) run as the
     tick loop runs it. Devices wait for each other only where messages move (`sending_ticks`): the
     ticks up to and including such a tick last as long as the stage whose tasks in them cost most,
-    plus `exchange`. Where every tick moves a message, each tick lasts its costliest task.
+    plus `exchange` (seconds: one number, or one per tick). Where every tick moves a message, each
+    tick lasts its costliest task.
     `forward` and `backward`: a task's cost, one number or one per chunk; where the backward is
     split, W costs `weight` (default: a forward) and B the rest of the backward."""
     kinds = np.asarray(kinds)
@@ -37,7 +38,8 @@ def lockstep_time(kinds, forward, backward, weight=None, exchange=0.0, num_stage
     group = np.concatenate([[0], np.cumsum(sends)[:-1]])                       # a group ends on a send
     per_group = np.zeros((group[-1] + 1, S))
     np.add.at(per_group, group, stage)
-    return float(per_group.max(axis=1).sum() + exchange * sends.sum())
+    moves = np.broadcast_to(np.asarray(exchange, np.float64), sends.shape)
+    return float(per_group.max(axis=1).sum() + moves[sends].sum())
 
 
 def message_ticks(kinds) -> tuple[np.ndarray, np.ndarray]:

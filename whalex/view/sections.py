@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from whalex.memory.offload import fetch_per_leaf
 from whalex.memory.remat import summary_lines
-from whalex.records.schedules import RECOMPUTE_COSTS, render as render_schedule, sending_ticks
+from whalex.records.schedules import RECOMPUTE_COSTS, render as render_schedule
 from whalex.view.format import fmt_bytes, fmt_devices, fmt_flops, fmt_pct, fmt_speed, fmt_time
 from whalex.view.timing import exchange
 
@@ -171,10 +171,12 @@ def pipeline(plan) -> Section | None:
                  f"{s.stash[0]} stashed {held} per stage"
                  + (_split_backward(plan) if s.split_backward else ""))]
     seconds, source = exchange(plan)
-    if seconds:
-        body.append(Line(f"exchanges: {int(sending_ticks(s.chunk_kinds()).sum())} of {s.num_ticks} ticks move "
-                         f"messages between stages, {fmt_time(seconds)} each over the slowest link ({source} "
-                         "links), counted in the predicted step time", 1))
+    moving = seconds[seconds > 0]
+    if len(moving):
+        low, high = fmt_time(float(moving.min())), fmt_time(float(moving.max()))
+        each = low if low == high else f"{low} to {high}"
+        body.append(Line(f"exchanges: {len(moving)} of {s.num_ticks} ticks move messages between stages, {each} "
+                         f"each over the slowest link ({source} links), counted in the predicted step time", 1))
     for k, layers in enumerate(plan.stage_layers):
         if layers:
             body.append(Line(f"stage {k}: {len(layers)} layer{'s' if len(layers) > 1 else ''} "

@@ -20,6 +20,7 @@ import statistics
 import time
 
 import jax
+import numpy as np
 
 from whalex.mesh.links import exchange_seconds, stage_pairs
 from whalex.records import schedules
@@ -73,25 +74,28 @@ def _lockstep(plan, speeds, precision: str) -> Prediction:
            / min(speeds[d] for d in t.devices) for t in plan.task_graphs]
     seconds, link_source = exchange(plan)
     step = s.lockstep_time([p * fwd / bwd for p in per], per, exchange=seconds)
-    moving = int(schedules.sending_ticks(s.chunk_kinds()).sum())
+    moving = seconds[seconds > 0]
     basis = (f"pipeline ticks in lockstep, each as long as its costliest task (stage FLOPs / device speed"
-             f"{precision}), and {moving} exchanges of messages between stages, {fmt_time(seconds)} each "
-             f"({link_source} links); utilisation {fmt_pct(s.utilisation(*schedules.RECOMPUTE_COSTS))}, "
+             f"{precision}), and {len(moving)} exchanges of messages between stages"
+             + (f", {fmt_time(float(moving.mean()))} each on average ({link_source} links)" if len(moving) else "")
+             + f"; utilisation {fmt_pct(s.utilisation(*schedules.RECOMPUTE_COSTS))}, "
              f"bubble {fmt_pct(s.bubble_fraction)}")
     return Prediction(tuple(step for _ in speeds), basis)
 
 
-def exchange(plan) -> tuple[float, str]:
-    """(seconds of one tick's exchange, where its links' figures come from): each stage's message over
-    the slowest link to its neighbour, one collective per tick between two stages (a swap), two
-    otherwise (forward and back)."""
+def exchange(plan) -> tuple[np.ndarray, str]:
+    """(seconds of each tick's exchange, 0 where no message moves; where its links' figures come from):
+    each stage's message over the slowest link to its neighbour, as the ticks run it: at 2 stages one
+    swap, otherwise one collective per direction in which a message moves."""
     s, buffers = plan.schedule, plan.report.stage_buffers()
+    forward, back = schedules.message_ticks(s.chunk_kinds())
     if buffers is None or s.num_stages < 2:
-        return 0.0, "no"
+        return np.zeros(len(forward)), "no"
     pairs = stage_pairs([t.devices for t in plan.task_graphs], ring=s.virtual_stages > 1)
-    collectives = 1 if s.num_stages == 2 and s.virtual_stages == 1 else 2
-    source = "calibrated" if plan.cluster.links is not None else "spec-table"
-    return exchange_seconds(plan.cluster, pairs, buffers.message_bytes, collectives), source
+    one, two = (exchange_seconds(plan.cluster, pairs, buffers.message_bytes, k) for k in (1, 2))
+    both = forward & back if s.num_stages > 2 else np.zeros_like(forward)
+    seconds = np.where(both, two, np.where(forward | back, one, 0.0))
+    return seconds, "calibrated" if plan.cluster.links is not None else "spec-table"
 
 
 @dataclasses.dataclass(frozen=True)
