@@ -128,18 +128,12 @@ def stage_mesh():
 
 def exchange_program(nbytes: int, swaps: int = EXCHANGES):
     """`swaps` exchanges of an `nbytes` message between the two processes' devices and nothing else: a
-    moving tick's exchange, timed as the steps are."""
+    moving tick's exchange, timed as the steps are (calibrate's own link program)."""
     import jax
-    import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
-    mesh, n = stage_mesh(), max(nbytes // 4, 1)
+    from whalex.balance.link_timing import swap_program
 
-    def body(x):
-        return jax.lax.fori_loop(0, swaps, lambda _, y: jax.lax.ppermute(y, "s", [(0, 1), (1, 0)]) + 1.0, x)
-
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("s"), out_specs=P("s")))
-    x = jax.make_array_from_callback((2 * n,), NamedSharding(mesh, P("s")), lambda idx: np.zeros(n, np.float32))
+    fn, x = swap_program(stage_mesh().devices.flat, max(nbytes // 4, 1), swaps)
     return lambda: float(jax.device_get(fn(x).addressable_shards[0].data)[0])
 
 

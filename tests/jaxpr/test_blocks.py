@@ -55,3 +55,25 @@ def test_segments_with_other_constraints_or_overrides_are_not_shared():
     first_dot = next(i for i in range(segs[2].start, segs[2].stop) if eqns[i].primitive.name == "dot_general")
     assert shared_blocks(cap, segs, {((first_dot,), "out", 0): P("data")}, {}) == [0, 1, 2, 1, 0, 1, 6]
     assert shared_blocks(cap, segs, {}, {(first_dot,): lambda *a: a}) == [0, 1, 2, 1, 0, 1, 6]
+
+
+def test_run_edges_give_each_run_what_it_reads_and_what_later_runs_read():
+    """The edges both a plan's segments and a pipeline stage's layer runs are cut along: a run reads
+    what it does not define (first read first) and writes only what a later run or the output reads."""
+    from whalex.jaxpr.segments import run_edges
+
+    def f(x, y):
+        a = x * 2.0
+        _ = a - 1.0                 # read by nothing
+        b = a + y
+        return b * a
+
+    jaxpr = jax.make_jaxpr(f)(1.0, 2.0).jaxpr
+    eqns = jaxpr.eqns
+    x, y = jaxpr.invars
+    a = eqns[0].outvars[0]
+    (first_reads, first_writes), (rest_reads, rest_writes) = run_edges([eqns[:2], eqns[2:]], jaxpr.outvars)
+    assert first_reads == [x] and first_writes == [a]
+    assert rest_reads == [a, y] and rest_writes == list(jaxpr.outvars)
+    (reads, writes), = run_edges([eqns], jaxpr.outvars)      # one run: the loss's inputs and output
+    assert reads == [x, y] and writes == list(jaxpr.outvars)

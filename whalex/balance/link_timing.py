@@ -9,7 +9,6 @@ process times its own view of the same swaps and the slowest counts.
 """
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Sequence
 
@@ -23,16 +22,16 @@ SIZES = (1 << 12, 1 << 20)              # bytes per device of the two messages t
 UNBOUNDED = 1e15                        # bytes/s where the two sizes timed alike (noise flattened the line)
 
 
-@functools.lru_cache(maxsize=4)
-def _swap_program(devices: tuple, elements: int):
-    """`SWAPS` swaps around the ring of `devices` of a float32 buffer of `elements` per device, jitted,
-    and its placed argument."""
+def swap_program(devices: Sequence, elements: int, swaps: int = SWAPS):
+    """`swaps` swaps around the ring of `devices` of a float32 buffer of `elements` per device, jitted,
+    and its placed argument (nothing cached: the buffers go with the caller's last reference)."""
+    devices = list(devices)
     mesh = Mesh(np.array(devices), ("link",))
     n = len(devices)
     ring = [(i, (i + 1) % n) for i in range(n)]
 
     def body(x):
-        return jax.lax.fori_loop(0, SWAPS, lambda _, y: jax.lax.ppermute(y, "link", ring) + 1.0, x)
+        return jax.lax.fori_loop(0, swaps, lambda _, y: jax.lax.ppermute(y, "link", ring) + 1.0, x)
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("link"), out_specs=P("link")))
     sharding = NamedSharding(mesh, P("link"))
@@ -42,7 +41,7 @@ def _swap_program(devices: tuple, elements: int):
 
 def _seconds_per_swap(devices: tuple, nbytes: int, repeats: int) -> float:
     """The median seconds of one swap of `nbytes` per device, over `repeats` timed runs (one warm-up)."""
-    fn, x = _swap_program(devices, max(nbytes // 4, 1))
+    fn, x = swap_program(devices, max(nbytes // 4, 1))
     jax.block_until_ready(fn(x))
     times = []
     for _ in range(repeats):

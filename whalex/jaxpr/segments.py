@@ -35,25 +35,29 @@ def segments(cap, cuts: Sequence[int] = ()) -> tuple[Segment, ...]:
             runs[-1].append(i)
         else:
             runs.append([i])
-    later_use: dict = {}
-    for i, eqn in enumerate(eqns):
-        for v in eqn.invars:
-            if not isinstance(v, C.Literal):
-                later_use[v] = i
-    returned = {v for v in jaxpr.outvars if not isinstance(v, C.Literal)}
-    out = []
-    for run in runs:
-        start, stop = run[0], run[-1] + 1
-        defined, inputs = set(), []
-        for i in run:
-            for v in eqns[i].invars:
-                if not isinstance(v, C.Literal) and v not in defined and v not in inputs:
-                    inputs.append(v)
-            defined.update(eqns[i].outvars)
-        outputs = [v for i in run for v in eqns[i].outvars
-                   if v in returned or later_use.get(v, -1) >= stop]
-        out.append(Segment(cap.assign[(start,)], start, stop, tuple(inputs), tuple(outputs)))
+    edges = run_edges([[eqns[i] for i in run] for run in runs], jaxpr.outvars)
+    out = [Segment(cap.assign[(run[0],)], run[0], run[-1] + 1, tuple(reads), tuple(writes))
+           for run, (reads, writes) in zip(runs, edges)]
     return tuple(out)
+
+
+def run_edges(groups: Sequence[Sequence], live_out: Sequence) -> list[tuple[list, list]]:
+    """Each of consecutive runs of equations `groups`, evaluated as one function: (the Vars it reads and
+    does not define, in the order first read; the Vars it defines that a later run reads or `live_out`
+    holds, in the order defined)."""
+    needed = {v for v in live_out if isinstance(v, C.Var)}
+    later: list[set] = []
+    for group in reversed(groups):           # what each run's successors (and the outputs) read
+        later.append(set(needed))
+        needed |= {v for e in group for v in e.invars if isinstance(v, C.Var)}
+    later.reverse()
+    edges = []
+    for group, after in zip(groups, later):
+        defined = {v for e in group for v in e.outvars}
+        reads = list(dict.fromkeys(v for e in group for v in e.invars if isinstance(v, C.Var) and v not in defined))
+        writes = [v for e in group for v in e.outvars if v in after and not isinstance(v, C.DropVar)]
+        edges.append((reads, writes))
+    return edges
 
 
 def _debug_info(jaxpr, seg: Segment):

@@ -4,7 +4,7 @@
     print(timing)        # measured ... ms per step (median of 5, ± ...%); predicted ... ms ...
     timing               # in a notebook: a small table
 
-The prediction is the plan's cost model of compute only: on a heterogeneous plan the balance
+The prediction is the plan's cost model of compute and a pipeline's exchanges: on a heterogeneous plan the balance
 report's per-device time (fixed time + rows x FLOPs per row / speed), otherwise each device's even
 share of the plan's FLOPs (counted from the jaxpr) over its speed (the spec table's peak FP32 FLOP/s,
 its bf16 tensor-core peak under amp, or calibrated speeds); a pipeline's as its ticks run in lockstep,

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from whalex import _compat as C
 from whalex.jaxpr.capture import Captured
 from whalex.jaxpr.interpret import apply_eqn, call_prefixes
+from whalex.jaxpr.segments import run_edges
 from whalex.lowering.pipeline.cut import StageCut
 from whalex.lowering.pipeline.outputs import PartOutputs
 from whalex.lowering.pipeline.packing import Message, Slot, layout, pack_values, unpack
@@ -29,6 +30,25 @@ from whalex.lowering.pipeline.rows import ParamRows
 from whalex.lowering.pipeline.weights import WeightSplit, weight_grads, weight_split
 from whalex.lowering.stage_batch import StageBatchLayout
 from whalex.memory.remat import in_order
+
+
+class ChunkContext(NamedTuple):
+    """What a chunk's forward and its W read of the captured loss: its constants, its parameters'
+    Vars, the loss's batch Vars, the 3D constraints and their paths."""
+
+    consts: dict
+    param_vars: list
+    input_vars: list
+    constraints: dict
+    cpaths: list
+
+
+def chunk_context(cap: Captured, cut: StageCut, s: int, constraints=None) -> ChunkContext:
+    """Chunk `s`'s `ChunkContext`."""
+    jaxpr = cap.jaxpr.jaxpr
+    constraints = dict(constraints or {})
+    return ChunkContext(dict(zip(jaxpr.constvars, cap.jaxpr.consts)), [jaxpr.invars[p] for p in cut.params[s]],
+                        list(jaxpr.invars[cap.num_params:]), constraints, [c[0] for c in constraints])
 
 
 def stage_fn(cap: Captured, cut: StageCut, s: int, constraints=None, layer_cuts: Sequence[int] = (),
@@ -41,14 +61,10 @@ def stage_fn(cap: Captured, cut: StageCut, s: int, constraints=None, layer_cuts:
     order, so that the stage's backward, which recomputes its forward, holds one layer's residuals at a
     time rather than the whole stage's."""
     jaxpr = cap.jaxpr.jaxpr
-    consts = dict(zip(jaxpr.constvars, cap.jaxpr.consts))
+    consts, param_vars, input_vars, constraints, cpaths = chunk_context(cap, cut, s, constraints)
     live_in, live_out = cut.live_in(s), cut.live_out(s, jaxpr.outvars)
-    param_vars = [jaxpr.invars[p] for p in cut.params[s]]
-    input_vars = jaxpr.invars[cap.num_params:]
     wanted = list(live_out) + list(keep)
     runs = layer_runs([(i, jaxpr.eqns[i]) for i in cut.eqns[s]], layer_cuts, wanted)
-    constraints = dict(constraints or {})
-    cpaths = [c[0] for c in constraints]
 
     def fn(params_s, live, inputs, overrides, taps=None):
         if constraints:     # 3D: the message and the batch rows arrive whole on each model device
@@ -81,14 +97,10 @@ def stage_fn(cap: Captured, cut: StageCut, s: int, constraints=None, layer_cuts:
 def weight_fn(cap: Captured, cut: StageCut, s: int, split: WeightSplit, constraints=None):
     """W of chunk s: (params_s leaves, the W stash row's values, overrides, (batch leaves, extra leaves))
     -> the parameters' gradient."""
-    jaxpr = cap.jaxpr.jaxpr
-    consts = dict(zip(jaxpr.constvars, cap.jaxpr.consts))
-    param_vars = [jaxpr.invars[p] for p in cut.params[s]]
+    consts, param_vars, input_vars, constraints, cpaths = chunk_context(cap, cut, s, constraints)
     indices = list(cut.eqns[s])
-    eqns = [jaxpr.eqns[i] for i in indices]
-    constraints = dict(constraints or {})
-    cpaths = [c[0] for c in constraints]
-    where = {v: k for k, v in enumerate(jaxpr.invars[cap.num_params:])}
+    eqns = [cap.jaxpr.jaxpr.eqns[i] for i in indices]
+    where = {v: k for k, v in enumerate(input_vars)}
 
     def fn(params_s, row, overrides, inputs):
         reread = [inputs[where[v]] for v in split.reread]
@@ -131,20 +143,8 @@ def layer_runs(eqns: list, layer_cuts: Sequence[int], live_out: Sequence) -> lis
         if not groups or (i in cuts and groups[-1]):
             groups.append([])
         groups[-1].append((i, eqn))
-    later: list[set] = []
-    needed = {v for v in live_out if isinstance(v, C.Var)}
-    for group in reversed(groups):           # what each run's successors (and the outputs) read
-        later.append(set(needed))
-        needed |= {v for _, e in group for v in e.invars if isinstance(v, C.Var)}
-    later.reverse()
-    runs = []
-    for group, after in zip(groups, later):
-        defined = {v for _, e in group for v in e.outvars}
-        reads = list(dict.fromkeys(v for _, e in group for v in e.invars
-                                   if isinstance(v, C.Var) and v not in defined))
-        writes = [v for _, e in group for v in e.outvars if v in after and not isinstance(v, C.DropVar)]
-        runs.append(Run(group, reads, writes, bool(cuts)))
-    return runs
+    edges = run_edges([[e for _, e in group] for group in groups], live_out)
+    return [Run(group, reads, writes, bool(cuts)) for group, (reads, writes) in zip(groups, edges)]
 
 
 @dataclasses.dataclass(frozen=True)

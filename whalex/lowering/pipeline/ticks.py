@@ -105,6 +105,18 @@ class TickLoop:
         task = (kind, row["chunk"][s], row["slot"][s], row["gslot"][s], row["wslot"][s])
         return state._replace(stash=stash, grad_stash=gstash), task, m, inputs
 
+    @staticmethod
+    def operands(state: LoopState, task, device: Device):
+        """(the stage's parameter row, the task's stashed input message, its stashed output cotangent)."""
+        return device.params, state.stash[task[2]], state.grad_stash[task[3]]
+
+    @staticmethod
+    def forward_or_idle(task, params, x, inputs, work: Branches):
+        """The task's chunk's forward when it is one, else the idle branch: (message on, part outputs,
+        per-example outputs)."""
+        kind, c = task[:2]
+        return tree_switch(jnp.where(kind == 1, 1 + c, 0), work.forward, params, x, inputs)
+
     def run_one_tick(self, state: LoopState, task, inputs, device: Device, work: Branches):
         """The chunk's forward, backward or nothing: (message on, message back, gradient accumulator,
         part outputs, per-example outputs, W stash). A backward adds into its chunk's own segments of
@@ -112,15 +124,15 @@ class TickLoop:
         conditionals side by side instead, each holding only the state it writes (`split_tick`)."""
         if self.weight_slots:
             return self.split_tick(state, task, inputs, device, work)
-        kind, c, slot, gslot, _ = task
-        params, x, ct = device.params, state.stash[slot], state.grad_stash[gslot]
+        kind, c = task[:2]
+        params, x, ct = self.operands(state, task, device)
 
         def backward(gacc):
             dx, gacc = tree_switch(c, work.backward, gacc, params, x, ct, inputs)
             return work.zero_message, dx, gacc, work.zero_outputs, self.outputs.no_rows()
 
         def forward(gacc):         # or idle
-            y, outs, routs = tree_switch(jnp.where(kind == 1, 1 + c, 0), work.forward, params, x, inputs)
+            y, outs, routs = self.forward_or_idle(task, params, x, inputs, work)
             return y, work.zero_message, gacc, outs, routs
 
         return *jax.lax.cond(kind == 2, backward, forward, state.grads), state.weight_stash
@@ -130,9 +142,9 @@ class TickLoop:
         conditional, side by side, holding only what it writes (the forward nothing, B the W stash,
         into whose slot it writes its row, W the accumulator): a buffer threaded through a conditional
         nested in another was copied by XLA on every tick."""
-        kind, c, slot, gslot, wslot = task
-        params, x, ct = device.params, state.stash[slot], state.grad_stash[gslot]
-        y, outs, routs = tree_switch(jnp.where(kind == 1, 1 + c, 0), work.forward, params, x, inputs)
+        kind, c, _, _, wslot = task
+        params, x, ct = self.operands(state, task, device)
+        y, outs, routs = self.forward_or_idle(task, params, x, inputs, work)
 
         def input_gradient(rows):
             dx, row = tree_switch(c, work.backward, params, x, ct, inputs)
