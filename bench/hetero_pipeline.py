@@ -133,7 +133,7 @@ def exchange_program(nbytes: int, swaps: int = EXCHANGES):
 
     from whalex.balance.link_timing import swap_program
 
-    fn, x = swap_program(stage_mesh().devices.flat, max(nbytes // 4, 1), swaps)
+    fn, x = swap_program(jax.devices(), max(nbytes // 4, 1), swaps)
     return lambda: float(jax.device_get(fn(x).addressable_shards[0].data)[0])
 
 

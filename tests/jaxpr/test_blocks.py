@@ -8,7 +8,7 @@ import whalex as wh
 from whalex.jaxpr.blocks import block_evaluator, shared_blocks
 from whalex.jaxpr.capture import capture
 from whalex.jaxpr.interpret import make_evaluator
-from whalex.jaxpr.segments import segments
+from whalex.jaxpr.segments import run_edges, segments
 
 
 def _loss(params, batch):
@@ -60,8 +60,6 @@ def test_segments_with_other_constraints_or_overrides_are_not_shared():
 def test_run_edges_give_each_run_what_it_reads_and_what_later_runs_read():
     """The edges both a plan's segments and a pipeline stage's layer runs are cut along: a run reads
     what it does not define (first read first) and writes only what a later run or the output reads."""
-    from whalex.jaxpr.segments import run_edges
-
     def f(x, y):
         a = x * 2.0
         _ = a - 1.0                 # read by nothing
