@@ -42,6 +42,16 @@ class LoopState(NamedTuple):
     weight_stash: Any  # [weight_slots, width]: what a split backward's B left for its W (() without)
 
 
+class Task(NamedTuple):
+    """A device's work this tick, as its row of the schedule's tables gives it (traced scalars)."""
+
+    kind: Any     # 0 nothing, 1 a forward, 2 a backward (B when split), 3 a split backward's W
+    chunk: Any    # the model chunk it runs (its stage without interleaving)
+    slot: Any     # the forward stash slot it reads its input message from
+    gslot: Any    # the gradient stash slot it reads its output cotangent from
+    wslot: Any    # the W stash slot its B writes and its W reads
+
+
 @dataclasses.dataclass(frozen=True)
 class Device:
     """One device inside the step: its place, its stage's parameter rows and its rows of the batch."""
@@ -92,8 +102,7 @@ class TickLoop:
                          msg.zeros(), msg.zeros(), wstash)
 
     def iteration_inputs(self, state: LoopState, row: dict, device: Device):
-        """This tick's work: the messages of last tick stashed, then (state, task, micro-batch, inputs),
-        the task (kind, chunk, stash slot, gradient stash slot, W stash slot) as the tables give it."""
+        """This tick's work: the messages of last tick stashed, then (state, task, micro-batch, inputs)."""
         s = device.stage
         kind, m = row["kind"][s], row["mb"][s]
         rf, rb = row["recv_f"][s], row["recv_b"][s]
@@ -102,47 +111,45 @@ class TickLoop:
         gstash = state.grad_stash.at[bslot].set(jnp.where(rb >= 0, state.bwd_in, state.grad_stash[bslot]))
         m = jnp.clip(m, 0, self.num_micro - 1)
         inputs = (device.micro_rows(m), device.extra, m)
-        task = (kind, row["chunk"][s], row["slot"][s], row["gslot"][s], row["wslot"][s])
+        task = Task(kind, row["chunk"][s], row["slot"][s], row["gslot"][s], row["wslot"][s])
         return state._replace(stash=stash, grad_stash=gstash), task, m, inputs
 
     @staticmethod
-    def operands(state: LoopState, task, device: Device):
+    def operands(state: LoopState, task: Task, device: Device):
         """(the stage's parameter row, the task's stashed input message, its stashed output cotangent)."""
-        return device.params, state.stash[task[2]], state.grad_stash[task[3]]
+        return device.params, state.stash[task.slot], state.grad_stash[task.gslot]
 
     @staticmethod
-    def forward_or_idle(task, params, x, inputs, work: Branches):
+    def forward_or_idle(task: Task, params, x, inputs, work: Branches):
         """The task's chunk's forward when it is one, else the idle branch: (message on, part outputs,
         per-example outputs)."""
-        kind, c = task[:2]
-        return tree_switch(jnp.where(kind == 1, 1 + c, 0), work.forward, params, x, inputs)
+        return tree_switch(jnp.where(task.kind == 1, 1 + task.chunk, 0), work.forward, params, x, inputs)
 
-    def run_one_tick(self, state: LoopState, task, inputs, device: Device, work: Branches):
+    def run_one_tick(self, state: LoopState, task: Task, inputs, device: Device, work: Branches):
         """The chunk's forward, backward or nothing: (message on, message back, gradient accumulator,
         part outputs, per-example outputs, W stash). A backward adds into its chunk's own segments of
         the accumulator, which the forward branch passes through. A split backward's tasks are
         conditionals side by side instead, each holding only the state it writes (`split_tick`)."""
         if self.weight_slots:
             return self.split_tick(state, task, inputs, device, work)
-        kind, c = task[:2]
         params, x, ct = self.operands(state, task, device)
 
         def backward(gacc):
-            dx, gacc = tree_switch(c, work.backward, gacc, params, x, ct, inputs)
+            dx, gacc = tree_switch(task.chunk, work.backward, gacc, params, x, ct, inputs)
             return work.zero_message, dx, gacc, work.zero_outputs, self.outputs.no_rows()
 
         def forward(gacc):         # or idle
             y, outs, routs = self.forward_or_idle(task, params, x, inputs, work)
             return y, work.zero_message, gacc, outs, routs
 
-        return *jax.lax.cond(kind == 2, backward, forward, state.grads), state.weight_stash
+        return *jax.lax.cond(task.kind == 2, backward, forward, state.grads), state.weight_stash
 
-    def split_tick(self, state: LoopState, task, inputs, device: Device, work: Branches):
+    def split_tick(self, state: LoopState, task: Task, inputs, device: Device, work: Branches):
         """`run_one_tick` with the backward split: the forward (or idle), B and W each their own two-way
         conditional, side by side, holding only what it writes (the forward nothing, B the W stash,
         into whose slot it writes its row, W the accumulator): a buffer threaded through a conditional
         nested in another was copied by XLA on every tick."""
-        kind, c, _, _, wslot = task
+        kind, c, wslot = task.kind, task.chunk, task.wslot
         params, x, ct = self.operands(state, task, device)
         y, outs, routs = self.forward_or_idle(task, params, x, inputs, work)
 
@@ -157,11 +164,10 @@ class TickLoop:
         gacc = jax.lax.cond(kind == 3, weight_gradient, lambda g, rows: g, state.grads, wstash)
         return y, dx, gacc, outs, routs, wstash
 
-    def accumulate_outputs(self, state: LoopState, task, m, outs, routs, device: Device):
+    def accumulate_outputs(self, state: LoopState, task: Task, m, outs, routs, device: Device):
         """The part outputs of the last chunk's forward of micro-batch m combined into the accumulators:
         (batch-free outputs, per-example outputs written at the micro-batch's rows)."""
-        kind, c = task[0], task[1]
-        done = (kind == 1) & (c == self.num_chunks - 1)
+        done = (task.kind == 1) & (task.chunk == self.num_chunks - 1)
         oacc = jnp.where(done, self.outputs.combine(state.outputs, outs), state.outputs)
         n = device.micro
         racc = [jax.lax.dynamic_update_slice_in_dim(a, jnp.where(done, o, jax.lax.dynamic_slice_in_dim(a, m * n, n, 0)),
@@ -189,7 +195,7 @@ class TickLoop:
         state, task, m, inputs = self.iteration_inputs(state, row, device)
         y, dx, grads, outs, routs, wstash = self.run_one_tick(state, task, inputs, device, work)
         oacc, racc = self.accumulate_outputs(state, task, m, outs, routs, device)
-        fout, bout = self.pass_messages(y, dx, device.stage, task[0], row["send_f"][0] > 0, row["send_b"][0] > 0)
+        fout, bout = self.pass_messages(y, dx, device.stage, task.kind, row["send_f"][0] > 0, row["send_b"][0] > 0)
         return LoopState(state.stash, state.grad_stash, grads, oacc, racc, fout, bout, wstash), None
 
     def run(self, device: Device, work: Branches, zero_grads: Callable) -> LoopState:
