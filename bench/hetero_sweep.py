@@ -60,7 +60,7 @@ def parse(argv=None):
     ap.add_argument("--micro", type=int, default=8, help="pipeline: micro-batches per step")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--block", type=int, default=4)
-    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per setting (the hybrid at 4096: 17 min)")
     ap.add_argument("--out", default=None, help="the results file (default bench/results/hetero_sweep.json)")
     ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)

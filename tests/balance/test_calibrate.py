@@ -246,6 +246,32 @@ def test_the_step_is_timed_at_a_quarter_half_and_all_of_the_batchs_rows(monkeypa
     assert cal._fractions({"x": np.zeros((1, 2))}) is None
 
 
+def test_a_heterogeneous_pipelines_summary_says_whether_its_micro_batch_lies_inside_the_calibrated_rows():
+    # a stage runs one micro-batch at a time: its speed is the one at those rows, not the whole batch's
+    from lowering.test_pipeline import Deep
+    model = Deep()
+    k = jax.random.split(jax.random.key(0), 3)
+    batch = {"x": jax.random.normal(k[0], (64, 8)), "y": jax.random.normal(k[1], (64, 4))}
+    params = model.init(k[2], batch["x"], batch["y"])["params"]
+    loss_fn = lambda p, b: model.apply({"params": p}, b["x"], b["y"])
+    config = wh.Config(num_micro_batch=4, num_task_graph=2, auto_parallel=True)
+
+    def plan(rows):
+        cluster = wh.Cluster.detect().with_speeds([2e9] * 4 + [1e9] * 4, rows=rows)
+        return wh.plan(loss_fn, params, batch, cluster=cluster, config=config)
+    inside = plan((1, 64))
+    micro = 64 // (inside.layout.axis_sizes[0] * 4)
+    assert inside.schedule is not None and micro > 1
+    assert f"calibrated at 1 to 64 rows per device: a stage's micro-batch of {micro} rows lies inside" \
+        in inside.summary()
+    text = plan((4 * micro, 64)).summary()
+    assert f"but a stage runs one micro-batch of {micro} rows at a time" in text
+    assert f"a calibration batch of at most {4 * micro} rows (its quarter is timed)" in text
+    assert f"one of at least {micro} rows" in plan((1, micro - 1)).summary()
+    even = wh.Cluster.detect().with_speeds([1e9] * 8, rows=(4 * micro, 64))     # no speed-cut stages: no line
+    assert "micro-batch of" not in wh.plan(loss_fn, params, batch, cluster=even, config=config).summary()
+
+
 def test_devices_that_differ_are_timed_again_each_around_its_own_share(monkeypatch):
     # 8 devices, half 2x slower per row, with fixed time: once the speeds differ, every device is timed
     # again at counts around the share the balanced plan gives it (all together), and that fit is kept

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from whalex.memory.offload import fetch_per_leaf
 from whalex.memory.remat import summary_lines
 from whalex.records.schedules import RECOMPUTE_COSTS, render as render_schedule
+from whalex.view.calibration import calibrated_range_lines, micro_batch_range_lines, speed_lines
 from whalex.view.format import fmt_bytes, fmt_devices, fmt_flops, fmt_pct, fmt_speed, fmt_time
 from whalex.view.timing import exchange
 
@@ -71,27 +72,6 @@ def _table(columns, rows, numeric, units=None) -> Table:
     units = units or {}
     return Table(tuple(columns), tuple(tuple(r) for r in rows), tuple(c in numeric for c in columns),
                  units=tuple(units.get(c, "") for c in columns))
-
-
-def speed_lines(cluster) -> list[str]:
-    """Calibrated speeds, one line per group of devices that the noise made equal: the common
-    speed, and the spread (or range of spreads) of the members' measurements."""
-    if cluster.measured is None:
-        return []
-    groups: dict[float, list[int]] = {}
-    for i, s in enumerate(cluster.measured):
-        groups.setdefault(s, []).append(i)
-    lines = ["calibrated speeds " + ("(median over timing rounds ± relative spread; speeds equal within the noise "
-                                     "are merged):" if cluster.spread is not None else "(given without a spread):")]
-    for speed, ids in sorted(groups.items(), key=lambda g: -g[0]):
-        text = f"  {fmt_speed(speed)} on device{'s' if len(ids) > 1 else ''} {fmt_devices(tuple(ids))}"
-        if cluster.spread is not None:
-            lo, hi = min(cluster.spread[i] for i in ids), max(cluster.spread[i] for i in ids)
-            text += f", spread ± {fmt_pct(lo)}" + (f" to {fmt_pct(hi)}" if hi > lo else "")
-        if cluster.overhead is not None:
-            text += f", fixed {fmt_time(cluster.overhead[ids[0]])} per step"
-        lines.append(text)
-    return lines
 
 
 def mesh_text(plan) -> str:
@@ -181,6 +161,7 @@ def pipeline(plan) -> Section | None:
         if layers:
             body.append(Line(f"stage {k}: {len(layers)} layer{'s' if len(layers) > 1 else ''} "
                              f"({', '.join(layers)})", 1))
+    body += [Line(t, 1) for t in micro_batch_range_lines(plan)]
     buffers = plan.report.stage_buffers()
     if buffers is not None and buffers.head_rows_split:
         mp = dict(zip(plan.layout.axis_names, plan.layout.axis_sizes)).get("model", 1)
@@ -220,28 +201,6 @@ def balance(plan, report, key: str) -> Section:
     if key == "balance":
         body += refinement_items(plan, r)
     return Section(key, f"Hardware-aware balance of the {r.kind}", tuple(body))
-
-
-def calibrated_range_lines(plan, report) -> list[str]:
-    """Where the plan's row shares fall outside the rows calibrate timed (their times extrapolated)."""
-    span = plan.cluster.calibrated_rows
-    if span is None or not report.kind.startswith("batch"):
-        return []
-    lo, hi = span
-    rows = [d.rows if report.applied else d.even_rows for d in report.devices]
-    out = [i for i, n in enumerate(rows) if not lo <= n <= hi]
-    line = f"calibrated at {lo} to {hi} rows per device"
-    if not out:
-        return [line + ": every device's share lies inside"]
-    fewest, most = min(rows[i] for i in out), max(rows[i] for i in out)
-    fix = []
-    if fewest < lo:
-        fix.append(f"a calibration batch of at most {4 * fewest} rows (its quarter is timed)")
-    if most > hi:
-        fix.append(f"one of at least {most} rows")
-    return [f"{line}; outside it: device{'s' if len(out) > 1 else ''} {fmt_devices(tuple(out))} "
-            f"({', '.join(str(rows[i]) for i in out)} rows), whose fixed and per-row times are extrapolated: "
-            f"calibrate with {' or '.join(fix)}, or refine on the real step (Config(hardware_aware='refine'))"]
 
 
 def _rows(rows, units=()) -> str:
