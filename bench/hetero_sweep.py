@@ -146,12 +146,9 @@ def confirm(run, timings, names, args, log):
     """The sweep's two fastest splits and every whalex variant timed again, in fresh interleaved rounds:
     the least of nine noisy medians is a lucky draw as often as a fast split, so the fastest found is
     compared with whalex's plans on timings that did not choose it."""
-    import jax
-    from jax.experimental import multihost_utils
+    from whalex.refining import slowest
     sweep = [n for n in names if n.startswith("x")]
-    medians = np.asarray([harness.median(timings.times(n)) for n in sweep], np.float64)
-    if jax.process_count() > 1:      # every process confirms the same splits in the same order (one program)
-        medians = np.asarray(multihost_utils.process_allgather(medians)).reshape(jax.process_count(), -1).max(0)
+    medians = slowest([harness.median(timings.times(n)) for n in sweep])   # alike on every process: one program
     sweep = [sweep[i] for i in np.argsort(medians, kind="stable")]
     again = sweep[:CONFIRM_SWEEP] + [n for n in names if not n.startswith("x")]
     log(f"confirming {again}")

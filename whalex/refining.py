@@ -120,7 +120,7 @@ class Refiner:
 
     def _next(self, p: Plan) -> None:
         """A split's timed steps are in: record it, and ask the search for the next (or confirm)."""
-        med, spread = median_spread(_slowest(self.times))
+        med, spread = median_spread(slowest(self.times))
         self.points.append(SplitTiming(self.scale, tuple(p.batch_sizes), med, spread, len(self.times),
                                        placement(p)[1]))
         self.times, self.at_point = [], 0
@@ -148,7 +148,7 @@ class Refiner:
             self.scale = self.queue[0]
             return
         other = next(s for s in self.confirming if s != 1.0)
-        times = {s: _slowest(t) for s, t in self.confirming.items()}
+        times = {s: slowest(t) for s, t in self.confirming.items()}
         timings = tuple(SplitTiming(s, tuple(self.plan_at(s).batch_sizes), *median_spread(t), len(t),
                                     placement(self.plan_at(s))[1]) for s, t in times.items())
         self._finish(confirmed(other, times[1.0], times[other]), timings)
@@ -159,8 +159,9 @@ class Refiner:
         self.scale = kept
 
 
-def _slowest(times: list[float]) -> list[float]:
-    """Each step's seconds on the slowest process (the same list on every process)."""
+def slowest(times: list[float]) -> list[float]:
+    """Each entry's seconds on the slowest process (the same list on every process): what every process decides
+    from timings, so that all run the same program next."""
     if jax.process_count() == 1:
         return times
     every = np.asarray(multihost_utils.process_allgather(np.asarray(times, np.float64)))

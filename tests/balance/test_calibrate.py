@@ -248,12 +248,8 @@ def test_the_step_is_timed_at_a_quarter_half_and_all_of_the_batchs_rows(monkeypa
 
 def test_a_heterogeneous_pipelines_summary_says_whether_its_micro_batch_lies_inside_the_calibrated_rows():
     # a stage runs one micro-batch at a time: its speed is the one at those rows, not the whole batch's
-    from lowering.test_pipeline import Deep
-    model = Deep()
-    k = jax.random.split(jax.random.key(0), 3)
-    batch = {"x": jax.random.normal(k[0], (64, 8)), "y": jax.random.normal(k[1], (64, 4))}
-    params = model.init(k[2], batch["x"], batch["y"])["params"]
-    loss_fn = lambda p, b: model.apply({"params": p}, b["x"], b["y"])
+    from lowering.test_pipeline import deep_model
+    loss_fn, params, batch = deep_model()
     config = wh.Config(num_micro_batch=4, num_task_graph=2, auto_parallel=True)
 
     def plan(rows):

@@ -216,17 +216,12 @@ def test_a_refining_split_head_trains_exactly_as_one_device():
 
 
 def test_a_refining_auto_parallel_pipeline_moves_its_stage_cut_and_trains_exactly_as_one_device():
-    import jax
     import optax
 
     import whalex as wh
     from conftest import HETERO, assert_matches
-    from lowering.test_pipeline import Deep
-    model = Deep()
-    k = jax.random.split(jax.random.key(0), 3)
-    batch = {"x": jax.random.normal(k[0], (64, 8)), "y": jax.random.normal(k[1], (64, 4))}
-    params = model.init(k[2], batch["x"], batch["y"])["params"]
-    loss_fn = lambda p, b: model.apply({"params": p}, b["x"], b["y"])
+    from lowering.test_pipeline import deep_model
+    loss_fn, params, batch = deep_model()
     config = wh.Config(num_micro_batch=4, num_task_graph=2, auto_parallel=True, hardware_aware="refine")
     step, _ = assert_matches(loss_fn, params, batch, steps=max_steps() + 2, optimizer=optax.sgd(0.01),
                              config=config, cluster=wh.Cluster(kinds=HETERO))

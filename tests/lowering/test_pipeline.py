@@ -156,12 +156,17 @@ class Deep(nn.Module):
         return jnp.mean((nn.Dense(4, bias_init=BIAS)(x) - y) ** 2)
 
 
-def test_auto_parallel_balances_flops_and_matches():
+def deep_model():
+    """(loss_fn, params, batch) of `Deep` on a 64-row batch: 14 Dense layers for stage cuts to move."""
     model = Deep()
     k = jax.random.split(jax.random.key(0), 3)
     batch = {"x": jax.random.normal(k[0], (64, 8)), "y": jax.random.normal(k[1], (64, 4))}
     params = model.init(k[2], batch["x"], batch["y"])["params"]
-    loss_fn = lambda p, b: model.apply({"params": p}, b["x"], b["y"])
+    return (lambda p, b: model.apply({"params": p}, b["x"], b["y"])), params, batch
+
+
+def test_auto_parallel_balances_flops_and_matches():
+    loss_fn, params, batch = deep_model()
     config = wh.Config(num_micro_batch=4, num_task_graph=4, auto_parallel=True)
     step, _ = _compare(loss_fn, params, batch, config)
     flops = [t.flops for t in step.plan.task_graphs]
@@ -184,11 +189,7 @@ def test_partition_respects_memory():
 
 
 def test_auto_parallel_gives_a_small_memory_device_fewer_layers():
-    model = Deep()
-    k = jax.random.split(jax.random.key(0), 3)
-    batch = {"x": jax.random.normal(k[0], (64, 8)), "y": jax.random.normal(k[1], (64, 4))}
-    params = model.init(k[2], batch["x"], batch["y"])["params"]
-    loss_fn = lambda p, b: model.apply({"params": p}, b["x"], b["y"])
+    loss_fn, params, batch = deep_model()
     small = wh.DeviceSpec("tiny", 1e12, 1e12, 40_000, 1e11)      # 40 KB: about two blocks with Adam
     big = wh.DeviceSpec("big", 1e12, 1e12, 10**9, 1e11)
     cluster = wh.Cluster(kinds=[big, small, big, big] * 2)
