@@ -273,13 +273,19 @@ def test_devices_that_differ_are_timed_again_each_around_its_own_share(monkeypat
     # again at counts around the share the balanced plan gives it (all together), and that fit is kept
     loss_fn, params, batch = plain_model("dp", "ctx")
     cal = importlib.import_module("whalex.balance.calibrate")
-    seen, fake = [], _synthetic_rounds([2e-4] * 8, [2e-5] * 4 + [4e-5] * 4, 0.01)
+    seen, chunks, fake = [], [], _synthetic_rounds([2e-4] * 8, [2e-5] * 4 + [4e-5] * 4, 0.01)
+    work = cal._loss_work
+
+    def loss_work(loss_fn, params, optimizer, chunk=None):
+        chunks.append(chunk)
+        return work(loss_fn, params, optimizer, chunk)
 
     def spy(devices, fn, args, repeats, sync=None):
         own = args if isinstance(args[0], list) else [args] * len(devices)
         seen.append([tuple(jax.tree.leaves(a[-1])[0].shape[0] for a in sets) for sets in own])
         return fake(devices, fn, args, repeats)
     monkeypatch.setattr(cal, "time_rounds", spy)
+    monkeypatch.setattr(cal, "_loss_work", loss_work)
     cluster = calibrate(wh.Cluster.detect(), loss_fn, params, batch, optimizer=optax.adam(1e-3))
     plan = wh.plan(loss_fn, params, batch, cluster=cluster)
     assert seen[0] == [(8, 16, 32)] * 8
@@ -292,6 +298,27 @@ def test_devices_that_differ_are_timed_again_each_around_its_own_share(monkeypat
     assert all(o == pytest.approx(2e-4, rel=0.2) for o in cluster.overhead)
     assert "every device's share lies inside" in plan.summary()
     assert cal._own([0, 1, 5, 32], 32) == ((1, 1, 2), (1, 1, 2), (4, 5, 7), (25, 32, 32))
+    # that timing ran each device's rows in the parts the plan's step runs them in
+    assert chunks[-1] == plan.program.chunk == cal.plan_chunk(32, plan.batch_sizes) and chunks[0] is None
+
+
+def test_in_parts_runs_the_rows_in_full_parts_and_the_remainders_binary_digits():
+    # a summed loss over 4-row parts and a remainder of 3 rows (2 + 1): the value and gradient of the
+    # whole batch, and one part per full chunk and per binary digit of the remainder
+    cal = importlib.import_module("whalex.balance.calibrate")
+    sizes = []
+
+    def loss_fn(w, b):
+        sizes.append(b["x"].shape[0])
+        return jax.numpy.sum(jax.numpy.tanh(b["x"] @ w) ** 2)
+
+    w = jax.numpy.asarray(np.random.default_rng(0).standard_normal((3, 2)), jax.numpy.float32)
+    batch = {"x": jax.numpy.asarray(np.random.default_rng(1).standard_normal((11, 3)), jax.numpy.float32)}
+    value, grad = jax.jit(cal.in_parts(loss_fn, 4))(w, batch)
+    want_value, want_grad = jax.value_and_grad(loss_fn)(w, batch)
+    np.testing.assert_allclose(value, want_value, rtol=1e-5)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-6)
+    assert sorted(set(sizes[:-1])) == [1, 2, 4]                # the loop's part, then 2 and 1
 
 
 def test_a_declared_fixed_time_shifts_rows_to_the_fast_devices():

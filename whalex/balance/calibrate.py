@@ -39,6 +39,7 @@ from jax.experimental import multihost_utils
 
 from whalex import _compat as C
 from whalex.balance.algorithm import proportional
+from whalex.balance.cost import balance_grain, chunk_rows
 from whalex.balance.link_timing import time_links
 from whalex.jaxpr.flops import training_flops
 from whalex.mesh.cluster import Cluster
@@ -80,18 +81,46 @@ def _flops(loss_fn, params, batch) -> float:
                           [k == 0 for k in range(len(jaxpr.outvars))])
 
 
-def _loss_work(loss_fn, params, optimizer):
+def in_parts(loss_fn, chunk: int) -> Callable:
+    """value_and_grad of `loss_fn` over a batch run as an uneven data-parallel plan runs a device's
+    rows: a `fori_loop` over its full `chunk`-row parts, then one part of each binary digit of the
+    remainder; values and gradients summed. The work of the plan's loop (its per-part launches, its
+    cache footprint), not its loss: what a calibration times so that a device's time at its share
+    is the time the plan's step takes there."""
+    grad = jax.value_and_grad(loss_fn)
+
+    def run(params, batch):
+        n = jax.tree.leaves(batch)[0].shape[0]
+        full = n // chunk
+
+        def part(off, size):
+            return grad(params, jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, off, size, 0), batch))
+
+        acc = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: part(0, min(chunk, n))))
+        if full:
+            acc = jax.lax.fori_loop(0, full, lambda k, a: jax.tree.map(jnp.add, a, part(k * chunk, chunk)), acc)
+        off = full * chunk
+        while off < n:                                  # the remainder's binary digits, largest first
+            size = 1 << ((n - off).bit_length() - 1)
+            acc = jax.tree.map(jnp.add, acc, part(off, size))
+            off += size
+        return acc
+    return run
+
+
+def _loss_work(loss_fn, params, optimizer, chunk: int | None = None):
     """The local step to time, its leading arguments, and the FLOPs of the loss and gradient at a
-    batch: value_and_grad, then (with an optimizer) the update applied, as every device of a
-    data-parallel step runs it."""
-    grad = jax.jit(jax.value_and_grad(loss_fn))
+    batch: value_and_grad (over `chunk`-row parts, `in_parts`, when given), then (with an optimizer)
+    the update applied, as every device of a data-parallel step runs it."""
+    value_and_grad = jax.value_and_grad(loss_fn) if chunk is None else in_parts(loss_fn, chunk)
+    grad = jax.jit(value_and_grad)
     flops = functools.partial(_flops, loss_fn, params)
     if optimizer is None:
         return grad, (params,), flops
 
     @jax.jit
     def step(params, opt_state, batch):
-        loss, g = jax.value_and_grad(loss_fn)(params, batch)
+        loss, g = value_and_grad(params, batch)
         updates, opt_state = optimizer.update(g, opt_state, params)
         return loss, optax.apply_updates(params, updates), opt_state
     return step, (params, jax.jit(optimizer.init)(params)), flops
@@ -316,18 +345,29 @@ def _shares(batch, per_row: float, speeds, overheads) -> list[int]:
     return proportional(n, [s / per_row for s in speeds], overheads)
 
 
+def plan_chunk(n: int, shares: Sequence[int]) -> int:
+    """The rows of a full part of the uneven data-parallel plan that gives `shares` of an `n`-row
+    batch (`whalex.planner.uneven`: the balance grain, then `cost.chunk_rows`)."""
+    positive = [s for s in shares if s > 0] or [n]
+    return chunk_rows(positive, balance_grain(n, float(min(positive))))
+
+
 def _fixed_at_own_shares(again, loss_fn, params, batch, optimizer, speeds, overheads, counts, groups):
     """(fixed seconds, rows timed) with every device timed again around the share the balanced plan
     gives it, all devices together (`measure(own_rows=...)`): each then runs about as long as the
-    others while timed, as in the step, rather than alone once the faster ones are done. The per-row
-    time stays the wide fit's (a slope over a narrow range of rows is noise); the fixed time is what
-    makes the line meet the step's time at the device's own rows. Unchanged where that timing does
-    not resolve."""
+    others while timed, as in the step, rather than alone once the faster ones are done; and each runs
+    its rows in the parts the uneven plan would run them in (`plan_chunk`), since a device's time per
+    row differs between one pass over its share and the plan's loop of parts (a fast device's large
+    share leaves the caches in one pass, not in parts). The per-row time stays the wide fit's (a slope
+    over a narrow range of rows is noise); the fixed time is what makes the line meet the step's time
+    at the device's own rows. Unchanged where that timing does not resolve."""
     per_row = _row_work(_loss_work(loss_fn, params, optimizer)[2], counts, _fractions(batch, counts)[1])
-    own = _own(_shares(batch, per_row, speeds, overheads), jax.tree.leaves(batch)[0].shape[0])
+    n = jax.tree.leaves(batch)[0].shape[0]
+    shares = _shares(batch, per_row, speeds, overheads)
+    own = _own(shares, n)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        m = again(own_rows=own)
+        m = again(own_rows=own, chunk=plan_chunk(n, shares))
     if m.overheads is None:
         return overheads, counts
     x = np.mean(np.asarray(own, np.float64), axis=1)                # where each device's line is pinned
@@ -340,7 +380,7 @@ def _fixed_at_own_shares(again, loss_fn, params, batch, optimizer, speeds, overh
 
 def measure(cluster: Cluster, loss_fn: Callable | None = None, params=None, batch=None, *, optimizer=None,
             size: int = 384, chain: int = 4, repeats: int = 7, rows: Sequence[int] | None = None,
-            own_rows: Sequence[Sequence[int]] | None = None) -> Measurement:
+            own_rows: Sequence[Sequence[int]] | None = None, chunk: int | None = None) -> Measurement:
     """Median speed and relative spread of every device of `cluster`, over `repeats` interleaved
     rounds (all processes' devices, all-gathered). No grouping: see `calibrate`.
 
@@ -365,7 +405,7 @@ def measure(cluster: Cluster, loss_fn: Callable | None = None, params=None, batc
         sync = multihost_utils.sync_global_devices if len(set(counts.tolist())) == 1 else None
     table = None                                        # (quantity, device) rows, this process's columns
     if loss_fn is not None and sized is not None:
-        table = _timed_affine(devices, mine, loss_fn, params, batch, optimizer, sized, own_rows, repeats, sync)
+        table = _timed_affine(devices, mine, loss_fn, params, batch, optimizer, sized, own_rows, repeats, sync, chunk)
     elif loss_fn is not None and mine:
         fn, lead, flops = _loss_work(loss_fn, params, optimizer)
         m = summarize((flops(batch) or 1.0) / time_rounds(devices, fn, (*lead, batch), repeats, sync=sync))
@@ -393,13 +433,14 @@ def measure(cluster: Cluster, loss_fn: Callable | None = None, params=None, batc
     return Measurement(tuple(map(float, full[3])), tuple(map(float, full[4])))
 
 
-def _timed_affine(devices, mine, loss_fn, params, batch, optimizer, sized, own_rows, repeats, sync) -> list | None:
+def _timed_affine(devices, mine, loss_fn, params, batch, optimizer, sized, own_rows, repeats, sync,
+                  chunk=None) -> list | None:
     """This process's columns of `measure`'s table for a user step timed at several row counts (the
     shared counts of `sized`, or each device's `own_rows`): fitted speeds, spreads and fixed times,
     then the whole step's speed at the largest count and its spread, and whether the slope resolved."""
     if not mine:
         return None
-    fn, lead, flops = _loss_work(loss_fn, params, optimizer)
+    fn, lead, flops = _loss_work(loss_fn, params, optimizer, chunk)
     rows, parts = sized
     per_row = _row_work(flops, rows, parts)
     if own_rows is None:
@@ -436,9 +477,10 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
     between a quarter of its rows and all of them, which is where the plan's loads lie (a device a
     third as fast as its peer gets a quarter), and longer timings are less noisy. When the devices
     differ, every device is timed once more at counts around the share a balanced plan would give it
-    (`measure(own_rows=...)`), all devices together, and its fixed time is set so that its line meets
-    that timing (`_fixed_at_own_shares`): each device then runs about as long as the others while
-    timed, as in the step, not alone once the faster ones are done, and nothing is extrapolated.
+    (`measure(own_rows=...)`), all devices together and in the parts the uneven plan runs its rows in,
+    and its fixed time is set so that its line meets that timing (`_fixed_at_own_shares`): each device
+    then runs about as long as the others while timed, as in the step, not alone once the faster ones
+    are done, and nothing is extrapolated.
     The rows timed are kept (`Cluster.calibrated_rows`): `plan.summary()` says when a device's share
     falls outside them.
     What the plan's whole step costs beyond the timed work (collectives, launches; the optimizer
