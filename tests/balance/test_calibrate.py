@@ -302,6 +302,20 @@ def test_devices_that_differ_are_timed_again_each_around_its_own_share(monkeypat
     assert chunks[-1] == plan.program.chunk == cal.plan_chunk(32, plan.batch_sizes) and chunks[0] is None
 
 
+def test_a_device_faster_per_row_at_its_share_than_the_wide_fit_gets_that_speed(monkeypatch):
+    # the wide fit says 2:1 and no fixed time; at their own shares, run in the plan's parts, the fast half
+    # takes 15 us a row instead of 20: no fixed time can pin that, so the fast line's speed does (8:3)
+    loss_fn, params, batch = plain_model("dp", "ctx")
+    cal = importlib.import_module("whalex.balance.calibrate")
+    wide = _synthetic_rounds([0.0] * 8, [2e-5] * 4 + [4e-5] * 4, 0.01)
+    own = _synthetic_rounds([0.0] * 8, [1.5e-5] * 4 + [4e-5] * 4, 0.01)
+    monkeypatch.setattr(cal, "time_rounds", lambda devices, fn, args, repeats, sync=None: (
+        own if isinstance(args[0], list) else wide)(devices, fn, args, repeats))
+    cluster = calibrate(wh.Cluster.detect(), loss_fn, params, batch, optimizer=optax.adam(1e-3))
+    assert cluster.speeds[0] / cluster.speeds[4] == pytest.approx(8 / 3, rel=0.05)
+    assert cluster.overhead == pytest.approx((0.0,) * 8, abs=2e-6)
+
+
 def test_in_parts_runs_the_rows_in_full_parts_and_the_remainders_binary_digits():
     # a summed loss over 4-row parts and a remainder of 3 rows (2 + 1): the value and gradient of the
     # whole batch, and one part per full chunk and per binary digit of the remainder

@@ -353,14 +353,16 @@ def plan_chunk(n: int, shares: Sequence[int]) -> int:
 
 
 def _fixed_at_own_shares(again, loss_fn, params, batch, optimizer, speeds, overheads, counts, groups):
-    """(fixed seconds, rows timed) with every device timed again around the share the balanced plan
+    """(speeds, fixed seconds, rows timed) with every device timed again around the share the balanced plan
     gives it, all devices together (`measure(own_rows=...)`): each then runs about as long as the
     others while timed, as in the step, rather than alone once the faster ones are done; and each runs
     its rows in the parts the uneven plan would run them in (`plan_chunk`), since a device's time per
     row differs between one pass over its share and the plan's loop of parts (a fast device's large
     share leaves the caches in one pass, not in parts). The per-row time stays the wide fit's (a slope
     over a narrow range of rows is noise); the fixed time is what makes the line meet the step's time
-    at the device's own rows. Unchanged where that timing does not resolve."""
+    at the device's own rows, and where that would take a negative fixed time (the parts run faster
+    per row than the wide fit's passes), the line through that time and no fixed time. Where the
+    narrow range resolves no slope, the line meets the step's time at the largest of its rows."""
     per_row = _row_work(_loss_work(loss_fn, params, optimizer)[2], counts, _fractions(batch, counts)[1])
     n = jax.tree.leaves(batch)[0].shape[0]
     shares = _shares(batch, per_row, speeds, overheads)
@@ -368,14 +370,18 @@ def _fixed_at_own_shares(again, loss_fn, params, batch, optimizer, speeds, overh
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         m = again(own_rows=own, chunk=plan_chunk(n, shares))
-    if m.overheads is None:
-        return overheads, counts
-    x = np.mean(np.asarray(own, np.float64), axis=1)                # where each device's line is pinned
-    at = np.asarray(m.overheads) + x * per_row / np.asarray(m.speeds)
-    fixed = np.maximum(at - x * per_row / speeds, 0.0)
+    if m.overheads is None:                     # no slope over the narrow range: the whole step at the top
+        x = np.asarray([r[-1] for r in own], np.float64)
+        at = x * per_row / np.asarray(m.speeds)
+    else:                                       # where each device's line is pinned
+        x = np.mean(np.asarray(own, np.float64), axis=1)
+        at = np.asarray(m.overheads) + x * per_row / np.asarray(m.speeds)
+    fixed = at - x * per_row / speeds
+    speeds = np.where(fixed < 0, x * per_row / at, speeds)          # faster per row there: no fixed time
+    fixed = np.maximum(fixed, 0.0)
     for g in groups:
-        fixed[g] = np.median(fixed[g])
-    return fixed, (min(r[0] for r in own), max(r[-1] for r in own))
+        fixed[g], speeds[g] = np.median(fixed[g]), np.median(speeds[g])
+    return speeds, fixed, (min(r[0] for r in own), max(r[-1] for r in own))
 
 
 def measure(cluster: Cluster, loss_fn: Callable | None = None, params=None, batch=None, *, optimizer=None,
@@ -478,7 +484,8 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
     third as fast as its peer gets a quarter), and longer timings are less noisy. When the devices
     differ, every device is timed once more at counts around the share a balanced plan would give it
     (`measure(own_rows=...)`), all devices together and in the parts the uneven plan runs its rows in,
-    and its fixed time is set so that its line meets that timing (`_fixed_at_own_shares`): each device
+    and its fixed time (or, where that would be negative, its speed) is set so that its line meets
+    that timing (`_fixed_at_own_shares`): each device
     then runs about as long as the others while timed, as in the step, not alone once the faster ones
     are done, and nothing is extrapolated.
     The rows timed are kept (`Cluster.calibrated_rows`): `plan.summary()` says when a device's share
@@ -506,8 +513,8 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
     spreads = m.spreads
     counts = None if sized is None else sized[0]
     if overheads is not None and len(groups) > 1:
-        overheads, counts = _fixed_at_own_shares(again, loss_fn, params, batch, optimizer, speeds, overheads,
-                                                 counts, groups)
+        speeds, overheads, counts = _fixed_at_own_shares(again, loss_fn, params, batch, optimizer, speeds,
+                                                         overheads, counts, groups)
     rows = None if counts is None else (counts[0] if overheads is not None else counts[-1], counts[-1])
     out = cluster.with_speeds(speeds, spread=spreads, overhead=overheads, rows=rows)
     if cluster.size > 1 and (links or links is None and jax.process_count() > 1):
