@@ -50,13 +50,14 @@ def worker(args):
     from jax.experimental import multihost_utils
 
     import whalex as wh
-    from whalex.balance.calibrate import _loss_work, calibrate, time_rounds
+    from whalex.balance.calibrate import calibrate, time_rounds
+    from whalex.balance.timed_work import loss_work
 
     pid, log = harness.worker_start("the driver")
     loss_fn, params, batch = hetero.make_model(args)
     optimizer = optax.adam(1e-3)
 
-    fn, lead, _ = _loss_work(loss_fn, params, optimizer)
+    fn, lead, _ = loss_work(loss_fn, params, optimizer)
     sets = [(*lead, {k: v[:n] for k, v in batch.items()}) for n in SIZES if n <= args.batch]
     t = time_rounds(jax.local_devices(), fn, sets, 9)                 # (round, this device, size)
     mine = np.median(t[:, 0, :], axis=0)

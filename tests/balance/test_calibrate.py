@@ -13,6 +13,7 @@ import pytest
 import whalex as wh
 from launch.test_launch import child_env, run_launch
 from support.models import plain_model
+from whalex.balance import timed_work
 from whalex.balance.calibrate import Measurement, affine, calibrate, faster, group_speeds, measure, resolved, summarize
 
 # medians and spreads measured on the 8 simulated CPU devices of this machine (size 128, 5 rounds):
@@ -274,7 +275,7 @@ def test_devices_that_differ_are_timed_again_each_around_its_own_share(monkeypat
     loss_fn, params, batch = plain_model("dp", "ctx")
     cal = importlib.import_module("whalex.balance.calibrate")
     seen, chunks, fake = [], [], _synthetic_rounds([2e-4] * 8, [2e-5] * 4 + [4e-5] * 4, 0.01)
-    work = cal._loss_work
+    work = cal.loss_work
 
     def loss_work(loss_fn, params, optimizer, chunk=None):
         chunks.append(chunk)
@@ -285,7 +286,7 @@ def test_devices_that_differ_are_timed_again_each_around_its_own_share(monkeypat
         seen.append([tuple(jax.tree.leaves(a[-1])[0].shape[0] for a in sets) for sets in own])
         return fake(devices, fn, args, repeats)
     monkeypatch.setattr(cal, "time_rounds", spy)
-    monkeypatch.setattr(cal, "_loss_work", loss_work)
+    monkeypatch.setattr(cal, "loss_work", loss_work)
     cluster = calibrate(wh.Cluster.detect(), loss_fn, params, batch, optimizer=optax.adam(1e-3))
     plan = wh.plan(loss_fn, params, batch, cluster=cluster)
     assert seen[0] == [(8, 16, 32)] * 8
@@ -299,7 +300,7 @@ def test_devices_that_differ_are_timed_again_each_around_its_own_share(monkeypat
     assert "every device's share lies inside" in plan.summary()
     assert cal._own([0, 1, 5, 32], 32) == ((1, 1, 2), (1, 1, 2), (4, 5, 7), (25, 32, 32))
     # that timing ran each device's rows in the parts the plan's step runs them in
-    assert chunks[-1] == plan.program.chunk == cal.plan_chunk(32, plan.batch_sizes) and chunks[0] is None
+    assert chunks[-1] == plan.program.chunk == timed_work.plan_chunk(32, plan.batch_sizes) and chunks[0] is None
 
 
 def test_a_device_faster_per_row_at_its_share_than_the_wide_fit_gets_that_speed(monkeypatch):
@@ -319,7 +320,6 @@ def test_a_device_faster_per_row_at_its_share_than_the_wide_fit_gets_that_speed(
 def test_in_parts_runs_the_rows_in_full_parts_and_the_remainders_binary_digits():
     # a summed loss over 4-row parts and a remainder of 3 rows (2 + 1): the value and gradient of the
     # whole batch, and one part per full chunk and per binary digit of the remainder
-    cal = importlib.import_module("whalex.balance.calibrate")
     sizes = []
 
     def loss_fn(w, b):
@@ -328,7 +328,7 @@ def test_in_parts_runs_the_rows_in_full_parts_and_the_remainders_binary_digits()
 
     w = jax.numpy.asarray(np.random.default_rng(0).standard_normal((3, 2)), jax.numpy.float32)
     batch = {"x": jax.numpy.asarray(np.random.default_rng(1).standard_normal((11, 3)), jax.numpy.float32)}
-    value, grad = jax.jit(cal.in_parts(loss_fn, 4))(w, batch)
+    value, grad = jax.jit(timed_work.in_parts(loss_fn, 4))(w, batch)
     want_value, want_grad = jax.value_and_grad(loss_fn)(w, batch)
     np.testing.assert_allclose(value, want_value, rtol=1e-5)
     np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-6)

@@ -37,11 +37,9 @@ import numpy as np
 import optax
 from jax.experimental import multihost_utils
 
-from whalex import _compat as C
 from whalex.balance.algorithm import proportional
-from whalex.balance.cost import balance_grain, chunk_rows
 from whalex.balance.link_timing import time_links
-from whalex.jaxpr.flops import training_flops
+from whalex.balance.timed_work import loss_work, matmul_work, plan_chunk
 from whalex.mesh.cluster import Cluster
 
 IQR_TO_STD = 1.349           # the interquartile range of a normal sample, in units of its sigma
@@ -60,70 +58,6 @@ class Measurement:
     # these (one timing, far less noisy than a slope, which is a difference of two timings)
     step_speeds: tuple[float, ...] | None = None
     step_spreads: tuple[float, ...] | None = None
-
-
-@functools.lru_cache(maxsize=8)
-def _matmul_work(n: int, chain: int):
-    """The default work, jitted once per shape (repeated calibrations reuse the executables)."""
-    def f(x):
-        for _ in range(chain):
-            x = jnp.tanh(x @ x) * 0.5
-        return x
-    return jax.jit(f), 2.0 * n ** 3 * chain
-
-
-def _flops(loss_fn, params, batch) -> float:
-    """Forward + backward FLOPs of the loss and its gradient at `batch`, counted from its jaxpr
-    (XLA's cost analysis has none on a GPU)."""
-    jaxpr, _ = C.open_jaxpr(C.make_jaxpr(loss_fn, params, batch))
-    n = len(jax.tree.leaves(params))
-    return training_flops(jaxpr, [k < n for k in range(len(jaxpr.invars))],
-                          [k == 0 for k in range(len(jaxpr.outvars))])
-
-
-def in_parts(loss_fn, chunk: int) -> Callable:
-    """value_and_grad of `loss_fn` over a batch run as an uneven data-parallel plan runs a device's
-    rows: a `fori_loop` over its full `chunk`-row parts, then one part of each binary digit of the
-    remainder; values and gradients summed. The work of the plan's loop (its per-part launches, its
-    cache footprint), not its loss: what a calibration times so that a device's time at its share
-    is the time the plan's step takes there."""
-    grad = jax.value_and_grad(loss_fn)
-
-    def run(params, batch):
-        n = jax.tree.leaves(batch)[0].shape[0]
-        full = n // chunk
-
-        def part(off, size):
-            return grad(params, jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, off, size, 0), batch))
-
-        acc = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: part(0, min(chunk, n))))
-        if full:
-            acc = jax.lax.fori_loop(0, full, lambda k, a: jax.tree.map(jnp.add, a, part(k * chunk, chunk)), acc)
-        off = full * chunk
-        while off < n:                                  # the remainder's binary digits, largest first
-            size = 1 << ((n - off).bit_length() - 1)
-            acc = jax.tree.map(jnp.add, acc, part(off, size))
-            off += size
-        return acc
-    return run
-
-
-def _loss_work(loss_fn, params, optimizer, chunk: int | None = None):
-    """The local step to time, its leading arguments, and the FLOPs of the loss and gradient at a
-    batch: value_and_grad (over `chunk`-row parts, `in_parts`, when given), then (with an optimizer)
-    the update applied, as every device of a data-parallel step runs it."""
-    value_and_grad = jax.value_and_grad(loss_fn) if chunk is None else in_parts(loss_fn, chunk)
-    grad = jax.jit(value_and_grad)
-    flops = functools.partial(_flops, loss_fn, params)
-    if optimizer is None:
-        return grad, (params,), flops
-
-    @jax.jit
-    def step(params, opt_state, batch):
-        loss, g = value_and_grad(params, batch)
-        updates, opt_state = optimizer.update(g, opt_state, params)
-        return loss, optax.apply_updates(params, updates), opt_state
-    return step, (params, jax.jit(optimizer.init)(params)), flops
 
 
 def time_rounds(devices: Sequence, fn, args, repeats: int, sync: Callable[[str], None] | None = None) -> np.ndarray:
@@ -345,13 +279,6 @@ def _shares(batch, per_row: float, speeds, overheads) -> list[int]:
     return proportional(n, [s / per_row for s in speeds], overheads)
 
 
-def plan_chunk(n: int, shares: Sequence[int]) -> int:
-    """The rows of a full part of the uneven data-parallel plan that gives `shares` of an `n`-row
-    batch (`whalex.planner.uneven`: the balance grain, then `cost.chunk_rows`)."""
-    positive = [s for s in shares if s > 0] or [n]
-    return chunk_rows(positive, balance_grain(n, float(min(positive))))
-
-
 def _fixed_at_own_shares(again, loss_fn, params, batch, optimizer, speeds, overheads, counts, groups):
     """(speeds, fixed seconds, rows timed) with every device timed again around the share the balanced plan
     gives it, all devices together (`measure(own_rows=...)`): each then runs about as long as the
@@ -363,7 +290,7 @@ def _fixed_at_own_shares(again, loss_fn, params, batch, optimizer, speeds, overh
     at the device's own rows, and where that would take a negative fixed time (the parts run faster
     per row than the wide fit's passes), the line through that time and no fixed time. Where the
     narrow range resolves no slope, the line meets the step's time at the largest of its rows."""
-    per_row = _row_work(_loss_work(loss_fn, params, optimizer)[2], counts, _fractions(batch, counts)[1])
+    per_row = _row_work(loss_work(loss_fn, params, optimizer)[2], counts, _fractions(batch, counts)[1])
     n = jax.tree.leaves(batch)[0].shape[0]
     shares = _shares(batch, per_row, speeds, overheads)
     own = _own(shares, n)
@@ -413,11 +340,11 @@ def measure(cluster: Cluster, loss_fn: Callable | None = None, params=None, batc
     if loss_fn is not None and sized is not None:
         table = _timed_affine(devices, mine, loss_fn, params, batch, optimizer, sized, own_rows, repeats, sync, chunk)
     elif loss_fn is not None and mine:
-        fn, lead, flops = _loss_work(loss_fn, params, optimizer)
+        fn, lead, flops = loss_work(loss_fn, params, optimizer)
         m = summarize((flops(batch) or 1.0) / time_rounds(devices, fn, (*lead, batch), repeats, sync=sync))
         table = [m.speeds, m.spreads]
     elif mine:
-        fn, work = _matmul_work(size, chain)
+        fn, work = matmul_work(size, chain)
         args = (jnp.asarray(np.random.default_rng(0).standard_normal((size, size)), jnp.float32) / size ** 0.5,)
         m = summarize(work / time_rounds(devices, fn, args, repeats, sync=sync))
         table = [m.speeds, m.spreads]
@@ -446,7 +373,7 @@ def _timed_affine(devices, mine, loss_fn, params, batch, optimizer, sized, own_r
     then the whole step's speed at the largest count and its spread, and whether the slope resolved."""
     if not mine:
         return None
-    fn, lead, flops = _loss_work(loss_fn, params, optimizer, chunk)
+    fn, lead, flops = loss_work(loss_fn, params, optimizer, chunk)
     rows, parts = sized
     per_row = _row_work(flops, rows, parts)
     if own_rows is None:
