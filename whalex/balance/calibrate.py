@@ -280,8 +280,8 @@ def _shares(batch, per_row: float, speeds, overheads) -> list[int]:
 
 
 def _fixed_at_own_shares(again, loss_fn, params, batch, optimizer, speeds, overheads, counts, groups):
-    """(speeds, fixed seconds, rows timed) with every device timed again around the share the balanced plan
-    gives it, all devices together (`measure(own_rows=...)`): each then runs about as long as the
+    """(speeds, fixed seconds, rows timed) with every device timed again around the share the balanced
+    plan gives it, all devices together (`measure(own_rows=...)`): each then runs about as long as the
     others while timed, as in the step, rather than alone once the faster ones are done; and each runs
     its rows in the parts the uneven plan would run them in (`plan_chunk`), since a device's time per
     row differs between one pass over its share and the plan's loop of parts (a fast device's large
@@ -412,9 +412,8 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
     differ, every device is timed once more at counts around the share a balanced plan would give it
     (`measure(own_rows=...)`), all devices together and in the parts the uneven plan runs its rows in,
     and its fixed time (or, where that would be negative, its speed) is set so that its line meets
-    that timing (`_fixed_at_own_shares`): each device
-    then runs about as long as the others while timed, as in the step, not alone once the faster ones
-    are done, and nothing is extrapolated.
+    that timing (`_fixed_at_own_shares`): each device then runs about as long as the others while
+    timed, as in the step, not alone once the faster ones are done, and nothing is extrapolated.
     The rows timed are kept (`Cluster.calibrated_rows`): `plan.summary()` says when a device's share
     falls outside them.
     What the plan's whole step costs beyond the timed work (collectives, launches; the optimizer
