@@ -296,7 +296,7 @@ def _fixed_at_own_shares(again, loss_fn, params, batch, optimizer, speeds, overh
     own = _own(shares, n)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        m = again(own_rows=own, chunk=plan_chunk(n, shares))
+        m = again(own_rows=own, chunk=plan_chunk(n, speeds, shares))
     if m.overheads is None:                     # no slope over the narrow range: the whole step at the top
         x = np.asarray([r[-1] for r in own], np.float64)
         at = x * per_row / np.asarray(m.speeds)

@@ -153,6 +153,11 @@ def balance_grain(global_batch: int, smallest_share: float) -> int:
     return g
 
 
+def speed_grain(global_batch: int, speeds: Sequence[float]) -> int:
+    """`balance_grain` for a speed-proportional split of the batch over devices of these speeds."""
+    return balance_grain(global_batch, global_batch * min(speeds) / sum(speeds))
+
+
 def chunk_rows(rows, grain: int) -> int:
     """Rows of a full chunk of the per-device loop: grain * 2**j, at most LEVELS doublings, and no more
     than the smallest non-zero load (each device's remainder then takes at most LEVELS smaller chunks)."""

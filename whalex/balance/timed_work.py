@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from whalex import _compat as C
-from whalex.balance.cost import balance_grain, chunk_rows
+from whalex.balance.cost import chunk_rows, speed_grain
 from whalex.jaxpr.flops import training_flops
 
 
@@ -79,8 +79,8 @@ def loss_work(loss_fn, params, optimizer, chunk: int | None = None):
     return step, (params, jax.jit(optimizer.init)(params)), flops
 
 
-def plan_chunk(n: int, shares: Sequence[int]) -> int:
+def plan_chunk(n: int, speeds: Sequence[float], shares: Sequence[int]) -> int:
     """The rows of a full part of the uneven data-parallel plan that gives `shares` of an `n`-row
-    batch (`whalex.planner.uneven`: the balance grain, then `cost.chunk_rows`)."""
-    positive = [s for s in shares if s > 0] or [n]
-    return chunk_rows(positive, balance_grain(n, float(min(positive))))
+    batch to devices of these speeds (`whalex.planner.uneven`: `cost.speed_grain`, then
+    `cost.chunk_rows`)."""
+    return chunk_rows(shares, speed_grain(n, speeds))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from whalex.balance import cost
@@ -156,8 +155,7 @@ def _backbone_rows(req: Request, full, plan: Plan, cut: int) -> _Rows:
     activations it keeps per row, each device's stored state under the even plan."""
     cluster = req.cluster
     b, k = full.global_batch, cluster.size
-    speeds = np.asarray(cluster.speeds, np.float64)
-    unit = cost.balance_grain(b, float(b * speeds.min() / speeds.sum()))
+    unit = cost.speed_grain(b, cluster.speeds)
     per_row = residual_bytes(full.jaxpr, full.num_params) / b        # activations kept per row (upper bound)
     state = [m.state for m in plan.memory]
     names = [f"device {i} ({s.name})" for i, s in enumerate(cluster.specs)]

@@ -41,7 +41,7 @@ class _Costs:
 def balance_data_parallel(req: Request, full):
     """Algorithm 1 over a data-parallel model: (report, uneven Plan or None for the even plan).
 
-    Loads are counted in a fine grain of rows (`cost.balance_grain`), so the split follows the speeds
+    Loads are counted in a fine grain of rows (`cost.speed_grain`), so the split follows the speeds
     at any batch size; the program runs full chunks plus binary remainder chunks (`UnevenProgram`).
     A loss whose batch reductions differ between part sizes falls back to one chunk size, a divisor
     of the batch (`cost.balance_unit`)."""
@@ -60,8 +60,7 @@ def balance_data_parallel(req: Request, full):
     # decide: Algorithm 1's rows from the per-device costs
     probe = cap_at(min(b, 64))
     costs = _costs(req, probe, cap_at)
-    speeds = np.asarray(cluster.speeds, np.float64)
-    unit = cost.balance_grain(b, float(b * speeds.min() / speeds.sum()))
+    unit = cost.speed_grain(b, cluster.speeds)
     bal, rows = _split(cluster, b, unit, costs)
     applied = config.hardware_aware and len(set(rows)) > 1
     program = None
