@@ -110,11 +110,11 @@ def stage_time(plan) -> float:
 def lockstep(plan, exchange: float = 0.0) -> float:
     """The planner's model in seconds: the schedule's ticks in lockstep, each task a micro-batch's share
     of its stage's FLOPs at the stage's speed; with `exchange`, that many seconds more for each tick
-    whose messages move."""
+    whose messages move (`Schedule.sends`)."""
     from whalex.balance.partition import lockstep_time
     m = plan.schedule.num_micro_batch
     return lockstep_time([t.flops / m for t in plan.task_graphs], stage_speeds(plan), plan.schedule.tables()["kind"],
-                         exchange=exchange)
+                         exchange=exchange, sends=plan.schedule.sends.any)
 
 
 def stage_mesh():
@@ -220,10 +220,9 @@ def schedules_worker(args):
 
 def schedule_ticks(plan, args):
     """`tick_program` for a plan's schedule and cut: its stage compute alone, exchanging where it does."""
-    from whalex.records.lockstep import sending_ticks
     kinds = plan.schedule.tables()["kind"]
     return tick_program(kinds, [len(x) for x in plan.stage_layers], args.batch // args.micro, args.width,
-                        split=plan.schedule.split_backward, sends=sending_ticks(kinds))
+                        split=plan.schedule.split_backward, sends=plan.schedule.sends.any)
 
 
 def summarise_schedules(res: dict) -> dict:

@@ -9,7 +9,7 @@ import whalex as wh
 from planner.test_auto_parallel import lm
 from whalex.balance.partition import FORWARD_SHARE, lockstep_time as partition_lockstep
 from whalex.mesh.specs import NETWORK_LATENCY, SPECS
-from whalex.records.schedules import RECOMPUTE_COSTS, lockstep_time, make_schedule, message_ticks, sending_ticks
+from whalex.records.schedules import RECOMPUTE_COSTS, lockstep_time, make_schedule, sending_ticks
 from whalex.view.timing import exchange, predict
 
 
@@ -17,15 +17,14 @@ def _by_hand(sched, f, b, exchange=0.0) -> float:
     """Each device's clock runs through its tasks; at a tick where a message moves, every clock waits
     for the latest and the exchange."""
     f, b = np.broadcast_to(f, (sched.num_stages,)), np.broadcast_to(b, (sched.num_stages,))
-    clocks, K, T = np.zeros(sched.num_stages), sched.num_chunks, len(sched.ticks)
+    clocks = np.zeros(sched.num_stages)
     split = any(x is not None and x.kind == "W" for row in sched.ticks for x in row)     # W costs a forward
     cost = {"F": f, "W": f, "B": b - f if split else b}
     for t, row in enumerate(sched.ticks):
         for s, task in enumerate(row):
             if task is not None:
                 clocks[s] += cost[task.kind][s]
-        if t < T - 1 and any(x is not None and (x.kind == "F" and x.chunk < K - 1 or x.kind == "B" and x.chunk > 0)
-                             for x in row):
+        if sched.sends.any[t]:
             clocks[:] = clocks.max() + exchange
     return float(clocks.max())
 
@@ -51,10 +50,13 @@ def test_lockstep_time_with_a_cost_per_stage():
         sched = make_schedule(name, 3, 5)
         f, b = rng.uniform(0.5, 2, 3), rng.uniform(1, 4, 3)
         assert sched.lockstep_time(f, b) == pytest.approx(_by_hand(sched, f, b))
-        assert lockstep_time(sched.tables()["kind"], f, b) == pytest.approx(_by_hand(sched, f, b))
+        kinds = sched.tables()["kind"]
+        assert lockstep_time(kinds, f, b, sends=sched.sends.any) == pytest.approx(_by_hand(sched, f, b))
+        # sent as they are made, the messages would exchange at every tick that makes one: never faster
+        assert lockstep_time(kinds, f, b) >= sched.lockstep_time(f, b) - 1e-12
         # the heterogeneous stage cut prices a cut the same way (a backward recomputes its forward)
         per = rng.uniform(1, 3, 3)
-        assert partition_lockstep(per, np.ones(3), sched.tables()["kind"]) == \
+        assert partition_lockstep(per, np.ones(3), sched.tables()["kind"], sends=sched.sends.any) == \
             pytest.approx(sched.lockstep_time(per * FORWARD_SHARE, per))
     with pytest.raises(ValueError, match="finite and non-negative"):
         make_schedule("1f1b", 2, 2).lockstep_time(-1.0, 2.0)
@@ -73,7 +75,7 @@ def test_devices_wait_only_where_messages_move(name, S, M):
     assert sched.lockstep_time(f, b, exchange=0.3) == pytest.approx(sched.lockstep_time(f, b) + 0.3 * moving)
     per_tick = np.arange(sched.num_ticks) * 0.01                         # one exchange per tick: only moving ones count
     assert sched.lockstep_time(f, b, exchange=per_tick) == pytest.approx(
-        sched.lockstep_time(f, b) + per_tick[sending_ticks(sched.chunk_kinds())].sum())
+        sched.lockstep_time(f, b) + per_tick[sched.sends.any].sum())
 
 
 def test_a_pipeline_plans_step_time_is_its_lockstep_time():
@@ -89,7 +91,7 @@ def test_a_pipeline_plans_step_time_is_its_lockstep_time():
     message = plan.report.stage_buffers().message_bytes
     x = NETWORK_LATENCY + message / SPECS["T4-16GB"].network_bandwidth
     seconds, source = exchange(plan)
-    moving = sending_ticks(s.chunk_kinds())
+    moving = s.sends.any
     assert source == "spec-table" and np.allclose(seconds[moving], x, rtol=1e-12) and not seconds[~moving].any()
     want = _by_hand(s, [p / 3 for p in per], per, x)
     assert RECOMPUTE_COSTS == (1.0, 3.0)
@@ -112,9 +114,10 @@ def test_a_slow_calibrated_link_adds_its_exchange_at_every_moving_tick(name):
     slow = wh.plan(loss_fn, params, batch, optax.sgd(0.1), cluster=cluster.with_links(2e-3, 1e8), config=config)
     x = 2e-3 + slow.report.stage_buffers().message_bytes / 1e8
     seconds, source = exchange(slow)
-    moving = int(sending_ticks(slow.schedule.chunk_kinds()).sum())
+    moving = int(slow.schedule.sends.any.sum())
     assert source == "calibrated" and seconds[seconds > 0] == pytest.approx([x] * moving, rel=1e-12)
-    assert moving == (10 if name == "1f1b" else 16)                    # zb-h1's B ticks move apart from its forwards
+    # messages wait in their outboxes to share exchanges: 9 of 1F1B's 10 moving ticks are left, 10 of zb-h1's 16
+    assert moving == (9 if name == "1f1b" else 10) and moving < int(sending_ticks(slow.schedule.chunk_kinds()).sum())
     compute = predict(fast).step_time - exchange(fast)[0].sum()
     assert predict(slow).step_time == pytest.approx(compute + x * moving, rel=1e-9)
     assert "calibrated links" in slow.summary()
@@ -125,7 +128,7 @@ def test_beyond_two_stages_a_tick_pays_one_collective_per_direction_its_messages
     cluster = wh.Cluster.abstract(kinds=["H100-80GB"] * 4).with_links(1e-3, 1e9)
     plan = wh.plan(loss_fn, params, batch, optax.sgd(0.1), cluster=cluster,
                    config=wh.Config(auto_parallel=True, num_task_graph=4, num_micro_batch=8, schedule="1f1b"))
-    forward, back = message_ticks(plan.schedule.chunk_kinds())
+    forward, back = plan.schedule.sends.forward, plan.schedule.sends.back
     assert (forward & back).any() and (forward ^ back).any()
     nbytes = plan.report.stage_buffers().message_bytes / 1e9
     want = np.where(forward & back, 2e-3 + nbytes, np.where(forward | back, 1e-3 + nbytes, 0.0))

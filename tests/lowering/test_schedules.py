@@ -79,8 +79,10 @@ def test_a_tick_exchanges_only_where_a_message_moves(name, S, M, V):
 
 def test_split_and_one_f_one_b_schedules_have_silent_ticks():
     """With 2 stages, 1F1B's ticks where stage 0 runs a backward and stage 1 a forward move nothing, and
-    zero bubble's W ticks add ticks without messages: those skip the exchange."""
+    zero bubble's W ticks add ticks without messages: those skip the exchange. Messages wait in their
+    outboxes to share an exchange, so 1F1B and its balanced form move messages at 9 ticks of 18, zero
+    bubble at 10 of 25; GPipe's forwards each feed the next tick and cannot wait."""
     def silent(name):
         t = make_schedule(name, 2, 8).tables()
         return int(((t["send_f"][:, 0] | t["send_b"][:, 0]) == 0).sum())
-    assert silent("1f1b") == 8 and silent("zb-h1") == 9 and silent("gpipe") == 2
+    assert silent("1f1b") == 9 and silent("1f1b-balanced") == 9 and silent("zb-h1") == 15 and silent("gpipe") == 2

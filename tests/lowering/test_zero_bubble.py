@@ -74,7 +74,9 @@ def test_zero_bubble_utilisation_from_the_programs_tick_table():
     cost = np.where(kinds == FWD, 1, np.where(kinds == BWD, 2.5, np.where(kinds == WGT, 0.5, 0)))
     assert lockstep_time(kinds, 1, 3, 0.5) <= cost.max(axis=1).sum()
     assert lockstep_time(kinds, 1, 2, 1) == pytest.approx(zb.num_ticks - (~sending_ticks(kinds)).sum()
-                                                          + sum(_silent_runs(kinds)))
+                                                          + sum(_silent_runs(kinds, sending_ticks(kinds))))
+    assert zb.lockstep_time(1, 2, 1) == pytest.approx(zb.num_ticks - (~zb.sends.any).sum()
+                                                      + sum(_silent_runs(kinds, zb.sends.any)))
     assert make_schedule("zb-h1", 4, 16).utilisation(1, 2) >= 0.9
 
 
@@ -181,11 +183,11 @@ def test_zero_bubble_memory_is_near_1f1bs():
     assert rows <= extra <= 1.02 * rows + 0.02 * base, (rows, extra)
 
 
-def _silent_runs(kinds):
-    """Per run of ticks that move no message (with the moving tick that ends it, if any), the most tasks
-    one stage runs in it, less the moving tick's one counted already: with unit costs, what the run
-    adds beyond that tick."""
-    sends, out, run = sending_ticks(kinds), [], np.zeros(kinds.shape[1])
+def _silent_runs(kinds, sends):
+    """Per run of ticks that move no message (`sends`; with the moving tick that ends it, if any), the
+    most tasks one stage runs in it, less the moving tick's one counted already: with unit costs, what
+    the run adds beyond that tick."""
+    out, run = [], np.zeros(kinds.shape[1])
     for t in range(len(kinds)):
         run += kinds[t] > 0
         if sends[t] or t == len(kinds) - 1:

@@ -15,10 +15,12 @@ def per_stage(cost, num_stages: int) -> np.ndarray:
     return c
 
 
-def lockstep_time(kinds, forward, backward, weight=None, exchange=0.0, num_stages: int | None = None) -> float:
+def lockstep_time(kinds, forward, backward, weight=None, exchange=0.0, num_stages: int | None = None,
+                  sends=None) -> float:
     """Time of a tick table (`kinds[t, c]`: IDLE, FWD, BWD or WGT per chunk in pipeline order, chunk c
     on stage c % `num_stages` (default: one chunk per stage), as `Schedule.chunk_kinds()`) run as the
-    tick loop runs it. Devices wait for each other only where messages move (`sending_ticks`): the
+    tick loop runs it. Devices wait for each other only where messages move (`sends`: per tick, whether
+    the devices exchange at its end; default `sending_ticks`, each message sent as it is made): the
     ticks up to and including such a tick last as long as the stage whose tasks in them cost most,
     plus `exchange` (seconds: one number, or one per tick). Where every tick moves a message, each
     tick lasts its costliest task.
@@ -34,7 +36,7 @@ def lockstep_time(kinds, forward, backward, weight=None, exchange=0.0, num_stage
         return 0.0
     S = num_stages or kinds.shape[1]
     stage = np.stack([cost[:, s::S].sum(axis=1) for s in range(S)], axis=1)      # [tick, stage]
-    sends = sending_ticks(kinds)
+    sends = sending_ticks(kinds) if sends is None else np.asarray(sends, bool)
     group = np.concatenate([[0], np.cumsum(sends)[:-1]])                       # a group ends on a send
     per_group = np.zeros((group[-1] + 1, S))
     np.add.at(per_group, group, stage)

@@ -41,6 +41,7 @@ from whalex.records.lockstep import (  # noqa: F401 (the kind codes and the cost
     per_stage as _per_stage,
     sending_ticks,
 )
+from whalex.records.messages import Sends, pipeline_messages, plan_sends
 from whalex.records.schedule_picture import render
 from whalex.records.zero_bubble import zb_ticks
 
@@ -188,15 +189,22 @@ class Schedule:
                     kinds[t, task.chunk] = KIND_CODES[task.kind]
         return kinds
 
+    @functools.cached_property
+    def sends(self) -> Sends:
+        """Where the messages move (`messages.plan_sends`): each chunk output and input gradient leaves
+        at the latest tick that still delivers it, so that exchanges coalesce. A device keeps one
+        outbox per direction, or one for both at 2 stages, where one swap carries the messages."""
+        return plan_sends(pipeline_messages(self.when(), self.num_stages, self.num_chunks), self.num_ticks)
+
     def lockstep_time(self, forward=UNIT_COSTS[0], backward=UNIT_COSTS[1], weight=None, exchange=0.0) -> float:
         """Time of one step run in lockstep ticks (each tick lasts its costliest task), with a
         forward and a backward costing `forward` and `backward` (`chunk_costs`: a number or one
         per stage, a stage's cost shared by its chunks, or one per chunk); a split backward's W
         costs `weight` (default: a forward) and its B the rest; each tick that moves a message
-        costs `exchange` more."""
+        (`sends`) costs `exchange` more."""
         w = None if weight is None else self.chunk_costs(weight)
         return lockstep_time(self.chunk_kinds(), self.chunk_costs(forward), self.chunk_costs(backward), w, exchange,
-                             self.num_stages)
+                             self.num_stages, sends=self.sends.any)
 
     def utilisation(self, forward=UNIT_COSTS[0], backward=UNIT_COSTS[1], weight=None) -> float:
         """Useful work over stages x lockstep time: what the stages really do, where
@@ -296,10 +304,12 @@ class Schedule:
         the W stash slot a split backward's B writes and its W reads (wslot; `weight_stash`), and the
         slots that what arrives goes to (recv_f, recv_b; -1: nothing), and whether any message goes
         forward (send_f) or back (send_b) at the tick's end (1 in every stage's column: all devices
-        agree whether the tick exchanges). Messages go to the next chunk's stage, s+1 or (from the last
-        stage, with virtual stages) 0; gradients back."""
+        agree whether the tick exchanges; `sends`: a message may wait in its sender's outbox). Messages
+        go to the next chunk's stage, s+1 or (from the last stage, with virtual stages) 0; gradients
+        back."""
         T, S, K = self.num_ticks, self.num_stages, self.num_chunks
         (_, at), (_, gat), (_, wat) = self.stash, self.grad_stash, self.weight_stash
+        sends = self.sends
         kind, mb, chunk, slot, gslot, wslot = (np.zeros((T, S), np.int32) for _ in range(6))
         recv_f = np.full((T, S), -1, np.int32)
         recv_b = np.full((T, S), -1, np.int32)
@@ -311,12 +321,11 @@ class Schedule:
                 kind[t, s] = KIND_CODES[task.kind]
                 mb[t, s], chunk[t, s] = m, c
                 slot[t, s], gslot[t, s], wslot[t, s] = at.get((c, m), 0), gat.get((c, m), 0), wat.get((c, m), 0)
-                if t + 1 < T:
-                    if task.kind == "F" and c + 1 < K:
-                        recv_f[t + 1, (s + 1) % S] = at[(c + 1, m)]
-                    if task.kind == "B" and c > 0:
-                        recv_b[t + 1, (s - 1) % S] = gat[(c - 1, m)]
-        send_f, send_b = (np.repeat(m[:, None], S, 1).astype(np.int32) for m in message_ticks(self.chunk_kinds()))
+                if task.kind == "F" and c + 1 < K:
+                    recv_f[sends.at[("F", c, m)] + 1, (s + 1) % S] = at[(c + 1, m)]
+                if task.kind == "B" and c > 0:
+                    recv_b[sends.at[("B", c, m)] + 1, (s - 1) % S] = gat[(c - 1, m)]
+        send_f, send_b = (np.repeat(m[:, None], S, 1).astype(np.int32) for m in (sends.forward, sends.back))
         return {"kind": kind, "mb": mb, "chunk": chunk, "slot": slot, "gslot": gslot, "wslot": wslot,
                 "recv_f": recv_f, "recv_b": recv_b, "send_f": send_f, "send_b": send_b}
 

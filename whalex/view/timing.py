@@ -88,7 +88,7 @@ def exchange(plan) -> tuple[np.ndarray, str]:
     each stage's message over the slowest link to its neighbour, as the ticks run it: at 2 stages one
     swap, otherwise one collective per direction in which a message moves."""
     s, buffers = plan.schedule, plan.report.stage_buffers()
-    forward, back = schedules.message_ticks(s.chunk_kinds())
+    forward, back = s.sends.forward, s.sends.back
     if buffers is None or s.num_stages < 2:
         return np.zeros(len(forward)), "no"
     pairs = stage_pairs([t.devices for t in plan.task_graphs], ring=s.virtual_stages > 1)

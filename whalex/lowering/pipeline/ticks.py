@@ -4,15 +4,18 @@ Each tick a device reads its row of the schedule's tables (`Schedule.tables`): w
 forward (1), a backward (2) or nothing (0), on which micro-batch and model chunk (its stage without
 interleaving), which stash slots it reads, and into which slots the messages that arrived last tick
 go. Only chunk inputs are stashed (`Schedule.stash`: S slots for 1F1B, M for GPipe); a backward
-recomputes its chunk's forward from the stashed input. After the work, activations go to the next
-stage and gradients to the previous one by `ppermute`, around a ring with interleaved chunks (the
-last stage sends to the first); with 2 stages one swap carries both, as a device sends one message
-per tick. A tick at whose end no message moves (the tables' send_f and send_b, alike on every device)
-skips its exchange: the collective sits in a conditional every device takes the same way; no
-collective runs inside a branch a device chooses by its own task. With a split backward (zero
-bubble) a B also writes what its W needs into a row of the W stash, and a W (kind 3) reads it and
-adds the weight gradient. The steps of a tick, in order: `iteration_inputs`, `run_one_tick`,
-`accumulate_outputs`, `pass_messages`; `tick` composes them and `run` scans it.
+recomputes its chunk's forward from the stashed input. A chunk's output for the next stage and its
+input gradient for the previous one wait in the device's outbox (one per direction; one for both at
+2 stages, where one swap carries the messages and a device holds one at a time) until the tick the
+schedule sends them (`Schedule.sends`: the latest that still delivers them, so that messages made
+at different ticks share one exchange); then they go by `ppermute`, around a ring with interleaved
+chunks (the last stage sends to the first). A tick at whose end no message moves (the tables' send_f
+and send_b, alike on every device) skips its exchange: the collective sits in a conditional every
+device takes the same way; no collective runs inside a branch a device chooses by its own task.
+With a split backward (zero bubble) a B also writes what its W needs into a row of the W stash, and
+a W (kind 3) reads it and adds the weight gradient. The steps of a tick, in order:
+`iteration_inputs`, `run_one_tick`, `accumulate_outputs`, `fill_outbox`, `pass_messages`; `tick`
+composes them and `run` scans it.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ class LoopState(NamedTuple):
     fwd_in: Any        # [width]: the message that arrived from the previous stage
     bwd_in: Any        # [width]: the gradient that arrived from the next stage
     weight_stash: Any  # [weight_slots, width]: what a split backward's B left for its W (() without)
+    outbox: tuple      # [width] each: the messages waiting to leave (forward, back; one for both at 2 stages)
 
 
 class Task(NamedTuple):
@@ -99,7 +103,8 @@ class TickLoop:
         return LoopState(msg.zeros(self.slots), msg.zeros(self.grad_slots),
                          zero_grads(), self.outputs.init(),
                          [jnp.zeros((device.per_replica,) + a.shape[1:], a.dtype) for a in self.outputs.row_avals],
-                         msg.zeros(), msg.zeros(), wstash)
+                         msg.zeros(), msg.zeros(), wstash,
+                         (msg.zeros(),) if self.num_stages == 2 else (msg.zeros(), msg.zeros()))
 
     def iteration_inputs(self, state: LoopState, row: dict, device: Device):
         """This tick's work: the messages of last tick stashed, then (state, task, micro-batch, inputs)."""
@@ -174,29 +179,40 @@ class TickLoop:
                                                     m * n, 0) for a, o in zip(state.rows, routs)]
         return oacc, racc
 
-    def pass_messages(self, y, dx, s, kind, send_f, send_b):
-        """(the message from the previous stage, the gradient from the next) after one exchange; with
-        interleaved chunks around the ring (the last stage's message goes to the first). A direction
-        in which nothing moves this tick (`send_f`, `send_b`: the same on every device) is not
-        exchanged: what it returns then is never stashed (the next tick's recv tables say -1)."""
+    def fill_outbox(self, outbox: tuple, task: Task, y, dx) -> tuple:
+        """The outbox after this tick: a forward of any chunk but the last puts its output there, a
+        backward of any chunk but the first its input gradient; what it held before has left (the
+        schedule sends a message before its outbox's next one is made)."""
+        made_f = (task.kind == 1) & (task.chunk < self.num_chunks - 1)
+        made_b = (task.kind == 2) & (task.chunk > 0)
+        if self.num_stages == 2:
+            return (jnp.where(made_f, y, jnp.where(made_b, dx, outbox[0])),)
+        return jnp.where(made_f, y, outbox[0]), jnp.where(made_b, dx, outbox[1])
+
+    def pass_messages(self, outbox: tuple, send_f, send_b):
+        """(the message from the previous stage, the gradient from the next) after one exchange of the
+        outboxes; with interleaved chunks around the ring (the last stage's message goes to the first).
+        A direction in which nothing moves this tick (`send_f`, `send_b`: the same on every device) is
+        not exchanged, and an outbox whose message left before is sent again unread: what arrives is
+        stashed only where the next tick's recv tables say (-1: nothing)."""
         S, ring = self.num_stages, self.virtual_stages > 1
-        if S == 2:            # one swap: a device sends one message per tick (without chunks stage 0 only
-            send = jnp.where(kind == 1, y, dx) if ring else jnp.where(s == 0, y, dx)   # forward, 1 back)
-            out = _exchange(send_f | send_b, send, [(0, 1), (1, 0)])
+        if S == 2:            # one swap: stage 0's message goes forward, 1's back (with chunks, either)
+            out = _exchange(send_f | send_b, outbox[0], [(0, 1), (1, 0)])
             return out, out
         if S == 1:
-            return y, dx
+            return outbox
         n = S if ring else S - 1
-        return (_exchange(send_f, y, [(i, (i + 1) % S) for i in range(n)]),
-                _exchange(send_b, dx, [((i + 1) % S, i) for i in range(n)]))
+        return (_exchange(send_f, outbox[0], [(i, (i + 1) % S) for i in range(n)]),
+                _exchange(send_b, outbox[1], [((i + 1) % S, i) for i in range(n)]))
 
     def tick(self, device: Device, work: Branches, state: LoopState, row: dict):
         """One tick: the scan's body."""
         state, task, m, inputs = self.iteration_inputs(state, row, device)
         y, dx, grads, outs, routs, wstash = self.run_one_tick(state, task, inputs, device, work)
         oacc, racc = self.accumulate_outputs(state, task, m, outs, routs, device)
-        fout, bout = self.pass_messages(y, dx, device.stage, task.kind, row["send_f"][0] > 0, row["send_b"][0] > 0)
-        return LoopState(state.stash, state.grad_stash, grads, oacc, racc, fout, bout, wstash), None
+        outbox = self.fill_outbox(state.outbox, task, y, dx)
+        fout, bout = self.pass_messages(outbox, row["send_f"][0] > 0, row["send_b"][0] > 0)
+        return LoopState(state.stash, state.grad_stash, grads, oacc, racc, fout, bout, wstash, outbox), None
 
     def run(self, device: Device, work: Branches, zero_grads: Callable) -> LoopState:
         """Every tick of the schedule on this device: the final state."""
