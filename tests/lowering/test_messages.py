@@ -3,10 +3,9 @@
 and the tables the tick loop scans deliver every task the message it reads."""
 import itertools
 
-import numpy as np
 import pytest
 
-from whalex.records.messages import Message, outbox_windows, plan_sends
+from whalex.records.messages import Message, outbox_windows
 from whalex.records.schedules import make_schedule, sending_ticks
 
 GRID = [(n, S, M, 1) for n in ("gpipe", "1f1b", "1f1b-balanced", "zb-h1", "zb-h2") for S, M in
@@ -15,7 +14,7 @@ GRID = [(n, S, M, 1) for n in ("gpipe", "1f1b", "1f1b-balanced", "zb-h1", "zb-h2
 
 def _messages(sched):
     """(key, sender, forward, produced, needed) of every message, read off the ticks."""
-    when, S, K = sched.when(), sched.num_stages, sched.num_chunks
+    when, K = sched.when(), sched.num_chunks
     out = []
     for task, t in when.items():
         c, m = task.chunk, task.microbatch
