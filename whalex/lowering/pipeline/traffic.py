@@ -1,7 +1,6 @@
 """The collectives a pipeline step runs, as the program lowers them (`whalex.lowering.stage_rows`:
 the state spread over every device, gathered into stage rows and scattered back; the gradient
-sync over replicas; the messages between stages at the ticks that exchange; the split layers' inside
-the stages),
+sync over replicas; the messages between stages every tick; the split layers' inside the stages),
 per stage and device."""
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ def stage_collectives(schedule: Schedule, invars, zero_level: int, dp: int, grad
                       message_bytes: int) -> tuple[Comm, ...]:
     """Per stage: the spread state's gather over replicas, its parameter blocks to the stage and its
     gradient blocks back, the gradient sync over replicas (ZeRO: reduce-scatter, and at level 3 the
-    stage parameters gathered), and the messages to the neighbouring stages at the ticks that exchange
-    them (`Schedule.sends`; at 2 stages one swap, beyond one collective per direction). `invars`:
+    stage parameters gathered), and the messages to the neighbouring stages every tick. `invars`:
     the stored parameters' jaxpr variables; `grad_bytes`: the bytes of one stage's row."""
     num_stages = schedule.num_stages
     total = sum(aval_bytes(v.aval) for v in invars)
@@ -29,24 +27,12 @@ def stage_collectives(schedule: Schedule, invars, zero_level: int, dp: int, grad
         comms.append(Comm(s, "all-to-all", (STAGE,), ring_bytes("all-to-all", grad_bytes, num_stages),
                           "its gradient blocks back to the spread state (tied parameters summed over their stages)"))
         comms += _replica_sync(s, zero_level, dp, grad_bytes)
-        exchanges = _exchanges(schedule, s)
-        if exchanges:
+        sends = 2 if schedule.virtual_stages > 1 else (s < num_stages - 1) + (s > 0)   # interleaved: the ring
+        if sends:
             comms.append(Comm(s, "collective-permute", (STAGE,), ring_bytes(
-                "collective-permute", exchanges * message_bytes, num_stages),
-                              f"activations to the next stage, gradients to the previous ({exchanges} messages sent)"))
+                "collective-permute", schedule.num_ticks * sends * message_bytes, num_stages),
+                              "activations to the next stage, gradients to the previous (every tick)"))
     return tuple(comms)
-
-
-def _exchanges(schedule: Schedule, s: int) -> int:
-    """The messages stage `s` sends in a step as the tick loop exchanges them: at 2 stages one per tick
-    that swaps; beyond, one per tick that moves messages in a direction it sends in (interleaved: the
-    ring, every stage both ways)."""
-    S, sends, ring = schedule.num_stages, schedule.sends, schedule.virtual_stages > 1
-    if S < 2:
-        return 0
-    if S == 2:
-        return int(sends.any.sum())
-    return int(sends.forward.sum()) * (ring or s < S - 1) + int(sends.back.sum()) * (ring or s > 0)
 
 
 def _replica_sync(s: int, level: int, dp: int, grad_bytes: float) -> list[Comm]:
