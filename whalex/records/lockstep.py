@@ -44,16 +44,11 @@ def lockstep_time(kinds, forward, backward, weight=None, exchange=0.0, num_stage
     return float(per_group.max(axis=1).sum() + moves[sends].sum())
 
 
-def message_ticks(kinds) -> tuple[np.ndarray, np.ndarray]:
-    """Per tick of a chunk kind table (as `lockstep_time` takes), whether a message moves forward at
-    its end (a forward of any chunk but the last) and whether one moves back (a backward of any chunk
-    but the first), before the last tick: the tables' `send_f` and `send_b`."""
-    kinds = np.asarray(kinds)
-    before_last = np.arange(len(kinds)) < len(kinds) - 1
-    return (kinds[:, :-1] == FWD).any(axis=1) & before_last, (kinds[:, 1:] == BWD).any(axis=1) & before_last
-
-
 def sending_ticks(kinds) -> np.ndarray:
-    """Per tick of a chunk kind table, whether any message moves at its end (`message_ticks`)."""
-    forward, back = message_ticks(kinds)
-    return forward | back
+    """Per tick of a chunk kind table (as `lockstep_time` takes), whether a message is made at its end
+    (a forward of any chunk but the last, or a backward of any chunk but the first) before the last
+    tick: where the devices would exchange if each message left the tick that makes it
+    (`Schedule.sends` lets messages wait, so that exchanges coalesce)."""
+    kinds = np.asarray(kinds)
+    made = (kinds[:, :-1] == FWD).any(axis=1) | (kinds[:, 1:] == BWD).any(axis=1)
+    return made & (np.arange(len(kinds)) < len(kinds) - 1)

@@ -78,7 +78,7 @@ def outbox_windows(messages: list[Message]) -> list[tuple[int, int]]:
         for msg, nxt in zip(box, box[1:] + [None]):
             if nxt is not None and nxt.produced == msg.produced:
                 raise ValueError(f"messages {msg.key} and {nxt.key} fill outbox {msg.outbox} at tick {msg.produced}")
-            last[msg.key] = min(msg.needed - 1, nxt.produced - 1 if nxt is not None else msg.needed - 1)
+            last[msg.key] = msg.needed - 1 if nxt is None else min(msg.needed - 1, nxt.produced - 1)
     windows = [(m.produced, last[m.key]) for m in messages]
     for m, (a, b) in zip(messages, windows):
         if b < a:
@@ -94,7 +94,7 @@ def plan_sends(messages: list[Message], num_ticks: int) -> Sends:
     for a, b in sorted(windows, key=lambda w: (w[1], w[0])):
         if not ticks or ticks[-1] < a:        # taken by last tick, an unstabbed window starts after
             ticks.append(b)                   # the latest exchange so far
-    chosen = np.asarray(sorted(ticks), np.int64)
+    chosen = np.asarray(ticks, np.int64)      # ascending: each is a later window's last tick
     at, forward, back = {}, np.zeros(num_ticks, bool), np.zeros(num_ticks, bool)
     for m, (a, _) in zip(messages, windows):
         t = int(chosen[np.searchsorted(chosen, a)])   # inside the window: some exchange tick stabs it

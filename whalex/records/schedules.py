@@ -37,7 +37,6 @@ from whalex.records.lockstep import (  # noqa: F401 (the kind codes and the cost
     IDLE,
     WGT,
     lockstep_time,
-    message_ticks,
     per_stage as _per_stage,
     sending_ticks,
 )
