@@ -113,8 +113,8 @@ def lockstep(plan, exchange: float = 0.0) -> float:
     whose messages move (`Schedule.sends`)."""
     from whalex.balance.partition import lockstep_time
     m = plan.schedule.num_micro_batch
-    return lockstep_time([t.flops / m for t in plan.task_graphs], stage_speeds(plan), plan.schedule.tables()["kind"],
-                         exchange=exchange, sends=plan.schedule.sends.any)
+    return lockstep_time([t.flops / m for t in plan.task_graphs], stage_speeds(plan), plan.schedule.tick_table,
+                         exchange=exchange)
 
 
 def stage_mesh():

@@ -15,7 +15,8 @@ What it measures
     In each run:
 
     * calibrate: ``calibrate(Cluster.detect(), loss_fn, params, batch, optimizer=adam)`` twice, on
-      a quarter of the global batch and on all of it (the user's two likely choices);
+      a quarter of the global batch (with ``global_batch=``, as the summary advises: its rows repeated
+      up to the step's) and on all of it (the user's two likely choices);
     * whalex:  the balanced plan on each calibration (``wh.parallelize(..., cluster=calibrated)``);
     * refined: ``Config(hardware_aware="refine")`` on each calibration: its first steps time the real
       step at splits around the prediction and keep the fastest (the steps it took are reported);
@@ -107,8 +108,8 @@ def worker(args):
     loss_fn, params, batch, config = make(args)
     optimizer = optax.adam(1e-3)
     quarter = {k: v[: args.batch // 4] for k, v in batch.items()}
-    clusters = {c: calibrate(wh.Cluster.detect(), loss_fn, params, b, optimizer=optimizer, repeats=9)
-                for c, b in (("quarter", quarter), ("whole", batch))}
+    clusters = {c: calibrate(wh.Cluster.detect(), loss_fn, params, b, optimizer=optimizer, repeats=9, **kw)
+                for c, b, kw in (("quarter", quarter, {"global_batch": args.batch}), ("whole", batch, {}))}
     base = clusters["whole"]
     steps, states = {}, {}
 

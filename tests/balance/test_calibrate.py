@@ -247,6 +247,43 @@ def test_the_step_is_timed_at_a_quarter_half_and_all_of_the_batchs_rows(monkeypa
     assert cal._fractions({"x": np.zeros((1, 2))}) is None
 
 
+def test_a_smaller_batch_with_global_batch_times_the_steps_own_rows(monkeypatch):
+    # a quarter of the step's batch, repeated up to the step's rows: the same timings as the whole batch
+    # (half the devices 2x slower, so the second timing is at each device's own share of the step)
+    loss_fn, params, batch = plain_model("dp", "ctx")
+    n = jax.tree.leaves(batch)[0].shape[0]
+    quarter = jax.tree.map(lambda x: x[: n // 4], batch)
+    cal = importlib.import_module("whalex.balance.calibrate")
+
+    def timed(b, **kw):
+        seen, rows, fake = [], [], _synthetic_rounds([2e-4] * 8, [2e-5] * 4 + [4e-5] * 4, 0.01)
+
+        def spy(devices, fn, args, repeats, sync=None):
+            own = args if isinstance(args[0], list) else [args] * len(devices)
+            seen.append([tuple(jax.tree.leaves(a[-1])[0].shape[0] for a in sets) for sets in own])
+            rows.append(np.asarray(jax.tree.leaves(own[0][-1][-1])[0]))
+            return fake(devices, fn, args, repeats)
+        monkeypatch.setattr(cal, "time_rounds", spy)
+        return calibrate(wh.Cluster.detect(), loss_fn, params, b, optimizer=optax.adam(1e-3), **kw), seen, rows
+    whole, seen_whole, _ = timed(batch)
+    small, seen_small, _ = timed(quarter)
+    tiled, seen_tiled, rows = timed(quarter, global_batch=n)
+    assert seen_tiled == seen_whole and seen_small != seen_whole
+    assert tiled.calibrated_rows == whole.calibrated_rows and small.calibrated_rows[1] <= n // 4
+    x = np.asarray(jax.tree.leaves(quarter)[0])
+    assert rows[0].shape[0] == n and np.array_equal(rows[0], np.concatenate([x] * 4))     # the rows repeated
+    # the summary of a plan on the small calibration names the fix, with the step's rows
+    text = wh.plan(loss_fn, params, batch, cluster=small).summary()
+    assert f"calibrate(..., global_batch={n})" in text
+    assert "every device's share lies inside" in wh.plan(loss_fn, params, batch, cluster=tiled).summary()
+    with pytest.raises(ValueError, match="global_batch is the rows the training step runs"):
+        calibrate(wh.Cluster.detect(), loss_fn, params, quarter, global_batch=1)
+    with pytest.raises(ValueError, match="global_batch=. sizes the user's step"):
+        calibrate(wh.Cluster.detect(), global_batch=n)
+    with pytest.raises(ValueError, match="the same leading dimension"):
+        calibrate(wh.Cluster.detect(), loss_fn, params, {"x": np.zeros((4, 2)), "y": np.zeros((3,))}, global_batch=n)
+
+
 def test_a_heterogeneous_pipelines_summary_says_whether_its_micro_batch_lies_inside_the_calibrated_rows():
     # a stage runs one micro-batch at a time: its speed is the one at those rows, not the whole batch's
     from lowering.test_pipeline import deep_model

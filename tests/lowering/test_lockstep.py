@@ -9,7 +9,7 @@ import whalex as wh
 from planner.test_auto_parallel import lm
 from whalex.balance.partition import FORWARD_SHARE, lockstep_time as partition_lockstep
 from whalex.mesh.specs import NETWORK_LATENCY, SPECS
-from whalex.records.schedules import RECOMPUTE_COSTS, lockstep_time, make_schedule, sending_ticks
+from whalex.records.schedules import RECOMPUTE_COSTS, TickTable, lockstep_time, make_schedule, sending_ticks
 from whalex.view.timing import exchange, predict
 
 
@@ -56,10 +56,24 @@ def test_lockstep_time_with_a_cost_per_stage():
         assert lockstep_time(kinds, f, b) >= sched.lockstep_time(f, b) - 1e-12
         # the heterogeneous stage cut prices a cut the same way (a backward recomputes its forward)
         per = rng.uniform(1, 3, 3)
-        assert partition_lockstep(per, np.ones(3), sched.tables()["kind"], sends=sched.sends.any) == \
+        assert partition_lockstep(per, np.ones(3), sched.tick_table) == \
             pytest.approx(sched.lockstep_time(per * FORWARD_SHARE, per))
     with pytest.raises(ValueError, match="finite and non-negative"):
         make_schedule("1f1b", 2, 2).lockstep_time(-1.0, 2.0)
+
+
+def test_a_tick_table_carries_the_kinds_and_the_exchanges_together():
+    sched = make_schedule("zb-h1", 2, 8)
+    table = sched.tick_table
+    assert np.array_equal(table.kinds, sched.chunk_kinds()) and np.array_equal(table.sends, sched.sends.any)
+    assert table.time(1, 3, exchange=0.5) == pytest.approx(sched.lockstep_time(1, 3, exchange=0.5))
+    # each message sent as made: the older model, which exchanges at more ticks and is never faster
+    made = TickTable.sent_as_made(table.kinds, 2)
+    assert np.array_equal(made.sends, sending_ticks(table.kinds)) and made.sends.sum() > table.sends.sum()
+    assert made.time(1, 3, exchange=0.5) == pytest.approx(lockstep_time(table.kinds, 1, 3, exchange=0.5))
+    assert made.time(1, 3, exchange=0.5) > table.time(1, 3, exchange=0.5)
+    with pytest.raises(ValueError, match="one send flag per tick"):
+        TickTable(table.kinds, table.sends[:-1], 2)
 
 
 @pytest.mark.parametrize("name, S, M", [("1f1b", 2, 8), ("1f1b", 4, 8), ("zb-h1", 2, 8), ("gpipe", 3, 5)])

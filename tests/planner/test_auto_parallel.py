@@ -111,9 +111,9 @@ def test_partition_prefers_cheap_boundaries_among_equally_fast_splits():
     assert partition(flops, zeros, zeros, ones, [1e9] * 3, penalties=cheap_at_3) == [0, 3, 4]
 
 
-def _lockstep(flops, speeds, kinds, starts):
+def _lockstep(flops, speeds, ticks, starts):
     ends = list(starts[1:]) + [len(flops)]
-    return lockstep_time([sum(flops[a:b]) for a, b in zip(starts, ends)], speeds, kinds)
+    return lockstep_time([sum(flops[a:b]) for a, b in zip(starts, ends)], speeds, ticks)
 
 
 @pytest.mark.parametrize("ratio", [2.0, 3.0])
@@ -123,20 +123,20 @@ def test_heterogeneous_cut_minimises_the_lockstep_step_time(ratio):
     # forward (1 unit) and the other way round, so the min-max cut (equal totals) is not the fastest
     # step; every cut is tried by brute force, and the refined cut is as fast as the best.
     flops, zeros, speeds = [3.0] * 13, [0.0] * 13, [ratio, 1.0, 1.0]
-    kinds = make_schedule("1f1b", 3, 8).tables()["kind"]
+    ticks = make_schedule("1f1b", 3, 8).tick_table
     minmax = partition(flops, zeros, zeros, speeds, [1e9] * 3)
-    cut = partition(flops, zeros, zeros, speeds, [1e9] * 3, tick_kinds=kinds)
-    brute = min(itertools.combinations(range(1, 13), 2), key=lambda c: _lockstep(flops, speeds, kinds, [0, *c]))
+    cut = partition(flops, zeros, zeros, speeds, [1e9] * 3, ticks=ticks)
+    brute = min(itertools.combinations(range(1, 13), 2), key=lambda c: _lockstep(flops, speeds, ticks, [0, *c]))
     assert cut != minmax
-    assert _lockstep(flops, speeds, kinds, cut) == pytest.approx(_lockstep(flops, speeds, kinds, [0, *brute]))
-    assert _lockstep(flops, speeds, kinds, cut) < 0.95 * _lockstep(flops, speeds, kinds, minmax)
+    assert _lockstep(flops, speeds, ticks, cut) == pytest.approx(_lockstep(flops, speeds, ticks, [0, *brute]))
+    assert _lockstep(flops, speeds, ticks, cut) < 0.95 * _lockstep(flops, speeds, ticks, minmax)
     # equal speeds: the min-max cut stands
-    assert partition(flops, zeros, zeros, [1.0] * 3, [1e9] * 3, tick_kinds=kinds) == \
+    assert partition(flops, zeros, zeros, [1.0] * 3, [1e9] * 3, ticks=ticks) == \
         partition(flops, zeros, zeros, [1.0] * 3, [1e9] * 3)
     # with 2 stages 1F1B's unlike ticks move no message, each device runs on, and min-max is the best cut
-    two = make_schedule("1f1b", 2, 8).tables()["kind"]
+    two = make_schedule("1f1b", 2, 8).tick_table
     best = min(range(1, 13), key=lambda x: _lockstep(flops, speeds[:2], two, [0, x]))
-    assert partition(flops, zeros, zeros, speeds[:2], [1e9] * 2, tick_kinds=two) == \
+    assert partition(flops, zeros, zeros, speeds[:2], [1e9] * 2, ticks=two) == \
         partition(flops, zeros, zeros, speeds[:2], [1e9] * 2) == [0, best]
 
 
@@ -146,19 +146,19 @@ def test_lockstep_refinement_keeps_memory_and_never_does_worse():
         n, k = int(rng.integers(6, 14)), int(rng.integers(2, 5))
         flops = list(rng.uniform(1, 5, n))
         speeds = list(rng.uniform(1, 3, k))
-        kinds = make_schedule(("1f1b", "gpipe")[trial % 2], k, 6).tables()["kind"]
+        ticks = make_schedule(("1f1b", "gpipe")[trial % 2], k, 6).tick_table
         state, caps = list(rng.uniform(1, 2, n)), [1e9] * k
         caps[0] = sum(state[:3]) + 0.5                           # the first stage holds at most 3 layers
         start = partition(flops, state, [0.0] * n, speeds, caps)
-        cut = partition(flops, state, [0.0] * n, speeds, caps, tick_kinds=kinds)
+        cut = partition(flops, state, [0.0] * n, speeds, caps, ticks=ticks)
         assert cut[0] == 0 and all(a < b for a, b in zip(cut, cut[1:])) and cut[1] <= 3
-        assert _lockstep(flops, speeds, kinds, cut) <= _lockstep(flops, speeds, kinds, start) + 1e-9
+        assert _lockstep(flops, speeds, ticks, cut) <= _lockstep(flops, speeds, ticks, start) + 1e-9
         # a local optimum: no single boundary move that fits is faster
         for j in range(1, k):
             for pos in range(cut[j - 1] + 1, (cut[j + 1] if j + 1 < k else n)):
                 trial_cut = cut[:j] + [pos] + cut[j + 1:]
                 if trial_cut[1] <= 3:
-                    assert _lockstep(flops, speeds, kinds, trial_cut) >= _lockstep(flops, speeds, kinds, cut) - 1e-9
+                    assert _lockstep(flops, speeds, ticks, trial_cut) >= _lockstep(flops, speeds, ticks, cut) - 1e-9
 
 
 class CrossBlock(nn.Module):

@@ -222,7 +222,8 @@ def _whole(m: Measurement) -> Measurement:
     return m if m.step_speeds is None else Measurement(m.step_speeds, m.step_spreads)
 
 
-def _check(size: int, chain: int, repeats: int, tolerance: float, loss_fn, params, batch, optimizer) -> None:
+def _check(size: int, chain: int, repeats: int, tolerance: float, loss_fn, params, batch, optimizer,
+           global_batch=None) -> None:
     if repeats < MIN_REPEATS:
         raise ValueError(f"calibrate needs repeats >= {MIN_REPEATS} timing rounds to measure a spread, got {repeats}.")
     if loss_fn is None and (size < 1 or chain < 1):
@@ -238,6 +239,34 @@ def _check(size: int, chain: int, repeats: int, tolerance: float, loss_fn, param
     if optimizer is not None and not isinstance(optimizer, optax.GradientTransformation):
         raise ValueError(f"calibrate's optimizer must be an optax.GradientTransformation, "
                          f"got {type(optimizer).__name__}.")
+    if global_batch is not None:
+        _check_global_batch(global_batch, loss_fn, batch)
+
+
+def _check_global_batch(global_batch, loss_fn, batch) -> None:
+    if loss_fn is None:
+        raise ValueError("calibrate(..., global_batch=) sizes the user's step: pass loss_fn, params and a batch "
+                         "with it.")
+    if isinstance(global_batch, bool) or not isinstance(global_batch, (int, np.integer)) or global_batch < 2:
+        raise ValueError(f"calibrate's global_batch is the rows the training step runs (an int >= 2), "
+                         f"got {global_batch!r}.")
+    rows = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
+    if len(rows) != 1 or None in rows:
+        raise ValueError("calibrate(..., global_batch=) repeats the batch's rows up to the step's, so every batch "
+                         f"leaf needs the same leading dimension; got {sorted(map(str, rows))}. Pass a batch of "
+                         "the step's size instead.")
+
+
+def _resized(batch, global_batch: int | None):
+    """The batch's rows repeated (or cut) to `global_batch` rows: a step's time depends on its shapes, not
+    on its values, so a smaller calibration batch can time the step's own row counts."""
+    if global_batch is None:
+        return batch
+    n = jax.tree.leaves(batch)[0].shape[0]
+    if n == global_batch:
+        return batch
+    index = np.arange(int(global_batch)) % n
+    return jax.tree.map(lambda x: np.take(np.asarray(x), index, axis=0), batch)
 
 
 def _fractions(batch, counts: Sequence[int] | None = None):
@@ -389,7 +418,7 @@ def _timed_affine(devices, mine, loss_fn, params, batch, optimizer, sized, own_r
 
 def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, batch=None, *, optimizer=None,
               size: int = 384, chain: int = 4, repeats: int = 7, tolerance: float = 0.1,
-              links: bool | None = None) -> Cluster:
+              links: bool | None = None, global_batch: int | None = None) -> Cluster:
     """The cluster with measured speeds (FLOP/s, or relative work/s for a user loss) and their spreads.
 
     With `loss_fn`, `params` and a `batch`, times the user's step on each device (value_and_grad,
@@ -415,7 +444,9 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
     that timing (`_fixed_at_own_shares`): each device then runs about as long as the others while
     timed, as in the step, not alone once the faster ones are done, and nothing is extrapolated.
     The rows timed are kept (`Cluster.calibrated_rows`): `plan.summary()` says when a device's share
-    falls outside them.
+    falls outside them. A smaller batch serves as well with `global_batch`, the rows the training step
+    runs: its rows are repeated up to that many (a step's time depends on its shapes, not its values), so
+    the timings are at the step's own shares.
     What the plan's whole step costs beyond the timed work (collectives, launches; the optimizer
     update when `optimizer` is not passed) a refinement measures: `Config(hardware_aware="refine")`.
 
@@ -423,7 +454,8 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
     seconds and bytes/s, on `Cluster.links`), what a pipeline's predicted exchanges then cost instead
     of the spec table's links. None (the default) times them where the cluster spans processes.
     """
-    _check(size, chain, repeats, tolerance, loss_fn, params, batch, optimizer)
+    _check(size, chain, repeats, tolerance, loss_fn, params, batch, optimizer, global_batch)
+    batch = _resized(batch, global_batch)
     again = functools.partial(measure, cluster, loss_fn, params, batch, optimizer=optimizer, size=size,
                               chain=chain, repeats=repeats)
     m = again()

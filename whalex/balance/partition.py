@@ -24,6 +24,7 @@ from whalex.balance.profile import FlopsCache, group_flops
 from whalex.errors import PlanError
 from whalex.jaxpr.module_paths import Unit
 from whalex.records import schedules
+from whalex.records.lockstep import TickTable
 
 __all__ = ["AutoStages", "Layer", "auto_stages", "lockstep_time", "partition", "profile_layers",
            "refine_lockstep", "stage_devices"]
@@ -96,32 +97,31 @@ def _optimizer_factor(optimizer, cap) -> float:
     return sbytes / pbytes if pbytes else 0.0
 
 
-def lockstep_time(stage_flops: Sequence[float], speeds: Sequence[float], tick_kinds, exchange: float = 0.0,
-                  sends=None) -> float:
+def lockstep_time(stage_flops: Sequence[float], speeds: Sequence[float], ticks: TickTable,
+                  exchange: float = 0.0) -> float:
     """Predicted compute time of one step of a pipeline run in ticks (whalex's SPMD loop: devices wait
     for each other at the ticks whose messages move, `schedules.lockstep_time`).
 
-    `tick_kinds[t, s]`: 0 idle, 1 forward, 2 backward (`Schedule.tables()["kind"]`). A backward
+    `ticks` (`Schedule.tick_table`): per tick each stage's task kind and whether messages move. A backward
     recomputes its stage's forward from the stashed input, so it costs the stage's forward+backward
     FLOPs; a forward costs `FORWARD_SHARE` of them. With uneven speeds this, not the slowest stage's
     total, is what a cut changes: in 1F1B a fast stage's backward runs beside the slow stage's
     forward and the other way round, so a tick pairs unlike tasks. `exchange`: seconds each tick
-    that moves a message adds; `sends`: the ticks that do (`Schedule.sends.any`; default: each tick
-    that makes a message)."""
+    that moves a message adds."""
     per = np.asarray(stage_flops, np.float64) / np.asarray(speeds, np.float64)
-    return schedules.lockstep_time(tick_kinds, per * FORWARD_SHARE, per, exchange=exchange, sends=sends)
+    return ticks.time(per * FORWARD_SHARE, per, exchange=exchange)
 
 
 def partition(flops: Sequence[float], state_bytes: Sequence[float], input_bytes: Sequence[float],
               speeds: Sequence[float], capacities: Sequence[float], micro_batch_in_flight=None,
-              penalties: Sequence[float] | None = None, tick_kinds=None, sends=None) -> list[int]:
+              penalties: Sequence[float] | None = None, ticks: TickTable | None = None) -> list[int]:
     """Split layers 0..n-1 into len(speeds) contiguous non-empty stages.
 
     Minimises the slowest stage's time sum(flops)/speed, subject to each stage's memory
     (state bytes of its layers + its input activations x micro-batches in flight) fitting its
     device's capacity. With `penalties[a]` (the cost of a boundary before layer a), the split with
-    the least total penalty among those reaching that time. With `tick_kinds` (the schedule, its
-    exchanges at `sends`) and unequal speeds, the boundaries are then moved one at a time while `lockstep_time` falls
+    the least total penalty among those reaching that time. With `ticks` (the schedule's
+    `tick_table`) and unequal speeds, the boundaries are then moved one at a time while `lockstep_time` falls
     (`refine_lockstep`). Returns the first layer index of each stage. Pure; raises PlanError if no
     split fits.
     """
@@ -167,17 +167,17 @@ def partition(flops: Sequence[float], state_bytes: Sequence[float], input_bytes:
         starts.append(int(a))
         b = a
     starts = starts[::-1]
-    if tick_kinds is not None and len(set(speeds)) > 1:
+    if ticks is not None and len(set(speeds)) > 1:
         fits = lambda s, a, b: pm[b] - pm[a] + inb[a] * in_flight[s] <= capacities[s]   # noqa: E731
-        starts = refine_lockstep(starts, flops, speeds, tick_kinds, fits, sends)
+        starts = refine_lockstep(starts, flops, speeds, ticks, fits)
     return starts
 
 
 EXHAUSTIVE_CUTS = 5000      # at most this many contiguous cuts: try every one
 
 
-def refine_lockstep(starts: Sequence[int], flops: Sequence[float], speeds: Sequence[float], tick_kinds,
-                    fits=lambda s, a, b: True, sends=None) -> list[int]:
+def refine_lockstep(starts: Sequence[int], flops: Sequence[float], speeds: Sequence[float], ticks: TickTable,
+                    fits=lambda s, a, b: True) -> list[int]:
     """The contiguous split (every stage non-empty and `fits(stage, first, end)`) that minimises
     `lockstep_time`: every split where there are at most EXHAUSTIVE_CUTS, else coordinate descent on
     the boundaries from `starts` (each boundary in turn moves to its best position between its
@@ -191,7 +191,7 @@ def refine_lockstep(starts: Sequence[int], flops: Sequence[float], speeds: Seque
         ends = list(st[1:]) + [n]
         if not all(fits(s, a, b) for s, (a, b) in enumerate(zip(st, ends))):
             return np.inf
-        return lockstep_time([pf[b] - pf[a] for a, b in zip(st, ends)], speeds, tick_kinds, sends=sends)
+        return lockstep_time([pf[b] - pf[a] for a, b in zip(st, ends)], speeds, ticks)
 
     best = time(cur)
     if math.comb(n - 1, k - 1) <= EXHAUSTIVE_CUTS:
@@ -231,18 +231,18 @@ def stage_devices(cluster, num_stages: int, hardware_aware: bool = True) -> list
 
 def auto_stages(cap, num_stages: int, cluster, optimizer=None, micro_fraction: float = 1.0,
                 in_flight: Sequence[int] | None = None, hardware_aware: bool = True,
-                tick_kinds=None, virtual_stages: int = 1, sends=None) -> AutoStages:
+                ticks: TickTable | None = None, virtual_stages: int = 1) -> AutoStages:
     """Balanced stages for `num_stages` devices per pipeline replica.
 
     Granularities are tried coarse to fine (`balance.layers.granularities`) and the first whose
     best split has its slowest stage within `TOLERANCE` of the ideal is used; if none is, the
     coarsest within `SLACK` of the best one found. `micro_fraction` scales the captured
     (global-batch) activations to one device's micro-batch; `in_flight[s]` is how many
-    micro-batches stage s stashes under the schedule; `tick_kinds` (the schedule's kind table, its
-    exchanges at `sends`: `Schedule.sends.any`) lets a heterogeneous cut minimise the lockstep step
+    micro-batches stage s stashes under the schedule; `ticks` (the schedule's `tick_table`) lets a
+    heterogeneous cut minimise the lockstep step
     time (`refine_lockstep`). With `virtual_stages` V > 1 the `num_stages` are interleaved chunks,
     chunk c on device stage c % (num_stages / V), which lends it its speed and 1/V of its memory
-    (`tick_kinds` then per chunk: `Schedule.chunk_kinds`).
+    (`ticks` then per chunk, as `Schedule.tick_table` is).
     """
     if num_stages < 2:
         raise PlanError("auto_parallel needs num_task_graph >= 2 stages; set Config(num_task_graph=k).")
@@ -259,7 +259,7 @@ def auto_stages(cap, num_stages: int, cluster, optimizer=None, micro_fraction: f
         try:
             starts = partition(flops, [l.state_bytes for l in layers], [l.input_bytes * micro_fraction for l in layers],
                                speeds, caps, in_flight, cut_penalties(cap, gran.units) if gran.fine else None,
-                               tick_kinds, sends)
+                               ticks)
         except PlanError as e:
             error = e                       # the finest granularity's reason, if none fits
             continue

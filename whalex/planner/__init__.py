@@ -74,8 +74,7 @@ def _auto_pipeline(req: Request, cap) -> Plan:
     try:
         auto = auto_stages(cap, k * V, cluster, req.optimizer, micro_fraction=1.0 / (dp * m),
                            in_flight=[sched.chunk_in_flight(c) for c in range(k * V)],
-                           hardware_aware=config.hardware_aware, tick_kinds=sched.chunk_kinds(), virtual_stages=V,
-                           sends=sched.sends.any)
+                           hardware_aware=config.hardware_aware, ticks=sched.tick_table, virtual_stages=V)
     except PlanError as e:
         if V == 1:
             raise

@@ -2,6 +2,8 @@
 tick, and devices wait for each other where a tick's messages move."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 IDLE, FWD, BWD, WGT = 0, 1, 2, 3         # a tick table's task kinds (`Schedule.tables()["kind"]`)
@@ -52,3 +54,32 @@ def sending_ticks(kinds) -> np.ndarray:
     kinds = np.asarray(kinds)
     made = (kinds[:, :-1] == FWD).any(axis=1) | (kinds[:, 1:] == BWD).any(axis=1)
     return made & (np.arange(len(kinds)) < len(kinds) - 1)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TickTable:
+    """What a pipeline's cost model reads of its schedule: per tick and chunk the task kind, per tick
+    whether the devices exchange messages at its end, and how many stages hold the chunks."""
+
+    kinds: np.ndarray       # [tick, chunk]: IDLE, FWD, BWD or WGT, as `Schedule.chunk_kinds()`
+    sends: np.ndarray       # [tick] bool: the devices exchange at the tick's end (`Schedule.sends.any`)
+    num_stages: int         # chunk c runs on stage c % num_stages
+
+    def __post_init__(self):
+        kinds, sends = np.asarray(self.kinds), np.asarray(self.sends, bool)
+        if kinds.ndim != 2 or sends.shape != (kinds.shape[0],) or not 0 < self.num_stages <= max(kinds.shape[1], 1):
+            raise ValueError(f"a tick table needs kinds [tick, chunk], one send flag per tick and 1 to chunks "
+                             f"stages; got kinds {kinds.shape}, sends {sends.shape}, {self.num_stages} stages")
+        object.__setattr__(self, "kinds", kinds)
+        object.__setattr__(self, "sends", sends)
+
+    @classmethod
+    def sent_as_made(cls, kinds, num_stages: int | None = None) -> TickTable:
+        """The table with each message sent at the end of the tick that makes it (`sending_ticks`)."""
+        kinds = np.asarray(kinds)
+        return cls(kinds, sending_ticks(kinds), num_stages or kinds.shape[1])
+
+    def time(self, forward, backward, weight=None, exchange=0.0) -> float:
+        """`lockstep_time` of this table: tasks costing `forward`, `backward` and `weight` (per chunk),
+        and `exchange` seconds for each tick that exchanges."""
+        return lockstep_time(self.kinds, forward, backward, weight, exchange, self.num_stages, self.sends)

@@ -36,6 +36,7 @@ from whalex.records.lockstep import (  # noqa: F401 (the kind codes and the cost
     FWD,
     IDLE,
     WGT,
+    TickTable,
     lockstep_time,
     per_stage as _per_stage,
     sending_ticks,
@@ -195,6 +196,11 @@ class Schedule:
         outbox per direction, or one for both at 2 stages, where one swap carries the messages."""
         return plan_sends(pipeline_messages(self.when(), self.num_stages, self.num_chunks), self.num_ticks)
 
+    @functools.cached_property
+    def tick_table(self) -> TickTable:
+        """What the cost model reads: `chunk_kinds()` and the ticks that exchange (`sends.any`)."""
+        return TickTable(self.chunk_kinds(), self.sends.any, self.num_stages)
+
     def lockstep_time(self, forward=UNIT_COSTS[0], backward=UNIT_COSTS[1], weight=None, exchange=0.0) -> float:
         """Time of one step run in lockstep ticks (each tick lasts its costliest task), with a
         forward and a backward costing `forward` and `backward` (`chunk_costs`: a number or one
@@ -202,8 +208,7 @@ class Schedule:
         costs `weight` (default: a forward) and its B the rest; each tick that moves a message
         (`sends`) costs `exchange` more."""
         w = None if weight is None else self.chunk_costs(weight)
-        return lockstep_time(self.chunk_kinds(), self.chunk_costs(forward), self.chunk_costs(backward), w, exchange,
-                             self.num_stages, sends=self.sends.any)
+        return self.tick_table.time(self.chunk_costs(forward), self.chunk_costs(backward), w, exchange)
 
     def utilisation(self, forward=UNIT_COSTS[0], backward=UNIT_COSTS[1], weight=None) -> float:
         """Useful work over stages x lockstep time: what the stages really do, where

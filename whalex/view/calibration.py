@@ -39,7 +39,7 @@ def calibrated_range_lines(plan, report) -> list[str]:
         return [line + ": every device's share lies inside"]
     return [f"{line}; outside it: device{'s' if len(out) > 1 else ''} {fmt_devices(tuple(out))} "
             f"({', '.join(str(rows[i]) for i in out)} rows), whose fixed and per-row times are extrapolated: "
-            + _calibration_fix(span, min(rows[i] for i in out), max(rows[i] for i in out))]
+            + _calibration_fix(span, min(rows[i] for i in out), max(rows[i] for i in out), plan.global_batch)]
 
 
 def micro_batch_range_lines(plan) -> list[str]:
@@ -53,14 +53,15 @@ def micro_batch_range_lines(plan) -> list[str]:
     if span[0] <= micro <= span[1]:
         return [f"{line}: a stage's micro-batch of {micro} rows lies inside"]
     return [f"{line}, but a stage runs one micro-batch of {micro} rows at a time, so the stage cut rests on "
-            f"extrapolated speeds: " + _calibration_fix(span, micro, micro)]
+            f"extrapolated speeds: " + _calibration_fix(span, micro, micro, plan.global_batch)]
 
 
-def _calibration_fix(span, fewest: int, most: int) -> str:
+def _calibration_fix(span, fewest: int, most: int, global_batch: int) -> str:
     """How to calibrate so that loads of `fewest` to `most` rows lie inside the rows timed."""
     fix = []
     if fewest < span[0]:
         fix.append(f"a calibration batch of at most {4 * fewest} rows (its quarter is timed)")
     if most > span[1]:
-        fix.append(f"one of at least {most} rows")
+        fix.append(f"one of at least {most} rows (or calibrate(..., global_batch={global_batch}), which repeats "
+                   "a smaller batch's rows up to the step's)")
     return f"calibrate with {' or '.join(fix)}, or refine on the real step (Config(hardware_aware='refine'))"
