@@ -63,6 +63,28 @@ def test_every_sample_counts_exactly_once():
     assert plan.local_rows(0) == [(0, B)]
 
 
+@pytest.mark.parametrize("model", ["rows", "hybrid"])
+def test_each_device_block_is_built_from_its_own_rows(model):
+    # the placed batch is the padded layout of the host batch, each device's block built on its own
+    # (and padding zeros), for uneven rows and for a hybrid's backbone rows
+    loss_fn, params, batch = plain_model("dp", "ctx") if model == "rows" else _head_model()
+    plan = wh.plan(loss_fn, params, batch, None, cluster=wh.Cluster(kinds=HETERO))
+    storage = plan.storage
+    assert len(set(plan.batch_sizes)) > 1
+    host = jax.tree.map(np.asarray, batch)
+    padded = storage.pad_batch(host)
+    placed = plan.place_batch(host)
+    for key in host:
+        assert placed[key].sharding == storage.batch_shardings[key]
+        np.testing.assert_array_equal(np.asarray(placed[key]), padded[key])
+        block = max(plan.batch_sizes)
+        for d, (a, b) in enumerate(plan.device_rows()):
+            np.testing.assert_array_equal(padded[key][d * block:d * block + b - a], host[key][a:b])
+            assert not np.any(padded[key][d * block + b - a:(d + 1) * block])
+    with pytest.raises(wh.PlanError, match="planned for a global batch"):
+        plan.place_batch(jax.tree.map(lambda x: x[:-1], host))
+
+
 def test_calibrated_speeds_are_used_and_reported():
     from whalex.balance.calibrate import calibrate
     loss_fn, params, batch = plain_model("dp", "ctx")

@@ -132,15 +132,19 @@ class UnevenProgram(Emitter):
         return [P()] * self.captured.num_params
 
     # -- the batch ------------------------------------------------------------------------------
+    def _checked(self, x):
+        if np.shape(x)[0] != self.global_batch:
+            raise PlanError(f"this step was planned for a global batch of {self.global_batch}, got "
+                            f"{np.shape(x)[0]}; call step.init with the new batch to re-plan.")
+        return x
+
     def pad_batch(self, batch):
         """Host-side: the global batch laid out in per-device padded blocks (numpy)."""
         k, block = len(self.rows), self.block
         even = len(set(self.rows)) == 1       # the batch already is the per-device layout
 
         def pad(x):
-            if np.shape(x)[0] != self.global_batch:
-                raise PlanError(f"this step was planned for a global batch of {self.global_batch}, got "
-                                f"{np.shape(x)[0]}; call step.init with the new batch to re-plan.")
+            x = self._checked(x)
             if even:
                 return x
             x = np.asarray(x)
@@ -152,7 +156,30 @@ class UnevenProgram(Emitter):
         return jax.tree.map(pad, batch)
 
     def place_batch(self, batch):
-        return place_global(self.pad_batch(batch), self.batch_shardings)   # multi-process: each reads its own rows
+        return self.place_padded(batch, self.batch_shardings)
+
+    def place_padded(self, batch, shardings):
+        """The global batch on the devices in per-device padded blocks (`shardings`): each device's block
+        built from its own rows alone, on the process that holds it, so no process lays out (or, slowed,
+        waits on) the whole padded batch."""
+        if len(set(self.rows)) == 1:
+            return place_global(jax.tree.map(self._checked, batch), shardings)
+        ranges, block = self.row_ranges(), self.block
+
+        def put(x, sharding):
+            x = np.asarray(self._checked(x))
+
+            def fill(index):                        # `index`: this device's slices of the padded batch
+                lo, hi, _ = index[0].indices(len(ranges) * block)
+                out = np.zeros((hi - lo,) + x.shape[1:], x.dtype)
+                for i, (a, b) in enumerate(ranges):
+                    s, e = max(lo, i * block), min(hi, i * block + b - a)
+                    if s < e:
+                        out[s - lo:e - lo] = x[a + s - i * block:a + e - i * block]
+                return out[(slice(None), *index[1:])]
+            return jax.make_array_from_callback((len(ranges) * block, *x.shape[1:]), sharding, fill)
+
+        return jax.tree.map(put, batch, shardings)
 
     # -- the step -------------------------------------------------------------------------------
     def parts_driver(self, leaves, axis=DATA):

@@ -30,7 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from whalex.distributed import place_global
 from whalex.jaxpr.capture import Captured
 from whalex.jaxpr.interpret import make_evaluator, subgraph_function
 from whalex.lowering.fused_collectives import fused_psum
@@ -131,7 +130,7 @@ class HybridProgram(Program):
         return self.rows.pad_batch(batch)
 
     def place_batch(self, batch):
-        return place_global(self.pad_batch(batch), self.batch_shardings)
+        return self.rows.place_padded(batch, self.batch_shardings)
 
     def gather_index(self) -> np.ndarray:
         """For each global row, its row in the padded per-device layout (the bridge's static gather)."""
