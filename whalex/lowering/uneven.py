@@ -171,12 +171,19 @@ class UnevenProgram(Emitter):
 
             def fill(index):                        # `index`: this device's slices of the padded batch
                 lo, hi, _ = index[0].indices(len(ranges) * block)
-                out = np.zeros((hi - lo,) + x.shape[1:], x.dtype)
+                rest = (slice(None), *index[1:])
+                if hi - lo == block and lo % block == 0 and ranges[lo // block][1] - ranges[lo // block][0] == block:
+                    a = ranges[lo // block][0]
+                    return x[a:a + block][rest]     # a full block: the rows themselves, no copy here
+                out = np.empty((hi - lo,) + x.shape[1:], x.dtype)
                 for i, (a, b) in enumerate(ranges):
-                    s, e = max(lo, i * block), min(hi, i * block + b - a)
+                    s, e = max(lo, i * block), min(hi, i * block + b - a)     # its rows
                     if s < e:
                         out[s - lo:e - lo] = x[a + s - i * block:a + e - i * block]
-                return out[(slice(None), *index[1:])]
+                    s, e = max(lo, i * block + b - a), min(hi, (i + 1) * block)   # its padding: never read, zeros
+                    if s < e:
+                        out[s - lo:e - lo] = 0
+                return out[rest]
             return jax.make_array_from_callback((len(ranges) * block, *x.shape[1:]), sharding, fill)
 
         return jax.tree.map(put, batch, shardings)
