@@ -444,9 +444,7 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
     that timing (`_fixed_at_own_shares`): each device then runs about as long as the others while
     timed, as in the step, not alone once the faster ones are done, and nothing is extrapolated.
     The rows timed are kept (`Cluster.calibrated_rows`): `plan.summary()` says when a device's share
-    falls outside them. A smaller batch serves as well with `global_batch`, the rows the training step
-    runs: its rows are repeated up to that many (a step's time depends on its shapes, not its values), so
-    the timings are at the step's own shares.
+    falls outside them. `global_batch` (the step's rows) repeats a smaller batch's rows up to it (`_resized`).
     What the plan's whole step costs beyond the timed work (collectives, launches; the optimizer
     update when `optimizer` is not passed) a refinement measures: `Config(hardware_aware="refine")`.
 
