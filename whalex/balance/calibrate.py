@@ -250,20 +250,24 @@ def _check_global_batch(global_batch, loss_fn, batch) -> None:
     if isinstance(global_batch, bool) or not isinstance(global_batch, (int, np.integer)) or global_batch < 2:
         raise ValueError(f"calibrate's global_batch is the rows the training step runs (an int >= 2), "
                          f"got {global_batch!r}.")
-    rows = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
-    if len(rows) != 1 or None in rows:
+    if _batch_rows(batch) is None:
+        rows = sorted({str(np.shape(x)[:1]) for x in jax.tree.leaves(batch)})
         raise ValueError("calibrate(..., global_batch=) repeats the batch's rows up to the step's, so every batch "
-                         f"leaf needs the same leading dimension; got {sorted(map(str, rows))}. Pass a batch of "
-                         "the step's size instead.")
+                         f"leaf needs the same leading dimension; got {rows}. Pass a batch of the step's size "
+                         "instead.")
+
+
+def _batch_rows(batch) -> int | None:
+    """The leading dimension every leaf of `batch` shares, or None where they differ (or one is a scalar)."""
+    rows = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
+    return next(iter(rows)) if len(rows) == 1 else None
 
 
 def _resized(batch, global_batch: int | None):
     """The batch's rows repeated (or cut) to `global_batch` rows: a step's time depends on its shapes, not
     on its values, so a smaller calibration batch can time the step's own row counts."""
-    if global_batch is None:
-        return batch
-    n = jax.tree.leaves(batch)[0].shape[0]
-    if n == global_batch:
+    n = _batch_rows(batch)
+    if global_batch is None or n == global_batch:
         return batch
     index = np.arange(int(global_batch)) % n
     return jax.tree.map(lambda x: np.take(np.asarray(x), index, axis=0), batch)
@@ -274,11 +278,9 @@ def _fractions(batch, counts: Sequence[int] | None = None):
     the batch's rows), when every leaf has the same leading dimension >= 2 (a quarter only from 4 rows
     up). A slow device's share lies at a quarter of the rows at 3:1 speeds; three counts fit the line
     through where the loads lie, rather than extrapolate it from two."""
-    leaves = jax.tree.leaves(batch)
-    rows = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
-    if len(rows) != 1 or None in rows or next(iter(rows)) < 2:
+    n = _batch_rows(batch)
+    if n is None or n < 2:
         return None
-    n = next(iter(rows))
     counts = tuple(sorted({int(k) for k in (counts or (n // 4, n // 2, n)) if 0 < k <= n}))
     if len(counts) < 2:
         return None

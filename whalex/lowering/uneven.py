@@ -145,13 +145,7 @@ class UnevenProgram(Emitter):
 
         def pad(x):
             x = self._checked(x)
-            if even:
-                return x
-            x = np.asarray(x)
-            out = np.zeros((k * block,) + x.shape[1:], x.dtype)
-            for i, (a, b) in enumerate(self.row_ranges()):
-                out[i * block:i * block + (b - a)] = x[a:b]
-            return out
+            return x if even else self._padded_rows(np.asarray(x), 0, k * block)
 
         return jax.tree.map(pad, batch)
 
@@ -164,29 +158,34 @@ class UnevenProgram(Emitter):
         waits on) the whole padded batch."""
         if len(set(self.rows)) == 1:
             return place_global(jax.tree.map(self._checked, batch), shardings)
-        ranges, block = self.row_ranges(), self.block
+        padded = len(self.rows) * self.block
 
         def put(x, sharding):
             x = np.asarray(self._checked(x))
 
             def fill(index):                        # `index`: this device's slices of the padded batch
-                lo, hi, _ = index[0].indices(len(ranges) * block)
-                rest = (slice(None), *index[1:])
-                if hi - lo == block and lo % block == 0 and ranges[lo // block][1] - ranges[lo // block][0] == block:
-                    a = ranges[lo // block][0]
-                    return x[a:a + block][rest]     # a full block: the rows themselves, no copy here
-                out = np.empty((hi - lo,) + x.shape[1:], x.dtype)
-                for i, (a, b) in enumerate(ranges):
-                    s, e = max(lo, i * block), min(hi, i * block + b - a)     # its rows
-                    if s < e:
-                        out[s - lo:e - lo] = x[a + s - i * block:a + e - i * block]
-                    s, e = max(lo, i * block + b - a), min(hi, (i + 1) * block)   # its padding: never read, zeros
-                    if s < e:
-                        out[s - lo:e - lo] = 0
-                return out[rest]
-            return jax.make_array_from_callback((len(ranges) * block, *x.shape[1:]), sharding, fill)
+                lo, hi, _ = index[0].indices(padded)
+                return self._padded_rows(x, lo, hi)[(slice(None), *index[1:])]
+            return jax.make_array_from_callback((padded, *x.shape[1:]), sharding, fill)
 
         return jax.tree.map(put, batch, shardings)
+
+    def _padded_rows(self, x: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        """Rows [lo, hi) of host leaf `x` laid out in the per-device padded blocks: each device's rows,
+        then zeros (padding is never read). A whole block that is all its device's rows is those rows."""
+        ranges, block = self.row_ranges(), self.block
+        i = lo // block
+        if (lo, hi) == (i * block, (i + 1) * block) and ranges[i][1] - ranges[i][0] == block:
+            return x[ranges[i][0]:ranges[i][1]]
+        out = np.empty((hi - lo,) + x.shape[1:], x.dtype)
+        for i, (a, b) in enumerate(ranges):
+            s, e = max(lo, i * block), min(hi, i * block + b - a)             # its rows
+            if s < e:
+                out[s - lo:e - lo] = x[a + s - i * block:a + e - i * block]
+            s, e = max(lo, i * block + b - a), min(hi, (i + 1) * block)       # its padding
+            if s < e:
+                out[s - lo:e - lo] = 0
+        return out
 
     # -- the step -------------------------------------------------------------------------------
     def parts_driver(self, leaves, axis=DATA):
