@@ -39,6 +39,7 @@ from jax.experimental import multihost_utils
 
 from whalex.balance.algorithm import proportional
 from whalex.balance.link_timing import time_links
+from whalex.balance.step_timing import with_extras
 from whalex.balance.timed_work import loss_work, matmul_work, plan_chunk
 from whalex.mesh.cluster import Cluster
 
@@ -342,6 +343,16 @@ def _fixed_at_own_shares(again, loss_fn, params, batch, optimizer, speeds, overh
     return speeds, fixed, (min(r[0] for r in own), max(r[-1] for r in own))
 
 
+def _grouped(m: Measurement, groups) -> tuple[np.ndarray, np.ndarray | None]:
+    """(speeds, fixed times or None) of a measurement, each group's members given the group's medians."""
+    speeds, overheads = np.asarray(m.speeds), None if m.overheads is None else np.asarray(m.overheads)
+    for g in groups:
+        speeds[g] = np.median(speeds[g])
+        if overheads is not None:
+            overheads[g] = np.median(overheads[g])
+    return speeds, overheads
+
+
 def measure(cluster: Cluster, loss_fn: Callable | None = None, params=None, batch=None, *, optimizer=None,
             size: int = 384, chain: int = 4, repeats: int = 7, rows: Sequence[int] | None = None,
             own_rows: Sequence[Sequence[int]] | None = None, chunk: int | None = None) -> Measurement:
@@ -420,7 +431,7 @@ def _timed_affine(devices, mine, loss_fn, params, batch, optimizer, sized, own_r
 
 def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, batch=None, *, optimizer=None,
               size: int = 384, chain: int = 4, repeats: int = 7, tolerance: float = 0.1,
-              links: bool | None = None, global_batch: int | None = None) -> Cluster:
+              links: bool | None = None, global_batch: int | None = None, extras: bool | None = None) -> Cluster:
     """The cluster with measured speeds (FLOP/s, or relative work/s for a user loss) and their spreads.
 
     With `loss_fn`, `params` and a `batch`, times the user's step on each device (value_and_grad,
@@ -447,8 +458,10 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
     timed, as in the step, not alone once the faster ones are done, and nothing is extrapolated.
     The rows timed are kept (`Cluster.calibrated_rows`): `plan.summary()` says when a device's share
     falls outside them. `global_batch` (the step's rows) repeats a smaller batch's rows up to it (`_resized`).
-    What the plan's whole step costs beyond the timed work (collectives, launches; the optimizer
-    update when `optimizer` is not passed) a refinement measures: `Config(hardware_aware="refine")`.
+    `extras`: when the devices differ, also time what a step costs each device beyond its own work
+    (`step_timing`: its block placed, the launch, the all-reduce's local work when it comes last), added
+    to its fixed time; None (the default) where the cluster spans processes. The rest of the whole
+    step (the update, without `optimizer`) a refinement measures: `Config(hardware_aware="refine")`.
 
     `links`: also time a message between neighbouring devices (`link_timing.time_links`: its fixed
     seconds and bytes/s, on `Cluster.links`), what a pipeline's predicted exchanges then cost instead
@@ -462,19 +475,16 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
     if len(_groups(m, tolerance)) > 1:
         m = faster(m, again())
     groups = _groups(m, tolerance)
-    speeds, overheads = np.asarray(m.speeds), None if m.overheads is None else np.asarray(m.overheads)
-    for g in groups:
-        speeds[g] = np.median(speeds[g])
-        if overheads is not None:
-            overheads[g] = np.median(overheads[g])
+    speeds, overheads = _grouped(m, groups)
     sized = _fractions(batch) if loss_fn is not None else None
-    spreads = m.spreads
     counts = None if sized is None else sized[0]
     if overheads is not None and len(groups) > 1:
         speeds, overheads, counts = _fixed_at_own_shares(again, loss_fn, params, batch, optimizer, speeds,
                                                          overheads, counts, groups)
     rows = None if counts is None else (counts[0] if overheads is not None else counts[-1], counts[-1])
-    out = cluster.with_speeds(speeds, spread=spreads, overhead=overheads, rows=rows)
+    if loss_fn is not None and len(groups) > 1 and (extras or extras is None and jax.process_count() > 1):
+        overheads = with_extras(cluster.devices, params, batch, speeds, overheads, groups, repeats)
+    out = cluster.with_speeds(speeds, spread=m.spreads, overhead=overheads, rows=rows)
     if cluster.size > 1 and (links or links is None and jax.process_count() > 1):
         out = out.with_links(*time_links(cluster.devices, repeats))
     return out

@@ -1,0 +1,116 @@
+"""What a data-parallel step costs a device beyond its own loss, gradient and update: placing its block
+of the batch from the host, launching the step, and the gradient all-reduce's local work when it is
+the last device to reach it (the step's critical path when it bounds the step).
+
+A calibration times each device's own work alone; in the step, a device whose host is slower (or
+busier) places and launches later, and a device that reaches the all-reduce last does its part of it
+with no slack, where a device that waited has done its sends before. `time_extras` times, per device
+`who`, one global program twice in interleaved rounds: `who` alone runs a fixed chain of matmuls (the
+others idle), then, in the measured variant, every device's block of the step's rows is placed from
+the host before the call and a buffer the size of the gradients is all-reduced after the work; the
+control runs the work alone. Their difference is `who`'s extra seconds per step; a balanced plan adds
+what a device pays beyond the least-paying one to its fixed time.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+AXIS = "extras"
+WORK = (512, 8)      # the work before the all-reduce, `chain` tanh(x @ x) of (n, n): long enough that a
+                    # device sharing its core (a CPU quota, busy neighbours) reaches its steady pace
+
+
+def _programs(devices: tuple, elements: int):
+    """(with_reduce, work_only) jitted over `devices`: (who, x, grads, blocks) -> per-device output."""
+    mesh = Mesh(np.array(devices), (AXIS,))
+    n, chain = WORK
+
+    def work(x):
+        for _ in range(chain):
+            x = jnp.tanh(x @ x) * 0.5
+        return x
+
+    def body(reduce, who, x, grads, *blocks):
+        y = jax.lax.cond(jax.lax.axis_index(AXIS) == who[0], work, lambda v: v, x)
+        touched = sum((b.reshape(-1)[:1].astype(jnp.float32) for b in blocks), jnp.zeros((1,), jnp.float32))
+        g = grads + y[0, :1] + touched
+        return jax.lax.psum(g, AXIS) if reduce else g
+
+    def program(reduce, k):
+        specs = (P(), P(), P(AXIS)) + (P(AXIS),) * k
+        return jax.jit(jax.shard_map(functools.partial(body, reduce), mesh=mesh, in_specs=specs,
+                                     out_specs=P(AXIS), check_vma=False))
+    return mesh, program
+
+
+def gradient_elements(params) -> int:
+    """The float32 elements of a buffer as large (in bytes) as the parameters' gradients."""
+    return max(1, sum(int(np.size(x)) * np.dtype(np.asarray(x).dtype).itemsize
+                      for x in jax.tree.leaves(params)) // 4)
+
+
+def time_extras(devices: Sequence, params, batch, block: int, repeats: int) -> np.ndarray:
+    """Per device of `devices` (every process's, in the cluster's order): the median extra seconds of a
+    step in which it is the last to reach the all-reduce, with `block` rows of `batch` placed on every
+    device from the host, over the same work without placement or all-reduce (`repeats` rounds)."""
+    devices = tuple(devices)
+    mesh, program = _programs(devices, gradient_elements(params))
+    host = [np.asarray(x)[:block] for x in jax.tree.leaves(batch)]
+    reduce_fn, work_fn = program(True, len(host)), program(False, len(host))
+    rep = NamedSharding(mesh, P())
+    shard = NamedSharding(mesh, P(AXIS))
+    k = len(devices)
+    x = jax.device_put(jnp.asarray(np.random.default_rng(0).standard_normal((WORK[0],) * 2), jnp.float32)
+                       / WORK[0] ** 0.5, rep)
+    grads = jax.make_array_from_callback((k * gradient_elements(params),), shard,
+                                         lambda idx: np.zeros(gradient_elements(params), np.float32))
+
+    def place():                    # every device's block from the host, as the step places its batch
+        return [jax.make_array_from_callback((k * len(h), *h.shape[1:]), shard, lambda idx, h=h: np.array(h))
+                for h in host]
+    placed = place()
+    whos = [jax.device_put(np.asarray([i], np.int32), rep) for i in range(k)]
+    runs = {"reduce": lambda w: reduce_fn(w, x, grads, *place()), "work": lambda w: work_fn(w, x, grads, *placed)}
+    for w in whos[:1]:
+        for run in runs.values():
+            jax.block_until_ready(run(w))                       # compile and warm up
+    mine = np.asarray([d.process_index == jax.process_index() for d in devices])
+    times = np.zeros((repeats, k, 2))
+    sync = multihost_utils.sync_global_devices if jax.process_count() > 1 else (lambda name: None)
+    for r in range(repeats):
+        for i in np.roll(np.arange(k), -r):
+            for j, run in enumerate(runs.values()):
+                sync(f"whalex extras {r} {i} {j}")
+                t0 = time.perf_counter()
+                jax.block_until_ready(run(whos[i]))
+                times[r, i, j] = time.perf_counter() - t0
+    extra = np.where(mine, np.median(times[..., 0] - times[..., 1], axis=0), 0.0)
+    if jax.process_count() > 1:
+        extra = np.asarray(multihost_utils.process_allgather(extra)).reshape(jax.process_count(), k).sum(0)
+    return extra
+
+
+def beyond_least(extras: Sequence[float], groups: Sequence[Sequence[int]]) -> np.ndarray:
+    """Each device's extra seconds beyond the least-paying device's (never negative), every member of a
+    group of alike devices given the group's median: what a balanced plan adds to its fixed time."""
+    e = np.asarray(extras, np.float64).copy()
+    for g in groups:
+        e[list(g)] = np.median(e[list(g)])
+    return np.maximum(e - e.min(), 0.0)
+
+
+def with_extras(devices: Sequence, params, batch, speeds, overheads, groups, repeats: int) -> np.ndarray:
+    """Fixed times (None: none measured) with each device's extras beyond the least-paying device's
+    added, its block the largest share a balanced plan would give by speed."""
+    n = jax.tree.leaves(batch)[0].shape[0]
+    block = int(np.ceil(n * np.max(speeds) / np.sum(speeds)))
+    fixed = np.zeros(len(devices)) if overheads is None else np.asarray(overheads, np.float64)
+    return fixed + beyond_least(time_extras(devices, params, batch, block, repeats), groups)
