@@ -60,42 +60,48 @@ def gradient_elements(params) -> int:
 def time_extras(devices: Sequence, params, batch, block: int, repeats: int) -> np.ndarray:
     """Per device of `devices` (every process's, in the cluster's order): the median extra seconds of a
     step in which it is the last to reach the all-reduce, with `block` rows of `batch` placed on every
-    device from the host, over the same work without placement or all-reduce (`repeats` rounds)."""
+    device from the host, over the same work without placement or all-reduce (`repeats` rounds). Every
+    process calls it; one that holds none of `devices` only joins the barriers."""
     devices = tuple(devices)
-    mesh, program = _programs(devices, gradient_elements(params))
+    k = len(devices)
+    mine = np.asarray([d.process_index == jax.process_index() for d in devices])
+    runs = _runs(devices, params, batch, block) if mine.any() else None
+    times = np.zeros((repeats, k, 2))
+    sync = multihost_utils.sync_global_devices if jax.process_count() > 1 else (lambda name: None)
+    for r in range(repeats):
+        for i in np.roll(np.arange(k), -r):
+            for j in range(2):
+                sync(f"whalex extras {r} {i} {j}")
+                if runs is not None:
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(runs[j](i))
+                    times[r, i, j] = time.perf_counter() - t0
+    extra = np.where(mine, np.median(times[..., 0] - times[..., 1], axis=0), 0.0)
+    if jax.process_count() > 1:
+        extra = np.asarray(multihost_utils.process_allgather(extra)).reshape(jax.process_count(), k).sum(0)
+    return extra
+
+
+def _runs(devices: tuple, params, batch, block: int) -> tuple:
+    """(measured, control): each `run(who)` launches one step of its program, compiled and warmed up."""
+    elements = gradient_elements(params)
+    mesh, program = _programs(devices, elements)
     host = [np.asarray(x)[:block] for x in jax.tree.leaves(batch)]
     reduce_fn, work_fn = program(True, len(host)), program(False, len(host))
-    rep = NamedSharding(mesh, P())
-    shard = NamedSharding(mesh, P(AXIS))
-    k = len(devices)
+    rep, shard, k = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS)), len(devices)
     x = jax.device_put(jnp.asarray(np.random.default_rng(0).standard_normal((WORK[0],) * 2), jnp.float32)
                        / WORK[0] ** 0.5, rep)
-    grads = jax.make_array_from_callback((k * gradient_elements(params),), shard,
-                                         lambda idx: np.zeros(gradient_elements(params), np.float32))
+    grads = jax.make_array_from_callback((k * elements,), shard, lambda idx: np.zeros(elements, np.float32))
 
     def place():                    # every device's block from the host, as the step places its batch
         return [jax.make_array_from_callback((k * len(h), *h.shape[1:]), shard, lambda idx, h=h: np.array(h))
                 for h in host]
     placed = place()
     whos = [jax.device_put(np.asarray([i], np.int32), rep) for i in range(k)]
-    runs = {"reduce": lambda w: reduce_fn(w, x, grads, *place()), "work": lambda w: work_fn(w, x, grads, *placed)}
-    for w in whos[:1]:
-        for run in runs.values():
-            jax.block_until_ready(run(w))                       # compile and warm up
-    mine = np.asarray([d.process_index == jax.process_index() for d in devices])
-    times = np.zeros((repeats, k, 2))
-    sync = multihost_utils.sync_global_devices if jax.process_count() > 1 else (lambda name: None)
-    for r in range(repeats):
-        for i in np.roll(np.arange(k), -r):
-            for j, run in enumerate(runs.values()):
-                sync(f"whalex extras {r} {i} {j}")
-                t0 = time.perf_counter()
-                jax.block_until_ready(run(whos[i]))
-                times[r, i, j] = time.perf_counter() - t0
-    extra = np.where(mine, np.median(times[..., 0] - times[..., 1], axis=0), 0.0)
-    if jax.process_count() > 1:
-        extra = np.asarray(multihost_utils.process_allgather(extra)).reshape(jax.process_count(), k).sum(0)
-    return extra
+    runs = (lambda i: reduce_fn(whos[i], x, grads, *place()), lambda i: work_fn(whos[i], x, grads, *placed))
+    for run in runs:
+        jax.block_until_ready(run(0))                       # compile and warm up
+    return runs
 
 
 def beyond_least(extras: Sequence[float], groups: Sequence[Sequence[int]]) -> np.ndarray:
