@@ -31,7 +31,7 @@ WORK = (512, 8)      # the work before the all-reduce, `chain` tanh(x @ x) of (n
 def _programs(devices: tuple, elements: int):
     """(with_reduce, work_only) jitted over `devices`: (who, x, grads, blocks) -> per-device output."""
     mesh = Mesh(np.array(devices), (AXIS,))
-    n, chain = WORK
+    chain = WORK[1]
 
     def work(x):
         for _ in range(chain):
@@ -53,8 +53,9 @@ def _programs(devices: tuple, elements: int):
 
 def gradient_elements(params) -> int:
     """The float32 elements of a buffer as large (in bytes) as the parameters' gradients."""
-    return max(1, sum(int(np.size(x)) * np.dtype(np.asarray(x).dtype).itemsize
-                      for x in jax.tree.leaves(params)) // 4)
+    def nbytes(x):              # from the leaf's dtype: a device array is not copied to the host for it
+        return int(np.size(x)) * np.dtype(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype).itemsize
+    return max(1, sum(nbytes(x) for x in jax.tree.leaves(params)) // 4)
 
 
 def time_extras(devices: Sequence, params, batch, block: int, repeats: int) -> np.ndarray:
@@ -86,7 +87,7 @@ def _runs(devices: tuple, params, batch, block: int) -> tuple:
     """(measured, control): each `run(who)` launches one step of its program, compiled and warmed up."""
     elements = gradient_elements(params)
     mesh, program = _programs(devices, elements)
-    host = [np.asarray(x)[:block] for x in jax.tree.leaves(batch)]
+    host = [np.asarray(x[:block]) for x in jax.tree.leaves(batch)]     # only the block's rows to the host
     reduce_fn, work_fn = program(True, len(host)), program(False, len(host))
     rep, shard, k = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS)), len(devices)
     x = jax.device_put(jnp.asarray(np.random.default_rng(0).standard_normal((WORK[0],) * 2), jnp.float32)
