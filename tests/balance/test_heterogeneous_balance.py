@@ -148,6 +148,29 @@ def test_uneven_split_head_matches_single_device():
     assert not any(640 in s or 840 in s for s in shapes_of(text, "all-gather"))
 
 
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_split_head_runs_full_chunks_and_a_binary_remainder(opt):
+    """A fine split of the classes costs few loop trips: full chunks as wide as the smallest share
+    allows, then at most one chunk of each smaller size, and trains as one device does."""
+    import optax
+
+    from whalex.balance.cost import MIN_CHUNK_COLUMNS
+    from whalex.planner.spmd import plan_columns
+    speeds = [2.05] * 4 + [1.0] * 4
+    cols, _ = plan_columns(2048, speeds, [1e12] * 8, 1.0, [str(i) for i in range(8)], remainders=True)
+    ideal = 2048 / sum(speeds)
+    assert max(c / s for c, s in zip(cols.counts, speeds)) <= 1.02 * ideal           # the split's rounding
+    assert cols.chunk >= MIN_CHUNK_COLUMNS and cols.chunk <= min(cols.counts)
+    assert any(any(bits) for bits in cols.remainder_bits)
+    trips = [c // cols.chunk + sum(bits) for c, bits in zip(cols.counts, cols.remainder_bits)]
+    assert max(trips) <= 2 + len(cols.sizes)
+    loss_fn, params, batch = _head_model(C=2048, B=16)
+    cluster = wh.Cluster.detect().with_speeds([s * 1e9 for s in speeds])
+    step, _ = assert_matches(loss_fn, params, batch, steps=3, cluster=cluster,
+                             optimizer=optax.sgd(0.5) if opt == "sgd" else adam())
+    assert [d.rows for d in step.plan.head_balance.devices] == list(cols.counts)
+
+
 def test_even_split_head_on_a_homogeneous_cluster_uses_plain_sharding():
     loss_fn, params, batch = _head_model()
     step, state = assert_matches(loss_fn, params, batch, steps=3)

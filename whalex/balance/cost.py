@@ -172,10 +172,11 @@ SPLIT_ROUNDING = 0.02  # a split's chunk may lengthen the slowest device's share
 MIN_CHUNK_COLUMNS = 128  # a chunk's matmuls at least this wide where the split allows it
 
 
-def split_chunk(units: int, speeds: Sequence[float], columns_per_unit: int = 1) -> int:
+def split_chunk(units: int, speeds: Sequence[float], columns_per_unit: int = 1,
+                min_columns: float = MIN_CHUNK_COLUMNS) -> int:
     """Units per chunk of an uneven split (classes, hidden units, heads): a divisor of `units` that
     leaves at least one chunk per device. Among the chunks whose matmuls are at least
-    MIN_CHUNK_COLUMNS wide (`columns_per_unit`: a head's width; 1 for classes and hidden units),
+    `min_columns` wide (`columns_per_unit`: a head's width; 1 for classes and hidden units),
     or all when none is, the largest whose speed-proportional rounding keeps the slowest device's
     time within SPLIT_ROUNDING of the ideal (units / total speed), else the largest of those closest
     to it. A coarse chunk costs balance (32 heads in chunks of 4 give 24/8 for 2.2:1 speeds, 9.6%
@@ -183,7 +184,7 @@ def split_chunk(units: int, speeds: Sequence[float], columns_per_unit: int = 1) 
     padded width (docs/parallelism.md#heterogeneous-gpus has the figures)."""
     ideal = units / sum(speeds)
     divisors = [c for c in range(1, units // len(speeds) + 1) if units % c == 0]
-    wide = [c for c in divisors if c * columns_per_unit >= MIN_CHUNK_COLUMNS] or divisors
+    wide = [c for c in divisors if c * columns_per_unit >= min_columns] or divisors
 
     def slowest(c):
         loads = proportional(units // c, speeds)

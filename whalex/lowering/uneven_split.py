@@ -32,11 +32,34 @@ NEG = -1e30
 
 @dataclasses.dataclass(frozen=True)
 class UnevenColumns:
-    """How the class dimension is laid out: real columns per device, padded to `width`."""
+    """How the class dimension is laid out: real columns per device, padded to `width`. A device
+    runs its columns in full `chunk`s, then (with a `grain`) at most one chunk of each smaller size
+    chunk/2, ..., grain: the binary digits of its remainder, so that a fine split costs few trips."""
 
     counts: tuple[int, ...]
     width: int
     chunk: int
+    grain: int | None = None     # the smallest remainder chunk (chunk / 2**j); None: full chunks only
+
+    def __post_init__(self):
+        g = self.grain or self.chunk
+        if self.chunk % g or (self.chunk // g) & (self.chunk // g - 1) or any(c % g for c in self.counts):
+            raise ValueError(f"uneven columns {self.counts} do not split into chunks of {self.chunk} and a "
+                             f"binary remainder down to {g}")
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The remainder chunk sizes, largest first: chunk/2, chunk/4, ..., grain."""
+        g, out, s = self.grain or self.chunk, [], self.chunk // 2
+        while s >= g:
+            out.append(s)
+            s //= 2
+        return tuple(out)
+
+    @property
+    def remainder_bits(self) -> tuple[tuple[bool, ...], ...]:
+        """Per device: which remainder sizes it runs (the binary digits of count % chunk)."""
+        return tuple(tuple(bool((c % self.chunk) // s % 2) for s in self.sizes) for c in self.counts)
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -100,22 +123,39 @@ def uneven_head(mesh, model_axis: str, batch_axes: tuple, layout: UnevenColumns,
     return head
 
 
+def _over_columns(layout: UnevenColumns, i, part, init):
+    """acc = part(offset, size, acc) over device `i`'s columns: its full chunks in a `fori_loop`, then
+    its remainder chunks, largest first, each under a `lax.cond` (only the sizes some device runs)."""
+    chunk, sizes = layout.chunk, layout.sizes
+    full = jnp.asarray([c // chunk for c in layout.counts], jnp.int32)[i]
+    acc = jax.lax.fori_loop(0, full, lambda k, a: part(k * chunk, chunk, a), init)
+    if not sizes:
+        return acc
+    bits = jnp.asarray(layout.remainder_bits, jnp.bool_).reshape(len(layout.counts), len(sizes))[i]
+    off = full * chunk
+    for j, s in enumerate(sizes):
+        if any(b[j] for b in layout.remainder_bits):
+            acc = jax.lax.cond(bits[j], lambda a, off=off, s=s: part(off, s, a), lambda a: a, acc)
+        off = off + jnp.where(bits[j], s, 0)
+    return acc
+
+
 def _head_forward(counts, offsets, layout: UnevenColumns, mx: str, batch_axes: tuple, total: float):
     """One device's forward of the uneven head: its logits in a loop over its own chunks, the softmax
     statistics combined over `mx` -> (mean loss, logits, log-sum-exp)."""
-    width, chunk = layout.width, layout.chunk
+    width = layout.width
 
     def local_fwd(x, w, b, y):
         i = jax.lax.axis_index(mx)
         n = counts[i]
         rows = x.shape[0]
 
-        def body(k, logits):
-            cols = jax.lax.dynamic_slice_in_dim(w, k * chunk, chunk, 1)
-            z = x @ cols + jax.lax.dynamic_slice_in_dim(b, k * chunk, chunk, 0)
-            return jax.lax.dynamic_update_slice_in_dim(logits, z, k * chunk, 1)
+        def part(off, size, logits):
+            cols = jax.lax.dynamic_slice_in_dim(w, off, size, 1)
+            z = x @ cols + jax.lax.dynamic_slice_in_dim(b, off, size, 0)
+            return jax.lax.dynamic_update_slice_in_dim(logits, z, off, 1)
 
-        logits = jax.lax.fori_loop(0, n // chunk, body, jnp.full((rows, width), NEG, x.dtype))
+        logits = _over_columns(layout, i, part, jnp.full((rows, width), NEG, x.dtype))
         mask = jnp.arange(width) < n
         m = jax.lax.pmax(jnp.max(jnp.where(mask, logits, NEG), axis=1), mx)
         s = jax.lax.psum(jnp.sum(jnp.where(mask, jnp.exp(logits - m[:, None]), 0.0), axis=1), mx)
@@ -135,7 +175,7 @@ def _head_forward(counts, offsets, layout: UnevenColumns, mx: str, batch_axes: t
 def _head_backward(counts, offsets, layout: UnevenColumns, mx: str, batch_axes: tuple, total: float):
     """One device's backward of the uneven head: the weight and input gradients in a loop over its
     own chunks, the input gradient summed over `mx` after the loop -> (dx, dw, db)."""
-    width, chunk = layout.width, layout.chunk
+    width = layout.width
 
     def local_bwd(x, w, y, logits, lse, g):
         i = jax.lax.axis_index(mx)
@@ -147,14 +187,14 @@ def _head_backward(counts, offsets, layout: UnevenColumns, mx: str, batch_axes: 
         p = p - jax.nn.one_hot(jnp.where(own, local, -1), width, dtype=p.dtype)
         d = p * (g / total)
 
-        def body(k, acc):
+        def part(off, size, acc):
             dw, dx = acc
-            dcols = jax.lax.dynamic_slice_in_dim(d, k * chunk, chunk, 1)
-            cols = jax.lax.dynamic_slice_in_dim(w, k * chunk, chunk, 1)
-            dw = jax.lax.dynamic_update_slice_in_dim(dw, x.T @ dcols, k * chunk, 1)
+            dcols = jax.lax.dynamic_slice_in_dim(d, off, size, 1)
+            cols = jax.lax.dynamic_slice_in_dim(w, off, size, 1)
+            dw = jax.lax.dynamic_update_slice_in_dim(dw, x.T @ dcols, off, 1)
             return dw, dx + dcols @ cols.T
 
-        dw, dx = jax.lax.fori_loop(0, n // chunk, body, (jnp.zeros_like(w), jnp.zeros_like(x)))
+        dw, dx = _over_columns(layout, i, part, (jnp.zeros_like(w), jnp.zeros_like(x)))
         db = jnp.sum(d, axis=0)
         dx = jax.lax.psum(dx, mx)                          # after the loop: partial sums over classes
         if batch_axes:
@@ -336,6 +376,8 @@ def uneven_blocks(mesh, model_axis: str, batch_axes: tuple, layout: UnevenColumn
     every device has written out and the rest in a loop, then one psum. Each block's values between
     stages are kept (peeled blocks' as they are, looped blocks' in buffers unless `recompute`); the
     custom VJP runs each block's stage VJPs on them, then one psum of the input gradient."""
+    if layout.sizes:
+        raise ValueError(f"uneven blocks run full chunks only; got remainder chunks down to {layout.grain}")
     blocks = _Blocks(tuple(stages), layout, tuple(dims), model_axis, tuple(batch_axes), recompute)
     bspec = batch_axes if batch_axes else None
     w_specs = tuple(P(*([None] * d + [model_axis])) for d in dims)
