@@ -16,7 +16,8 @@ What it measures
 
     * calibrate: ``calibrate(Cluster.detect(), loss_fn, params, batch, optimizer=adam)`` twice, on
       a quarter of the global batch (with ``global_batch=``, as the summary advises: its rows repeated
-      up to the step's) and on all of it (the user's two likely choices);
+      up to the step's) and on all of it (the user's two likely choices); the pipeline with
+      ``num_micro_batch=`` (a stage runs one micro-batch at a time: calibrate times its rows);
     * whalex:  the balanced plan on each calibration (``wh.parallelize(..., cluster=calibrated)``);
     * refined: ``Config(hardware_aware="refine")`` on each calibration: its first steps time the real
       step at splits around the prediction and keep the fastest (the steps it took are reported);
@@ -108,7 +109,8 @@ def worker(args):
     loss_fn, params, batch, config = make(args)
     optimizer = optax.adam(1e-3)
     quarter = {k: v[: args.batch // 4] for k, v in batch.items()}
-    clusters = {c: calibrate(wh.Cluster.detect(), loss_fn, params, b, optimizer=optimizer, repeats=9, **kw)
+    micro = {"num_micro_batch": args.micro} if args.model == "pipeline" else {}
+    clusters = {c: calibrate(wh.Cluster.detect(), loss_fn, params, b, optimizer=optimizer, repeats=9, **kw, **micro)
                 for c, b, kw in (("quarter", quarter, {"global_batch": args.batch}), ("whole", batch, {}))}
     base = clusters["whole"]
     steps, states = {}, {}

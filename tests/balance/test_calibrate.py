@@ -243,8 +243,8 @@ def test_the_step_is_timed_at_a_quarter_half_and_all_of_the_batchs_rows(monkeypa
     with pytest.raises(wh.ClusterError, match=r"rows=.*fewest, most"):
         cluster.with_speeds(cluster.speeds, rows=(8, 4))
     # a 2- or 3-row batch: half and all of it; one row: the whole step counts as work
-    assert cal._fractions({"x": np.zeros((3, 2))})[0] == (1, 3)
-    assert cal._fractions({"x": np.zeros((1, 2))}) is None
+    assert cal.fractions({"x": np.zeros((3, 2))})[0] == (1, 3)
+    assert cal.fractions({"x": np.zeros((1, 2))}) is None
 
 
 def test_a_smaller_batch_with_global_batch_times_the_steps_own_rows(monkeypatch):
@@ -304,6 +304,41 @@ def test_a_heterogeneous_pipelines_summary_says_whether_its_micro_batch_lies_ins
     assert f"one of at least {micro} rows" in plan((1, micro - 1)).summary()
     even = wh.Cluster.detect().with_speeds([1e9] * 8, rows=(4 * micro, 64))     # no speed-cut stages: no line
     assert "micro-batch of" not in wh.plan(loss_fn, params, batch, cluster=even, config=config).summary()
+    assert f"calibrate(..., num_micro_batch={64 // micro}) on the step's batch" in text
+
+
+def test_a_pipelines_calibration_times_its_micro_batchs_rows(monkeypatch):
+    # num_micro_batch: every device timed at half, one and two micro-batches' rows of the step's batch,
+    # never at a data-parallel share (no stage runs one), and the pipeline's summary finds it inside
+    from lowering.test_pipeline import deep_model
+    loss_fn, params, batch = deep_model()
+    config = wh.Config(num_micro_batch=4, num_task_graph=2, auto_parallel=True)
+    cal = importlib.import_module("whalex.balance.calibrate")
+    seen, fake = [], _synthetic_rounds([2e-4] * 8, [2e-5] * 4 + [4e-5] * 4, 0.01)
+
+    def spy(devices, fn, args, repeats, sync=None):
+        own = args if isinstance(args[0], list) else [args] * len(devices)
+        seen.append([tuple(jax.tree.leaves(a[-1])[0].shape[0] for a in sets) for sets in own])
+        return fake(devices, fn, args, repeats)
+    monkeypatch.setattr(cal, "time_rounds", spy)
+    n = jax.tree.leaves(batch)[0].shape[0]
+    plain = calibrate(wh.Cluster.detect(), loss_fn, params, batch, optimizer=optax.sgd(0.1))
+    assert seen[0] == [(n // 4, n // 2, n)] * 8 and len(seen) > 2          # timed again at its own shares
+    parts = wh.plan(loss_fn, params, batch, cluster=plain, config=config)
+    parts = parts.layout.axis_sizes[0] * 4
+    k = n // parts
+    seen.clear()
+    cluster = calibrate(wh.Cluster.detect(), loss_fn, params, batch, optimizer=optax.sgd(0.1), num_micro_batch=parts)
+    assert seen and all(s == [(k // 2, k, 2 * k)] * 8 for s in seen)     # the split shown twice, no shares
+    assert cluster.calibrated_rows == (k // 2, 2 * k)
+    assert cluster.speeds[0] / cluster.speeds[4] == pytest.approx(2.0, rel=0.1)
+    plan = wh.plan(loss_fn, params, batch, cluster=cluster, config=config)
+    assert f"a stage's micro-batch of {k} rows lies inside" in plan.summary()
+    for bad in (0, n, 1.5, True):
+        with pytest.raises(ValueError, match="num_micro_batch is how many micro-batches"):
+            calibrate(wh.Cluster.detect(), loss_fn, params, batch, num_micro_batch=bad)
+    with pytest.raises(ValueError, match="num_micro_batch=. times the user's step"):
+        calibrate(wh.Cluster.detect(), num_micro_batch=4)
 
 
 def test_devices_that_differ_are_timed_again_each_around_its_own_share(monkeypatch):

@@ -38,6 +38,7 @@ import optax
 from jax.experimental import multihost_utils
 
 from whalex.balance.algorithm import proportional
+from whalex.balance.batch_rows import check_global_batch, fractions, micro_rows, resized
 from whalex.balance.link_timing import time_links
 from whalex.balance.step_timing import with_extras
 from whalex.balance.timed_work import loss_work, matmul_work, plan_chunk
@@ -241,51 +242,7 @@ def _check(size: int, chain: int, repeats: int, tolerance: float, loss_fn, param
         raise ValueError(f"calibrate's optimizer must be an optax.GradientTransformation, "
                          f"got {type(optimizer).__name__}.")
     if global_batch is not None:
-        _check_global_batch(global_batch, loss_fn, batch)
-
-
-def _check_global_batch(global_batch, loss_fn, batch) -> None:
-    if loss_fn is None:
-        raise ValueError("calibrate(..., global_batch=) sizes the user's step: pass loss_fn, params and a batch "
-                         "with it.")
-    if isinstance(global_batch, bool) or not isinstance(global_batch, (int, np.integer)) or global_batch < 2:
-        raise ValueError(f"calibrate's global_batch is the rows the training step runs (an int >= 2), "
-                         f"got {global_batch!r}.")
-    if _batch_rows(batch) is None:
-        rows = sorted({str(np.shape(x)[:1]) for x in jax.tree.leaves(batch)})
-        raise ValueError("calibrate(..., global_batch=) repeats the batch's rows up to the step's, so every batch "
-                         f"leaf needs the same leading dimension; got {rows}. Pass a batch of the step's size "
-                         "instead.")
-
-
-def _batch_rows(batch) -> int | None:
-    """The leading dimension every leaf of `batch` shares, or None where they differ (or one is a scalar)."""
-    rows = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
-    return next(iter(rows)) if len(rows) == 1 else None
-
-
-def _resized(batch, global_batch: int | None):
-    """The batch's rows repeated (or cut) to `global_batch` rows: a step's time depends on its shapes, not
-    on its values, so a smaller calibration batch can time the step's own row counts."""
-    n = _batch_rows(batch)
-    if global_batch is None or n == global_batch:
-        return batch
-    index = np.arange(int(global_batch)) % n
-    return jax.tree.map(lambda x: np.take(np.asarray(x), index, axis=0), batch)
-
-
-def _fractions(batch, counts: Sequence[int] | None = None):
-    """(row counts, the batches' leading rows at each) for `counts` (default a quarter, half and all of
-    the batch's rows), when every leaf has the same leading dimension >= 2 (a quarter only from 4 rows
-    up). A slow device's share lies at a quarter of the rows at 3:1 speeds; three counts fit the line
-    through where the loads lie, rather than extrapolate it from two."""
-    n = _batch_rows(batch)
-    if n is None or n < 2:
-        return None
-    counts = tuple(sorted({int(k) for k in (counts or (n // 4, n // 2, n)) if 0 < k <= n}))
-    if len(counts) < 2:
-        return None
-    return counts, [jax.tree.map(lambda x, k=k: x[:k], batch) for k in counts]
+        check_global_batch(global_batch, loss_fn, batch)
 
 
 def _own(shares: Sequence[int], n: int) -> tuple[tuple[int, int, int], ...]:
@@ -322,7 +279,7 @@ def _fixed_at_own_shares(again, loss_fn, params, batch, optimizer, speeds, overh
     at the device's own rows, and where that would take a negative fixed time (the parts run faster
     per row than the wide fit's passes), the line through that time and no fixed time. Where the
     narrow range resolves no slope, the line meets the step's time at the largest of its rows."""
-    per_row = _row_work(loss_work(loss_fn, params, optimizer)[2], counts, _fractions(batch, counts)[1])
+    per_row = _row_work(loss_work(loss_fn, params, optimizer)[2], counts, fractions(batch, counts)[1])
     n = jax.tree.leaves(batch)[0].shape[0]
     shares = _shares(batch, per_row, speeds, overheads)
     own = _own(shares, n)
@@ -370,7 +327,7 @@ def measure(cluster: Cluster, loss_fn: Callable | None = None, params=None, batc
     _check(size, chain, repeats, 0.0, loss_fn, params, batch, optimizer)
     mine = [i for i, d in enumerate(cluster.devices) if d.process_index == jax.process_index()]
     devices = [cluster.devices[i] for i in mine]
-    sized = _fractions(batch, rows) if loss_fn is not None else None
+    sized = fractions(batch, rows) if loss_fn is not None else None
     sync = None
     if jax.process_count() > 1:
         # one collective while every process is here: on CPU, the first collective sets up Gloo's
@@ -431,7 +388,8 @@ def _timed_affine(devices, mine, loss_fn, params, batch, optimizer, sized, own_r
 
 def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, batch=None, *, optimizer=None,
               size: int = 384, chain: int = 4, repeats: int = 7, tolerance: float = 0.1,
-              links: bool | None = None, global_batch: int | None = None, extras: bool | None = None) -> Cluster:
+              links: bool | None = None, global_batch: int | None = None, extras: bool | None = None,
+              num_micro_batch: int | None = None) -> Cluster:
     """The cluster with measured speeds (FLOP/s, or relative work/s for a user loss) and their spreads.
 
     With `loss_fn`, `params` and a `batch`, times the user's step on each device (value_and_grad,
@@ -457,32 +415,39 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
     that timing (`_fixed_at_own_shares`): each device then runs about as long as the others while
     timed, as in the step, not alone once the faster ones are done, and nothing is extrapolated.
     The rows timed are kept (`Cluster.calibrated_rows`): `plan.summary()` says when a device's share
-    falls outside them. `global_batch` (the step's rows) repeats a smaller batch's rows up to it (`_resized`).
+    falls outside them. `global_batch` (the step's rows) repeats a smaller batch's rows up to it (`resized`).
     `extras`: when the devices differ, also time what a step costs each device beyond its own work
     (`step_timing`: its block placed, the launch, the all-reduce's local work when it comes last), added
     to its fixed time; None (the default) where the cluster spans processes. The rest of the whole
     step (the update, without `optimizer`) a refinement measures: `Config(hardware_aware="refine")`.
+
+    `num_micro_batch`: the step is a pipeline's, whose stages each run one micro-batch of the batch's
+    rows / `num_micro_batch` at a time (pass the plan's micro-batches times its data-parallel replicas
+    per stage): each device is timed at half, one and two micro-batches' rows instead, and not at a
+    data-parallel share (no stage runs one); `extras` then defaults to off (a stage cut reads speeds).
 
     `links`: also time a message between neighbouring devices (`link_timing.time_links`: its fixed
     seconds and bytes/s, on `Cluster.links`), what a pipeline's predicted exchanges then cost instead
     of the spec table's links. None (the default) times them where the cluster spans processes.
     """
     _check(size, chain, repeats, tolerance, loss_fn, params, batch, optimizer, global_batch)
-    batch = _resized(batch, global_batch)
+    batch = resized(batch, global_batch)
+    micro = micro_rows(num_micro_batch, loss_fn, batch)
     again = functools.partial(measure, cluster, loss_fn, params, batch, optimizer=optimizer, size=size,
-                              chain=chain, repeats=repeats)
+                              chain=chain, repeats=repeats, rows=micro)
     m = again()
     if len(_groups(m, tolerance)) > 1:
         m = faster(m, again())
     groups = _groups(m, tolerance)
     speeds, overheads = _grouped(m, groups)
-    sized = _fractions(batch) if loss_fn is not None else None
+    sized = fractions(batch, micro) if loss_fn is not None else None
     counts = None if sized is None else sized[0]
-    if overheads is not None and len(groups) > 1:
+    if overheads is not None and len(groups) > 1 and micro is None:
         speeds, overheads, counts = _fixed_at_own_shares(again, loss_fn, params, batch, optimizer, speeds,
                                                          overheads, counts, groups)
     rows = None if counts is None else (counts[0] if overheads is not None else counts[-1], counts[-1])
-    if loss_fn is not None and len(groups) > 1 and (extras or extras is None and jax.process_count() > 1):
+    if loss_fn is not None and len(groups) > 1 and (extras or extras is None and micro is None
+                                                    and jax.process_count() > 1):
         overheads = with_extras(cluster.devices, params, batch, speeds, overheads, groups, repeats)
     out = cluster.with_speeds(speeds, spread=m.spreads, overhead=overheads, rows=rows)
     if cluster.size > 1 and (links or links is None and jax.process_count() > 1):

@@ -48,12 +48,14 @@ def micro_batch_range_lines(plan) -> list[str]:
     span, s = plan.cluster.calibrated_rows, plan.schedule
     if span is None or s is None or len(set(plan.cluster.speeds)) < 2:
         return []
-    micro = plan.global_batch // (plan.layout.axis_sizes[0] * s.num_micro_batch)
+    parts = plan.layout.axis_sizes[0] * s.num_micro_batch
+    micro = plan.global_batch // parts
     line = f"calibrated at {span[0]} to {span[1]} rows per device"
     if span[0] <= micro <= span[1]:
         return [f"{line}: a stage's micro-batch of {micro} rows lies inside"]
     return [f"{line}, but a stage runs one micro-batch of {micro} rows at a time, so the stage cut rests on "
-            f"extrapolated speeds: " + _calibration_fix(span, micro, micro, plan.global_batch)]
+            f"extrapolated speeds: calibrate(..., num_micro_batch={parts}) on the step's batch times a "
+            "micro-batch's rows; or " + _calibration_fix(span, micro, micro, plan.global_batch)]
 
 
 def _calibration_fix(span, fewest: int, most: int, global_batch: int) -> str:
