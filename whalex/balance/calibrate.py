@@ -386,6 +386,20 @@ def _timed_affine(devices, mine, loss_fn, params, batch, optimizer, sized, own_r
     return [split.speeds, split.spreads, split.overheads, total.speeds, total.spreads, resolved(x, t)]
 
 
+def _fitted(again, loss_fn, params, batch, optimizer, micro, m, groups):
+    """Each group's speed and fixed time from the measurement `m`, set at the devices' own shares
+    where they differ and no pipeline's micro-batch was timed, and the batch's rows they were timed
+    between (None without a loss)."""
+    speeds, overheads = _grouped(m, groups)
+    sized = fractions(batch, micro) if loss_fn is not None else None
+    counts = None if sized is None else sized[0]
+    if overheads is not None and len(groups) > 1 and micro is None:
+        speeds, overheads, counts = _fixed_at_own_shares(again, loss_fn, params, batch, optimizer, speeds,
+                                                         overheads, counts, groups)
+    rows = None if counts is None else (counts[0] if overheads is not None else counts[-1], counts[-1])
+    return speeds, overheads, rows
+
+
 def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, batch=None, *, optimizer=None,
               size: int = 384, chain: int = 4, repeats: int = 7, tolerance: float = 0.1,
               links: bool | None = None, global_batch: int | None = None, extras: bool | None = None,
@@ -436,16 +450,9 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
     again = functools.partial(measure, cluster, loss_fn, params, batch, optimizer=optimizer, size=size,
                               chain=chain, repeats=repeats, rows=micro)
     m = again()
-    if len(_groups(m, tolerance)) > 1:
-        m = faster(m, again())
+    m = faster(m, again()) if len(_groups(m, tolerance)) > 1 else m
     groups = _groups(m, tolerance)
-    speeds, overheads = _grouped(m, groups)
-    sized = fractions(batch, micro) if loss_fn is not None else None
-    counts = None if sized is None else sized[0]
-    if overheads is not None and len(groups) > 1 and micro is None:
-        speeds, overheads, counts = _fixed_at_own_shares(again, loss_fn, params, batch, optimizer, speeds,
-                                                         overheads, counts, groups)
-    rows = None if counts is None else (counts[0] if overheads is not None else counts[-1], counts[-1])
+    speeds, overheads, rows = _fitted(again, loss_fn, params, batch, optimizer, micro, m, groups)
     if loss_fn is not None and len(groups) > 1 and (extras or extras is None and micro is None
                                                     and jax.process_count() > 1):
         overheads = with_extras(cluster.devices, params, batch, speeds, overheads, groups, repeats)
