@@ -149,26 +149,62 @@ def test_uneven_split_head_matches_single_device():
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
-def test_split_head_runs_full_chunks_and_a_binary_remainder(opt):
-    """A fine split of the classes costs few loop trips: full chunks as wide as the smallest share
-    allows, then at most one chunk of each smaller size, and trains as one device does."""
+def test_split_head_runs_each_devices_classes_as_one_matmul(opt):
+    """A fine split of the classes costs no loop: each device runs one matmul per direction at its
+    own class count (a switch over the distinct counts), and trains as one device does."""
     import optax
+    from jax.sharding import Mesh
 
-    from whalex.balance.cost import MIN_CHUNK_COLUMNS
+    from whalex.lowering.uneven_split import uneven_head
     from whalex.planner.spmd import plan_columns
     speeds = [2.05] * 4 + [1.0] * 4
-    cols, _ = plan_columns(2048, speeds, [1e12] * 8, 1.0, [str(i) for i in range(8)], remainders=True)
+    cols, _ = plan_columns(2048, speeds, [1e12] * 8, 1.0, [str(i) for i in range(8)], one_matmul=True)
     ideal = 2048 / sum(speeds)
     assert max(c / s for c, s in zip(cols.counts, speeds)) <= 1.02 * ideal           # the split's rounding
-    assert cols.chunk >= MIN_CHUNK_COLUMNS and cols.chunk <= min(cols.counts)
-    assert any(any(bits) for bits in cols.remainder_bits)
-    trips = [c // cols.chunk + sum(bits) for c, bits in zip(cols.counts, cols.remainder_bits)]
-    assert max(trips) <= 2 + len(cols.sizes)
+    assert len(set(cols.counts)) == 2 and min(cols.counts) % cols.chunk == 0
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(16, 24)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(24, 2048)) * 0.1, jnp.float32)
+    b = jnp.asarray(rng.normal(size=(2048,)), jnp.float32)
+    y = jnp.asarray(rng.integers(0, 2048, 16), jnp.int32)
+    head = uneven_head(Mesh(np.array(jax.devices()[:8]), ("model",)), "model", (), cols, 16)
+    grad = jax.jit(jax.grad(lambda x, w, b: head(x, w, b, y), argnums=(0, 1, 2)))
+    text = grad.lower(x, cols.pad(w, 1), cols.pad(b, 0)).compile().as_text()
+    assert "conditional" in text and " while(" not in text
+    dx, dw, db = grad(x, cols.pad(w, 1), cols.pad(b, 0))
+    ref = jax.grad(lambda x, w, b: optax.softmax_cross_entropy_with_integer_labels(x @ w + b, y).mean(),
+                   argnums=(0, 1, 2))(x, w, b)
+    for a, r in zip((dx, cols.unpad(dw, 1), cols.unpad(db, 0)), ref):
+        np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-7)
+
     loss_fn, params, batch = _head_model(C=2048, B=16)
     cluster = wh.Cluster.detect().with_speeds([s * 1e9 for s in speeds])
     step, _ = assert_matches(loss_fn, params, batch, steps=3, cluster=cluster,
                              optimizer=optax.sgd(0.5) if opt == "sgd" else adam())
     assert [d.rows for d in step.plan.head_balance.devices] == list(cols.counts)
+
+
+@pytest.mark.parametrize("counts", [(0, 16), (16, 0), (10, 6), (8, 8)])
+def test_uneven_head_is_the_dense_head_at_any_counts(counts):
+    """Loss and gradients of the head equal optax's over the dense layer, a device with no classes
+    included."""
+    import optax
+    from jax.sharding import Mesh
+
+    from whalex.lowering.uneven_split import UnevenColumns, uneven_head
+    cols = UnevenColumns(counts, max(counts), 2)
+    rng = np.random.default_rng(1)
+    x, w = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((8, 5), (5, 16)))
+    b, y = jnp.asarray(rng.normal(size=(16,)), jnp.float32), jnp.asarray(rng.integers(0, 16, 8), jnp.int32)
+    head = uneven_head(Mesh(np.array(jax.devices()[:2]), ("model",)), "model", (), cols, 8)
+    loss, (dx, dw, db) = jax.jit(jax.value_and_grad(lambda x, w, b: head(x, w, b, y), argnums=(0, 1, 2)))(
+        x, cols.pad(w, 1), cols.pad(b, 0))
+    dense = lambda x, w, b: optax.softmax_cross_entropy_with_integer_labels(x @ w + b, y).mean()  # noqa: E731
+    ref_loss, ref = jax.value_and_grad(dense, argnums=(0, 1, 2))(x, w, b)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for a, r in zip((dx, cols.unpad(dw, 1), cols.unpad(db, 0)), ref):
+        np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-7)
 
 
 def test_even_split_head_on_a_homogeneous_cluster_uses_plain_sharding():

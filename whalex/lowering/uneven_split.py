@@ -3,11 +3,11 @@
 Device i of the model axis owns `counts[i]` classes (proportional to its speed, under memory; chosen
 by the planner with Algorithm 1, `whalex.planner.spmd.plan_columns`), stored padded to a common
 `width` so the weight is one evenly sharded buffer `[features, devices * width]`. The head runs in
-`shard_map`: each device loops over its own number of `chunk`-column blocks (per-device work
-proportional to its real shard; trip counts differ, so no collective runs inside a loop), then the
+`shard_map`: each device runs one matmul at its own class count (a `lax.switch` branch per distinct
+count, so per-device work is its real shard and no collective runs inside a branch), then the
 softmax statistics are combined with `pmax`/`psum` over the model axis, never gathering logits. A
-`custom_vjp` gives the backward pass the same shape: chunk loops for the weight gradient and the
-input gradient, then one `psum`. `uneven_blocks` does the same for MLPs and attention (hidden units,
+`custom_vjp` gives the backward pass the same shape: the weight and input gradients at the device's
+count, then one `psum`. `uneven_blocks` does the same for MLPs and attention (hidden units,
 heads), written as `Stage`s whose values between stages the forward keeps, so that the backward
 recomputes no forward matmul (on CPU, the looped blocks recompute theirs: see `_Blocks`); the blocks
 every device runs are written out, not looped. The planner hands its decisions down as data,
@@ -32,34 +32,17 @@ NEG = -1e30
 
 @dataclasses.dataclass(frozen=True)
 class UnevenColumns:
-    """How the class dimension is laid out: real columns per device, padded to `width`. A device
-    runs its columns in full `chunk`s, then (with a `grain`) at most one chunk of each smaller size
-    chunk/2, ..., grain: the binary digits of its remainder, so that a fine split costs few trips."""
+    """How the class (or hidden-unit, head) dimension is laid out: real columns per device, padded to
+    `width`. Counts are multiples of `chunk`: the head runs each device's count as one matmul, uneven
+    blocks loop over it in chunks."""
 
     counts: tuple[int, ...]
     width: int
     chunk: int
-    grain: int | None = None     # the smallest remainder chunk (chunk / 2**j); None: full chunks only
 
     def __post_init__(self):
-        g = self.grain or self.chunk
-        if self.chunk % g or (self.chunk // g) & (self.chunk // g - 1) or any(c % g for c in self.counts):
-            raise ValueError(f"uneven columns {self.counts} do not split into chunks of {self.chunk} and a "
-                             f"binary remainder down to {g}")
-
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        """The remainder chunk sizes, largest first: chunk/2, chunk/4, ..., grain."""
-        g, out, s = self.grain or self.chunk, [], self.chunk // 2
-        while s >= g:
-            out.append(s)
-            s //= 2
-        return tuple(out)
-
-    @property
-    def remainder_bits(self) -> tuple[tuple[bool, ...], ...]:
-        """Per device: which remainder sizes it runs (the binary digits of count % chunk)."""
-        return tuple(tuple(bool((c % self.chunk) // s % 2) for s in self.sizes) for c in self.counts)
+        if any(c % self.chunk for c in self.counts):
+            raise ValueError(f"uneven columns {self.counts} do not split into chunks of {self.chunk}")
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -123,46 +106,48 @@ def uneven_head(mesh, model_axis: str, batch_axes: tuple, layout: UnevenColumns,
     return head
 
 
-def _over_columns(layout: UnevenColumns, i, part, init):
-    """acc = part(offset, size, acc) over device `i`'s columns: its full chunks in a `fori_loop`, then
-    its remainder chunks, largest first, each under a `lax.cond` (only the sizes some device runs)."""
-    chunk, sizes = layout.chunk, layout.sizes
-    full = jnp.asarray([c // chunk for c in layout.counts], jnp.int32)[i]
-    acc = jax.lax.fori_loop(0, full, lambda k, a: part(k * chunk, chunk, a), init)
-    if not sizes:
-        return acc
-    bits = jnp.asarray(layout.remainder_bits, jnp.bool_).reshape(len(layout.counts), len(sizes))[i]
-    off = full * chunk
-    for j, s in enumerate(sizes):
-        if any(b[j] for b in layout.remainder_bits):
-            acc = jax.lax.cond(bits[j], lambda a, off=off, s=s: part(off, s, a), lambda a: a, acc)
-        off = off + jnp.where(bits[j], s, 0)
-    return acc
+def _by_count(layout: UnevenColumns, i, branch, *operands):
+    """branch(count, *operands) on device `i` at its own class count: one `lax.switch` branch per
+    distinct count, each a dense computation of static width, so a device's work is its real shard
+    with no loop trips, slices or writes per chunk."""
+    distinct = sorted(set(layout.counts))
+    if len(distinct) == 1:
+        return branch(distinct[0], *operands)
+    which = jnp.asarray([distinct.index(c) for c in layout.counts], jnp.int32)[i]
+    return jax.lax.switch(which, [functools.partial(branch, c) for c in distinct], *operands)
+
+
+def _pad_columns(a, width: int, value: float = 0.0):
+    """[rows, c] -> [rows, width], the columns past c filled with `value`."""
+    if a.shape[1] == width:
+        return a
+    return jnp.concatenate([a, jnp.full((a.shape[0], width - a.shape[1]), value, a.dtype)], axis=1)
 
 
 def _head_forward(counts, offsets, layout: UnevenColumns, mx: str, batch_axes: tuple, total: float):
-    """One device's forward of the uneven head: its logits in a loop over its own chunks, the softmax
-    statistics combined over `mx` -> (mean loss, logits, log-sum-exp)."""
+    """One device's forward of the uneven head: its logits, their row maxima and the labels' logits
+    at its own class count, the softmax statistics combined over `mx`, every elementwise pass at
+    that count too -> (mean loss, logits padded to the width, log-sum-exp)."""
     width = layout.width
+
+    def own_logits(c, x, w, b, label):
+        rows = x.shape[0]
+        if c == 0:
+            return jnp.full((rows, width), NEG, x.dtype), jnp.full((rows,), NEG, x.dtype), jnp.zeros((rows,), x.dtype)
+        z = x @ w[:, :c] + b[:c]
+        picked = jnp.take_along_axis(z, jnp.clip(label, 0, c - 1)[:, None], axis=1)[:, 0]
+        return _pad_columns(z, width, NEG), jnp.max(z, axis=1), picked
+
+    def own_sum(c, logits, m):
+        return jnp.sum(jnp.exp(logits[:, :c] - m[:, None]), axis=1)
 
     def local_fwd(x, w, b, y):
         i = jax.lax.axis_index(mx)
-        n = counts[i]
-        rows = x.shape[0]
-
-        def part(off, size, logits):
-            cols = jax.lax.dynamic_slice_in_dim(w, off, size, 1)
-            z = x @ cols + jax.lax.dynamic_slice_in_dim(b, off, size, 0)
-            return jax.lax.dynamic_update_slice_in_dim(logits, z, off, 1)
-
-        logits = _over_columns(layout, i, part, jnp.full((rows, width), NEG, x.dtype))
-        mask = jnp.arange(width) < n
-        m = jax.lax.pmax(jnp.max(jnp.where(mask, logits, NEG), axis=1), mx)
-        s = jax.lax.psum(jnp.sum(jnp.where(mask, jnp.exp(logits - m[:, None]), 0.0), axis=1), mx)
-        lse = m + jnp.log(s)
         local = y - offsets[i]
-        own = (local >= 0) & (local < n)
-        picked = jnp.take_along_axis(logits, jnp.clip(local, 0, width - 1)[:, None], axis=1)[:, 0]
+        own = (local >= 0) & (local < counts[i])
+        logits, row_max, picked = _by_count(layout, i, own_logits, x, w, b, local)
+        m = jax.lax.pmax(row_max, mx)
+        lse = m + jnp.log(jax.lax.psum(_by_count(layout, i, own_sum, logits, m), mx))
         zy = jax.lax.psum(jnp.where(own, picked, 0.0), mx)
         loss = jnp.sum(lse - zy)
         if batch_axes:
@@ -173,30 +158,24 @@ def _head_forward(counts, offsets, layout: UnevenColumns, mx: str, batch_axes: t
 
 
 def _head_backward(counts, offsets, layout: UnevenColumns, mx: str, batch_axes: tuple, total: float):
-    """One device's backward of the uneven head: the weight and input gradients in a loop over its
-    own chunks, the input gradient summed over `mx` after the loop -> (dx, dw, db)."""
+    """One device's backward of the uneven head: the logits' cotangent and the weight, bias and input
+    gradients at its own class count, the input gradient summed over `mx` -> (dx, dw, db)."""
     width = layout.width
+
+    def own_grads(c, x, w, logits, lse, label, scale):
+        if c == 0:
+            return jnp.zeros_like(w), jnp.zeros_like(x), jnp.zeros((width,), x.dtype)
+        p = jnp.exp(logits[:, :c] - lse[:, None]) - jax.nn.one_hot(label, c, dtype=x.dtype)
+        d = p * scale
+        db = _pad_columns(jnp.sum(d, axis=0)[None], width)[0]
+        return _pad_columns(x.T @ d, width), d @ w[:, :c].T, db
 
     def local_bwd(x, w, y, logits, lse, g):
         i = jax.lax.axis_index(mx)
-        n = counts[i]
-        mask = jnp.arange(width) < n
-        p = jnp.where(mask, jnp.exp(logits - lse[:, None]), 0.0)
         local = y - offsets[i]
-        own = (local >= 0) & (local < n)
-        p = p - jax.nn.one_hot(jnp.where(own, local, -1), width, dtype=p.dtype)
-        d = p * (g / total)
-
-        def part(off, size, acc):
-            dw, dx = acc
-            dcols = jax.lax.dynamic_slice_in_dim(d, off, size, 1)
-            cols = jax.lax.dynamic_slice_in_dim(w, off, size, 1)
-            dw = jax.lax.dynamic_update_slice_in_dim(dw, x.T @ dcols, off, 1)
-            return dw, dx + dcols @ cols.T
-
-        dw, dx = _over_columns(layout, i, part, (jnp.zeros_like(w), jnp.zeros_like(x)))
-        db = jnp.sum(d, axis=0)
-        dx = jax.lax.psum(dx, mx)                          # after the loop: partial sums over classes
+        label = jnp.where((local >= 0) & (local < counts[i]), local, -1)     # -1: another device's class
+        dw, dx, db = _by_count(layout, i, own_grads, x, w, logits, lse, label, g / total)
+        dx = jax.lax.psum(dx, mx)                          # partial sums over classes
         if batch_axes:
             dw, db = jax.lax.psum((dw, db), batch_axes)
         return dx, dw, db
@@ -376,8 +355,6 @@ def uneven_blocks(mesh, model_axis: str, batch_axes: tuple, layout: UnevenColumn
     every device has written out and the rest in a loop, then one psum. Each block's values between
     stages are kept (peeled blocks' as they are, looped blocks' in buffers unless `recompute`); the
     custom VJP runs each block's stage VJPs on them, then one psum of the input gradient."""
-    if layout.sizes:
-        raise ValueError(f"uneven blocks run full chunks only; got remainder chunks down to {layout.grain}")
     blocks = _Blocks(tuple(stages), layout, tuple(dims), model_axis, tuple(batch_axes), recompute)
     bspec = batch_axes if batch_axes else None
     w_specs = tuple(P(*([None] * d + [model_axis])) for d in dims)

@@ -269,20 +269,17 @@ def zero_data_parallel(req: Request, full, m, mesh, mem):
 
 def plan_columns(classes: int, speeds: Sequence[float], capacities: Sequence[float],
                  bytes_per_column: float, names: Sequence[str], columns_per_unit: int = 1,
-                 remainders: bool = False):
+                 one_matmul: bool = False):
     """Algorithm 1 over the class dimension: (UnevenColumns, Balance). The unit divides `classes`
-    (`cost.split_chunk`: wide enough matmuls, rounding within `cost.SPLIT_ROUNDING` of the ideal).
-    With `remainders` (the lowering runs a binary remainder, as the head does) the unit is the grain,
-    whose matmuls need only be MIN_CHUNK_COLUMNS wide after LEVELS doublings, and the full chunk is
-    the grain doubled up to the smallest share (`cost.chunk_rows`)."""
-    floor = cost.MIN_CHUNK_COLUMNS / 2 ** cost.LEVELS if remainders else cost.MIN_CHUNK_COLUMNS
+    (`cost.split_chunk`: rounding within `cost.SPLIT_ROUNDING` of the ideal), and for blocks that
+    loop over it its matmuls are at least MIN_CHUNK_COLUMNS wide. With `one_matmul` (the head runs
+    each device's classes as one matmul) the unit is only the split's rounding grain."""
+    floor = 1.0 if one_matmul else cost.MIN_CHUNK_COLUMNS
     unit = cost.split_chunk(classes, speeds, columns_per_unit, floor)
     bal = balance(classes // unit, speeds, capacities, [0.0] * len(speeds), [bytes_per_column * unit] * len(speeds),
                   names)
     counts = tuple(u * unit for u in bal.loads)
-    if not remainders:
-        return UnevenColumns(counts, max(counts), unit), bal
-    return UnevenColumns(counts, max(counts), cost.chunk_rows(counts, unit), unit), bal
+    return UnevenColumns(counts, max(counts), unit), bal
 
 
 def _model_shards(vd, layout, cluster):
@@ -373,7 +370,7 @@ def _columns(op: _UnevenOp, weights, units: int, speeds, caps, names, opt: float
     itemsize = np.dtype(weights[0].aval.dtype).itemsize
     per_column = sum(np.prod(w.aval.shape) / w.aval.shape[d] for w, d in zip(weights, op.dims)) * itemsize * (2 + opt)
     width = int(np.prod(weights[0].aval.shape[2:])) if op.kind == "heads" else 1     # a head's columns
-    cols, bal = plan_columns(units, speeds, caps, per_column, names, width, remainders=op.kind == "classes")
+    cols, bal = plan_columns(units, speeds, caps, per_column, names, width, one_matmul=op.kind == "classes")
     for j, c in enumerate(caps):                                   # every device stores the padded width
         if cols.width * per_column > c:
             raise PlanError(f"{names[j]} cannot hold the padded shard of {cols.width} {op.kind} "
@@ -398,7 +395,7 @@ def _uneven_report(cap, i: int, op: _UnevenOp, leaf: int, cluster, shards, cols,
                                cap.num_params)[0]
     even = [units // len(speeds)] * len(speeds)
     report = cost.report([cluster.specs[per_model[0, j]] for j in range(len(speeds))], speeds,
-                         cols.counts, even, source=cluster.speed_source, unit=cols.grain or cols.chunk, applied=True,
+                         cols.counts, even, source=cluster.speed_source, unit=cols.chunk, applied=True,
                          shifted=bal.shifted, flops_per_sample=tg_flops / units,
                          state_bytes=cols.width * per_column, act_base=0.0, act_per_sample=0.0,
                          spreads=spreads)
