@@ -153,9 +153,7 @@ def test_split_head_runs_each_devices_classes_as_one_matmul(opt):
     """A fine split of the classes costs no loop: each device runs one matmul per direction at its
     own class count (a switch over the distinct counts), and trains as one device does."""
     import optax
-    from jax.sharding import Mesh
 
-    from whalex.lowering.uneven_split import uneven_head
     from whalex.planner.spmd import plan_columns
     speeds = [2.05] * 4 + [1.0] * 4
     cols, _ = plan_columns(2048, speeds, [1e12] * 8, 1.0, [str(i) for i in range(8)], one_matmul=True)
@@ -163,20 +161,8 @@ def test_split_head_runs_each_devices_classes_as_one_matmul(opt):
     assert max(c / s for c, s in zip(cols.counts, speeds)) <= 1.02 * ideal           # the split's rounding
     assert len(set(cols.counts)) == 2 and min(cols.counts) % cols.chunk == 0
 
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.normal(size=(16, 24)), jnp.float32)
-    w = jnp.asarray(rng.normal(size=(24, 2048)) * 0.1, jnp.float32)
-    b = jnp.asarray(rng.normal(size=(2048,)), jnp.float32)
-    y = jnp.asarray(rng.integers(0, 2048, 16), jnp.int32)
-    head = uneven_head(Mesh(np.array(jax.devices()[:8]), ("model",)), "model", (), cols, 16)
-    grad = jax.jit(jax.grad(lambda x, w, b: head(x, w, b, y), argnums=(0, 1, 2)))
-    text = grad.lower(x, cols.pad(w, 1), cols.pad(b, 0)).compile().as_text()
+    text = _assert_dense_head(cols, rows=16, features=24)
     assert "conditional" in text and " while(" not in text
-    dx, dw, db = grad(x, cols.pad(w, 1), cols.pad(b, 0))
-    ref = jax.grad(lambda x, w, b: optax.softmax_cross_entropy_with_integer_labels(x @ w + b, y).mean(),
-                   argnums=(0, 1, 2))(x, w, b)
-    for a, r in zip((dx, cols.unpad(dw, 1), cols.unpad(db, 0)), ref):
-        np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-7)
 
     loss_fn, params, batch = _head_model(C=2048, B=16)
     cluster = wh.Cluster.detect().with_speeds([s * 1e9 for s in speeds])
@@ -189,22 +175,32 @@ def test_split_head_runs_each_devices_classes_as_one_matmul(opt):
 def test_uneven_head_is_the_dense_head_at_any_counts(counts):
     """Loss and gradients of the head equal optax's over the dense layer, a device with no classes
     included."""
+    from whalex.lowering.uneven_split import UnevenColumns
+    _assert_dense_head(UnevenColumns(counts, max(counts), 2), rows=8, features=5)
+
+
+def _assert_dense_head(cols, rows: int, features: int) -> str:
+    """Assert that the uneven head over `cols` (one device per count) has optax's loss and gradients
+    over the dense layer; -> its jitted gradient's compiled HLO text."""
     import optax
     from jax.sharding import Mesh
 
-    from whalex.lowering.uneven_split import UnevenColumns, uneven_head
-    cols = UnevenColumns(counts, max(counts), 2)
+    from whalex.lowering.uneven_split import uneven_head
     rng = np.random.default_rng(1)
-    x, w = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((8, 5), (5, 16)))
-    b, y = jnp.asarray(rng.normal(size=(16,)), jnp.float32), jnp.asarray(rng.integers(0, 16, 8), jnp.int32)
-    head = uneven_head(Mesh(np.array(jax.devices()[:2]), ("model",)), "model", (), cols, 8)
-    loss, (dx, dw, db) = jax.jit(jax.value_and_grad(lambda x, w, b: head(x, w, b, y), argnums=(0, 1, 2)))(
-        x, cols.pad(w, 1), cols.pad(b, 0))
+    x = jnp.asarray(rng.normal(size=(rows, features)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(features, cols.classes)) * 0.1, jnp.float32)
+    b = jnp.asarray(rng.normal(size=(cols.classes,)), jnp.float32)
+    y = jnp.asarray(rng.integers(0, cols.classes, rows), jnp.int32)
+    head = uneven_head(Mesh(np.array(jax.devices()[:len(cols.counts)]), ("model",)), "model", (), cols, rows)
+    step = jax.jit(jax.value_and_grad(lambda x, w, b: head(x, w, b, y), argnums=(0, 1, 2)))
+    padded = (x, cols.pad(w, 1), cols.pad(b, 0))
+    loss, (dx, dw, db) = step(*padded)
     dense = lambda x, w, b: optax.softmax_cross_entropy_with_integer_labels(x @ w + b, y).mean()  # noqa: E731
     ref_loss, ref = jax.value_and_grad(dense, argnums=(0, 1, 2))(x, w, b)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     for a, r in zip((dx, cols.unpad(dw, 1), cols.unpad(db, 0)), ref):
         np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-7)
+    return step.lower(*padded).compile().as_text()
 
 
 def test_even_split_head_on_a_homogeneous_cluster_uses_plain_sharding():

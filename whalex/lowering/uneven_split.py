@@ -117,11 +117,9 @@ def _by_count(layout: UnevenColumns, i, branch, *operands):
     return jax.lax.switch(which, [functools.partial(branch, c) for c in distinct], *operands)
 
 
-def _pad_columns(a, width: int, value: float = 0.0):
-    """[rows, c] -> [rows, width], the columns past c filled with `value`."""
-    if a.shape[1] == width:
-        return a
-    return jnp.concatenate([a, jnp.full((a.shape[0], width - a.shape[1]), value, a.dtype)], axis=1)
+def _pad_last(a, width: int, value: float = 0.0):
+    """`a` padded along its last axis to `width` with `value`."""
+    return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, width - a.shape[-1])], constant_values=value)
 
 
 def _head_forward(counts, offsets, layout: UnevenColumns, mx: str, batch_axes: tuple, total: float):
@@ -136,7 +134,7 @@ def _head_forward(counts, offsets, layout: UnevenColumns, mx: str, batch_axes: t
             return jnp.full((rows, width), NEG, x.dtype), jnp.full((rows,), NEG, x.dtype), jnp.zeros((rows,), x.dtype)
         z = x @ w[:, :c] + b[:c]
         picked = jnp.take_along_axis(z, jnp.clip(label, 0, c - 1)[:, None], axis=1)[:, 0]
-        return _pad_columns(z, width, NEG), jnp.max(z, axis=1), picked
+        return _pad_last(z, width, NEG), jnp.max(z, axis=1), picked
 
     def own_sum(c, logits, m):
         return jnp.sum(jnp.exp(logits[:, :c] - m[:, None]), axis=1)
@@ -167,8 +165,7 @@ def _head_backward(counts, offsets, layout: UnevenColumns, mx: str, batch_axes: 
             return jnp.zeros_like(w), jnp.zeros_like(x), jnp.zeros((width,), x.dtype)
         p = jnp.exp(logits[:, :c] - lse[:, None]) - jax.nn.one_hot(label, c, dtype=x.dtype)
         d = p * scale
-        db = _pad_columns(jnp.sum(d, axis=0)[None], width)[0]
-        return _pad_columns(x.T @ d, width), d @ w[:, :c].T, db
+        return _pad_last(x.T @ d, width), d @ w[:, :c].T, _pad_last(jnp.sum(d, axis=0), width)
 
     def local_bwd(x, w, y, logits, lse, g):
         i = jax.lax.axis_index(mx)
