@@ -48,7 +48,7 @@ def _token_model(B=40, T=3, C=64, seed=1):
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_uneven_rows_with_uneven_column_head(optimizer):
     """Example 2 with wh.ops' head: rows 5:3 on V100:T4, classes 105:55, exact."""
-    from support.hlo import shapes_of
+    from support.hlo import collectives, shapes_of
     loss_fn, params, batch = _head_model()
     opt = optax.sgd(0.1) if optimizer == "sgd" else adam()
     step, state = assert_matches(loss_fn, params, batch, steps=4, optimizer=opt, cluster=wh.Cluster(kinds=HETERO))
@@ -64,6 +64,11 @@ def test_uneven_rows_with_uneven_column_head(optimizer):
         reduced = shapes_of(text, "all-reduce")
         assert (24, 105) not in reduced and (105, 24) not in reduced and (105,) not in reduced   # head stays sharded
         assert (12, 24) in reduced                                                       # the backbone's gradient
+        features = sorted((op, shape) for op, arrays in collectives(text) for _, shape in arrays
+                          if len(shape) == 2 and shape[1] == 24 and shape[0] != 12)
+        # the bridge: one all-gather of the padded row blocks (8 x 5) forward, the head's input-gradient
+        # psum backward; no re-sharding of the features to the even plan's rows and back
+        assert features == [("all-gather", (40, 24)), ("all-reduce", (32, 24))]
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])

@@ -8,7 +8,10 @@ the rest is the head. In one jitted step:
    batch in chunks (`UnevenProgram.parts_driver`: full chunks in a loop, binary remainder chunks
    under `cond`), writing the boundary activations into its padded block; no collective inside;
 2. bridge forward: the real rows gathered into global order (a static index into the padded
-   blocks; XLA's SPMD partitioner emits the all-gather), the head's input layout;
+   blocks), straight into the head's input layout: a replicated head gets one all-gather of the
+   padded blocks and a local take (the partitioner would otherwise scatter into zeros and
+   all-reduce the whole batch), and the even plan's layouts of the replaced backbone values are
+   dropped, so the features are not re-sharded to even rows and gathered again (forward and back);
 3. head: the captured loss evaluated by the head's GSPMD `Program` (its constraints, even or
    uneven column shards) on the whole batch, the backbone equations replaced by the bridge
    values: the loss keeps its whole-batch meaning with no parts machinery;
@@ -237,8 +240,16 @@ class HybridProgram(Program):
         mesh = self.mesh
         head_rows = NamedSharding(mesh, self.head_batch)
         grad_shardings = self.param_shardings
+        # the backbone's equations are replaced by the bridge: the even plan's layouts of their values
+        # (batch-sharded rows) would only re-shard what the bridge hands the head in its own layout
+        head_constraints = {k: s for k, s in self.sharding.constraints.items() if k[0][0] >= cut}
+
+        gather_first = self.head_batch == P()
+        whole = NamedSharding(mesh, P())
 
         def bridge(x):                       # padded per-device blocks -> the global batch in the head's layout
+            if gather_first:                 # a replicated head: all-gather the blocks, then take locally
+                x = jax.lax.with_sharding_constraint(x, whole)
             return jax.lax.with_sharding_constraint(jnp.take(x, index, axis=0), head_rows)
 
         def loss(params, blocks):
@@ -250,7 +261,7 @@ class HybridProgram(Program):
                 outvars = jaxpr.eqns[i].outvars
                 overrides[(i,)] = lambda *_, o=outvars: [value_of[v] if v in value_of else
                                                          jnp.zeros(v.aval.shape, v.aval.dtype) for v in o]
-            evaluate = make_evaluator(cap.jaxpr, self.sharding.constraints, mesh, overrides)
+            evaluate = make_evaluator(cap.jaxpr, head_constraints, mesh, overrides)
             outs = evaluate(*leaves, *[bridge(x) for x in blocks])
             value, aux, _ = cap.split_outputs(outs)
             return value, aux
