@@ -228,6 +228,39 @@ class HybridProgram(Program):
 
         return bwd_local
 
+    def _bridge(self, index: np.ndarray):
+        """f(padded per-device blocks) -> the global batch in the head's layout. A replicated head gets
+        one all-gather of the blocks and a local take; backward, each device takes its own rows of
+        the (replicated) cotangent, a local gather with no zero-filled buffer of the gathered blocks."""
+        mesh = self.mesh
+        head_rows = NamedSharding(mesh, self.head_batch)
+
+        def sharded(x):
+            return jax.lax.with_sharding_constraint(jnp.take(x, index, axis=0), head_rows)
+
+        if self.head_batch != P():
+            return sharded
+        whole, blocks = NamedSharding(mesh, P()), NamedSharding(mesh, P(self.axes))
+        rows = len(index)
+        inverse = np.full((len(self.rows.rows) * self.rows.block,), rows, np.int32)   # padding: a zero row
+        inverse[index] = np.arange(rows, dtype=np.int32)
+
+        def gathered(x):
+            x = jax.lax.with_sharding_constraint(x, whole)
+            return jax.lax.with_sharding_constraint(jnp.take(x, index, axis=0), whole)
+
+        replicated = jax.custom_vjp(gathered)
+
+        def fwd(x):
+            return gathered(x), None
+
+        def bwd(_, ct):
+            ct = jnp.concatenate([ct, jnp.zeros((1,) + ct.shape[1:], ct.dtype)])
+            return (jax.lax.with_sharding_constraint(jnp.take(ct, inverse, axis=0), blocks),)
+
+        replicated.defvjp(fwd, bwd)
+        return lambda x: replicated(x) if jnp.issubdtype(x.dtype, jnp.inexact) else gathered(x)
+
     def value_and_grad(self):
         cap, cut = self.captured, self.cut
         any_bb = self.backbones[0][1]
@@ -238,19 +271,12 @@ class HybridProgram(Program):
         backbone = self.backbone()
         jaxpr = cap.jaxpr.jaxpr
         mesh = self.mesh
-        head_rows = NamedSharding(mesh, self.head_batch)
         grad_shardings = self.param_shardings
         # the backbone's equations are replaced by the bridge: the even plan's layouts of their values
         # (batch-sharded rows) would only re-shard what the bridge hands the head in its own layout
         head_constraints = {k: s for k, s in self.sharding.constraints.items() if k[0][0] >= cut}
 
-        gather_first = self.head_batch == P()
-        whole = NamedSharding(mesh, P())
-
-        def bridge(x):                       # padded per-device blocks -> the global batch in the head's layout
-            if gather_first:                 # a replicated head: all-gather the blocks, then take locally
-                x = jax.lax.with_sharding_constraint(x, whole)
-            return jax.lax.with_sharding_constraint(jnp.take(x, index, axis=0), head_rows)
+        bridge = self._bridge(index)
 
         def loss(params, blocks):
             leaves = jax.tree.leaves(params)
