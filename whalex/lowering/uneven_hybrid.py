@@ -15,9 +15,10 @@ the rest is the head. In one jitted step:
 3. head: the captured loss evaluated by the head's GSPMD `Program` (its constraints, even or
    uneven column shards) on the whole batch, the backbone equations replaced by the bridge
    values: the loss keeps its whole-batch meaning with no parts machinery;
-4. bridge backward and backbone backward: the transpose of the gather hands each device the
-   cotangent of its own rows; a `custom_vjp` carries the backbone (a loop whose trip count
-   differs between devices cannot stack residuals for `jax.grad`): its forward loop stores each
+4. bridge backward and backbone backward: each device gathers the cotangent of its own rows (for a
+   replicated head, a local gather from the replicated cotangent); a `custom_vjp` carries the
+   backbone (a loop whose trip count differs between devices cannot stack residuals for
+   `jax.grad`): its forward loop stores each
    chunk's vjp residuals in buffers with a slot per chunk (`whalex.lowering.stored_vjp`), its
    backward loop applies each chunk's pullback to them, then one fused `psum` of the backbone
    gradients. The head's gradients stay sharded, as in the even plan.
@@ -228,12 +229,13 @@ class HybridProgram(Program):
 
         return bwd_local
 
-    def _bridge(self, index: np.ndarray):
+    def _bridge(self):
         """f(padded per-device blocks) -> the global batch in the head's layout. A replicated head gets
         one all-gather of the blocks and a local take; backward, each device takes its own rows of
         the (replicated) cotangent, a local gather with no zero-filled buffer of the gathered blocks."""
         mesh = self.mesh
         head_rows = NamedSharding(mesh, self.head_batch)
+        index = np.asarray(self.gather_index(), np.int32)
 
         def sharded(x):
             return jax.lax.with_sharding_constraint(jnp.take(x, index, axis=0), head_rows)
@@ -241,9 +243,8 @@ class HybridProgram(Program):
         if self.head_batch != P():
             return sharded
         whole, blocks = NamedSharding(mesh, P()), NamedSharding(mesh, P(self.axes))
-        rows = len(index)
-        inverse = np.full((len(self.rows.rows) * self.rows.block,), rows, np.int32)   # padding: a zero row
-        inverse[index] = np.arange(rows, dtype=np.int32)
+        inverse = np.full((len(self.rows.rows) * self.rows.block,), len(index), np.int32)   # padding: out of range
+        inverse[index] = np.arange(len(index), dtype=np.int32)
 
         def gathered(x):
             x = jax.lax.with_sharding_constraint(x, whole)
@@ -254,9 +255,9 @@ class HybridProgram(Program):
         def fwd(x):
             return gathered(x), None
 
-        def bwd(_, ct):
-            ct = jnp.concatenate([ct, jnp.zeros((1,) + ct.shape[1:], ct.dtype)])
-            return (jax.lax.with_sharding_constraint(jnp.take(ct, inverse, axis=0), blocks),)
+        def bwd(_, ct):                                # padding rows read out of range: a zero cotangent
+            return (jax.lax.with_sharding_constraint(jnp.take(ct, inverse, axis=0, mode="fill", fill_value=0),
+                                                     blocks),)
 
         replicated.defvjp(fwd, bwd)
         return lambda x: replicated(x) if jnp.issubdtype(x.dtype, jnp.inexact) else gathered(x)
@@ -267,7 +268,6 @@ class HybridProgram(Program):
         p_idx, b_idx = any_bb.param_leaves, any_bb.batch_leaves
         # boundary values of the global-batch capture, in the order the backbone returns them
         boundary = Backbone(cap, cut).outputs
-        index = np.asarray(self.gather_index(), np.int32)
         backbone = self.backbone()
         jaxpr = cap.jaxpr.jaxpr
         mesh = self.mesh
@@ -276,7 +276,7 @@ class HybridProgram(Program):
         # (batch-sharded rows) would only re-shard what the bridge hands the head in its own layout
         head_constraints = {k: s for k, s in self.sharding.constraints.items() if k[0][0] >= cut}
 
-        bridge = self._bridge(index)
+        bridge = self._bridge()
 
         def loss(params, blocks):
             leaves = jax.tree.leaves(params)
