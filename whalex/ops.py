@@ -23,9 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from whalex.records.call_names import EXPERT_ACTIVATIONS, attention_call_name, mlp_call_name
-
-HEAD_NAME = "whalex_softmax_cross_entropy_head"
+from whalex.records.call_names import EXPERT_ACTIVATIONS, HEAD_NAME, attention_call_name, mlp_call_name
 
 
 def _head(x, kernel, bias, labels):

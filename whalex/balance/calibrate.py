@@ -39,6 +39,7 @@ from jax.experimental import multihost_utils
 
 from whalex.balance.algorithm import proportional
 from whalex.balance.batch_rows import check_global_batch, fractions, micro_rows, resized
+from whalex.balance.head_timing import split_heads, time_head
 from whalex.balance.link_timing import time_links
 from whalex.balance.step_timing import with_extras
 from whalex.balance.timed_work import loss_work, matmul_work, plan_chunk
@@ -403,7 +404,7 @@ def _fitted(again, loss_fn, params, batch, optimizer, micro, m, groups):
 def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, batch=None, *, optimizer=None,
               size: int = 384, chain: int = 4, repeats: int = 7, tolerance: float = 0.1,
               links: bool | None = None, global_batch: int | None = None, extras: bool | None = None,
-              num_micro_batch: int | None = None) -> Cluster:
+              num_micro_batch: int | None = None, head: bool | None = None) -> Cluster:
     """The cluster with measured speeds (FLOP/s, or relative work/s for a user loss) and their spreads.
 
     With `loss_fn`, `params` and a `batch`, times the user's step on each device (value_and_grad,
@@ -415,10 +416,8 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
     even plan; with a split into fixed and per-row time, devices are alike when their whole steps at
     the batch's rows are.
 
-    A split must show twice: when the first measurement finds more than one group, the devices are
-    timed again in fresh rounds and each keeps the faster of its two medians (`faster`). A device
-    slowed for one measurement's length by load from elsewhere (another process's burst on a shared
-    core) then rejoins its peers, while a truly slower device is slow both times.
+    A split must show twice: where the first measurement finds more than one group, each device keeps
+    the faster of two measurements' medians (`faster`): a device slowed once by load rejoins its peers.
 
     Pass the batch the step will train on (or one as large): the fixed and per-row times are fitted
     between a quarter of its rows and all of them, which is where the plan's loads lie (a device a
@@ -427,19 +426,19 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
     (`measure(own_rows=...)`), all devices together and in the parts the uneven plan runs its rows in,
     and its fixed time (or, where that would be negative, its speed) is set so that its line meets
     that timing (`_fixed_at_own_shares`): each device then runs about as long as the others while
-    timed, as in the step, not alone once the faster ones are done, and nothing is extrapolated.
-    The rows timed are kept (`Cluster.calibrated_rows`): `plan.summary()` says when a device's share
-    falls outside them. `global_batch` (the step's rows) repeats a smaller batch's rows up to it (`resized`).
+    timed, as in the step, and nothing is extrapolated. The rows timed are kept (`Cluster.calibrated_rows`,
+    which `plan.summary()` checks shares against); `global_batch` repeats a smaller batch's rows up to it.
     `extras`: when the devices differ, also time what a step costs each device beyond its own work
     (`step_timing`: its block placed, the launch, the all-reduce's local work when it comes last), added
     to its fixed time; None (the default) where the cluster spans processes. The rest of the whole
     step (the update, without `optimizer`) a refinement measures: `Config(hardware_aware="refine")`.
-
     `num_micro_batch`: the step is a pipeline's, whose stages each run one micro-batch of the batch's
     rows / `num_micro_batch` at a time (pass the plan's micro-batches times its data-parallel replicas
     per stage): each device is timed at half, one and two micro-batches' rows instead, and not at a
     data-parallel share (no stage runs one); `extras` then defaults to off (a stage cut reads speeds).
-
+    `head`: unless False, where the devices differ and the loss has `wh.ops.softmax_cross_entropy_head`,
+    also time that head's program at class splits around the rows' speeds (`head_timing`): the
+    fastest is kept as a scale on the slowest devices' speed (`Cluster.head_scale`) for the classes.
     `links`: also time a message between neighbouring devices (`link_timing.time_links`: its fixed
     seconds and bytes/s, on `Cluster.links`), what a pipeline's predicted exchanges then cost instead
     of the spec table's links. None (the default) times them where the cluster spans processes.
@@ -457,6 +456,17 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
                                                     and jax.process_count() > 1):
         overheads = with_extras(cluster.devices, params, batch, speeds, overheads, groups, repeats)
     out = cluster.with_speeds(speeds, spread=m.spreads, overhead=overheads, rows=rows)
+    if loss_fn is not None and len(groups) > 1 and head is not False:
+        out = _with_head(out, loss_fn, params, batch, repeats)
     if cluster.size > 1 and (links or links is None and jax.process_count() > 1):
         out = out.with_links(*time_links(cluster.devices, repeats))
     return out
+
+
+def _with_head(cluster: Cluster, loss_fn, params, batch, repeats: int) -> Cluster:
+    """The cluster with the head scale its loss's split head runs fastest at (the first head: a loss
+    has one in practice), unchanged without one."""
+    heads = split_heads(loss_fn, params, batch)
+    if not heads:
+        return cluster
+    return cluster.with_head_scale(time_head(cluster.devices, heads[0], cluster.speeds, repeats)[0])

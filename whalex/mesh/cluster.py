@@ -58,6 +58,7 @@ class Cluster:
     compiler: str = "auto"        # abstract: "auto" compiles on its XLA:GPU twin where it can, "replay" never
     compile_devices: tuple[Any, ...] | None = None   # over_abstract_mesh: the topology devices it compiles for
     links: Link | None = None     # calibrated: the link between any two devices (None: the spec table's)
+    head_scale: float = 1.0       # calibrated: the slowest devices' speed on a split head's classes over their rows'
 
     def __init__(self, kinds: Sequence[str] | None = None, devices: Sequence[Any] | None = None,
                  host_memory: float | str | None = None, devices_per_node: int | None = None):
@@ -138,7 +139,7 @@ class Cluster:
             return None
         return twin._replace(host_memory=self.host_memory, host_source=self.host_source, measured=self.measured,
                              spread=self.spread, overhead=self.overhead, calibrated_rows=self.calibrated_rows,
-                             links=self.links)
+                             links=self.links, head_scale=self.head_scale)
 
     @classmethod
     def gpu_topology(cls, kinds: Sequence[str], devices_per_node: int | None = None,
@@ -236,6 +237,15 @@ class Cluster:
             rows = (int(rows[0]), int(rows[1]))
         return self._replace(measured=speeds, spread=spread, overhead=overhead, calibrated_rows=rows)
 
+    def with_head_scale(self, scale: float) -> Cluster:
+        """A copy whose split heads give the slowest devices the classes of `scale` times their speed
+        (`calibrate` times the head's program at a few splits where the loss has
+        `wh.ops.softmax_cross_entropy_head` and the devices differ, and keeps the fastest)."""
+        if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)) or not (
+                math.isfinite(scale) and scale > 0):
+            raise ClusterError(f"with_head_scale needs a positive number, got {scale!r}.")
+        return self._replace(head_scale=float(scale))
+
     def with_links(self, latency: float, bandwidth: float) -> Cluster:
         """A copy whose links between devices are measured ones, the same for every pair: a message of
         n bytes costs `latency + n / bandwidth` seconds (`calibrate()` times them on multi-process
@@ -310,7 +320,7 @@ def _set(obj: Cluster, specs, devices, measured, spread, nodes, host_memory, hos
     for name, value in (("specs", specs), ("devices", devices), ("measured", measured), ("spread", spread),
                         ("nodes", nodes), ("host_memory", host_memory), ("host_source", host_source),
                         ("overhead", None), ("calibrated_rows", None), ("target", None),
-                        ("compiler", "auto"), ("compile_devices", None), ("links", None)):
+                        ("compiler", "auto"), ("compile_devices", None), ("links", None), ("head_scale", 1.0)):
         object.__setattr__(obj, name, value)
 
 

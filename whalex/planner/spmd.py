@@ -14,6 +14,7 @@ from whalex import _compat as C
 from whalex.balance import cost
 from whalex.balance.algorithm import balance
 from whalex.balance.profile import taskgraph_flops
+from whalex.balance.refine import scaled_speeds
 from whalex.errors import PlanError
 from whalex.jaxpr.batch_dependence import source
 from whalex.loss.analysis import analyse
@@ -338,6 +339,8 @@ def uneven_heads(cap, vds, layout, sharding, cluster, optimizer):
             continue
         names = [f"model shard {j} ({cluster.specs[per_model[0, j]].name})" for j in range(len(speeds))]
         units = weights[0].aval.shape[1]
+        if op.kind == "classes" and cluster.head_scale != 1.0:      # the head's program, timed (calibrate)
+            speeds = list(scaled_speeds(speeds, cluster.head_scale)[0])
         cols, bal, per_column = _columns(op, weights, units, speeds, caps, names, opt)
         batch_axes = tuple(a for a in vd.batch_axes if layout.axis_size((a,)) > 1)
         leaves = [params[w] for w in weights]
@@ -345,7 +348,8 @@ def uneven_heads(cap, vds, layout, sharding, cluster, optimizer):
             padded[leaf] = (cols, d)
             specs[leaf] = P(*([None] * d + [axis]))
         calls.append(_uneven_call(op, i, axis, batch_axes, cols, cap.global_batch, recompute))
-        reports.append(_uneven_report(cap, i, op, leaves[0], cluster, shards, cols, bal, per_column, units))
+        reports.append(_uneven_report(cap, i, op, leaves[0], cluster, (*shards[:2], speeds, *shards[3:]), cols, bal,
+                                      per_column, units))
     if not calls:
         return None
     return tuple(calls), padded, dataclasses.replace(sharding, param_specs=tuple(specs)), reports[0]
@@ -399,4 +403,6 @@ def _uneven_report(cap, i: int, op: _UnevenOp, leaf: int, cluster, shards, cols,
                          shifted=bal.shifted, flops_per_sample=tg_flops / units,
                          state_bytes=cols.width * per_column, act_base=0.0, act_per_sample=0.0,
                          spreads=spreads)
-    return dataclasses.replace(report, kind=f"{op.kind} of {cap.param_paths[leaf]} (padded to {cols.width})")
+    timed = (f"; the slowest at x{cluster.head_scale:.2f} their rows' speed, as the head's program ran fastest"
+             if op.kind == "classes" and cluster.head_scale != 1.0 else "")
+    return dataclasses.replace(report, kind=f"{op.kind} of {cap.param_paths[leaf]} (padded to {cols.width}{timed})")

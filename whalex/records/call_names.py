@@ -4,6 +4,7 @@ dense MLPs `whalex_mlp__<activation>`."""
 from __future__ import annotations
 
 EXPERTS_NAME = "whalex_moe_experts"
+HEAD_NAME = "whalex_softmax_cross_entropy_head"   # wh.ops.softmax_cross_entropy_head
 EXPERT_ACTIVATIONS = ("relu", "gelu", "silu", "tanh")
 
 

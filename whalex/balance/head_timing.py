@@ -1,0 +1,141 @@
+"""What a calibration times for a split head's class split: the head's program itself, on every
+device at once, at a few class splits around the rows' speeds; the split it runs fastest at is kept
+as a scale on the slowest devices' speed (`Cluster.head_scale`), which the planner's class split
+applies.
+
+A split head (`wh.ops.softmax_cross_entropy_head`) runs on the whole batch's rows on every device,
+each device its own classes, and meets the others three times (the logits' maxima, the softmax sums
+and the input gradient): work a device's rows do not time (wider matmuls, the logits padded to the
+widest share, the collectives' local work at the device's own pace). Timing each device's part alone
+does not see where it waits, so the program is timed whole, as the step runs it, and a V fitted to
+its times (`refine.vertex`) gives the split where neither side waits."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from whalex import _compat as C
+from whalex.balance import cost
+from whalex.balance.algorithm import proportional
+from whalex.balance.refine import scaled_speeds, vertex
+from whalex.records.call_names import HEAD_NAME
+
+AXIS = "head"
+SCALES = (0.4, 0.55, 0.7, 0.85, 1.0, 1.15)     # the slowest devices' speed on the classes, relative to their rows'
+NEG = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadShape:
+    """A `wh.ops.softmax_cross_entropy_head` call of the loss: its input's rows and features, its
+    classes and the input's dtype."""
+
+    rows: int
+    features: int
+    classes: int
+    dtype: str
+
+
+def split_heads(loss_fn, params, batch) -> tuple[HeadShape, ...]:
+    """The loss's top-level softmax cross-entropy heads (the calls a split head shards by class)."""
+    jaxpr, _ = C.open_jaxpr(C.make_jaxpr(loss_fn, params, batch))
+    heads = []
+    for eqn in jaxpr.eqns:
+        if C.is_call(eqn) and str(eqn.params.get("name", "")) == HEAD_NAME:
+            x, w = eqn.invars[0].aval, eqn.invars[1].aval
+            if len(x.shape) == 2 and len(w.shape) == 2:
+                heads.append(HeadShape(int(x.shape[0]), int(x.shape[1]), int(w.shape[1]), str(x.dtype)))
+    return tuple(dict.fromkeys(heads))
+
+
+def class_counts(classes: int, speeds: Sequence[float]) -> tuple[int, ...]:
+    """Classes per device as the planner splits them by `speeds` (a head's grain, then proportional)."""
+    unit = cost.split_chunk(classes, speeds, 1, 1.0)
+    return tuple(int(u) * unit for u in proportional(classes // unit, speeds))
+
+
+def _program(devices: tuple, counts: tuple[int, ...], rows: int):
+    """The head's forward and gradients over `devices`, device i at counts[i] classes of a padded
+    [features, devices x width] kernel: (x, w, b, y) -> (loss, dx, dw, db)."""
+    mesh = Mesh(np.array(devices), (AXIS,))
+    width, distinct = max(counts), sorted(set(counts))
+    which = jnp.asarray([distinct.index(c) for c in counts], jnp.int32)
+    offsets = jnp.asarray(np.concatenate([[0], np.cumsum(counts)[:-1]]), jnp.int32)
+
+    def by_count(i, branch, *args):
+        return jax.lax.switch(which[i], [functools.partial(branch, c) for c in distinct], *args)
+
+    def logits(c, x, w, b):
+        z = x @ w[:, :c] + b[:c]
+        return jnp.pad(z, [(0, 0), (0, width - c)], constant_values=NEG), jnp.max(z, axis=1)
+
+    def grads(c, x, w, z, lse, label):
+        d = (jnp.exp(z[:, :c] - lse[:, None]) - jax.nn.one_hot(label, c, dtype=x.dtype)) / rows
+        return (jnp.pad(x.T @ d, [(0, 0), (0, width - c)]), d @ w[:, :c].T,
+                jnp.pad(jnp.sum(d, axis=0), [(0, width - c)]))
+
+    def local(x, w, b, y):
+        i = jax.lax.axis_index(AXIS)
+        label = y - offsets[i]
+        z, row_max = by_count(i, logits, x, w, b)
+        m = jax.lax.pmax(row_max, AXIS)
+        s = by_count(i, lambda c, z, m: jnp.sum(jnp.exp(z[:, :c] - m[:, None]), axis=1), z, m)
+        lse = m + jnp.log(jax.lax.psum(s, AXIS))
+        own = (label >= 0) & (label < jnp.asarray(counts, jnp.int32)[i])
+        picked = jnp.take_along_axis(z, jnp.clip(label, 0, width - 1)[:, None], axis=1)[:, 0]
+        loss = jnp.sum(lse - jax.lax.psum(jnp.where(own, picked, 0.0), AXIS))
+        dw, dx, db = by_count(i, grads, x, w, z, lse, jnp.where(own, label, -1))
+        return loss, jax.lax.psum(dx, AXIS), dw, db
+
+    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(None, AXIS), P(AXIS), P()),
+                               out_specs=(P(), P(), P(None, AXIS), P(AXIS)), check_vma=False))
+    return mesh, fn
+
+
+def _arguments(mesh, head: HeadShape, width: int, n: int) -> tuple:
+    rng = np.random.default_rng(0)
+    host = (rng.standard_normal((head.rows, head.features)).astype(head.dtype) / head.features ** 0.5,
+            (rng.standard_normal((head.features, n * width)) / 8).astype(head.dtype),
+            np.zeros((n * width,), head.dtype), rng.integers(0, head.classes, head.rows).astype(np.int32))
+    specs = (P(), P(None, AXIS), P(AXIS), P())
+    return tuple(jax.make_array_from_callback(h.shape, NamedSharding(mesh, s), lambda idx, h=h: h[idx])
+                 for h, s in zip(host, specs))
+
+
+def time_head(devices: Sequence, head: HeadShape, speeds: Sequence[float], repeats: int,
+              scales: Sequence[float] = SCALES) -> tuple[float, list[tuple[float, float]]]:
+    """(the scale on the slowest devices' speed whose class split the head's program runs fastest,
+    [(scale, median seconds)] timed): every scale's split compiled, then `repeats` rounds timing
+    each split once in turn (every process calls it, in the same order). The scale kept is the
+    vertex of the V fitted to the timings, or the fastest timed where no V fits."""
+    devices, splits = tuple(devices), {}
+    for s in scales:
+        counts = class_counts(head.classes, scaled_speeds(speeds, s)[0])
+        if counts not in splits.values():
+            splits[s] = counts
+    runs = {}
+    for s, counts in splits.items():
+        mesh, fn = _program(devices, counts, head.rows)
+        args = _arguments(mesh, head, max(counts), len(devices))
+        jax.block_until_ready(fn(*args))                    # compile and warm up
+        runs[s] = functools.partial(fn, *args)
+    times = np.zeros((repeats, len(runs)))
+    for r in range(repeats):
+        for j, run in enumerate(runs.values()):
+            t0 = time.perf_counter()
+            jax.block_until_ready(run())
+            times[r, j] = time.perf_counter() - t0
+    seconds = np.median(times, axis=0)
+    if jax.process_count() > 1:                             # one decision for every process
+        seconds = np.asarray(multihost_utils.process_allgather(seconds)).reshape(jax.process_count(), -1).mean(0)
+    timed = [(float(s), float(t)) for s, t in zip(runs, seconds)]
+    v = vertex(timed)
+    return (float(v) if v is not None else min(timed, key=lambda p: p[1])[0]), timed
