@@ -348,8 +348,8 @@ def uneven_heads(cap, vds, layout, sharding, cluster, optimizer):
             padded[leaf] = (cols, d)
             specs[leaf] = P(*([None] * d + [axis]))
         calls.append(_uneven_call(op, i, axis, batch_axes, cols, cap.global_batch, recompute))
-        reports.append(_uneven_report(cap, i, op, leaves[0], cluster, (*shards[:2], speeds, *shards[3:]), cols, bal,
-                                      per_column, units))
+        reports.append(_uneven_report(cap, i, op, leaves[0], cluster, (axis, per_model, speeds, shards[3], caps),
+                                      cols, bal, per_column, units))
     if not calls:
         return None
     return tuple(calls), padded, dataclasses.replace(sharding, param_specs=tuple(specs)), reports[0]
