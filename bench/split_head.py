@@ -6,7 +6,7 @@ What it measures
 
     * plain:   ``optax.softmax_cross_entropy_with_integer_labels(x @ w + b, y).mean()`` under
                ``jax.jit(jax.grad(...))``: the head as a user writes it.
-    * whalex:  whalex's uneven head (``whalex.lowering.uneven_split.uneven_head``) on a one-device
+    * whalex:  whalex's uneven head (``whalex.columns.uneven_head``) on a one-device
                model axis: the branch a device of a split runs at its own class count (one matmul
                per direction), its kernel and logits padded to the split's width (the largest
                count in `--classes`), the statistics masked.
@@ -35,7 +35,7 @@ import optax
 from jax.sharding import Mesh
 
 import harness
-from whalex.lowering.uneven_split import UnevenColumns, uneven_head
+from whalex.columns import UnevenColumns, uneven_head
 
 
 def parse(argv):

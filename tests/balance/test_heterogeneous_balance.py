@@ -154,7 +154,7 @@ def test_split_head_runs_each_devices_classes_as_one_matmul(opt):
     own class count (a switch over the distinct counts), and trains as one device does."""
     import optax
 
-    from whalex.planner.spmd import plan_columns
+    from whalex.balance.columns import plan_columns
     speeds = [2.05] * 4 + [1.0] * 4
     cols, _ = plan_columns(2048, speeds, [1e12] * 8, 1.0, [str(i) for i in range(8)], one_matmul=True)
     ideal = 2048 / sum(speeds)
@@ -175,7 +175,7 @@ def test_split_head_runs_each_devices_classes_as_one_matmul(opt):
 def test_uneven_head_is_the_dense_head_at_any_counts(counts):
     """Loss and gradients of the head equal optax's over the dense layer, a device with no classes
     included."""
-    from whalex.lowering.uneven_split import UnevenColumns
+    from whalex.columns import UnevenColumns
     _assert_dense_head(UnevenColumns(counts, max(counts), 2), rows=8, features=5)
 
 
@@ -185,7 +185,7 @@ def _assert_dense_head(cols, rows: int, features: int) -> str:
     import optax
     from jax.sharding import Mesh
 
-    from whalex.lowering.uneven_split import uneven_head
+    from whalex.columns import uneven_head
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.normal(size=(rows, features)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(features, cols.classes)) * 0.1, jnp.float32)

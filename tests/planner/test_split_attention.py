@@ -446,7 +446,8 @@ def test_uneven_blocks_write_out_the_common_blocks_and_loop_the_rest(counts, chu
     gradients, with zero gradients on the padding: the blocks every device runs are written out
     (1 or 2 here), only the rest loop (no loop when the counts are equal; all loop when a device has
     no units), keeping their values in buffers or recomputing their forward."""
-    from whalex.lowering.uneven_split import UnevenColumns, mlp_stages, uneven_blocks
+    from whalex.columns import UnevenColumns
+    from whalex.lowering.uneven_split import mlp_stages, uneven_blocks
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("model",))
     layout = UnevenColumns(counts, max(counts), chunk)
     F, H = 8, sum(counts)
@@ -480,7 +481,8 @@ def test_looped_blocks_keep_their_values_in_unwritten_buffers_on_a_gpu():
     """Lowered for a GPU, the buffers of the looped blocks' kept values are allocated and not written
     (`lax.empty`: an AllocateBuffer custom call); on CPU `lax.empty` is a zero fill, which is why the
     planner has the looped blocks recompute there (`UnevenCall.recompute`)."""
-    from whalex.lowering.uneven_split import UnevenColumns, mlp_stages, uneven_blocks
+    from whalex.columns import UnevenColumns
+    from whalex.lowering.uneven_split import mlp_stages, uneven_blocks
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("model",))
     fn = uneven_blocks(mesh, "model", (), UnevenColumns((4, 2), 4, 2), mlp_stages("gelu"), (1, 0, 0), False)
     args = ([jax.ShapeDtypeStruct(s, jnp.float32) for s in ((8, 8), (8,), (8, 8))],

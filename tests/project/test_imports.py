@@ -31,6 +31,7 @@ LAYERS = (
     ("whalex.loss",),                 # the loss contract: its analysis, its evaluation in parts, random rows
     ("whalex.precision",),            # amp on the loss and its capture, loss scaling, half-precision all-reduces
     ("whalex.memory",),               # ZeRO, remat, offload, the per-device accounting and fit
+    ("whalex.columns",),              # uneven columns and the split head's program (run by lowering, timed by balance)
     ("whalex.balance", "whalex.moe", "whalex.ops"),  # decides loads | MoE layers, ops (call names are records)
     ("whalex.lowering",),             # carries out a plan, decides nothing about balance
     ("whalex.view",),                 # the Plan's text, HTML, pictures, timing: functions of a Plan given to them

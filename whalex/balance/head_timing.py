@@ -17,20 +17,18 @@ import time
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from whalex import _compat as C
-from whalex.balance import cost
-from whalex.balance.algorithm import proportional
+from whalex.balance.columns import plan_columns
 from whalex.balance.refine import scaled_speeds, vertex
+from whalex.columns import UnevenColumns, uneven_head
 from whalex.records.call_names import HEAD_NAME
 
 AXIS = "head"
 SCALES = (0.4, 0.55, 0.7, 0.85, 1.0, 1.15)     # the slowest devices' speed on the classes, relative to their rows'
-NEG = -1e30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,47 +55,18 @@ def split_heads(loss_fn, params, batch) -> tuple[HeadShape, ...]:
 
 
 def class_counts(classes: int, speeds: Sequence[float]) -> tuple[int, ...]:
-    """Classes per device as the planner splits them by `speeds` (a head's grain, then proportional)."""
-    unit = cost.split_chunk(classes, speeds, 1, 1.0)
-    return tuple(int(u) * unit for u in proportional(classes // unit, speeds))
+    """Classes per device as the planner's class split gives them at `speeds` (memory not binding)."""
+    n = len(speeds)
+    return plan_columns(classes, speeds, [float("inf")] * n, 0.0, [str(i) for i in range(n)], one_matmul=True)[0].counts
 
 
 def _program(devices: tuple, counts: tuple[int, ...], rows: int):
-    """The head's forward and gradients over `devices`, device i at counts[i] classes of a padded
-    [features, devices x width] kernel: (x, w, b, y) -> (loss, dx, dw, db)."""
+    """The split head the step runs (`whalex.columns.uneven_head`) over `devices`, device i at counts[i]
+    classes of a padded [features, devices x width] kernel, with its gradients: (x, w, b, y) -> (loss,
+    (dx, dw, db)), the loss the mean over `rows`."""
     mesh = Mesh(np.array(devices), (AXIS,))
-    width, distinct = max(counts), sorted(set(counts))
-    which = jnp.asarray([distinct.index(c) for c in counts], jnp.int32)
-    offsets = jnp.asarray(np.concatenate([[0], np.cumsum(counts)[:-1]]), jnp.int32)
-
-    def by_count(i, branch, *args):
-        return jax.lax.switch(which[i], [functools.partial(branch, c) for c in distinct], *args)
-
-    def logits(c, x, w, b):
-        z = x @ w[:, :c] + b[:c]
-        return jnp.pad(z, [(0, 0), (0, width - c)], constant_values=NEG), jnp.max(z, axis=1)
-
-    def grads(c, x, w, z, lse, label):
-        d = (jnp.exp(z[:, :c] - lse[:, None]) - jax.nn.one_hot(label, c, dtype=x.dtype)) / rows
-        return (jnp.pad(x.T @ d, [(0, 0), (0, width - c)]), d @ w[:, :c].T,
-                jnp.pad(jnp.sum(d, axis=0), [(0, width - c)]))
-
-    def local(x, w, b, y):
-        i = jax.lax.axis_index(AXIS)
-        label = y - offsets[i]
-        z, row_max = by_count(i, logits, x, w, b)
-        m = jax.lax.pmax(row_max, AXIS)
-        s = by_count(i, lambda c, z, m: jnp.sum(jnp.exp(z[:, :c] - m[:, None]), axis=1), z, m)
-        lse = m + jnp.log(jax.lax.psum(s, AXIS))
-        own = (label >= 0) & (label < jnp.asarray(counts, jnp.int32)[i])
-        picked = jnp.take_along_axis(z, jnp.clip(label, 0, width - 1)[:, None], axis=1)[:, 0]
-        loss = jnp.sum(lse - jax.lax.psum(jnp.where(own, picked, 0.0), AXIS))
-        dw, dx, db = by_count(i, grads, x, w, z, lse, jnp.where(own, label, -1))
-        return loss, jax.lax.psum(dx, AXIS), dw, db
-
-    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(None, AXIS), P(AXIS), P()),
-                               out_specs=(P(), P(), P(None, AXIS), P(AXIS)), check_vma=False))
-    return mesh, fn
+    head = uneven_head(mesh, AXIS, (), UnevenColumns(counts, max(counts), 1), rows)
+    return mesh, jax.jit(jax.value_and_grad(head, argnums=(0, 1, 2)))
 
 
 def _arguments(mesh, head: HeadShape, width: int, n: int) -> tuple:

@@ -5,14 +5,13 @@ data parallelism as explicit collectives."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from whalex import _compat as C
 from whalex.balance import cost
-from whalex.balance.algorithm import balance
+from whalex.balance.columns import plan_columns
 from whalex.balance.profile import taskgraph_flops
 from whalex.balance.refine import scaled_speeds
 from whalex.errors import PlanError
@@ -23,7 +22,7 @@ from whalex.lowering.groups import ShardGroups, runs_per_shard, same_outputs
 from whalex.lowering.padding import EvenPadding
 from whalex.lowering.step import Program
 from whalex.lowering.uneven import UnevenProgram
-from whalex.lowering.uneven_split import UnevenCall, UnevenColumns, uneven_overrides
+from whalex.lowering.uneven_split import UnevenCall, uneven_overrides
 from whalex.memory import MemoryOptions, zero, zero_sharded
 from whalex.mesh.virtual import DATA, mesh_layout, virtual_devices
 from whalex.moe.parallel import expert_overrides
@@ -266,21 +265,6 @@ def zero_data_parallel(req: Request, full, m, mesh, mem):
         return None              # the loss couples samples: the GSPMD program sees the whole batch (exact)
     parts = PartLoss(sem, cap, full)
     return UnevenProgram(cap, mesh, req.optimizer, req.cluster.platform, (m * unit,) * n, unit, b, mem, parts=parts)
-
-
-def plan_columns(classes: int, speeds: Sequence[float], capacities: Sequence[float],
-                 bytes_per_column: float, names: Sequence[str], columns_per_unit: int = 1,
-                 one_matmul: bool = False):
-    """Algorithm 1 over the class dimension: (UnevenColumns, Balance). The unit divides `classes`
-    (`cost.split_chunk`: rounding within `cost.SPLIT_ROUNDING` of the ideal), and for blocks that
-    loop over it its matmuls are at least MIN_CHUNK_COLUMNS wide. With `one_matmul` (the head runs
-    each device's classes as one matmul) the unit is only the split's rounding grain."""
-    floor = 1.0 if one_matmul else cost.MIN_CHUNK_COLUMNS
-    unit = cost.split_chunk(classes, speeds, columns_per_unit, floor)
-    bal = balance(classes // unit, speeds, capacities, [0.0] * len(speeds), [bytes_per_column * unit] * len(speeds),
-                  names)
-    counts = tuple(u * unit for u in bal.loads)
-    return UnevenColumns(counts, max(counts), unit), bal
 
 
 def _model_shards(vd, layout, cluster):
