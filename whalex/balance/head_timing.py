@@ -98,11 +98,13 @@ def time_head(devices: Sequence, head: HeadShape, speeds: Sequence[float], repea
         runs[s] = functools.partial(fn, *args)
     times = np.zeros((repeats, len(runs)))
     for r in range(repeats):
-        for j, run in enumerate(runs.values()):
+        order = list(enumerate(runs.values()))
+        for j, run in order if r % 2 == 0 else order[::-1]:    # drift within a round falls on both ends alike
             t0 = time.perf_counter()
             jax.block_until_ready(run())
             times[r, j] = time.perf_counter() - t0
-    seconds = np.median(times, axis=0)
+    rounds = times / times.mean(axis=1, keepdims=True)         # drift between rounds divides out
+    seconds = np.median(rounds, axis=0) * times.mean()
     if jax.process_count() > 1:                             # one decision for every process
         seconds = np.asarray(multihost_utils.process_allgather(seconds)).reshape(jax.process_count(), -1).mean(0)
     timed = [(float(s), float(t)) for s, t in zip(runs, seconds)]
