@@ -96,3 +96,16 @@ def test_calibrate_times_the_head_where_devices_differ(monkeypatch):
     assert not seen and off.head_scale == 1.0
     monkeypatch.setattr(cal, "time_rounds", _synthetic_rounds([2e-4] * 8, [2e-5] * 8, 0.02))
     assert calibrate(wh.Cluster.detect(), loss_fn, params, batch, extras=False).head_scale == 1.0 and not seen
+
+
+def test_drift_between_rounds_does_not_reorder_the_splits():
+    """A round that runs slower throughout (drift) scales its row; the medians keep the splits' order
+    and ratios, where plain medians of these rounds would put the fastest split last."""
+    base = np.array([1.0, 0.9, 1.2])
+    times = np.stack([base * f for f in (1.0, 1.0, 1.5, 1.6, 1.7)])
+    times[0, 1] = times[1, 1] = 0.9 * 1.8                    # the fastest split's two fast rounds hit by noise
+    plain = np.median(times, axis=0)
+    assert np.argmin(plain) != 1
+    medians = head_timing.drift_free_medians(times)
+    assert np.argmin(medians) == 1
+    np.testing.assert_allclose(medians[[0, 2]] / medians[0], base[[0, 2]] / base[0], rtol=1e-9)

@@ -79,11 +79,18 @@ def _arguments(mesh, head: HeadShape, width: int, n: int) -> tuple:
                  for h, s in zip(host, specs))
 
 
+def drift_free_medians(times: np.ndarray) -> np.ndarray:
+    """Per column of [rounds, splits] seconds, its median after each round is divided by the round's
+    mean (so a round that ran slower throughout shifts no split), in seconds of the whole table's mean."""
+    return np.median(times / times.mean(axis=1, keepdims=True), axis=0) * times.mean()
+
+
 def time_head(devices: Sequence, head: HeadShape, speeds: Sequence[float], repeats: int,
               scales: Sequence[float] = SCALES) -> tuple[float, list[tuple[float, float]]]:
     """(the scale on the slowest devices' speed whose class split the head's program runs fastest,
     [(scale, median seconds)] timed): every scale's split compiled, then `repeats` rounds timing
-    each split once in turn (every process calls it, in the same order). The scale kept is the
+    each split once in turn, every other round in reverse (every process calls them in the same
+    order), and the medians taken free of drift (`drift_free_medians`). The scale kept is the
     vertex of the V fitted to the timings, or the fastest timed where no V fits."""
     devices, splits = tuple(devices), {}
     for s in scales:
@@ -103,8 +110,7 @@ def time_head(devices: Sequence, head: HeadShape, speeds: Sequence[float], repea
             t0 = time.perf_counter()
             jax.block_until_ready(run())
             times[r, j] = time.perf_counter() - t0
-    rounds = times / times.mean(axis=1, keepdims=True)         # drift between rounds divides out
-    seconds = np.median(rounds, axis=0) * times.mean()
+    seconds = drift_free_medians(times)
     if jax.process_count() > 1:                             # one decision for every process
         seconds = np.asarray(multihost_utils.process_allgather(seconds)).reshape(jax.process_count(), -1).mean(0)
     timed = [(float(s), float(t)) for s, t in zip(runs, seconds)]
