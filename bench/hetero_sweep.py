@@ -30,7 +30,11 @@ What it measures
     (interquartile range / 2 / median). The table gives each variant's rows (fast/slow) and its median
     over the fastest found (acceptance: whalex within 1.05, refined within 1.03). The least of nine
     noisy medians favours a lucky draw, so the sweep's two fastest splits and whalex's variants are
-    then timed again in fresh interleaved rounds (``confirmed_s``): the table compares those.
+    then timed again in fresh interleaved rounds (``confirmed_s``, ``--confirm-rounds``, each round's
+    order the last one's reversed): the table compares those, round by round. A variant's ratio to the
+    fastest found is the median over rounds of its block's median over the fastest's in the same round
+    (drift over the run falls on both), with a 90% bootstrap interval over the rounds beside it: a
+    ratio whose interval straddles a bar is not decided by the run.
 
 Run from the repo root on an otherwise idle machine with >= 2 cores: ``python bench/hetero_sweep.py``
 (every combination of ``--slow-by``, ``--slowdowns`` and ``--batches``; several minutes each).
@@ -62,6 +66,7 @@ def parse(argv=None):
     ap.add_argument("--micro", type=int, default=8, help="pipeline: micro-batches per step")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--block", type=int, default=4)
+    ap.add_argument("--confirm-rounds", type=int, default=10, help="rounds of the confirmation (each --block calls)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per setting (the hybrid at 4096: 17 min)")
     ap.add_argument("--out", default=None, help="the results file (default bench/results/hetero_sweep.json)")
     ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
@@ -140,7 +145,9 @@ def worker(args):
            "refinements": {n: refinement_record(s.plan) for n, s in steps.items() if n.startswith("refined")},
            "variants": [{"name": n, "rows": list(s.plan.batch_sizes), "split": splits[n],
                          "median_s": harness.median(timings.times(n)), "spread": spread(timings.times(n)),
-                         **({"confirmed_s": harness.median(confirmed.times(n))} if n in confirmed.wall else {})}
+                         **({"confirmed_s": harness.median(confirmed.times(n)),
+                             "confirmed_rounds": [harness.median(b) for b in confirmed.wall[n]]}
+                            if n in confirmed.wall else {})}
                         for n, s in steps.items()]}
     harness.write_worker_result(args.worker_out, out, pid)
 
@@ -155,8 +162,8 @@ def confirm(run, timings, names, args, log):
     sweep = [sweep[i] for i in np.argsort(medians, kind="stable")]
     again = sweep[:CONFIRM_SWEEP] + [n for n in names if not n.startswith("x")]
     log(f"confirming {again}")
-    return harness.interleaved({n: (lambda n=n: run(n)) for n in again}, args.rounds, block=args.block,
-                               warmup=1, order_by="fixed", sync=None)
+    return harness.interleaved({n: (lambda n=n: run(n)) for n in again}, args.confirm_rounds, block=args.block,
+                               warmup=1, order_by="alternate", sync=None)
 
 
 def refine(steps, states, name, batch, log):
@@ -185,8 +192,24 @@ def refinement_record(plan) -> dict | None:
     return {"kept": ref.kept, "points": [row(p) for p in ref.points], "confirmed": [row(p) for p in ref.confirmed]}
 
 
+def paired_ratio(rounds, fastest, draws: int = 2000) -> tuple[float, float, float]:
+    """(median, 5th and 95th percentile of its bootstrap) of the per-round ratios `rounds[i] /
+    fastest[i]`: two variants timed in the same interleaved rounds, compared round by round."""
+    ratios = np.asarray(rounds, np.float64) / np.asarray(fastest, np.float64)
+    picks = np.random.default_rng(0).integers(0, len(ratios), (draws, len(ratios)))
+    lo, hi = np.percentile(np.median(ratios[picks], axis=1), [5, 95])
+    return float(np.median(ratios)), float(lo), float(hi)
+
+
+def _versus(v, best, key) -> str:
+    if "confirmed_rounds" in v and "confirmed_rounds" in best:
+        mid, lo, hi = paired_ratio(v["confirmed_rounds"], best["confirmed_rounds"])
+        return f"{mid:.3f} [{lo:.3f}-{hi:.3f}]"
+    return f"{v[key] / best[key]:.3f}"
+
+
 def table(runs) -> list[str]:
-    head = ("emulation", "batch", "variant", "split (fast/slow)", "median", "spread", "/ fastest")
+    head = ("emulation", "batch", "variant", "split (fast/slow)", "median", "spread", "/ fastest [90%]")
     body = []
     for r in runs:
         what = f"{r['slow_by']} {'1/2' if r['hogs'] == 1 else '1/3' if r['hogs'] == 2 else r['hogs']}"
@@ -201,7 +224,7 @@ def table(runs) -> list[str]:
             name = v["name"] if v is not best else f"fastest found ({v['name']})"
             where = v.get("split") or "/".join(map(str, v["rows"]))
             body.append((what, str(r["batch"]), name, where, f"{1e3 * v[key]:.1f} ms",
-                         f"±{100 * v['spread']:.1f}%", f"{v[key] / best[key]:.3f}"))
+                         f"±{100 * v['spread']:.1f}%", _versus(v, best, key)))
     return _table(head, body)
 
 

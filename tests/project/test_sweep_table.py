@@ -7,13 +7,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _sweep_table():
+def _sweep():
     sys.path.insert(0, str(ROOT / "bench"))
     try:
         import hetero_sweep
     finally:
         sys.path.remove(str(ROOT / "bench"))
-    return hetero_sweep.table
+    return hetero_sweep
+
+
+def _sweep_table():
+    return _sweep().table
 
 
 def _run(confirmed: bool) -> dict:
@@ -38,3 +42,26 @@ def test_runs_without_a_confirmation_use_the_sweep_medians():
     rows = [r.split() for r in _sweep_table()([_run(False)])[2:]]
     ours = next(r for r in rows if r[3] == "whalex")
     assert "(x0.85)" in next(r for r in rows if r[3] == "fastest") and ours[-1] == f"{0.050 / 0.045:.3f}"
+
+
+def test_confirmed_rounds_compare_round_by_round_with_an_interval():
+    """Each round's block of whalex's plan over the fastest's in that round: a round slow for both
+    (drift) leaves the ratio, and the interval brackets the rounds' middle ratios."""
+    run = _run(True)
+    drift = [1.0, 1.0, 1.4, 1.4, 1.4, 1.0, 1.0]
+    ratio = [1.01, 1.02, 1.03, 1.02, 1.02, 1.04, 1.00]
+    for v in run["variants"]:
+        if v["name"] == "x0.925":
+            v["confirmed_rounds"] = [0.048 * d for d in drift]
+        elif v["name"] == "whalex (whole)":
+            v["confirmed_rounds"] = [0.048 * d * q for d, q in zip(drift, ratio)]
+    ours = next(r for r in _sweep_table()([run])[2:] if "whalex" in r)
+    mid, interval = ours.split()[-2:]
+    lo, hi = map(float, interval.strip("[]").split("-"))
+    assert mid == "1.020" and 1.0 <= lo <= 1.02 <= hi <= 1.04
+
+
+def test_a_paired_ratio_is_not_the_ratio_of_medians():
+    ours, fastest = [50, 60, 70, 80, 90], [60, 70, 80, 90, 45]     # faster in every round but the last
+    mid, lo, hi = _sweep().paired_ratio(ours, fastest)
+    assert abs(mid - 70 / 80) < 1e-12 and lo <= mid <= hi            # the medians' ratio is 70 / 70
