@@ -182,6 +182,21 @@ def median(xs) -> float:
     return float(statistics.median(xs))
 
 
+def paired_ratio(times, baseline, draws: int = 2000) -> tuple[float, float, float]:
+    """(median, and the 5th and 95th percentiles of its bootstrap over rounds) of the per-round ratios
+    `times[i] / baseline[i]`: two names timed in the same interleaved rounds, compared round by round,
+    so that drift over the run falls on both."""
+    ratios = np.asarray(times, np.float64) / np.asarray(baseline, np.float64)
+    picks = np.random.default_rng(0).integers(0, len(ratios), (draws, len(ratios)))
+    lo, hi = np.percentile(np.median(ratios[picks], axis=1), [5, 95])
+    return float(np.median(ratios)), float(lo), float(hi)
+
+
+def round_medians(times, block: int) -> list[float]:
+    """The median of each round's block of `block` calls, from `Timings.times` (rounds in order)."""
+    return [median(times[i:i + block]) for i in range(0, len(times) - block + 1, block)]
+
+
 def by_config(runs: list[dict], fields: tuple[str, ...]) -> list[tuple[tuple, list[dict]]]:
     """Repeated runs grouped by their values of `fields`, in the order the configurations first ran:
     (values, the runs of those values that did not fail)."""

@@ -207,7 +207,8 @@ def schedules_worker(args):
                                   args.rounds, block=args.block, warmup=2, order_by="fixed", sync=None,
                                   on_round=harness.progress(log, args.rounds))
     exchange = harness.median(timings.times("exchange")) / EXCHANGES
-    out = {"speeds": list(cluster.speeds), "baseline": names[0], "times": {n: timings.times(n) for n in names},
+    out = {"speeds": list(cluster.speeds), "baseline": names[0], "block": args.block,
+           "times": {n: timings.times(n) for n in names},
            "ticks_times": {n: timings.times(f"ticks {n}") for n in names}, "exchange_s": exchange,
            "lockstep": {n: lockstep(p) for n, p in plans.items()},
            "lockstep_with_exchange": {n: lockstep(p, exchange) for n, p in plans.items()}, "final_loss": losses,
@@ -245,12 +246,24 @@ def summarise_schedules(res: dict) -> dict:
     for n in med:
         measured, predicted = gain(med, n), gain(res["lockstep"], n)
         rows[n] = {"median_step_s": med[n], "gain_measured": measured, "gain_predicted": predicted,
+                   **paired_gain(res, n),
                    "gain_predicted_with_exchange": gain(res["lockstep_with_exchange"], n),
                    "gain_ticks": gain(ticks, n), "verdict": verdict(measured, predicted)}
         if "planner" in res:                            # runs before the planner priced its links have none
             rows[n] |= {"gain_planner": gain(res["planner"], n),
                         "verdict_planner": verdict(measured, gain(res["planner"], n))}
     return {**res, "schedules": rows}
+
+
+def paired_gain(res: dict, n: str) -> dict:
+    """Schedule `n`'s gain over the baseline round by round (each round's block median of the baseline
+    over this one's, less one): the median and a 90% bootstrap interval over the rounds. Runs recorded
+    before the block was kept have none."""
+    if "block" not in res:
+        return {}
+    rounds = {k: harness.round_medians(res["times"][k], res["block"]) for k in (n, res["baseline"])}
+    mid, lo, hi = harness.paired_ratio(rounds[res["baseline"]], rounds[n])
+    return {"gain_paired": mid - 1, "gain_interval": [lo - 1, hi - 1]}
 
 
 def worker(args):
@@ -309,6 +322,13 @@ def main(argv):
     return harness.two_process_main(argv, parse, worker, driver)
 
 
+def _interval(row: dict) -> str:
+    if "gain_paired" not in row:
+        return ""
+    lo, hi = row["gain_interval"]
+    return f"{100 * row['gain_paired']:+.1f}% [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+
+
 def schedules_driver(args, argv, cores, env, load_before):
     """--compare-schedules: each configuration's schedules, printed and written to the results file's
     variants.schedules."""
@@ -318,7 +338,7 @@ def schedules_driver(args, argv, cores, env, load_before):
     print(f"\n2 processes x 1 CPU device, one stage each; stock Flax MLP {args.depth} x Dense({args.width}); "
           f"the calibrated cut, {args.micro} micro-batches; medians; gains over {base}\n")
     head = (f"{'loops':>5} {'batch':>6} {'schedule':>14} {'ms':>8} {'util':>6} {'gain':>7} {'pred':>7} {'pred+x':>7} "
-            f"{'ticks':>7} {'whalex':>7}")
+            f"{'ticks':>7} {'whalex':>7} {'paired [90%]':>22}")
     print(head + "\n" + "-" * len(head))
     for r in runs:
         if "failed" in r:
@@ -329,12 +349,13 @@ def schedules_driver(args, argv, cores, env, load_before):
                   f"{r['utilisation'][n]:>6.3f} {100 * row['gain_measured']:>+6.1f}% "
                   f"{100 * row['gain_predicted']:>+6.1f}% {100 * row['gain_predicted_with_exchange']:>+6.1f}% "
                   f"{100 * row['gain_ticks']:>+6.1f}% {100 * row.get('gain_planner', float('nan')):>+6.1f}%  "
-                  f"{row['verdict']} {row.get('verdict_planner', '')}")
+                  f"{row['verdict']} {row.get('verdict_planner', '')} {_interval(row)}")
         print(f"{'':>5} {'':>6} {'exchange':>14} {1e3 * r['exchange_s']:>8.2f}  (one moving tick's swap, timed)")
     print(f"\ngain: median step of the baseline / this one - 1, measured and predicted (lockstep time; pred+x: "
           f"with the timed exchange at each tick whose messages move; ticks: the gain measured on the schedules' "
           f"ticks with stage compute only; whalex: the planner's own predicted step, its exchanges over the links "
           f"calibrate timed); PASS: measured at least {GAIN_SHARE:.0%} of predicted (first: pred; second: whalex); "
+          f"paired: the gain round by round, its median and 90% bootstrap interval over the rounds; "
           f"load before {load_before:.2f}")
     path = harness.write_result(
         "hetero_pipeline", {"config": {k: v for k, v in vars(args).items() if k not in ("worker_out", "batch", "out")},

@@ -192,18 +192,9 @@ def refinement_record(plan) -> dict | None:
     return {"kept": ref.kept, "points": [row(p) for p in ref.points], "confirmed": [row(p) for p in ref.confirmed]}
 
 
-def paired_ratio(rounds, fastest, draws: int = 2000) -> tuple[float, float, float]:
-    """(median, 5th and 95th percentile of its bootstrap) of the per-round ratios `rounds[i] /
-    fastest[i]`: two variants timed in the same interleaved rounds, compared round by round."""
-    ratios = np.asarray(rounds, np.float64) / np.asarray(fastest, np.float64)
-    picks = np.random.default_rng(0).integers(0, len(ratios), (draws, len(ratios)))
-    lo, hi = np.percentile(np.median(ratios[picks], axis=1), [5, 95])
-    return float(np.median(ratios)), float(lo), float(hi)
-
-
 def _versus(v, best, key) -> str:
     if "confirmed_rounds" in v and "confirmed_rounds" in best:
-        mid, lo, hi = paired_ratio(v["confirmed_rounds"], best["confirmed_rounds"])
+        mid, lo, hi = harness.paired_ratio(v["confirmed_rounds"], best["confirmed_rounds"])
         return f"{mid:.3f} [{lo:.3f}-{hi:.3f}]"
     return f"{v[key] / best[key]:.3f}"
 

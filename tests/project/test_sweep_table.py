@@ -1,23 +1,24 @@
-"""bench/hetero_sweep.py's table: whalex's plans are compared with the sweep's fastest split as timed
-again beside them (the confirmation), not with the least of the sweep's own medians, which favours a
-lucky draw; runs recorded before the confirmation keep the sweep's medians."""
+"""bench/hetero_sweep.py's table and bench/hetero_pipeline.py's paired gains: whalex's plans are
+compared with the sweep's fastest split as timed again beside them (the confirmation), not with the
+least of the sweep's own medians, which favours a lucky draw (runs recorded before the confirmation
+keep the sweep's medians), and round by round, with an interval over the rounds."""
+import importlib
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _sweep():
+def _bench(module: str):
     sys.path.insert(0, str(ROOT / "bench"))
     try:
-        import hetero_sweep
+        return importlib.import_module(module)
     finally:
         sys.path.remove(str(ROOT / "bench"))
-    return hetero_sweep
 
 
 def _sweep_table():
-    return _sweep().table
+    return _bench("hetero_sweep").table
 
 
 def _run(confirmed: bool) -> dict:
@@ -63,5 +64,18 @@ def test_confirmed_rounds_compare_round_by_round_with_an_interval():
 
 def test_a_paired_ratio_is_not_the_ratio_of_medians():
     ours, fastest = [50, 60, 70, 80, 90], [60, 70, 80, 90, 45]     # faster in every round but the last
-    mid, lo, hi = _sweep().paired_ratio(ours, fastest)
+    mid, lo, hi = _bench("harness").paired_ratio(ours, fastest)
     assert abs(mid - 70 / 80) < 1e-12 and lo <= mid <= hi            # the medians' ratio is 70 / 70
+
+
+def test_schedule_gains_pair_each_round_of_blocks():
+    """bench/hetero_pipeline.py's paired gain: each round's block median of the baseline over the
+    schedule's; a round slow for both leaves it, a run recorded without its block has none."""
+    base = [1.00, 1.02, 0.98, 1.5, 1.5, 1.5, 1.0, 1.0, 1.0]            # three rounds of three calls
+    zb = [0.91, 0.90, 0.93, 1.36, 1.37, 1.38, 0.91, 0.92, 0.90]
+    res = {"baseline": "1f1b", "block": 3, "times": {"1f1b": base, "zb-h1": zb}}
+    row = _bench("hetero_pipeline").paired_gain(res, "zb-h1")
+    expected = sorted([1.00 / 0.91, 1.5 / 1.37, 1.0 / 0.91])[1] - 1
+    assert abs(row["gain_paired"] - expected) < 1e-12
+    assert row["gain_interval"][0] <= row["gain_paired"] <= row["gain_interval"][1]
+    assert _bench("hetero_pipeline").paired_gain({k: v for k, v in res.items() if k != "block"}, "zb-h1") == {}
