@@ -91,7 +91,8 @@ def test_zero_bubble_picture_and_refusals():
 
 def test_what_b_saves_for_w():
     """A Dense layer's W needs its input and one cotangent: its bias add takes none of the input, and
-    the matmul before it shares the add's cotangent. A LayerNorm's scale saves its normalised input."""
+    the matmul before it shares the add's cotangent. A scale (elementwise, on a parameter smaller than
+    its cotangent) is differentiated in B: the row holds its gradient, not its input and cotangent."""
     def layer(p, x):
         h = jnp.tanh(x @ p["w"] + p["b"])
         return h * p["g"]
@@ -101,15 +102,23 @@ def test_what_b_saves_for_w():
     jp = closed.jaxpr
     split = weight_split(jp.eqns, jp.invars[:3], jp.constvars, jp.outvars)
     names = [jp.eqns[k].primitive.name for k in split.weight_eqns]
-    assert names == ["dot_general", "add", "mul"], names
+    assert names == ["dot_general", "add"], names
     x = jp.invars[3]
     tanh_out = [e for e in jp.eqns if e.primitive.name == "tanh"][0].outvars[0]
-    assert split.saved == (x, tanh_out)                       # the matmul's and the scale's inputs
+    assert split.saved == (x,)                                 # the matmul's input
     dot, add = (jp.eqns[k] for k in split.weight_eqns[:2])
-    assert split.tap_of[dot.outvars[0]] is add.outvars[0] and len(split.taps) == 2
+    assert split.tap_of[dot.outvars[0]] is add.outvars[0] and split.taps == (add.outvars[0],)
+    # the scale: B taps its output and keeps its input, and the row holds g's gradient (8 < 2 x 8)
+    assert [jp.eqns[k].primitive.name for k in split.eager.weight_eqns] == ["mul"]
+    assert split.eager.saved == (tanh_out,) and split.eager.taps == (jp.outvars[0],)
+    assert split.eager_params == (1,) and split.row_vars == (x, add.outvars[0], jp.invars[1])
+    assert split.keep == (x, tanh_out) and split.all_taps == (add.outvars[0], jp.outvars[0])
     # given the step's inputs, a batch leaf is read again by W rather than saved
     reread = weight_split(jp.eqns, jp.invars[:3], jp.constvars, jp.outvars, jp.invars[3:])
-    assert reread.saved == (tanh_out,) and reread.reread == (x,)
+    assert reread.saved == () and reread.reread == (x,) and reread.eager.saved == (tanh_out,)
+    # a scale as large as its cotangent stays W's
+    wide = jax.make_jaxpr(layer)({**p, "g": jnp.ones((2, 8))}, jnp.ones((2, 4))).jaxpr
+    assert weight_split(wide.eqns, wide.invars[:3], wide.constvars, wide.outvars).eager is None
 
 
 def test_zero_bubble_trains_like_one_device_with_sgd():
@@ -119,6 +128,7 @@ def test_zero_bubble_trains_like_one_device_with_sgd():
     plan = step.plan
     assert plan.schedule.name == "zb-h1" and plan.schedule.split_backward
     assert plan.program.row_format is not None and len(plan.program.weight_splits) == 4
+    assert all(s.eager is not None for s in plan.program.weight_splits)     # LayerNorms' gradients taken in B
     from whalex.view.format import fmt_bytes
     row = plan.report.stage_buffers().weight_row_bytes
     assert row == plan.program.row_format.nbytes > 0

@@ -166,6 +166,7 @@ class Stage:
     device: int = 0                 # the stage holding it (whose batch leaves it reads)
     split: WeightSplit | None = None    # a split backward (B, then W): what W needs
     weight: Callable | None = None      # `weight_fn`
+    eager: Callable | None = None       # `weight_fn` of the weight equations B differentiates itself
     row: tuple[Slot, ...] = ()          # its W stash row
     row_format: Message | None = None   # the W stash rows' format
 
@@ -195,7 +196,7 @@ class Stage:
             for k, v in zip(diff, dl):
                 full[k] = v
             outs = self.fn(p, full, ins, ovr, dict(zip(taps or (), added)))
-            main = outs[:len(outs) - len(self.split.saved)] if taps is not None else outs
+            main = outs[:len(outs) - len(self.split.keep)] if taps is not None else outs
             return ([main[k] for k in values] if self.last else main), outs[len(main):]
 
         def message_back(dl):
@@ -220,21 +221,29 @@ class Stage:
         return message_back(dl), self.rows.add_chunk_grads(self.device, self.slot, gacc, dp)
 
     def backward_input(self, overrides: Callable, cot, params, x, ct, inputs):
-        """B of a split backward: (message back, the W stash row: the saved activations and the tapped
-        cotangents), the forward recomputed from `x`."""
+        """B of a split backward: (message back, the W stash row: the saved activations, the tapped
+        cotangents and the eager equations' parameter gradients), the forward recomputed from `x`."""
         split = self.split
-        dl0, f, message_back = self._recompute(overrides, x, inputs, split.taps)
+        dl0, f, message_back = self._recompute(overrides, x, inputs, split.all_taps)
         p = self.rows.unpack_chunk(self.device, self.slot, params)
-        zeros = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in split.taps]
+        zeros = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in split.all_taps]
         outs, vjp, saved = jax.vjp(lambda dl, added: f(p, dl, added), dl0, zeros, has_aux=True)
         dl, dtaps = vjp(self._cotangents(cot, ct, outs))
-        row = list(saved) + list(dtaps)
+        ns, nt = len(split.saved), len(split.taps)
+        row = list(saved[:ns]) + list(dtaps[:nt])
+        if self.eager is not None:
+            dp = self.eager(p, list(saved[ns:]) + list(dtaps[nt:]), overrides(inputs[2]), self.stage_inputs(inputs))
+            row += [dp[i] for i in split.eager_params]
         return message_back(dl), self.row_format.pack(whole(row) if self.rows.three_d else row)
 
     def weight_gradient(self, overrides: Callable, gacc, params, row, inputs):
         """W of a split backward: `gacc` plus the weight gradient from a W stash row."""
         p = self.rows.unpack_chunk(self.device, self.slot, params)
-        dp = self.weight(p, unpack(row, self.row), overrides(inputs[2]), self.stage_inputs(inputs))
+        values = unpack(row, self.row)
+        dp = list(self.weight(p, values, overrides(inputs[2]), self.stage_inputs(inputs)))
+        first = len(self.split.saved) + len(self.split.taps)
+        for i, g in zip(self.split.eager_params, values[first:]):       # B's gradients of the eager equations
+            dp[i] = dp[i] + g.astype(dp[i].dtype)
         return self.rows.add_chunk_grads(self.device, self.slot, gacc, dp)
 
 
@@ -262,11 +271,15 @@ def make_stages(cap: Captured, cut: StageCut, constraints: Any, rows: ParamRows,
     stages = []
     for c in range(K):
         split = splits[c] if splits else None
-        fn, live_in, live_out = stage_fn(cap, cut, c, constraints, layer_cuts, split.saved if split else ())
-        extra = {} if split is None else dict(split=split, weight=weight_fn(cap, cut, c, split, constraints),
-                                              row=tuple(layout(split.row_vars)[0]), row_format=row_format)
+        fn, live_in, live_out = stage_fn(cap, cut, c, constraints, layer_cuts, split.keep if split else ())
+        weight = eager = None
+        if split is not None:
+            weight = weight_fn(cap, cut, c, split, constraints)
+            eager = None if split.eager is None else weight_fn(cap, cut, c, split.eager, constraints)
         stages.append(Stage(c, fn, tuple(layout(live_in)[0]), tuple(layout(live_out)[0]), c == K - 1,
-                            rows, outputs, batch, message, c // S, c % S, **extra))
+                            rows, outputs, batch, message, c // S, c % S, split=split, weight=weight, eager=eager,
+                            row=tuple(layout(split.row_vars)[0]) if split else (),
+                            row_format=row_format if split else None))
     return tuple(stages)
 
 

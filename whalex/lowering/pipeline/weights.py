@@ -15,6 +15,11 @@ so its activation operand is not saved (W evaluates it on zeros). A weight equat
 read only by a same-shape add (a matmul before its bias) takes the add's cotangent, which equals its
 own, so one tap serves both. A batch or extra leaf the step holds anyway (the first layer's input) is
 read again by W, not saved.
+
+And an elementwise weight equation on a parameter smaller than its cotangent (a LayerNorm's scale and
+bias, a position table added to the activations) runs in B itself: B keeps its gradient, parameter
+sized, in the row instead of the cotangent, which is as large as the activations (its work is
+elementwise, so B barely grows). It runs there only where no deferred equation shares its tap.
 """
 from __future__ import annotations
 
@@ -24,11 +29,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from whalex import _compat as C
 
 LINEAR_IN_EACH = frozenset({"add", "add_any", "sub", "concatenate"})   # a parameter operand's vjp reads no activation
 SAME_COTANGENT = frozenset({"add", "add_any"})                     # a same-shape operand's cotangent is the output's
+ELEMENTWISE = frozenset({"add", "add_any", "sub", "mul", "div"})   # a weight equation B may differentiate at once
 
 
 def _floating(v) -> bool:
@@ -46,11 +53,25 @@ class WeightSplit:
     tap_of: dict                         # floating output of a weight equation -> its tap
     saved: tuple[Any, ...]               # activations B saves
     reread: tuple[Any, ...] = ()         # the step's inputs (batch, extra leaves) W reads again
+    eager: WeightSplit | None = None     # the weight equations B differentiates itself, as a split of their own
+    eager_params: tuple[int, ...] = ()   # the parameters (positions in the chunk's) they reach, whose gradient B keeps
+    eager_grads: tuple[Any, ...] = ()    # those parameters' Vars (the row holds their gradients)
 
     @property
     def row_vars(self) -> tuple:
-        """The W stash row's values: the saved activations, then the tapped cotangents."""
-        return self.saved + self.taps
+        """The W stash row's values: the saved activations, the tapped cotangents, then the gradients B
+        computed of the eager equations' parameters."""
+        return self.saved + self.taps + self.eager_grads
+
+    @property
+    def keep(self) -> tuple:
+        """The activations B's forward hands back: W's, then the eager equations'."""
+        return self.saved + (self.eager.saved if self.eager else ())
+
+    @property
+    def all_taps(self) -> tuple:
+        """The values whose cotangent B taps: W's, then the eager equations' (never shared with W's)."""
+        return self.taps + (self.eager.taps if self.eager else ())
 
 
 def weight_split(eqns: Sequence, param_vars: Sequence, const_vars: Sequence, live_out: Sequence,
@@ -74,7 +95,49 @@ def weight_split(eqns: Sequence, param_vars: Sequence, const_vars: Sequence, liv
             fixed.append(k)
         elif any(x == "param" and _floating(v) for x, v in zip(kinds, e.invars)):
             weight.append(k)
-    return _taps_and_saved(eqns, weight, _needed(eqns, weight, fixed, of), of, live_out, set(input_vars))
+    tap_of = _tap_of(eqns, weight, live_out)
+    reach = _reach(eqns, fixed, param_vars)
+    eager = _eager(eqns, weight, tap_of, reach, param_vars)
+    deferred = [k for k in weight if k not in eager]
+
+    def part(ks):
+        return _taps_and_saved(eqns, ks, _needed(eqns, ks, fixed, of), of, tap_of, set(input_vars))
+
+    split = part(deferred)
+    if not eager:
+        return split
+    grads = sorted({i for k in eager for v in eqns[k].invars if v in reach for i in reach[v]})
+    return dataclasses.replace(split, eager=part(eager), eager_params=tuple(grads),
+                               eager_grads=tuple(param_vars[i] for i in grads))
+
+
+def _reach(eqns, fixed, param_vars) -> dict:
+    """{parameter-derived var: the positions of the floating parameters it is made from}."""
+    reach = {v: frozenset({i}) for i, v in enumerate(param_vars) if _floating(v)}
+    for k in fixed:
+        got = frozenset().union(*(reach[v] for v in eqns[k].invars if not isinstance(v, C.Literal) and v in reach))
+        if got:
+            reach.update((v, got) for v in eqns[k].outvars)
+    return reach
+
+
+def _size(v) -> int:
+    return int(np.prod(v.aval.shape, dtype=np.int64))
+
+
+def _eager(eqns, weight, tap_of, reach, param_vars) -> list[int]:
+    """The weight equations B differentiates at once: elementwise, reaching parameters smaller than their
+    tapped cotangents, and tapping nothing a deferred equation taps."""
+    taps = {k: {tap_of[v] for v in eqns[k].outvars if v in tap_of} for k in weight}
+
+    def small(k):
+        params = {i for v in eqns[k].invars if not isinstance(v, C.Literal) and v in reach for i in reach[v]}
+        return (eqns[k].primitive.name in ELEMENTWISE and bool(taps[k])
+                and sum(_size(param_vars[i]) for i in params) < sum(_size(t) for t in taps[k]))
+
+    candidates = [k for k in weight if small(k)]
+    shared = set().union(*(taps[k] for k in weight if k not in candidates))
+    return [k for k in candidates if not taps[k] & shared]
 
 
 def _needed(eqns, weight, fixed, of) -> list[int]:
@@ -88,7 +151,8 @@ def _needed(eqns, weight, fixed, of) -> list[int]:
     return sorted(keep)
 
 
-def _taps_and_saved(eqns, weight, param_eqns, of, live_out, inputs: set) -> WeightSplit:
+def _tap_of(eqns, weight, live_out) -> dict:
+    """{floating output of a weight equation: the value whose cotangent B taps for it}."""
     readers: dict = {}
     for e in eqns:
         for v in e.invars:
@@ -104,7 +168,11 @@ def _taps_and_saved(eqns, weight, param_eqns, of, live_out, inputs: set) -> Weig
             v = e.outvars[0]
         return v
 
-    tap_of = {v: tap(v) for k in weight for v in eqns[k].outvars if _floating(v) and not isinstance(v, C.DropVar)}
+    return {v: tap(v) for k in weight for v in eqns[k].outvars if _floating(v) and not isinstance(v, C.DropVar)}
+
+
+def _taps_and_saved(eqns, weight, param_eqns, of, taps_of: dict, inputs: set) -> WeightSplit:
+    tap_of = {v: taps_of[v] for k in weight for v in eqns[k].outvars if v in taps_of}
     read = dict.fromkeys(v for k in weight if eqns[k].primitive.name not in LINEAR_IN_EACH
                          for v in eqns[k].invars if not isinstance(v, C.Literal) and of(v) is None)
     return WeightSplit(tuple(weight), tuple(param_eqns), tuple(dict.fromkeys(tap_of.values())), tap_of,
@@ -119,7 +187,7 @@ def weight_grads(split: WeightSplit, eqns: Sequence, indices: Sequence[int], app
     `eqns[k]`."""
     saved = dict(zip(split.saved, row[:len(split.saved)]))
     saved.update(zip(split.reread, reread))
-    ct_of_tap = dict(zip(split.taps, row[len(split.saved):]))
+    ct_of_tap = dict(zip(split.taps, row[len(split.saved):len(split.saved) + len(split.taps)]))
     outs = list(split.tap_of)
 
     def weight_outputs(p):
