@@ -106,7 +106,8 @@ def weight_split(eqns: Sequence, param_vars: Sequence, const_vars: Sequence, liv
     split = part(deferred)
     if not eager:
         return split
-    grads = sorted({i for k in eager for v in eqns[k].invars if v in reach for i in reach[v]})
+    grads = sorted({i for k in eager for v in eqns[k].invars
+                    if not isinstance(v, C.Literal) and v in reach for i in reach[v]})
     return dataclasses.replace(split, eager=part(eager), eager_params=tuple(grads),
                                eager_grads=tuple(param_vars[i] for i in grads))
 
