@@ -229,10 +229,9 @@ class Stage:
         zeros = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in split.all_taps]
         outs, vjp, saved = jax.vjp(lambda dl, added: f(p, dl, added), dl0, zeros, has_aux=True)
         dl, dtaps = vjp(self._cotangents(cot, ct, outs))
-        ns, nt = len(split.saved), len(split.taps)
-        row = list(saved[:ns]) + list(dtaps[:nt])
+        row, eager_row = split.sort_b(saved, dtaps)
         if self.eager is not None:
-            dp = self.eager(p, list(saved[ns:]) + list(dtaps[nt:]), overrides(inputs[2]), self.stage_inputs(inputs))
+            dp = self.eager(p, eager_row, overrides(inputs[2]), self.stage_inputs(inputs))
             row += [dp[i] for i in split.eager_params]
         return message_back(dl), self.row_format.pack(whole(row) if self.rows.three_d else row)
 
@@ -241,8 +240,7 @@ class Stage:
         p = self.rows.unpack_chunk(self.device, self.slot, params)
         values = unpack(row, self.row)
         dp = list(self.weight(p, values, overrides(inputs[2]), self.stage_inputs(inputs)))
-        first = len(self.split.saved) + len(self.split.taps)
-        for i, g in zip(self.split.eager_params, values[first:]):       # B's gradients of the eager equations
+        for i, g in zip(self.split.eager_params, self.split.row_parts(values)[2]):     # B's, of the eager equations
             dp[i] = dp[i] + g.astype(dp[i].dtype)
         return self.rows.add_chunk_grads(self.device, self.slot, gacc, dp)
 

@@ -73,6 +73,16 @@ class WeightSplit:
         """The values whose cotangent B taps: W's, then the eager equations' (never shared with W's)."""
         return self.taps + (self.eager.taps if self.eager else ())
 
+    def sort_b(self, kept: Sequence, tapped: Sequence) -> tuple[list, list]:
+        """B's values of `keep` and `all_taps` as (W's part of the row, the eager split's row)."""
+        ns, nt = len(self.saved), len(self.taps)
+        return list(kept[:ns]) + list(tapped[:nt]), list(kept[ns:]) + list(tapped[nt:])
+
+    def row_parts(self, row: Sequence) -> tuple[Sequence, Sequence, Sequence]:
+        """A row's values (in `row_vars` order) as (saved activations, tapped cotangents, eager gradients)."""
+        ns, nt = len(self.saved), len(self.taps)
+        return row[:ns], row[ns:ns + nt], row[ns + nt:]
+
 
 def weight_split(eqns: Sequence, param_vars: Sequence, const_vars: Sequence, live_out: Sequence,
                  input_vars: Sequence = ()) -> WeightSplit:
@@ -106,8 +116,7 @@ def weight_split(eqns: Sequence, param_vars: Sequence, const_vars: Sequence, liv
     split = part(deferred)
     if not eager:
         return split
-    grads = sorted({i for k in eager for v in eqns[k].invars
-                    if not isinstance(v, C.Literal) and v in reach for i in reach[v]})
+    grads = sorted(set().union(*(_params_of(eqns[k], reach) for k in eager)))
     return dataclasses.replace(split, eager=part(eager), eager_params=tuple(grads),
                                eager_grads=tuple(param_vars[i] for i in grads))
 
@@ -122,6 +131,11 @@ def _reach(eqns, fixed, param_vars) -> dict:
     return reach
 
 
+def _params_of(eqn, reach) -> set:
+    """The positions of the floating parameters an equation's operands are made from."""
+    return {i for v in eqn.invars if not isinstance(v, C.Literal) and v in reach for i in reach[v]}
+
+
 def _size(v) -> int:
     return int(np.prod(v.aval.shape, dtype=np.int64))
 
@@ -132,9 +146,8 @@ def _eager(eqns, weight, tap_of, reach, param_vars) -> list[int]:
     taps = {k: {tap_of[v] for v in eqns[k].outvars if v in tap_of} for k in weight}
 
     def small(k):
-        params = {i for v in eqns[k].invars if not isinstance(v, C.Literal) and v in reach for i in reach[v]}
         return (eqns[k].primitive.name in ELEMENTWISE and bool(taps[k])
-                and sum(_size(param_vars[i]) for i in params) < sum(_size(t) for t in taps[k]))
+                and sum(_size(param_vars[i]) for i in _params_of(eqns[k], reach)) < sum(_size(t) for t in taps[k]))
 
     candidates = [k for k in weight if small(k)]
     shared = set().union(*(taps[k] for k in weight if k not in candidates))
@@ -186,9 +199,10 @@ def weight_grads(split: WeightSplit, eqns: Sequence, indices: Sequence[int], app
     `split.row_vars`) and the values of `split.reread`. `apply(eqn, index, invals)` evaluates one
     equation of the chunk (with the plan's overrides and constraints); `indices[k]`: the jaxpr index of
     `eqns[k]`."""
-    saved = dict(zip(split.saved, row[:len(split.saved)]))
+    kept, tapped, _ = split.row_parts(row)
+    saved = dict(zip(split.saved, kept))
     saved.update(zip(split.reread, reread))
-    ct_of_tap = dict(zip(split.taps, row[len(split.saved):len(split.saved) + len(split.taps)]))
+    ct_of_tap = dict(zip(split.taps, tapped))
     outs = list(split.tap_of)
 
     def weight_outputs(p):
