@@ -25,7 +25,7 @@ from whalex.jaxpr.interpret import apply_eqn, call_prefixes
 from whalex.jaxpr.segments import run_edges
 from whalex.lowering.pipeline.cut import StageCut
 from whalex.lowering.pipeline.outputs import PartOutputs
-from whalex.lowering.pipeline.packing import Message, Slot, layout, pack_values, unpack
+from whalex.lowering.pipeline.packing import Message, Slot, from_entries, layout, pack_values, to_entries, unpack
 from whalex.lowering.pipeline.rows import ParamRows
 from whalex.lowering.pipeline.weights import WeightSplit, weight_grads, weight_split
 from whalex.lowering.stage_batch import StageBatchLayout
@@ -167,8 +167,7 @@ class Stage:
     split: WeightSplit | None = None    # a split backward (B, then W): what W needs
     weight: Callable | None = None      # `weight_fn`
     eager: Callable | None = None       # `weight_fn` of the weight equations B differentiates itself
-    row: tuple[Slot, ...] = ()          # its W stash row
-    row_format: Message | None = None   # the W stash rows' format
+    row: tuple[Slot, ...] = ()          # its W stash row's slots
 
     def stage_inputs(self, inputs) -> list:
         """This stage's batch leaves (None: not held), then the extra leaves."""
@@ -220,9 +219,10 @@ class Stage:
         dp, dl = vjp(self._cotangents(cot, ct, outs))
         return message_back(dl), self.rows.add_chunk_grads(self.device, self.slot, gacc, dp)
 
-    def backward_input(self, overrides: Callable, cot, params, x, ct, inputs):
-        """B of a split backward: (message back, the W stash row: the saved activations, the tapped
-        cotangents and the eager equations' parameter gradients), the forward recomputed from `x`."""
+    def backward_input(self, overrides: Callable, cot, rows, wslot, params, x, ct, inputs):
+        """B of a split backward: (message back, the W stash `rows` with this micro-batch's row written
+        into slot `wslot`: the saved activations, the tapped cotangents and the eager equations'
+        parameter gradients), the forward recomputed from `x`."""
         split = self.split
         dl0, f, message_back = self._recompute(overrides, x, inputs, split.all_taps)
         p = self.rows.unpack_chunk(self.device, self.slot, params)
@@ -233,16 +233,32 @@ class Stage:
         if self.eager is not None:
             dp = self.eager(p, eager_row, overrides(inputs[2]), self.stage_inputs(inputs))
             row += [dp[i] for i in split.eager_params]
-        return message_back(dl), self.row_format.pack(whole(row) if self.rows.three_d else row)
+        return message_back(dl), write_row(rows, wslot, self.row, whole(row) if self.rows.three_d else row)
 
-    def weight_gradient(self, overrides: Callable, gacc, params, row, inputs):
-        """W of a split backward: `gacc` plus the weight gradient from a W stash row."""
+    def weight_gradient(self, overrides: Callable, gacc, params, rows, wslot, inputs):
+        """W of a split backward: `gacc` plus the weight gradient from slot `wslot` of the W stash."""
         p = self.rows.unpack_chunk(self.device, self.slot, params)
-        values = unpack(row, self.row)
+        values = read_row(rows, wslot, self.row)
         dp = list(self.weight(p, values, overrides(inputs[2]), self.stage_inputs(inputs)))
         for i, g in zip(self.split.eager_params, self.split.row_parts(values)[2]):     # B's, of the eager equations
             dp[i] = dp[i] + g.astype(dp[i].dtype)
         return self.rows.add_chunk_grads(self.device, self.slot, gacc, dp)
+
+
+def write_row(rows, wslot, slots: Sequence[Slot], values):
+    """The W stash `rows` with `values` written at their `slots` of row `wslot`, each in place: a chunk
+    writes only its own entries (a row packed to the stash's width, as wide as the widest chunk's, was
+    a second copy of it, padding included, on every B)."""
+    for sl, v in zip(slots, values):
+        entries = to_entries(jnp.asarray(v), rows.dtype).reshape(1, sl.size)
+        rows = jax.lax.dynamic_update_slice(rows, entries, (wslot, sl.offset))
+    return rows
+
+
+def read_row(rows, wslot, slots: Sequence[Slot]) -> list:
+    """The values at `slots` of row `wslot` of the W stash, each sliced on its own (no copy of the row)."""
+    return [from_entries(jax.lax.dynamic_slice(rows, (wslot, sl.offset), (1, sl.size)).reshape(sl.shape), sl.dtype)
+            for sl in slots]
 
 
 def idle(message: Message, outputs: PartOutputs, params, x, inputs):
@@ -259,8 +275,7 @@ def chunk_split(cap: Captured, cut: StageCut, c: int) -> WeightSplit:
 
 def make_stages(cap: Captured, cut: StageCut, constraints: Any, rows: ParamRows, outputs: PartOutputs,
                 batch: StageBatchLayout, message: Message, num_stages: int | None = None,
-                layer_cuts: Sequence[int] = (), splits: Sequence[WeightSplit] = (),
-                row_format: Message | None = None) -> tuple[Stage, ...]:
+                layer_cuts: Sequence[int] = (), splits: Sequence[WeightSplit] = ()) -> tuple[Stage, ...]:
     """Every chunk of `cut` as a `Stage`: on `num_stages` stages (default: one chunk each), chunk c on
     stage c % S as its chunk c // S; `layer_cuts`: see `stage_fn`; `splits` (one per chunk, for a split
     backward) and `row_format`: what its W needs, and the W stash rows' format."""
@@ -276,8 +291,7 @@ def make_stages(cap: Captured, cut: StageCut, constraints: Any, rows: ParamRows,
             eager = None if split.eager is None else weight_fn(cap, cut, c, split.eager, constraints)
         stages.append(Stage(c, fn, tuple(layout(live_in)[0]), tuple(layout(live_out)[0]), c == K - 1,
                             rows, outputs, batch, message, c // S, c % S, split=split, weight=weight, eager=eager,
-                            row=tuple(layout(split.row_vars)[0]) if split else (),
-                            row_format=row_format if split else None))
+                            row=tuple(layout(split.row_vars)[0]) if split else ()))
     return tuple(stages)
 
 

@@ -277,7 +277,7 @@ class PipelineProgram(Emitter):
         loop = TickLoop(S, M, self.schedule.stash[0], self.schedule.grad_stash[0], self.message,
                         self.part_outputs, tables, self.virtual_stages, self.schedule.weight_stash[0], self.row_format)
         stages = make_stages(self.captured, self.cut, self.constraints, self.param_rows, self.part_outputs,
-                             self.batch_layout, self.message, S, self.layer_cuts, self.weight_splits, self.row_format)
+                             self.batch_layout, self.message, S, self.layer_cuts, self.weight_splits)
         n = self.captured.num_params
         return PipelineBody(loop, stages, self.param_rows, self.parts, n,
                             tuple(v.aval for v in self.captured.jaxpr.jaxpr.invars[:n]),

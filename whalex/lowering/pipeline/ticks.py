@@ -150,22 +150,26 @@ class TickLoop:
         return *jax.lax.cond(task.kind == 2, backward, forward, state.grads), state.weight_stash
 
     def split_tick(self, state: LoopState, task: Task, inputs, device: Device, work: Branches):
-        """`run_one_tick` with the backward split: the forward (or idle), B and W each their own two-way
-        conditional, side by side, holding only what it writes (the forward nothing, B the W stash,
-        into whose slot it writes its row, W the accumulator): a buffer threaded through a conditional
-        nested in another was copied by XLA on every tick."""
+        """`run_one_tick` with the backward split: the forward (or idle), each chunk's B and the W each
+        their own two-way conditional, side by side, holding only what it writes (the forward nothing,
+        a B the message back and the W stash, into whose slot it writes its row in place, W the
+        accumulator): a buffer threaded through a conditional nested in another was copied by XLA on
+        every tick, and a B's row returned through the chunks' switch was padded to the widest
+        chunk's and copied into the stash."""
         kind, c, wslot = task.kind, task.chunk, task.wslot
         params, x, ct = self.operands(state, task, device)
         y, outs, routs = self.forward_or_idle(task, params, x, inputs, work)
 
-        def input_gradient(rows):
-            dx, row = tree_switch(c, work.backward, params, x, ct, inputs)
-            return dx, jax.lax.dynamic_update_index_in_dim(rows, row, wslot, 0)
+        def input_gradient(b):
+            return lambda dx, rows: b(rows, wslot, params, x, ct, inputs)
 
         def weight_gradient(g, rows):
-            return tree_switch(c, work.weight, g, params, jax.lax.dynamic_index_in_dim(rows, wslot, 0, False), inputs)
+            return tree_switch(c, work.weight, g, params, rows, wslot, inputs)
 
-        dx, wstash = jax.lax.cond(kind == 2, input_gradient, lambda rows: (work.zero_message, rows), state.weight_stash)
+        dx, wstash = work.zero_message, state.weight_stash
+        for k, b in enumerate(work.backward):
+            dx, wstash = jax.lax.cond((kind == 2) & (c == k), input_gradient(b), lambda dx, rows: (dx, rows),
+                                      dx, wstash)
         gacc = jax.lax.cond(kind == 3, weight_gradient, lambda g, rows: g, state.grads, wstash)
         return y, dx, gacc, outs, routs, wstash
 
