@@ -23,6 +23,8 @@ class BufferGraph:
     pinned: list             # per buffer: holds an output of the jaxpr (live to the end)
     entry: list              # per equation: buffers it reads only at its start (sliced into a shard_map)
     external: list           # per buffer: the caller's (counted there), reusable here once read
+    into_caller: list = dataclasses.field(default_factory=list)   # per equation: an output written into a
+    # dying caller's buffer stays the caller's (a conditional updating a loop's carry in place)
 
 def sweep(g: BufferGraph, order) -> float:
     """The most bytes live at once when the equations run in `order`. An element-wise equation
@@ -30,6 +32,7 @@ def sweep(g: BufferGraph, order) -> float:
     shares it); a buffer nobody reads is freed as soon as it is made."""
     left = [len(r) for r in g.readers]
     freed = [False] * len(g.size)
+    external = list(g.external)
     live = peak = 0.0
     for i in order:
         dying = []
@@ -38,18 +41,31 @@ def sweep(g: BufferGraph, order) -> float:
             if not freed[b] and not g.pinned[b] and (g.first_only[b] or left[b] == 0):
                 freed[b] = True
                 dying.append(b)
-        shared = 0.0
-        if g.inplace[i]:
-            sizes = [g.size[b] for b in dying]
-            for b in g.made[i]:
-                if g.size[b] in sizes:
-                    sizes.remove(g.size[b])
-                    shared += g.size[b]
-        early = sum(g.size[b] for b in dying if b in g.entry[i] and not g.external[b])
+        shared, held = _shared(g, i, dying, external if g.into_caller and g.into_caller[i] else None) \
+            if g.inplace[i] else (0.0, 0.0)
+        early = sum(g.size[b] for b in dying if b in g.entry[i] and not external[b])
         peak = max(peak, live - early + max(g.inner[i], g.alloc[i] - shared))
-        live += g.alloc[i] - sum(g.size[b] for b in dying if not g.external[b])
-        live -= sum(g.size[b] for b in g.made[i] if not g.readers[b] and not g.pinned[b])
+        live += g.alloc[i] - held - sum(g.size[b] for b in dying if not external[b])
+        live -= sum(g.size[b] for b in g.made[i] if not g.readers[b] and not g.pinned[b] and not external[b])
     return peak
+
+
+def _shared(g: BufferGraph, i: int, dying: list, external: list | None) -> tuple[float, float]:
+    """(bytes of equation i's outputs written into its dying operands' buffers, those of them written
+    into the caller's buffers). With `external` (the buffers that are the caller's, updated here), an
+    output in a caller's buffer is the caller's too: counted there, not here, and not freed here."""
+    free = sorted(dying, key=lambda b: not (external and external[b]))    # the caller's first, as XLA aliases a carry
+    shared = held = 0.0
+    for b in g.made[i]:
+        d = next((d for d in free if g.size[d] == g.size[b]), None)
+        if d is None:
+            continue
+        free.remove(d)
+        shared += g.size[b]
+        if external is not None and external[d]:
+            external[b] = True
+            held += g.size[b]
+    return shared, held
 
 
 def list_schedule(g: BufferGraph) -> list:

@@ -12,7 +12,9 @@ allocates buffers in:
   only by fusible ops gets no buffer: its inputs stay live until its users run instead. This is why
   the backward pass holds fewer bytes than the residuals JAX saves for it. Reshapes and transposed
   dot results are views; dead values are dropped; calls are inlined.
-- reuse: an element-wise op, a scatter or a loop writes its result into an operand that dies there;
+- reuse: an element-wise op, a scatter, a loop or (where XLA updates a conditional's operands in
+  place) a conditional writes its result into an operand that dies there, the caller's buffer
+  included (a loop body's chain of conditionals each updating the carried W stash holds one stash);
   the new state goes into the donated state's buffers; values on a host memory kind take no device
   memory; loops and conditionals add their body's own peak on top of what is live around them.
 - schedule: XLA orders the program to keep memory low; the replay takes the lower peak of program
@@ -417,9 +419,13 @@ def _graph(lv: _Level, virtual: set, kept: set, inner: list, early: list, own: s
                 if v.partial:
                     add(x, v.partial, i, first=True)
     deps = [sorted({producer[u] for u in rs if u in producer}) for rs in lv.reads]
-    inplace = [op.eqn.primitive.name in CHEAP | EXPENSIVE | UPDATES | {"scan", "while"} for op in ops]
+    conds = [C.CONDITIONAL_UPDATES_IN_PLACE and op.eqn.primitive.name == "cond" for op in ops]
+    inplace = [op.eqn.primitive.name in CHEAP | EXPENSIVE | UPDATES | {"scan", "while"} or c
+               for op, c in zip(ops, conds)]
+    into_caller = [c or op.eqn.primitive.name in UPDATES for op, c in zip(ops, conds)]
     entry = [{buffer_of[x] for x in e if x in buffer_of} for e in early]
-    return BufferGraph(alloc, inner, reads, made, inplace, deps, size, readers, first_only, pinned, entry, external)
+    return BufferGraph(alloc, inner, reads, made, inplace, deps, size, readers, first_only, pinned, entry, external,
+                       into_caller)
 
 
 def traced_peak(step: TracedStep) -> Peak:
