@@ -32,7 +32,7 @@ def _loop(chunks: int):
     row into the stash in place (as a zero-bubble tick's B's do), then reads it."""
     def body(stash, i):
         for k in range(chunks):
-            stash = jax.lax.cond(i % chunks == k, lambda s: s.at[i % 2].set(jnp.full((N,), 1.0 * k)),
+            stash = jax.lax.cond(i % chunks == k, lambda s, k=k: s.at[i % 2].set(jnp.full((N,), 1.0 * k)),
                                  lambda s: s, stash)
         return stash, stash[i % 2, 0]
 

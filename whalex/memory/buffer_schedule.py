@@ -23,8 +23,7 @@ class BufferGraph:
     pinned: list             # per buffer: holds an output of the jaxpr (live to the end)
     entry: list              # per equation: buffers it reads only at its start (sliced into a shard_map)
     external: list           # per buffer: the caller's (counted there), reusable here once read
-    into_caller: list = dataclasses.field(default_factory=list)   # per equation: an output written into a
-    # dying caller's buffer stays the caller's (a conditional updating a loop's carry in place)
+    into_caller: list        # per equation: an output it writes into a dying caller's buffer stays the caller's
 
 def sweep(g: BufferGraph, order) -> float:
     """The most bytes live at once when the equations run in `order`. An element-wise equation
@@ -41,8 +40,7 @@ def sweep(g: BufferGraph, order) -> float:
             if not freed[b] and not g.pinned[b] and (g.first_only[b] or left[b] == 0):
                 freed[b] = True
                 dying.append(b)
-        shared, held = _shared(g, i, dying, external if g.into_caller and g.into_caller[i] else None) \
-            if g.inplace[i] else (0.0, 0.0)
+        shared, held = _shared(g, i, dying, external if g.into_caller[i] else None) if g.inplace[i] else (0.0, 0.0)
         early = sum(g.size[b] for b in dying if b in g.entry[i] and not external[b])
         peak = max(peak, live - early + max(g.inner[i], g.alloc[i] - shared))
         live += g.alloc[i] - held - sum(g.size[b] for b in dying if not external[b])
