@@ -278,7 +278,7 @@ def make_stages(cap: Captured, cut: StageCut, constraints: Any, rows: ParamRows,
                 layer_cuts: Sequence[int] = (), splits: Sequence[WeightSplit] = ()) -> tuple[Stage, ...]:
     """Every chunk of `cut` as a `Stage`: on `num_stages` stages (default: one chunk each), chunk c on
     stage c % S as its chunk c // S; `layer_cuts`: see `stage_fn`; `splits` (one per chunk, for a split
-    backward) and `row_format`: what its W needs, and the W stash rows' format."""
+    backward): what its W needs, each chunk's values at their own slots of a W stash row."""
     K = cut.num_stages
     S = num_stages or K
     stages = []
