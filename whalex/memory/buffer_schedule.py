@@ -28,7 +28,8 @@ class BufferGraph:
 def sweep(g: BufferGraph, order) -> float:
     """The most bytes live at once when the equations run in `order`. An element-wise equation
     or a loop writes its output into an operand's buffer when that operand dies there (XLA
-    shares it); a buffer nobody reads is freed as soon as it is made."""
+    shares it); where the equation is `into_caller` and that buffer is the caller's, the output
+    stays the caller's (`_shared`); a buffer nobody reads is freed as soon as it is made."""
     left = [len(r) for r in g.readers]
     freed = [False] * len(g.size)
     external = list(g.external)
