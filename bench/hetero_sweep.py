@@ -108,7 +108,7 @@ def worker(args):
 
     import whalex as wh
     from whalex.balance.calibrate import calibrate
-    from whalex.balance.refine import CONFIRM_ROUNDS, scaled_speeds
+    from whalex.balance.refine import CONFIRM_BLOCK, CONFIRM_ROUNDS, scaled_speeds
 
     pid, log = harness.worker_start("the driver")
     loss_fn, params, batch, config = make(args)
@@ -141,7 +141,7 @@ def worker(args):
     out = {"model": args.model, "speeds": {c: list(cl.speeds) for c, cl in clusters.items()},
            "overheads": {c: list(cl.overhead or ()) for c, cl in clusters.items()},
            "calibrated_rows": {c: cl.calibrated_rows for c, cl in clusters.items()},
-           "refine_steps": refine_steps, "confirm_rounds": CONFIRM_ROUNDS,
+           "refine_steps": refine_steps, "confirm_rounds": CONFIRM_ROUNDS, "confirm_block": CONFIRM_BLOCK,
            "refinements": {n: refinement_record(s.plan) for n, s in steps.items() if n.startswith("refined")},
            "variants": [{"name": n, "rows": list(s.plan.batch_sizes), "split": splits[n],
                          "median_s": harness.median(timings.times(n)), "spread": spread(timings.times(n)),
@@ -189,7 +189,8 @@ def refinement_record(plan) -> dict | None:
     if ref is None:
         return None
     row = lambda p: [p.scale, list(p.rows), p.seconds]          # noqa: E731
-    return {"kept": ref.kept, "points": [row(p) for p in ref.points], "confirmed": [row(p) for p in ref.confirmed]}
+    return {"kept": ref.kept, "points": [row(p) for p in ref.points], "confirmed": [row(p) for p in ref.confirmed],
+            "paired": ref.paired}
 
 
 def _versus(v, best, key) -> str:

@@ -4,8 +4,9 @@ pipeline's stage cut (whatever the cluster's speeds decide).
 
 The search is `whalex.balance.refine.bracket_search` over the slow devices' speed scale; each split is
 a whole plan (`build_plan` on the cluster with that speed), run for `WARMUP_STEPS` untimed steps (its
-compile) and `STEPS_PER_POINT` timed ones, then the confirmation (`CONFIRM_ROUNDS` alternating steps of
-the prediction and its rival, the vertex of a V fitted to every split timed;
+compile; `FIRST_WARMUP` for the first split, the Step's own first calls) and `STEPS_PER_POINT` timed
+ones, then the confirmation (`CONFIRM_ROUNDS` rounds of a block of `CONFIRM_BLOCK` steps of the
+prediction and of its rival, the vertex of a V fitted to every split timed;
 `whalex.balance.refine.confirmed` keeps one). Every step
 trains: only where the rows run changes, so training equals one device's throughout. In a
 multi-process run each split's time is the slowest process's, so every process settles on the same
@@ -23,18 +24,22 @@ from jax.experimental import multihost_utils
 
 from whalex.balance.refine import (
     CONFIRM_ROUNDS,
+    FIRST_WARMUP,
     HI,
     LO,
     POINTS,
     STEPS_PER_POINT,
     WARMUP_STEPS,
+    ConfirmStep,
     Refinement,
     SplitTiming,
     bracket_search,
     confirmation_order,
     confirmed,
     median_spread,
+    paired_ratio,
     rival,
+    rounds_of,
     scaled_speeds,
 )
 from whalex.errors import PlanError
@@ -75,9 +80,8 @@ class Refiner:
         self.times: list[float] = []
         self.points: list[SplitTiming] = []
         self.steps = self.at_point = 0
-        self.queue: list[float] = []           # the confirmation's scales still to time, in order
-        self.warmup = 0                        # of which untimed warm-up steps first
-        self.confirming: dict[float, list[float]] = {}
+        self.queue: list[ConfirmStep] = []     # the confirmation's steps still to run, in order
+        self.confirming: list[tuple[ConfirmStep, float]] = []
         self.result: Plan | None = None
         self.slow = scaled_speeds(base.cluster.speeds, 1.0)[1]
 
@@ -112,7 +116,7 @@ class Refiner:
             self._confirm(seconds)
             return state, metrics
         self.at_point += 1
-        if self.at_point > WARMUP_STEPS:            # the first steps at a split compile it and warm it up
+        if self.at_point > (WARMUP_STEPS if self.points else FIRST_WARMUP):   # compile, warm-up: untimed
             self.times.append(seconds)
         if len(self.times) == STEPS_PER_POINT:
             self._next(p)
@@ -131,30 +135,29 @@ class Refiner:
             if other is None or CONFIRM_ROUNDS == 0:
                 self._finish(1.0 if CONFIRM_ROUNDS else stop.value, ())
             else:
-                self.warmup = 0 if any(p.scale == other for p in self.points) else WARMUP_STEPS
-                self.queue = list(confirmation_order(other, CONFIRM_ROUNDS, self.warmup))
-                self.confirming = {1.0: [], other: []}
-                self.scale = self.queue[0]
+                warmup = 0 if any(p.scale == other for p in self.points) else WARMUP_STEPS
+                self.queue = list(confirmation_order(other, CONFIRM_ROUNDS, warmup))
+                self.scale = self.queue[0].scale
 
     def _confirm(self, seconds: float) -> None:
-        """One step of the confirmation (a warm-up of a rival the search did not time, or one of the
-        alternating steps); after the last, keep the faster of the two."""
-        scale = self.queue.pop(0)
-        if self.warmup:
-            self.warmup -= 1
-        else:
-            self.confirming[scale].append(seconds)
+        """One step of the confirmation (untimed: a warm-up of a rival the search did not time, a block's
+        first step; or timed for its round); after the last, keep the rival if it wins the paired rounds."""
+        step = self.queue.pop(0)
+        if step.round is not None:
+            self.confirming.append((step, seconds))
         if self.queue:
-            self.scale = self.queue[0]
+            self.scale = self.queue[0].scale
             return
-        other = next(s for s in self.confirming if s != 1.0)
-        times = {s: slowest(t) for s, t in self.confirming.items()}
+        seconds_all = slowest([t for _, t in self.confirming])      # alike on every process: one decision
+        rounds = rounds_of([(c, t) for (c, _), t in zip(self.confirming, seconds_all)])
+        other = next(c.scale for c, _ in self.confirming if c.scale != 1.0)
+        pooled = {s: [t for (c, _), t in zip(self.confirming, seconds_all) if c.scale == s] for s in (1.0, other)}
         timings = tuple(SplitTiming(s, tuple(self.plan_at(s).batch_sizes), *median_spread(t), len(t),
-                                    placement(self.plan_at(s))[1]) for s, t in times.items())
-        self._finish(confirmed(other, times[1.0], times[other]), timings)
+                                    placement(self.plan_at(s))[1]) for s, t in pooled.items())
+        self._finish(confirmed(other, rounds), timings, paired_ratio(other, rounds))
 
-    def _finish(self, kept: float, confirmations: tuple[SplitTiming, ...]) -> None:
-        record = Refinement(tuple(self.points), self.slow, self.steps, kept, confirmations)
+    def _finish(self, kept: float, confirmations: tuple[SplitTiming, ...], paired: float = 1.0) -> None:
+        record = Refinement(tuple(self.points), self.slow, self.steps, kept, confirmations, paired)
         self.result = dataclasses.replace(self.plan_at(kept), refinement=record)
         self.scale = kept
 

@@ -5,17 +5,22 @@ import pytest
 
 from whalex.balance.algorithm import proportional
 from whalex.balance.refine import (
+    CONFIRM_BLOCK,
     CONFIRM_ROUNDS,
+    FIRST_WARMUP,
     HI,
     LO,
     POINTS,
     STEPS_PER_POINT,
+    ConfirmStep,
     SplitTiming,
     bracket_search,
     confirmation_order,
     confirmed,
     max_steps,
+    paired_ratio,
     rival,
+    rounds_of,
     scaled_speeds,
     search,
     vertex,
@@ -44,11 +49,13 @@ def test_the_search_finds_the_fastest_split_when_fixed_time_differs_per_device(f
     calls = []
     scale, timed = search(lambda s: calls.append(s) or cost(s), key=rows)
     assert timed[0][0] == 1.0                                          # the prediction is timed first
-    confirming = 2 * CONFIRM_ROUNDS if len(calls) > len({rows(s) for s in calls}) else 0
+    confirming = 2 * CONFIRM_ROUNDS * CONFIRM_BLOCK if len(calls) > len({rows(s) for s in calls}) else 0
     searched = calls[:len(calls) - confirming]
     assert len(searched) == len({rows(s) for s in searched}) <= POINTS  # no placement searched twice, in budget
-    if confirming:                                                     # then the prediction and its rival alternate
-        assert calls[len(searched):] == [1.0, scale if scale != 1.0 else calls[-1]] * CONFIRM_ROUNDS
+    if confirming:                                                     # then blocks of the prediction and its rival
+        other = next(s for s in calls[len(searched):] if s != 1.0)
+        pair = [1.0] * CONFIRM_BLOCK + [other] * CONFIRM_BLOCK
+        assert calls[len(searched):] == (pair + pair[::-1]) * (CONFIRM_ROUNDS // 2)
     assert cost(scale) <= 1.01 * best                                  # within 1% of the true optimum
     assert cost(scale) <= cost(1.0)                                    # never slower than the prediction
     if fixed == (0.0, 0.0):                                            # the model was right: kept
@@ -92,8 +99,8 @@ def test_the_confirmation_keeps_the_prediction_when_a_noisy_search_moved_to_a_sl
         return cost(s) * (1 + 0.01 * rng.standard_normal())
     assert search(timed, key=rows, rounds=0)[0] < 0.9                  # the search alone keeps the lucky split
     scale, timed_all = search(timed, key=rows)
-    assert scale == 1.0 and cost(scale) == best                        # the alternating steps keep the prediction
-    assert len(timed_all) <= POINTS + 2 * CONFIRM_ROUNDS
+    assert scale == 1.0 and cost(scale) == best                        # the paired blocks keep the prediction
+    assert len(timed_all) <= POINTS + 2 * CONFIRM_ROUNDS * CONFIRM_BLOCK
 
 
 def test_the_confirmation_moves_to_the_rival_when_the_search_was_unlucky_on_it():
@@ -104,11 +111,33 @@ def test_the_confirmation_moves_to_the_rival_when_the_search_was_unlucky_on_it()
     other = rival(points)                                              # three splits: no V to fit, the fastest
     assert other == 0.85
     order = confirmation_order(other)
-    assert order[:2] == (1.0, 0.85) and len(order) == 2 * CONFIRM_ROUNDS
-    kept = confirmed(0.85, [cost(s) for s in order if s == 1.0], [cost(s) for s in order if s != 1.0])
+    assert [c.scale for c in order[:CONFIRM_BLOCK + 1]] == [1.0] * CONFIRM_BLOCK + [0.85]
+    assert len(order) == 2 * CONFIRM_ROUNDS * CONFIRM_BLOCK
+    kept = confirmed(0.85, rounds_of([(c, cost(c.scale)) for c in order]))
     assert kept == 0.85 and cost(0.85) < cost(1.0)
-    assert confirmed(0.85, [1.0, 1.0], [1.0, 1.0]) == 1.0              # a tie keeps the prediction
-    assert confirmation_order(0.85, 2, warmup=1) == (0.85, 1.0, 0.85, 1.0, 0.85)   # an untimed rival warms up
+    tie = rounds_of([(c, 1.0) for c in order])
+    assert confirmed(0.85, tie) == 1.0 and paired_ratio(0.85, tie) == 1.0   # a tie keeps the prediction
+    assert confirmation_order(0.85, 2, warmup=1, block=2) == (              # an untimed rival warms up; each
+        ConfirmStep(0.85, None), ConfirmStep(1.0, None), ConfirmStep(1.0, 0),  # block's switch step is untimed
+        ConfirmStep(0.85, None), ConfirmStep(0.85, 0), ConfirmStep(0.85, None), ConfirmStep(0.85, 1),
+        ConfirmStep(1.0, None), ConfirmStep(1.0, 1))
+    with pytest.raises(ValueError, match="block >= 2"):
+        confirmation_order(0.85, block=1)
+
+
+def test_the_paired_rounds_see_through_drift_and_switch_costs():
+    # the rival is 3% faster; the machine slows 40% over the confirmation, and the first step after each
+    # switch costs double: paired rounds with the switch untimed keep the rival, pooled times need not
+    order = confirmation_order(0.9, rounds=4, block=4)
+    cost = {1.0: 1.0, 0.9: 0.97}
+    timed, last = [], None
+    for i, c in enumerate(order):
+        t = cost[c.scale] * (1 + 0.4 * i / len(order)) * (2.0 if c.scale != last else 1.0)
+        timed.append((c, t))
+        last = c.scale
+    rounds = rounds_of(timed)
+    assert confirmed(0.9, rounds) == 0.9 and abs(paired_ratio(0.9, rounds) - 0.97) < 0.02
+    assert all(len(r[s]) == CONFIRM_BLOCK - 1 for r in rounds.values() for s in (1.0, 0.9))
 
 
 def test_the_fitted_vertex_is_where_the_arms_meet_and_needs_two_scales_each_side():
@@ -155,7 +184,7 @@ def test_the_search_is_a_generator_a_step_can_drive_and_its_cost_is_bounded():
             s = gen.send(abs(s - 0.9))
     except StopIteration as stop:
         assert abs(stop.value - 0.9) < 0.05
-    assert n <= POINTS and max_steps() == POINTS * 6 + 1 + 2 * CONFIRM_ROUNDS
+    assert n <= POINTS and max_steps() == POINTS * 6 + (FIRST_WARMUP - 1) + 1 + 2 * CONFIRM_ROUNDS * CONFIRM_BLOCK
 
 
 def test_bad_brackets_are_clear_errors():
@@ -187,15 +216,16 @@ def test_a_refining_step_trains_exactly_as_one_device_and_keeps_its_fastest_time
         least = min((p for p in r.points if p.scale != 1.0), key=lambda p: p.seconds).scale
         assert a.scale == 1.0 and b.scale == (least if fitted is None else b.scale)
         assert fitted is None or b.scale == fitted or b.scale in {p.scale for p in r.points}
-        assert a.steps == b.steps == CONFIRM_ROUNDS and r.kept in (1.0, b.scale)
-        assert r.chosen.seconds == min(a.seconds, b.seconds)
+        assert a.steps == b.steps == CONFIRM_ROUNDS * (CONFIRM_BLOCK - 1) and r.kept in (1.0, b.scale)
+        assert r.kept == (b.scale if r.paired < 1.0 else 1.0)          # decided by the paired rounds
+        assert r.gain == (1.0 / r.paired if r.kept != 1.0 else 1.0)
     else:                                                              # the V's vertex is the prediction's split
         assert fitted is not None and r.kept == 1.0
     assert step.plan.batch_sizes == r.chosen.rows
     assert r.slow == (4, 5, 6, 7)                                      # the T4s' speed was scaled
     text = step.plan.summary()
     assert "refined on the real step" in text and f"{r.steps} steps" in text
-    assert ("confirmed in alternating" in text) == bool(r.confirmed)
+    assert ("confirmed in paired blocks" in text) == bool(r.confirmed)
 
 
 def test_a_refining_split_head_trains_exactly_as_one_device():
@@ -227,7 +257,7 @@ def test_a_refining_auto_parallel_pipeline_moves_its_stage_cut_and_trains_exactl
                              config=config, cluster=wh.Cluster(kinds=HETERO))
     r = step.plan.refinement
     assert r is not None and r.steps <= max_steps() and len(r.points) >= 2 and step.plan.schedule is not None
-    assert not r.confirmed or r.chosen.seconds == min(p.seconds for p in r.confirmed)
+    assert not r.confirmed or r.kept == (r.confirmed[1].scale if r.paired < 1.0 else 1.0)
 
 
 def test_refine_is_refused_on_annotated_stages_and_bad_values_are_clear_errors():

@@ -38,14 +38,25 @@ POINTS = 9                             # the most distinct splits one search tim
 MIN_STEP = 0.01                        # the search stops when its step on the scale is below this
 STEPS_PER_POINT = 5                    # timed steps per split (their median counts)
 WARMUP_STEPS = 1                       # untimed steps per split first (its compile, its first run)
-CONFIRM_ROUNDS = 8                     # alternating steps of the prediction and its rival, each, to confirm
+FIRST_WARMUP = 3                       # untimed steps of the first split (the step's own first calls)
+CONFIRM_ROUNDS = 4                     # rounds of the confirmation: a block of the prediction and of its rival
+CONFIRM_BLOCK = 4                      # steps per block, the first after the switch untimed
 
 
 def max_steps(points: int = POINTS, steps_per_point: int = STEPS_PER_POINT, warmup: int = WARMUP_STEPS,
-              rounds: int = CONFIRM_ROUNDS) -> int:
-    """The most training steps a refinement runs before it settles on a split (the confirmation's
-    warm-up of a rival that the search did not time included)."""
-    return points * (steps_per_point + warmup) + warmup + 2 * rounds
+              rounds: int = CONFIRM_ROUNDS, block: int = CONFIRM_BLOCK, first: int = FIRST_WARMUP) -> int:
+    """The most training steps a refinement runs before it settles on a split (the first split's longer
+    warm-up and the confirmation's warm-up of a rival that the search did not time included)."""
+    return points * (steps_per_point + warmup) + (first - warmup) + warmup + 2 * rounds * block
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfirmStep:
+    """One step of a confirmation: the split's scale and the round it is timed for (None: untimed, a
+    rival's warm-up or a block's first step after the switch)."""
+
+    scale: float
+    round: int | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +81,8 @@ class Refinement:
     slow: tuple[int, ...]              # the devices whose speed the scale multiplies
     steps: int                         # training steps it ran (warm-up steps included)
     kept: float = 1.0                  # the scale of the split kept
-    confirmed: tuple[SplitTiming, ...] = ()   # the prediction and its rival re-timed in alternating steps
+    confirmed: tuple[SplitTiming, ...] = ()   # the prediction and its rival re-timed in blocks, all steps pooled
+    paired: float = 1.0                # the confirmation's median over rounds of rival / prediction (< 1: rival kept)
 
     def timing(self, scale: float) -> SplitTiming:
         """A split's timing: from the confirmation where it was re-timed there, else from the search."""
@@ -86,7 +98,12 @@ class Refinement:
 
     @property
     def gain(self) -> float:
-        """The prediction's step time over the chosen split's (1.0: the prediction was the fastest)."""
+        """The prediction's step time over the chosen split's (1.0: the prediction was the fastest); after a
+        confirmation, the paired rounds' ratio."""
+        if self.kept == 1.0:
+            return 1.0
+        if self.confirmed:
+            return 1.0 / self.paired
         return self.predicted.seconds / self.chosen.seconds if self.chosen.seconds > 0 else 1.0
 
 
@@ -148,7 +165,7 @@ def _neighbours(best: float, step: float, lo: float, hi: float) -> list[float]:
 def search(cost: Callable[[float], float], lo: float = LO, hi: float = HI, points: int = POINTS,
            key: Callable[[float], Hashable] | None = None,
            rounds: int = CONFIRM_ROUNDS) -> tuple[float, list[tuple[float, float]]]:
-    """Runs `bracket_search` and its confirmation against the `rival` (`rounds` alternating timings each)
+    """Runs `bracket_search` and its confirmation against the `rival` (`rounds` rounds of blocks)
     over a timing callback: (the scale kept, [(scale, seconds) timed, in order]). With `rounds` 0, the
     search's own fastest split is kept."""
     gen = bracket_search(lo, hi, points, key=key)
@@ -166,9 +183,10 @@ def search(cost: Callable[[float], float], lo: float = LO, hi: float = HI, point
     other = rival([SplitTiming(s, (), t) for s, t in timed], key)
     if other is None:
         return 1.0, timed
-    again = [(s, float(cost(s))) for s in confirmation_order(other, rounds)]
-    timed += again
-    return confirmed(other, [t for s, t in again if s == 1.0], [t for s, t in again if s != 1.0]), timed
+    order = confirmation_order(other, rounds)
+    again = [(c, float(cost(c.scale))) for c in order]
+    timed += [(c.scale, t) for c, t in again]
+    return confirmed(other, rounds_of([(c, t) for c, t in again if c.round is not None])), timed
 
 
 def rival(points: Sequence[SplitTiming], key: Callable[[float], Hashable] | None = None) -> float | None:
@@ -209,16 +227,39 @@ def vertex(points: Sequence[tuple[float, float]], grid: int = 241) -> float | No
     return v if np.all(rise > 1e-6) else None
 
 
-def confirmation_order(other: float, rounds: int = CONFIRM_ROUNDS, warmup: int = 0) -> tuple[float, ...]:
-    """The scales a confirmation times, one step each: `warmup` untimed steps of `other` (where the
-    search did not time it: its compile), then the prediction and `other` alternating, so that drift
-    falls on both alike."""
-    return (other,) * warmup + (1.0, other) * rounds
+def confirmation_order(other: float, rounds: int = CONFIRM_ROUNDS, warmup: int = 0,
+                       block: int = CONFIRM_BLOCK) -> tuple[ConfirmStep, ...]:
+    """The steps a confirmation runs: `warmup` untimed steps of `other` (where the search did not time
+    it: its compile), then `rounds` rounds of a block of `block` steps of the prediction and of
+    `other`, the order alternating per round (prediction first in even rounds) so that drift within
+    a round falls on both alike; each block's first step (the switch) is untimed."""
+    if block < 2:
+        raise ValueError(f"a confirmation block needs an untimed switch step and a timed one: block >= 2, got {block}.")
+    steps = [ConfirmStep(other, None)] * warmup
+    for r in range(rounds):
+        for s in ((1.0, other) if r % 2 == 0 else (other, 1.0)):
+            steps += [ConfirmStep(s, None)] + [ConfirmStep(s, r)] * (block - 1)
+    return tuple(steps)
 
 
-def confirmed(other: float, predicted_times: Sequence[float], other_times: Sequence[float]) -> float:
-    """The scale kept: `other` if its median step beats the prediction's in the confirmation, else 1.0."""
-    return other if float(np.median(other_times)) < float(np.median(predicted_times)) else 1.0
+def rounds_of(timed: Sequence[tuple[ConfirmStep, float]]) -> dict[int, dict[float, list[float]]]:
+    """A confirmation's timed steps grouped {round: {scale: [seconds]}}."""
+    out: dict[int, dict[float, list[float]]] = {}
+    for c, t in timed:
+        if c.round is not None:
+            out.setdefault(c.round, {}).setdefault(c.scale, []).append(t)
+    return out
+
+
+def paired_ratio(other: float, rounds: dict[int, dict[float, list[float]]]) -> float:
+    """The median over rounds of `other`'s block median over the prediction's in the same round."""
+    ratios = [np.median(r[other]) / np.median(r[1.0]) for r in rounds.values() if r.get(other) and r.get(1.0)]
+    return float(np.median(ratios)) if ratios else 1.0
+
+
+def confirmed(other: float, rounds: dict[int, dict[float, list[float]]]) -> float:
+    """The scale kept: `other` if its paired ratio to the prediction (`paired_ratio`) is below 1, else 1.0."""
+    return other if paired_ratio(other, rounds) < 1.0 else 1.0
 
 
 def scaled_speeds(speeds: Sequence[float], scale: float) -> tuple[tuple[float, ...], tuple[int, ...]]:

@@ -219,15 +219,16 @@ def refinement_items(plan, report) -> list:
     slow = fmt_devices(ref.slow)
     kept = (f"kept rows {_rows(c.rows, c.units)} (device{'s' if len(ref.slow) > 1 else ''} {slow} at x{c.scale:.3g} of "
             f"the predicted speed) {fmt_time(c.seconds)}: {ref.gain:.2f}x the prediction's speed"
-            if c.scale != p.scale else "kept the prediction (" + ("its rival was slower in alternating steps)"
+            if c.scale != p.scale else "kept the prediction (" + ("its rival was slower in paired blocks of steps)"
                                                                   if ref.confirmed else "the V fitted to the splits "
                                                                   "timed has its vertex there)"))
     items = [Line(f"refined on the real step ({len(ref.points)} splits timed, {ref.steps} steps): predicted rows "
                   f"{_rows(p.rows, p.units)} {fmt_time(p.seconds)} ± {fmt_pct(p.spread)}; {kept}", 1)]
     if ref.confirmed:
         a, b = ref.confirmed
-        items.append(Line(f"confirmed in alternating steps ({a.steps} each): x{a.scale:.3g} {fmt_time(a.seconds)} "
-                          f"beside x{b.scale:.3g} {fmt_time(b.seconds)}", 2))
+        items.append(Line(f"confirmed in paired blocks of steps ({a.steps} timed each): x{a.scale:.3g} "
+                          f"{fmt_time(a.seconds)} beside x{b.scale:.3g} {fmt_time(b.seconds)}, "
+                          f"x{b.scale:.3g} / x{a.scale:.3g} {ref.paired:.3f} (median over rounds)", 2))
     table = [[f"x{t.scale:.3g}", _rows(t.rows, t.units), fmt_time(t.seconds), fmt_pct(t.spread), str(t.steps),
               "predicted" if t.scale == 1.0 else ("kept" if t.scale == ref.kept else "")] for t in ref.points]
     table += [[f"x{t.scale:.3g}", _rows(t.rows, t.units), fmt_time(t.seconds), fmt_pct(t.spread), str(t.steps),
