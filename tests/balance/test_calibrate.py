@@ -376,6 +376,30 @@ def test_devices_that_differ_are_timed_again_each_around_its_own_share(monkeypat
     assert chunks[0] is None
 
 
+def test_a_fixed_time_that_moves_a_share_off_the_rows_timed_is_timed_again_around_the_new_share(monkeypatch):
+    # the wide fit sees no fixed time (2:1); at their own shares the slow half takes 100 us more a step, which
+    # moves its share below the rows it was timed at: every device is timed once more around its new share
+    loss_fn, params, batch = plain_model("dp", "ctx")
+    cal = importlib.import_module("whalex.balance.calibrate")
+    wide = _synthetic_rounds([0.0] * 8, [2e-5] * 4 + [4e-5] * 4, 0.01)
+    own = _synthetic_rounds([0.0] * 4 + [1e-4] * 4, [2e-5] * 4 + [4e-5] * 4, 0.01)
+    seen = []
+
+    def spy(devices, fn, args, repeats, sync=None):
+        if isinstance(args[0], list):
+            seen.append([tuple(jax.tree.leaves(a[-1])[0].shape[0] for a in sets) for sets in args])
+            return own(devices, fn, args, repeats)
+        return wide(devices, fn, args, repeats)
+    monkeypatch.setattr(cal, "time_rounds", spy)
+    cluster = calibrate(wh.Cluster.detect(), loss_fn, params, batch, optimizer=optax.adam(1e-3))
+    plan = wh.plan(loss_fn, params, batch, cluster=cluster)
+    assert len(seen) == 2 and seen[0] != seen[1]                         # a second timing, at other rows
+    assert not all(lo <= k <= hi for (lo, _, hi), k in zip(seen[0], plan.batch_sizes))
+    assert all(lo <= k <= hi for (lo, _, hi), k in zip(seen[1], plan.batch_sizes))
+    assert cluster.overhead[4] - cluster.overhead[0] == pytest.approx(1e-4, rel=0.1)
+    assert cluster.calibrated_rows == (min(r[0] for r in seen[1]), max(r[-1] for r in seen[1]))
+
+
 def test_a_device_faster_per_row_at_its_share_than_the_wide_fit_gets_that_speed(monkeypatch):
     # the wide fit says 2:1 and no fixed time; at their own shares, run in the plan's parts, the fast half
     # takes 15 us a row instead of 20: no fixed time can pin that, so the fast line's speed does (8:3)

@@ -269,8 +269,8 @@ def _shares(batch, per_row: float, speeds, overheads) -> list[int]:
     return proportional(n, [s / per_row for s in speeds], overheads)
 
 
-def _fixed_at_own_shares(again, loss_fn, params, batch, optimizer, speeds, overheads, counts, groups):
-    """(speeds, fixed seconds, rows timed) with every device timed again around the share the balanced
+def _fixed_at_own_shares(again, batch, per_row, speeds, overheads, groups):
+    """(speeds, fixed seconds, rows timed per device) with every device timed again around the share the balanced
     plan gives it, all devices together (`measure(own_rows=...)`): each then runs about as long as the
     others while timed, as in the step, rather than alone once the faster ones are done; and each runs
     its rows in the parts the uneven plan would run them in (`plan_chunk`), since a device's time per
@@ -280,7 +280,6 @@ def _fixed_at_own_shares(again, loss_fn, params, batch, optimizer, speeds, overh
     at the device's own rows, and where that would take a negative fixed time (the parts run faster
     per row than the wide fit's passes), the line through that time and no fixed time. Where the
     narrow range resolves no slope, the line meets the step's time at the largest of its rows."""
-    per_row = _row_work(loss_work(loss_fn, params, optimizer)[2], counts, fractions(batch, counts)[1])
     n = jax.tree.leaves(batch)[0].shape[0]
     shares = _shares(batch, per_row, speeds, overheads)
     own = _own(shares, n)
@@ -298,7 +297,12 @@ def _fixed_at_own_shares(again, loss_fn, params, batch, optimizer, speeds, overh
     fixed = np.maximum(fixed, 0.0)
     for g in groups:
         fixed[g], speeds[g] = np.median(fixed[g]), np.median(speeds[g])
-    return speeds, fixed, (min(r[0] for r in own), max(r[-1] for r in own))
+    return speeds, fixed, own
+
+
+def _inside(own: Sequence[Sequence[int]], shares: Sequence[int]) -> bool:
+    """Whether every device's share lies within the rows it was timed at."""
+    return all(r[0] <= k <= r[-1] for r, k in zip(own, shares))
 
 
 def _grouped(m: Measurement, groups) -> tuple[np.ndarray, np.ndarray | None]:
@@ -389,14 +393,18 @@ def _timed_affine(devices, mine, loss_fn, params, batch, optimizer, sized, own_r
 
 def _fitted(again, loss_fn, params, batch, optimizer, micro, m, groups):
     """Each group's speed and fixed time from the measurement `m`, set at the devices' own shares
-    where they differ and no pipeline's micro-batch was timed, and the batch's rows they were timed
-    between (None without a loss)."""
+    where they differ and no pipeline's micro-batch was timed (once more around the shares that sets,
+    where they left the rows timed: a fixed time read at a share's rows, not extrapolated far from
+    them), and the batch's rows they were timed between (None without a loss)."""
     speeds, overheads = _grouped(m, groups)
     sized = fractions(batch, micro) if loss_fn is not None else None
     counts = None if sized is None else sized[0]
     if overheads is not None and len(groups) > 1 and micro is None:
-        speeds, overheads, counts = _fixed_at_own_shares(again, loss_fn, params, batch, optimizer, speeds,
-                                                         overheads, counts, groups)
+        per_row = _row_work(loss_work(loss_fn, params, optimizer)[2], counts, fractions(batch, counts)[1])
+        speeds, overheads, own = _fixed_at_own_shares(again, batch, per_row, speeds, overheads, groups)
+        if not _inside(own, _shares(batch, per_row, speeds, overheads)):     # the pin moved a share off its rows
+            speeds, overheads, own = _fixed_at_own_shares(again, batch, per_row, speeds, overheads, groups)
+        counts = (min(r[0] for r in own), max(r[-1] for r in own))
     rows = None if counts is None else (counts[0] if overheads is not None else counts[-1], counts[-1])
     return speeds, overheads, rows
 
@@ -426,7 +434,8 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
     (`measure(own_rows=...)`), all devices together and in the parts the uneven plan runs its rows in,
     and its fixed time (or, where that would be negative, its speed) is set so that its line meets
     that timing (`_fixed_at_own_shares`): each device then runs about as long as the others while
-    timed, as in the step, and nothing is extrapolated. The rows timed are kept (`Cluster.calibrated_rows`,
+    timed, as in the step, and nothing is extrapolated; where the shares those lines give leave the rows
+    timed, every device is timed once more around them. The rows timed are kept (`Cluster.calibrated_rows`,
     which `plan.summary()` checks shares against); `global_batch` repeats a smaller batch's rows up to it.
     `extras`: when the devices differ, also time what a step costs each device beyond its own work
     (`step_timing`: its block placed, the launch, the all-reduce's local work when it comes last), added
