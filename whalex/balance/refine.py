@@ -186,7 +186,7 @@ def search(cost: Callable[[float], float], lo: float = LO, hi: float = HI, point
     order = confirmation_order(other, rounds)
     again = [(c, float(cost(c.scale))) for c in order]
     timed += [(c.scale, t) for c, t in again]
-    return confirmed(other, rounds_of([(c, t) for c, t in again if c.round is not None])), timed
+    return confirmed(other, rounds_of(again)), timed
 
 
 def rival(points: Sequence[SplitTiming], key: Callable[[float], Hashable] | None = None) -> float | None:
