@@ -377,7 +377,7 @@ def test_devices_that_differ_are_timed_again_each_around_its_own_share(monkeypat
 
 
 def test_a_fixed_time_that_moves_a_share_off_the_rows_timed_is_timed_again_around_the_new_share(monkeypatch):
-    # the wide fit sees no fixed time (2:1); at their own shares the slow half takes 100 us more a step, which
+    # the wide fit sees no fixed time (2:1); at their own shares the slow half has a fixed time per step, which
     # moves its share below the rows it was timed at: every device is timed once more around its new share
     loss_fn, params, batch = plain_model("dp", "ctx")
     cal = importlib.import_module("whalex.balance.calibrate")

@@ -428,8 +428,7 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
     the faster of two measurements' medians (`faster`): a device slowed once by load rejoins its peers.
 
     Pass the batch the step will train on (or one as large): the fixed and per-row times are fitted
-    between a quarter of its rows and all of them, which is where the plan's loads lie (a device a
-    third as fast as its peer gets a quarter), and longer timings are less noisy. When the devices
+    between a quarter of its rows and all of them, where the plan's loads lie. When the devices
     differ, every device is timed once more at counts around the share a balanced plan would give it
     (`measure(own_rows=...)`), all devices together and in the parts the uneven plan runs its rows in,
     and its fixed time (or, where that would be negative, its speed) is set so that its line meets
@@ -457,8 +456,8 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
     micro = micro_rows(num_micro_batch, loss_fn, batch)
     again = functools.partial(measure, cluster, loss_fn, params, batch, optimizer=optimizer, size=size,
                               chain=chain, repeats=repeats, rows=micro)
-    m = again()
-    m = faster(m, again()) if len(_groups(m, tolerance)) > 1 else m
+    first = again()
+    m = first if len(_groups(first, tolerance)) < 2 else faster(first, again())
     groups = _groups(m, tolerance)
     speeds, overheads, rows = _fitted(again, loss_fn, params, batch, optimizer, micro, m, groups)
     if loss_fn is not None and len(groups) > 1 and (extras or extras is None and micro is None
