@@ -414,9 +414,9 @@ def test_a_device_faster_per_row_at_its_share_than_the_wide_fit_gets_that_speed(
     assert cluster.overhead == pytest.approx((0.0,) * 8, abs=2e-6)
 
 
-def test_in_parts_runs_the_rows_in_full_parts_and_the_remainders_binary_digits():
-    # a summed loss over 4-row parts and a remainder of 3 rows (2 + 1): the value and gradient of the
-    # whole batch, and one part per full chunk and per binary digit of the remainder
+def test_in_parts_runs_the_rows_in_full_parts_and_the_remainder_as_one_part():
+    # a summed loss over 4-row parts and a remainder of 3 rows: the value and gradient of the whole
+    # batch, and one part per full chunk and one for the remainder, as the plan's program runs them
     sizes = []
 
     def loss_fn(w, b):
@@ -429,7 +429,7 @@ def test_in_parts_runs_the_rows_in_full_parts_and_the_remainders_binary_digits()
     want_value, want_grad = jax.value_and_grad(loss_fn)(w, batch)
     np.testing.assert_allclose(value, want_value, rtol=1e-5)
     np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-6)
-    assert sorted(set(sizes[:-1])) == [1, 2, 4]                # the loop's part, then 2 and 1
+    assert sorted(set(sizes[:-1])) == [3, 4]                   # the loop's part, then the remainder's
 
 
 def test_a_declared_fixed_time_shifts_rows_to_the_fast_devices():

@@ -295,3 +295,38 @@ def test_power_of_two_batch_follows_a_two_to_one_split(b):
     n_params = sum(x.size for x in jax.tree.leaves(params))
     text = step.plan.lowered().compile().as_text()
     assert (n_params,) in shapes_of(text, "all-reduce")                 # one fused gradient buffer
+
+
+def test_each_device_runs_its_remainder_as_one_chunk_where_the_remainders_are_few():
+    """The uneven program's remainders: a device's rows past its full chunks run as one chunk of their
+    own size where the devices' remainders are no more distinct sizes than the binary digits would
+    compile; else each binary digit runs. The parts cover every row once either way."""
+    from whalex.lowering.uneven import UnevenProgram
+
+    exact = UnevenProgram(None, None, None, "cpu", (824, 200), 128, 1024, grain=1)
+    assert exact.exact_remainders and exact.sizes == (72, 56)
+    assert exact.part_sizes(0) == (128,) * 6 + (56,) and exact.part_sizes(1) == (128, 72)
+    binary = UnevenProgram(None, None, None, "cpu", (5, 6, 7, 8), 4, 26, grain=1)   # 3 remainders, 2 digits
+    assert not binary.exact_remainders and binary.sizes == (2, 1)
+    assert [binary.part_sizes(d) for d in range(4)] == [(4, 1), (4, 2), (4, 2, 1), (4, 4)]
+    for program in (exact, binary):
+        ranges = program.part_ranges()
+        assert [a for a, _ in ranges] == list(np.cumsum([0] + [n for _, n in ranges])[:-1])
+        assert sum(n for _, n in ranges) == program.global_batch
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_split_with_odd_remainders_trains_as_one_device(optimizer):
+    """Rows 11:5 of a 96-row batch (66/30 in 16-row chunks): full chunks, then one remainder chunk per
+    device of its own size (2 and 14, where binary digits would run 2, and 8 + 4 + 2), the masked mean
+    equal to one device's."""
+    import optax
+
+    loss_fn, params, batch = _mlp_problem(96, seed=3)
+    cluster = wh.Cluster(devices=jax.devices()[:2]).with_speeds([11e12, 5e12])
+    opt = optax.sgd(0.5) if optimizer == "sgd" else adam()
+    step, _ = assert_matches(loss_fn, params, batch, steps=3, optimizer=opt, tol=1e-4, cluster=cluster)
+    program = step.plan.program
+    assert step.plan.batch_sizes == (66, 30) and program.chunk == 16 and program.sizes == (14, 2)
+    assert program.remainder_bits == ((False, True), (True, False))       # one remainder chunk each
+    assert sum(n for _, n in program.part_ranges()) == 96

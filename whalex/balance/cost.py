@@ -159,13 +159,27 @@ def speed_grain(global_batch: int, speeds: Sequence[float]) -> int:
 
 
 def chunk_rows(rows, grain: int) -> int:
-    """Rows of a full chunk of the per-device loop: grain * 2**j, at most LEVELS doublings, and no more
-    than the smallest non-zero load (each device's remainder then takes at most LEVELS smaller chunks)."""
+    """Rows of a full chunk of the per-device loop: the largest grain * 2**j no more than the smallest
+    non-zero load, where each device's remainder then runs as one chunk of its own size (the devices
+    have at most LEVELS distinct non-zero remainders: `exact_remainders`); else grain * 2**j with at most
+    LEVELS doublings, each device's remainder then running its binary digits. Fewer, larger chunks:
+    each chunk's trip adds its gradient's accumulation and its launches to the step."""
     smallest = min(r for r in rows if r > 0)
+    c = grain
+    while 2 * c <= smallest:
+        c *= 2
+    if exact_remainders(rows, c):
+        return c
     c = grain
     while 2 * c <= smallest and c < grain * 2 ** LEVELS:
         c *= 2
     return c
+
+
+def exact_remainders(rows, chunk: int, bodies: int = LEVELS) -> bool:
+    """Whether the devices' non-zero remainders (`rows` % `chunk`) are at most `bodies` distinct sizes,
+    so that each device runs its remainder as one chunk (a compiled body of the loss per size)."""
+    return len({r % chunk for r in rows} - {0}) <= bodies
 
 
 SPLIT_ROUNDING = 0.02  # a split's chunk may lengthen the slowest device's share by at most this fraction

@@ -36,10 +36,10 @@ def step_flops(loss_fn, params, batch) -> float:
 
 def in_parts(loss_fn, chunk: int) -> Callable:
     """value_and_grad of `loss_fn` over a batch run as an uneven data-parallel plan runs a device's
-    rows: a `fori_loop` over its full `chunk`-row parts, then one part of each binary digit of the
-    remainder; values and gradients summed. The work of the plan's loop (its per-part launches, its
-    cache footprint), not its loss: what a calibration times so that a device's time at its share
-    is the time the plan's step takes there."""
+    rows: a `fori_loop` over its full `chunk`-row parts, then its remainder as one part (as a plan runs
+    it where the devices' remainders are few distinct sizes); values and gradients summed. The work
+    of the plan's loop (its per-part launches, its cache footprint), not its loss: what a calibration
+    times so that a device's time at its share is the time the plan's step takes there."""
     grad = jax.value_and_grad(loss_fn)
 
     def run(params, batch):
@@ -52,11 +52,8 @@ def in_parts(loss_fn, chunk: int) -> Callable:
         acc = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: part(0, min(chunk, n))))
         if full:
             acc = jax.lax.fori_loop(0, full, lambda k, a: jax.tree.map(jnp.add, a, part(k * chunk, chunk)), acc)
-        off = full * chunk
-        while off < n:                                  # the remainder's binary digits, largest first
-            size = 1 << ((n - off).bit_length() - 1)
-            acc = jax.tree.map(jnp.add, acc, part(off, size))
-            off += size
+        if n % chunk:
+            acc = jax.tree.map(jnp.add, acc, part(full * chunk, n % chunk))
         return acc
     return run
 

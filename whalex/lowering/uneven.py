@@ -4,11 +4,12 @@ Device i trains on its own number of samples, `rows[i]`, chosen by Algorithm 1 (
 `whalex.planner.uneven`) at a fine grain, so the split follows the device speeds closely at any
 batch size. The global batch is laid out padded: device i's block of `max(rows)` rows holds its
 real rows first and padding after. Inside `shard_map`, each device runs a `fori_loop` over its own
-number of full `chunk`-row chunks, then at most one chunk of each smaller size `chunk/2, chunk/4,
-..., grain` (the binary digits of its remainder, each under a `lax.cond`): the work stays
-proportional to the rows and padding is never read. The trip counts and conditions differ between
-devices, so no collective runs inside them; sample-weighted loss and gradients are accumulated and
-one `psum` after them gives exactly the global-batch values (`whalex.loss.evaluation`).
+number of full `chunk`-row chunks, then its remainder as one chunk of its own size (where the devices'
+remainders are few distinct sizes; else one chunk of each binary digit of it, `chunk/2, ..., grain`),
+each remainder size under a `lax.cond`: the work stays proportional to the rows and padding is never
+read. The trip counts and conditions differ between devices, so no collective runs inside them;
+sample-weighted loss and gradients are accumulated and one `psum` after them gives exactly the
+global-batch values (`whalex.loss.evaluation`).
 """
 from __future__ import annotations
 
@@ -64,12 +65,21 @@ class UnevenProgram(Emitter):
 
     @property
     def sizes(self) -> tuple[int, ...]:
-        """The remainder chunk sizes, largest first: chunk/2, chunk/4, ..., grain."""
+        """The remainder chunk sizes, largest first: the devices' own remainders (rows % chunk) where
+        they are no more distinct sizes than the binary digits would compile (`exact_remainders`), else
+        the binary digits chunk/2, chunk/4, ..., grain."""
         g, out, s = self.grain or self.chunk, [], self.chunk // 2
         while s >= g:
             out.append(s)
             s //= 2
-        return tuple(out)
+        own = sorted({r % self.chunk for r in self.rows} - {0}, reverse=True)
+        return tuple(own) if len(own) <= max(len(out), 1) else tuple(out)
+
+    @property
+    def exact_remainders(self) -> bool:
+        """Whether each device runs its remainder as one chunk of its own size (else its binary digits)."""
+        sizes = self.sizes
+        return all(r % self.chunk == 0 or r % self.chunk in sizes for r in self.rows)
 
     @property
     def full_chunks(self) -> tuple[int, ...]:
@@ -77,8 +87,11 @@ class UnevenProgram(Emitter):
 
     @property
     def remainder_bits(self) -> tuple[tuple[bool, ...], ...]:
-        """Per device: which remainder sizes it runs (the binary digits of rows % chunk)."""
-        return tuple(tuple(bool((r % self.chunk) // s % 2) for s in self.sizes) for r in self.rows)
+        """Per device: which remainder sizes it runs (its own remainder, or the binary digits of rows % chunk)."""
+        sizes = self.sizes
+        if self.exact_remainders:
+            return tuple(tuple(r % self.chunk == s for s in sizes) for r in self.rows)
+        return tuple(tuple(bool((r % self.chunk) // s % 2) for s in sizes) for r in self.rows)
 
     def part_sizes(self, device: int) -> tuple[int, ...]:
         """The samples of each part device `device` evaluates, in order."""
