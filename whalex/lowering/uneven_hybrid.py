@@ -5,8 +5,8 @@ The loss's top-level equations `[0, cut)` are the backbone, per-sample (checked 
 the rest is the head. In one jitted step:
 
 1. backbone: a `shard_map` over every mesh axis; device i runs its own `rows[i]` of the padded
-   batch in chunks (`UnevenProgram.parts_driver`: full chunks in a loop, binary remainder chunks
-   under `cond`), writing the boundary activations into its padded block; no collective inside;
+   batch in chunks (`UnevenProgram.parts_driver`: full chunks in a loop, the remainder
+   chunk under `cond`), writing the boundary activations into its padded block; no collective inside;
 2. bridge forward: the real rows gathered into global order (a static index into the padded
    blocks), straight into the head's input layout: a replicated head gets one all-gather of the
    padded blocks and a local take (the partitioner would otherwise scatter into zeros and

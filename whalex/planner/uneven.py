@@ -42,7 +42,7 @@ def balance_data_parallel(req: Request, full):
     """Algorithm 1 over a data-parallel model: (report, uneven Plan or None for the even plan).
 
     Loads are counted in a fine grain of rows (`cost.speed_grain`), so the split follows the speeds
-    at any batch size; the program runs full chunks plus binary remainder chunks (`UnevenProgram`).
+    at any batch size; the program runs full chunks plus a remainder chunk (`UnevenProgram`).
     A loss whose batch reductions differ between part sizes falls back to one chunk size, a divisor
     of the batch (`cost.balance_unit`)."""
     config, cluster = req.config, req.cluster
