@@ -301,9 +301,11 @@ def test_each_device_runs_its_remainder_as_one_chunk_where_the_remainders_are_fe
     """The uneven program's remainders: a device's rows past its full chunks run as one chunk of their
     own size where the devices' remainders are no more distinct sizes than the binary digits would
     compile; else each binary digit runs. The parts cover every row once either way."""
+    from whalex.balance.cost import exact_remainders
     from whalex.lowering.uneven import UnevenProgram
 
-    exact = UnevenProgram(None, None, None, "cpu", (824, 200), 128, 1024, grain=1)
+    assert exact_remainders((824, 200), 128, 1) and not exact_remainders((5, 6, 7, 8), 4, 1)
+    exact = UnevenProgram(None, None, None, "cpu", (824, 200), 128, 1024, grain=1, exact_remainders=True)
     assert exact.exact_remainders and exact.sizes == (72, 56)
     assert exact.part_sizes(0) == (128,) * 6 + (56,) and exact.part_sizes(1) == (128, 72)
     binary = UnevenProgram(None, None, None, "cpu", (5, 6, 7, 8), 4, 26, grain=1)   # 3 remainders, 2 digits

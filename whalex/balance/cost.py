@@ -168,18 +168,14 @@ def chunk_rows(rows, grain: int) -> int:
     c = grain
     while 2 * c <= smallest:
         c *= 2
-    if exact_remainders(rows, c):
-        return c
-    c = grain
-    while 2 * c <= smallest and c < grain * 2 ** LEVELS:
-        c *= 2
-    return c
+    return c if exact_remainders(rows, c, grain) else min(c, grain * 2 ** LEVELS)
 
 
-def exact_remainders(rows, chunk: int, bodies: int = LEVELS) -> bool:
-    """Whether the devices' non-zero remainders (`rows` % `chunk`) are at most `bodies` distinct sizes,
-    so that each device runs its remainder as one chunk (a compiled body of the loss per size)."""
-    return len({r % chunk for r in rows} - {0}) <= bodies
+def exact_remainders(rows, chunk: int, grain: int) -> bool:
+    """Whether each device runs its remainder (`rows` % `chunk`) as one chunk of its own size: where the
+    devices' non-zero remainders are no more distinct sizes than the binary digits chunk/2, ..., grain
+    would compile, and at most LEVELS (a compiled body of the loss per size)."""
+    return len({r % chunk for r in rows} - {0}) <= min(LEVELS, (chunk // grain).bit_length() - 1)
 
 
 SPLIT_ROUNDING = 0.02  # a split's chunk may lengthen the slowest device's share by at most this fraction

@@ -55,6 +55,7 @@ class UnevenProgram(Emitter):
     remat: RematPlan | None = None          # per-TaskGraph remat, activation offload
     parts: PartLoss | None = None           # the loss contract over the chunks
     grain: int | None = None     # the smallest remainder chunk (chunk / 2**j); None: full chunks only
+    exact_remainders: bool = False   # each device's remainder as one chunk of its size (else its binary digits)
 
     def __post_init__(self):
         g = self.grain or self.chunk
@@ -65,21 +66,15 @@ class UnevenProgram(Emitter):
 
     @property
     def sizes(self) -> tuple[int, ...]:
-        """The remainder chunk sizes, largest first: the devices' own remainders (rows % chunk) where
-        they are no more distinct sizes than the binary digits would compile (`exact_remainders`), else
-        the binary digits chunk/2, chunk/4, ..., grain."""
+        """The remainder chunk sizes, largest first: the devices' own remainders (rows % chunk) with
+        `exact_remainders`, else the binary digits chunk/2, chunk/4, ..., grain."""
+        if self.exact_remainders:
+            return tuple(sorted({r % self.chunk for r in self.rows} - {0}, reverse=True))
         g, out, s = self.grain or self.chunk, [], self.chunk // 2
         while s >= g:
             out.append(s)
             s //= 2
-        own = sorted({r % self.chunk for r in self.rows} - {0}, reverse=True)
-        return tuple(own) if len(own) <= max(len(out), 1) else tuple(out)
-
-    @property
-    def exact_remainders(self) -> bool:
-        """Whether each device runs its remainder as one chunk of its own size (else its binary digits)."""
-        sizes = self.sizes
-        return all(r % self.chunk == 0 or r % self.chunk in sizes for r in self.rows)
+        return tuple(out)
 
     @property
     def full_chunks(self) -> tuple[int, ...]:
@@ -88,10 +83,9 @@ class UnevenProgram(Emitter):
     @property
     def remainder_bits(self) -> tuple[tuple[bool, ...], ...]:
         """Per device: which remainder sizes it runs (its own remainder, or the binary digits of rows % chunk)."""
-        sizes = self.sizes
         if self.exact_remainders:
-            return tuple(tuple(r % self.chunk == s for s in sizes) for r in self.rows)
-        return tuple(tuple(bool((r % self.chunk) // s % 2) for s in sizes) for r in self.rows)
+            return tuple(tuple(r % self.chunk == s for s in self.sizes) for r in self.rows)
+        return tuple(tuple(bool((r % self.chunk) // s % 2) for s in self.sizes) for r in self.rows)
 
     def part_sizes(self, device: int) -> tuple[int, ...]:
         """The samples of each part device `device` evaluates, in order."""

@@ -174,7 +174,7 @@ def _program(req: Request, full, plan: Plan, cut: int, rows: _Rows) -> HybridPro
     chunk = cost.chunk_rows(rows.rows, unit)
     head = plan.program
     rows_program = UnevenProgram(req.capture(chunk), head.mesh, req.optimizer, req.cluster.platform, tuple(rows.rows),
-                                 chunk, b, grain=unit)
+                                 chunk, b, grain=unit, exact_remainders=cost.exact_remainders(rows.rows, chunk, unit))
     reason = check_per_sample(rows_program.captured, full, cut)
     if reason is not None:
         return reason

@@ -143,7 +143,7 @@ def _program(req: Request, full, cap_at, mesh, rows, unit, mem, one_size=False) 
     chunk = unit if one_size else cost.chunk_rows(rows, unit)
     cap = cap_at(chunk)
     program = UnevenProgram(cap, mesh, req.optimizer, cluster.platform, tuple(rows), chunk, full.global_batch, mem,
-                            grain=unit)
+                            grain=unit, exact_remainders=cost.exact_remainders(rows, chunk, unit))
     context = "uneven per-device chunks"
     used = [s for j, s in enumerate(program.sizes) if any(bits[j] for bits in program.remainder_bits)]
     parts = loss_parts(cap, full, config, context, WAY_OUT).with_variants(
