@@ -9,7 +9,7 @@ plain-JAX way (one `jax.jit(jax.value_and_grad(loss))` call over the same rows),
 - `binary/64`: 64-row chunks, then one chunk per binary digit of the remainder (whalex before);
 - `exact/64`: 64-row chunks, then the remainder as one chunk;
 - `whalex`: the chunk whalex picks (`cost.chunk_rows` for a split of the batch with this share) and
-  the remainder as one chunk, as `timed_work.in_parts` runs it.
+  the remainder as one chunk, as the uneven program runs it.
 
     python bench/uneven_parts.py [--rows 163,191,192,200,824,833] [--rounds 15]
 """
