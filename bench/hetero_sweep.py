@@ -31,7 +31,10 @@ What it measures
     over the fastest found (acceptance: whalex within 1.05, refined within 1.03). The least of nine
     noisy medians favours a lucky draw, so the sweep's two fastest splits and whalex's variants are
     then timed again in fresh interleaved rounds (``confirmed_s``, ``--confirm-rounds``, each round's
-    order the last one's reversed): the table compares those, round by round. A variant's ratio to the
+    order the last one's reversed): the table compares those, round by round. Each split is timed once
+    there, whichever variants chose it (one split is one program; ``timed_as`` names the variant timed),
+    beside an A/A twin: the fastest split built and run as a second step, whose ratio is the run's
+    noise floor. A variant's ratio to the
     fastest found is the median over rounds of its block's median over the fastest's in the same round
     (drift over the run falls on both), with a 90% bootstrap interval over the rounds beside it: a
     ratio whose interval straddles a bar is not decided by the run.
@@ -137,7 +140,14 @@ def worker(args):
     run = harness.step_runner(steps, states, batch)     # the loss as a float: waits for the step on both processes
     timings = harness.interleaved({n: (lambda n=n: run(n)) for n in steps}, args.rounds, block=args.block,
                                   warmup=2, order_by="fixed", sync=None)
-    confirmed = confirm(run, timings, list(steps), args, log)
+    ranked = ranked_sweep(timings, splits)
+    twin = f"A/A {ranked[0]}"                          # the fastest split built again: the run's noise floor
+    add(twin, base.with_speeds(scaled_speeds(base.speeds, float(ranked[0][1:]))[0], overhead=base.overhead))
+    splits[twin] = split_of(steps[twin].plan)
+    for _ in range(3):                                 # its compile and first steps, untimed
+        run(twin)
+    timed_as = {**timed_splits(splits, ranked[:CONFIRM_SWEEP]), twin: twin}
+    confirmed = confirm(run, list(dict.fromkeys(timed_as.values())), args, log)
     out = {"model": args.model, "speeds": {c: list(cl.speeds) for c, cl in clusters.items()},
            "overheads": {c: list(cl.overhead or ()) for c, cl in clusters.items()},
            "calibrated_rows": {c: cl.calibrated_rows for c, cl in clusters.items()},
@@ -145,24 +155,39 @@ def worker(args):
            "refinements": {n: refinement_record(s.plan) for n, s in steps.items() if n.startswith("refined")},
            "variants": [{"name": n, "rows": list(s.plan.batch_sizes), "split": splits[n],
                          "median_s": harness.median(timings.times(n)), "spread": spread(timings.times(n)),
-                         **({"confirmed_s": harness.median(confirmed.times(n)),
-                             "confirmed_rounds": [harness.median(b) for b in confirmed.wall[n]]}
-                            if n in confirmed.wall else {})}
+                         **({"confirmed_s": harness.median(confirmed.times(timed_as[n])),
+                             "confirmed_rounds": [harness.median(b) for b in confirmed.wall[timed_as[n]]],
+                             **({"timed_as": timed_as[n]} if timed_as[n] != n else {})}
+                            if n in timed_as else {})}
                         for n, s in steps.items()]}
     harness.write_worker_result(args.worker_out, out, pid)
 
 
-def confirm(run, timings, names, args, log):
-    """The sweep's two fastest splits and every whalex variant timed again, in fresh interleaved rounds:
-    the least of nine noisy medians is a lucky draw as often as a fast split, so the fastest found is
-    compared with whalex's plans on timings that did not choose it."""
+def ranked_sweep(timings, splits) -> list[str]:
+    """The sweep's points, fastest first by their medians, one per split (neighbouring speeds can give the
+    same rows)."""
     from whalex.refining import slowest
-    sweep = [n for n in names if n.startswith("x")]
+    sweep = [n for n in splits if n.startswith("x")]
     medians = slowest([harness.median(timings.times(n)) for n in sweep])   # alike on every process: one program
-    sweep = [sweep[i] for i in np.argsort(medians, kind="stable")]
-    again = sweep[:CONFIRM_SWEEP] + [n for n in names if not n.startswith("x")]
-    log(f"confirming {again}")
-    return harness.interleaved({n: (lambda n=n: run(n)) for n in again}, args.confirm_rounds, block=args.block,
+    ranked = [sweep[i] for i in np.argsort(medians, kind="stable")]
+    return [n for i, n in enumerate(ranked) if splits[n] not in {splits[m] for m in ranked[:i]}]
+
+
+def timed_splits(splits, fastest) -> dict:
+    """{variant: the name its split is timed under} for the sweep's `fastest` points and every whalex
+    variant: one timing per split, since a split is one program whichever variant chose it (variants
+    that share a split would otherwise differ by the run's noise alone, which the A/A twin measures)."""
+    by_split = {splits[n]: n for n in fastest}
+    return {**{n: n for n in fastest},
+            **{n: by_split.setdefault(splits[n], n) for n in splits if not n.startswith(("x", "A/A"))}}
+
+
+def confirm(run, names, args, log):
+    """`names` timed again in fresh interleaved rounds: the least of nine noisy medians is a lucky draw as
+    often as a fast split, so the fastest found is compared with whalex's plans on timings that did not
+    choose it."""
+    log(f"confirming {names}")
+    return harness.interleaved({n: (lambda n=n: run(n)) for n in names}, args.confirm_rounds, block=args.block,
                                warmup=1, order_by="alternate", sync=None)
 
 

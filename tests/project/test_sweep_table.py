@@ -79,3 +79,19 @@ def test_schedule_gains_pair_each_round_of_blocks():
     assert abs(row["gain_paired"] - expected) < 1e-12
     assert row["gain_interval"][0] <= row["gain_paired"] <= row["gain_interval"][1]
     assert _bench("hetero_pipeline").paired_gain({k: v for k, v in res.items() if k != "block"}, "zb-h1") == {}
+
+
+def test_each_split_is_timed_once_whichever_variants_chose_it():
+    """Variants that share a split share its confirmation (one program), the sweep's ranking keeps the
+    fastest point of each split, and the A/A twin is left out of both."""
+    sweep = _bench("hetero_sweep")
+    splits = {"x0.85": "800/224", "x0.925": "780/244", "x1": "780/244", "whalex (whole)": "780/244",
+              "refined (whole)": "760/264", "refined (quarter)": "760/264", "A/A x0.925": "780/244"}
+    timed = sweep.timed_splits(splits, ["x0.925", "x0.85"])
+    assert timed == {"x0.925": "x0.925", "x0.85": "x0.85", "whalex (whole)": "x0.925",
+                     "refined (whole)": "refined (whole)", "refined (quarter)": "refined (whole)"}
+
+    class Timings:
+        def times(self, name):
+            return {"x0.85": [0.052], "x0.925": [0.049], "x1": [0.048]}[name]
+    assert sweep.ranked_sweep(Timings(), splits) == ["x1", "x0.85"]
