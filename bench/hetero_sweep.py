@@ -153,14 +153,22 @@ def worker(args):
            "calibrated_rows": {c: cl.calibrated_rows for c, cl in clusters.items()},
            "refine_steps": refine_steps, "confirm_rounds": CONFIRM_ROUNDS, "confirm_block": CONFIRM_BLOCK,
            "refinements": {n: refinement_record(s.plan) for n, s in steps.items() if n.startswith("refined")},
-           "variants": [{"name": n, "rows": list(s.plan.batch_sizes), "split": splits[n],
-                         "median_s": harness.median(timings.times(n)), "spread": spread(timings.times(n)),
-                         **({"confirmed_s": harness.median(confirmed.times(timed_as[n])),
-                             "confirmed_rounds": [harness.median(b) for b in confirmed.wall[timed_as[n]]],
-                             **({"timed_as": timed_as[n]} if timed_as[n] != n else {})}
-                            if n in timed_as else {})}
-                        for n, s in steps.items()]}
+           "variants": [variant_record(n, s.plan, splits[n], timings, confirmed, timed_as) for n, s in steps.items()]}
     harness.write_worker_result(args.worker_out, out, pid)
+
+
+def variant_record(name, plan, split, timings, confirmed, timed_as) -> dict:
+    """One variant's results: its rows and split, the sweep's median and spread (the A/A twin, built after
+    the sweep: its confirmation's), and the confirmation of the name its split was timed under."""
+    sweep = timings if name in timings.wall else confirmed
+    out = {"name": name, "rows": list(plan.batch_sizes), "split": split,
+           "median_s": harness.median(sweep.times(name)), "spread": spread(sweep.times(name))}
+    if name not in timed_as:
+        return out
+    again = timed_as[name]
+    return {**out, "confirmed_s": harness.median(confirmed.times(again)),
+            "confirmed_rounds": [harness.median(b) for b in confirmed.wall[again]],
+            **({"timed_as": again} if again != name else {})}
 
 
 def ranked_sweep(timings, splits) -> list[str]:
