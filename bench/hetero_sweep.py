@@ -33,8 +33,8 @@ What it measures
     then timed again in fresh interleaved rounds (``confirmed_s``, ``--confirm-rounds``, each round's
     order the last one's reversed): the table compares those, round by round. Each split is timed once
     there, whichever variants chose it (one split is one program; ``timed_as`` names the variant timed),
-    beside an A/A twin: the fastest split built and run as a second step, whose ratio is the run's
-    noise floor. A variant's ratio to the
+    beside an A/A twin: the sweep's fastest split built and run as a second step, whose ratio to that
+    split (in the table's A/A row) is the run's noise floor. A variant's ratio to the
     fastest found is the median over rounds of its block's median over the fastest's in the same round
     (drift over the run falls on both), with a 90% bootstrap interval over the rounds beside it: a
     ratio whose interval straddles a bar is not decided by the run.
@@ -245,11 +245,13 @@ def table(runs) -> list[str]:
         key = "confirmed_s" if all("confirmed_s" in v for v in r["variants"] if not v["name"].startswith("x")) \
             else "median_s"                          # runs before the confirmation: the sweep's own medians
         best = min((v for v in sweep if key in v), key=lambda v: v[key])
+        named = {v["name"]: v for v in r["variants"]}
         for v in [v for v in r["variants"] if not v["name"].startswith("x")] + [best]:
             name = v["name"] if v is not best else f"fastest found ({v['name']})"
             where = v.get("split") or "/".join(map(str, v["rows"]))
+            versus = named[v["name"][4:]] if v["name"].startswith("A/A ") else best   # the twin: its own split
             body.append((what, str(r["batch"]), name, where, f"{1e3 * v[key]:.1f} ms",
-                         f"±{100 * v['spread']:.1f}%", _versus(v, best, key)))
+                         f"±{100 * v['spread']:.1f}%", _versus(v, versus, key)))
     return _table(head, body)
 
 

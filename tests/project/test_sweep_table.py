@@ -95,3 +95,16 @@ def test_each_split_is_timed_once_whichever_variants_chose_it():
         def times(self, name):
             return {"x0.85": [0.052], "x0.925": [0.049], "x1": [0.048]}[name]
     assert sweep.ranked_sweep(Timings(), splits) == ["x1", "x0.85"]
+
+
+def test_the_twin_is_compared_with_its_own_split():
+    """The A/A row is the twin over the split it was built from (the run's noise floor), even where the
+    confirmation found another split fastest."""
+    run = _run(True)
+    rounds = {"x0.85": [0.050, 0.051, 0.049], "x0.925": [0.048, 0.048, 0.048], "whalex (whole)": [0.049] * 3}
+    for v in run["variants"]:
+        v.update({"confirmed_rounds": rounds[v["name"]]} if v["name"] in rounds else {})
+    run["variants"].append({"name": "A/A x0.85", "rows": [700, 324], "median_s": 0.052, "spread": 0.02,
+                            "confirmed_s": 0.052, "confirmed_rounds": [0.052, 0.051, 0.049]})
+    twin = next(r for r in _sweep_table()([run])[2:] if "A/A" in r)
+    assert twin.split()[-2] == "1.000"          # against the fastest found (x0.925): 1.063
