@@ -132,8 +132,10 @@ def worker(args):
         add(f"whalex ({c})", cluster)
         add(f"refined ({c})", cluster, hardware_aware="refine")
         refine_steps[f"refined ({c})"] = refine(steps, states, f"refined ({c})", batch, log)
-    for f in args.factors:
-        add(f"x{f:g}", base.with_speeds(scaled_speeds(base.speeds, f)[0], overhead=base.overhead))
+    sweep = {f"x{f:g}": base.with_speeds(scaled_speeds(base.speeds, f)[0], overhead=base.overhead)
+             for f in args.factors}                    # the twin below reuses its split's cluster
+    for name, cluster in sweep.items():
+        add(name, cluster)
     splits = {name: split_of(s.plan) for name, s in steps.items()}
     log(f"splits: {splits}")
 
@@ -142,7 +144,7 @@ def worker(args):
                                   warmup=2, order_by="fixed", sync=None)
     ranked = ranked_sweep(timings, splits)
     twin = f"A/A {ranked[0]}"                          # the fastest split built again: the run's noise floor
-    add(twin, base.with_speeds(scaled_speeds(base.speeds, float(ranked[0][1:]))[0], overhead=base.overhead))
+    add(twin, sweep[ranked[0]])
     splits[twin] = split_of(steps[twin].plan)
     for _ in range(3):                                 # its compile and first steps, untimed
         run(twin)
