@@ -4,8 +4,9 @@ pipeline's stage cut (whatever the cluster's speeds decide).
 
 The search is `whalex.balance.refine.bracket_search` over the slow devices' speed scale; each split is
 a whole plan (`build_plan` on the cluster with that speed), run for `WARMUP_STEPS` untimed steps (its
-compile; `FIRST_WARMUP` for the first split, the Step's own first calls) and `STEPS_PER_POINT` timed
-ones, then the confirmation (`CONFIRM_ROUNDS` rounds of a block of `CONFIRM_BLOCK` steps of the
+compile; `FIRST_WARMUP` for the first split, the Step's own first calls) and as many timed ones as
+`steps_per_point` gives for the first split's median (at least `STEPS_PER_POINT`: more where the step is
+short, alike for every split), then the confirmation (`CONFIRM_ROUNDS` rounds of a block of `CONFIRM_BLOCK` steps of the
 prediction and of its rival, the vertex of a V fitted to every split timed;
 `whalex.balance.refine.confirmed` keeps one). Every step
 trains: only where the rows run changes, so training equals one device's throughout. In a
@@ -41,6 +42,7 @@ from whalex.balance.refine import (
     rival,
     rounds_of,
     scaled_speeds,
+    steps_per_point,
 )
 from whalex.errors import PlanError
 from whalex.plan import Plan
@@ -80,6 +82,7 @@ class Refiner:
         self.times: list[float] = []
         self.points: list[SplitTiming] = []
         self.steps = self.at_point = 0
+        self.per_point: int | None = None      # timed steps per split, set by the first split's median
         self.queue: list[ConfirmStep] = []     # the confirmation's steps still to run, in order
         self.confirming: list[tuple[ConfirmStep, float]] = []
         self.result: Plan | None = None
@@ -118,7 +121,9 @@ class Refiner:
         self.at_point += 1
         if self.at_point > (WARMUP_STEPS if self.points else FIRST_WARMUP):   # compile, warm-up: untimed
             self.times.append(seconds)
-        if len(self.times) == STEPS_PER_POINT:
+        if self.per_point is None and len(self.times) == STEPS_PER_POINT:
+            self.per_point = steps_per_point(float(np.median(slowest(self.times))))
+        if len(self.times) == self.per_point:
             self._next(p)
         return state, metrics
 

@@ -36,14 +36,27 @@ from scipy.optimize import nnls
 LO, HI = 0.7, 1.3                      # the bracket on the slow devices' speed, relative to the prediction
 POINTS = 9                             # the most distinct splits one search times (the prediction included)
 MIN_STEP = 0.01                        # the search stops when its step on the scale is below this
-STEPS_PER_POINT = 5                    # timed steps per split (their median counts)
+STEPS_PER_POINT = 5                    # the fewest timed steps per split (their median counts)
+MAX_STEPS_PER_POINT = 10               # the most, for a short step
+POINT_SECONDS = 0.5                    # a split's timed steps last at least this long, within those bounds
 WARMUP_STEPS = 1                       # untimed steps per split first (its compile, its first run)
 FIRST_WARMUP = 3                       # untimed steps of the first split (the step's own first calls)
 CONFIRM_ROUNDS = 4                     # rounds of the confirmation: a block of the prediction and of its rival
 CONFIRM_BLOCK = 4                      # steps per block, the first after the switch untimed
+LOADED_SIGMAS = 3.0                    # a split timed this many robust sigmas above the fitted V was loaded
+LOADED_FLOOR = 0.05                    # ... and at least this far above it, relative
 
 
-def max_steps(points: int = POINTS, steps_per_point: int = STEPS_PER_POINT, warmup: int = WARMUP_STEPS,
+def steps_per_point(seconds: float) -> int:
+    """Timed steps per split for a step of `seconds`: as many as last `POINT_SECONDS` (a median of a few
+    short steps is a lucky or unlucky draw, not the split's time), between `STEPS_PER_POINT` and
+    `MAX_STEPS_PER_POINT`."""
+    if not seconds > 0:
+        return MAX_STEPS_PER_POINT
+    return int(min(max(math.ceil(POINT_SECONDS / seconds), STEPS_PER_POINT), MAX_STEPS_PER_POINT))
+
+
+def max_steps(points: int = POINTS, steps_per_point: int = MAX_STEPS_PER_POINT, warmup: int = WARMUP_STEPS,
               rounds: int = CONFIRM_ROUNDS, block: int = CONFIRM_BLOCK, first: int = FIRST_WARMUP) -> int:
     """The most training steps a refinement runs before it settles on a split (the first split's longer
     warm-up and the confirmation's warm-up of a rival that the search did not time included)."""
@@ -211,9 +224,29 @@ def vertex(points: Sequence[tuple[float, float]], grid: int = 241) -> float | No
     `h + a * max(s - v, 0) + b * max(v - s, 0)` (a, b >= 0: the slow devices bound the step above the
     vertex, the fast ones below) over vertices `v` on a grid with two distinct scales timed on either
     side (an arm through one point would fit any vertex). Every point weighs in, so one lucky timing
-    moves the vertex a little rather than deciding it. None with fewer than four distinct scales, or
-    where the best fit has no arm on one side (the times only fall, or only rise, across the scales)."""
+    moves the vertex a little rather than deciding it; a time far above the fit (`loaded`: load from
+    elsewhere only ever slows a step) is left out and the V fitted again without it, where four distinct
+    scales remain. None with fewer than four distinct scales, or where the best fit has no arm on one
+    side (the times only fall, or only rise, across the scales)."""
     s, t = (np.asarray(x, np.float64) for x in zip(*points)) if points else (np.zeros(0), np.zeros(0))
+    fit = _fit_v(s, t, grid)
+    if fit is None:
+        return None
+    keep = ~loaded(t / fit[1] - 1.0)
+    if not keep.all() and len(np.unique(s[keep])) >= 4:
+        s, t = s[keep], t[keep]
+        fit = _fit_v(s, t, grid)
+    if fit is None:
+        return None
+    v, _, coef = fit
+    rise = coef[1:] * (s.max() - s.min()) / t.mean()            # each arm's rise over the scales, relative
+    return v if np.all(rise > 1e-6) else None
+
+
+def _fit_v(s: np.ndarray, t: np.ndarray, grid: int) -> tuple[float, np.ndarray, np.ndarray] | None:
+    """The least squares V through (s, t) over vertices on a grid between the second and the second-last
+    distinct scale: (its vertex, its time at each point, its coefficients (h, a, b)), or None with fewer
+    than four distinct scales."""
     distinct = np.unique(s)
     if len(distinct) < 4:
         return None
@@ -221,10 +254,17 @@ def vertex(points: Sequence[tuple[float, float]], grid: int = 241) -> float | No
     for v in np.linspace(distinct[1], distinct[-2], grid):
         design = np.stack([np.ones_like(s), np.maximum(s - v, 0.0), np.maximum(v - s, 0.0)], axis=1)
         coef, residual = nnls(design, t)
-        fits.append((residual, float(v), coef))
-    residual, v, coef = min(fits, key=lambda f: f[0])
-    rise = coef[1:] * (distinct[-1] - distinct[0]) / t.mean()     # each arm's rise over the scales, relative
-    return v if np.all(rise > 1e-6) else None
+        fits.append((residual, float(v), design @ coef, coef))
+    _, v, at, coef = min(fits, key=lambda f: f[0])
+    return v, at, coef
+
+
+def loaded(excess: np.ndarray, sigmas: float = LOADED_SIGMAS, floor: float = LOADED_FLOOR) -> np.ndarray:
+    """Which timings stand far above their fit, from each one's relative `excess` (its seconds over the fit's,
+    minus 1): more than `sigmas` robust standard deviations of all of them (1.4826 x their median absolute
+    value) and more than `floor`, so that a fit of tiny, quiet residuals drops nothing."""
+    e = np.asarray(excess, np.float64)
+    return (e > sigmas * 1.4826 * np.median(np.abs(e))) & (e > floor)
 
 
 def confirmation_order(other: float, rounds: int = CONFIRM_ROUNDS, warmup: int = 0,
