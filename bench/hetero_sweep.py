@@ -111,7 +111,7 @@ def worker(args):
 
     import whalex as wh
     from whalex.balance.calibrate import calibrate
-    from whalex.balance.refine import CONFIRM_BLOCK, CONFIRM_ROUNDS, scaled_speeds
+    from whalex.balance.refine import CONFIRM_BLOCK, scaled_speeds
 
     pid, log = harness.worker_start("the driver")
     loss_fn, params, batch, config = make(args)
@@ -153,7 +153,7 @@ def worker(args):
     out = {"model": args.model, "speeds": {c: list(cl.speeds) for c, cl in clusters.items()},
            "overheads": {c: list(cl.overhead or ()) for c, cl in clusters.items()},
            "calibrated_rows": {c: cl.calibrated_rows for c, cl in clusters.items()},
-           "refine_steps": refine_steps, "confirm_rounds": CONFIRM_ROUNDS, "confirm_block": CONFIRM_BLOCK,
+           "refine_steps": refine_steps, "confirm_block": CONFIRM_BLOCK,
            "refinements": {n: refinement_record(s.plan) for n, s in steps.items() if n.startswith("refined")},
            "variants": [variant_record(n, s.plan, splits[n], timings, confirmed, timed_as) for n, s in steps.items()]}
     harness.write_worker_result(args.worker_out, out, pid)
@@ -219,13 +219,14 @@ def refine(steps, states, name, batch, log):
 
 def refinement_record(plan) -> dict | None:
     """What a refinement timed and kept, for the results file: (scale, rows, seconds) per split, in order,
-    and the confirmation's re-timings."""
+    and the confirmation's re-timings, with the timed steps behind each."""
     ref = plan.refinement
     if ref is None:
         return None
     row = lambda p: [p.scale, list(p.rows), p.seconds]          # noqa: E731
     return {"kept": ref.kept, "points": [row(p) for p in ref.points], "confirmed": [row(p) for p in ref.confirmed],
-            "paired": ref.paired}
+            "paired": ref.paired, "steps_per_point": ref.points[0].steps if ref.points else 0,
+            "confirm_steps": [p.steps for p in ref.confirmed]}
 
 
 def _versus(v, best, key) -> str:

@@ -6,9 +6,9 @@ The search is `whalex.balance.refine.bracket_search` over the slow devices' spee
 a whole plan (`build_plan` on the cluster with that speed), run for `WARMUP_STEPS` untimed steps (its
 compile; `FIRST_WARMUP` for the first split, the Step's own first calls) and as many timed ones as
 `steps_per_point` gives for the first split's median (at least `STEPS_PER_POINT`: more where the step is
-short, alike for every split), then the confirmation (`CONFIRM_ROUNDS` rounds of a block of `CONFIRM_BLOCK` steps of the
-prediction and of its rival, the vertex of a V fitted to every split timed;
-`whalex.balance.refine.confirmed` keeps one). Every step
+short, alike for every split), then the confirmation (`confirm_rounds` rounds for that many steps, of
+a block of `CONFIRM_BLOCK` steps of the prediction and of its rival, the vertex of a V fitted to every
+split timed; `whalex.balance.refine.confirmed` keeps one). Every step
 trains: only where the rows run changes, so training equals one device's throughout. In a
 multi-process run each split's time is the slowest process's, so every process settles on the same
 plan.
@@ -24,7 +24,6 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from whalex.balance.refine import (
-    CONFIRM_ROUNDS,
     FIRST_WARMUP,
     HI,
     LO,
@@ -35,6 +34,7 @@ from whalex.balance.refine import (
     Refinement,
     SplitTiming,
     bracket_search,
+    confirm_rounds,
     confirmation_order,
     confirmed,
     median_spread,
@@ -137,11 +137,12 @@ class Refiner:
             self.scale = self.search.send(med)
         except StopIteration as stop:
             other = rival(self.points, key=lambda s: placement(self.plan_at(s)))
-            if other is None or CONFIRM_ROUNDS == 0:
-                self._finish(1.0 if CONFIRM_ROUNDS else stop.value, ())
+            rounds = confirm_rounds(self.per_point or STEPS_PER_POINT)
+            if other is None or rounds == 0:
+                self._finish(1.0 if rounds else stop.value, ())
             else:
                 warmup = 0 if any(p.scale == other for p in self.points) else WARMUP_STEPS
-                self.queue = list(confirmation_order(other, CONFIRM_ROUNDS, warmup))
+                self.queue = list(confirmation_order(other, rounds, warmup))
                 self.scale = self.queue[0].scale
 
     def _confirm(self, seconds: float) -> None:

@@ -19,6 +19,7 @@ from whalex.balance.refine import (
     ConfirmStep,
     SplitTiming,
     bracket_search,
+    confirm_rounds,
     confirmation_order,
     confirmed,
     loaded,
@@ -177,6 +178,10 @@ def test_a_short_step_is_timed_for_more_steps_per_split():
     assert steps_per_point(1.0) == STEPS_PER_POINT and steps_per_point(0.0) == MAX_STEPS_PER_POINT
     assert steps_per_point(0.045) == min(MAX_STEPS_PER_POINT, int(np.ceil(POINT_SECONDS / 0.045)))
     assert STEPS_PER_POINT < steps_per_point(0.045) and steps_per_point(1e-4) == MAX_STEPS_PER_POINT
+    # a short step's confirmation runs more rounds in proportion, never fewer than the long step's
+    assert confirm_rounds(STEPS_PER_POINT) == CONFIRM_ROUNDS
+    assert confirm_rounds(2 * STEPS_PER_POINT) == 2 * CONFIRM_ROUNDS
+    assert max_steps(steps_per_point=STEPS_PER_POINT) < max_steps()
 
 
 @pytest.mark.parametrize("seconds", [0.3, 0.01])
@@ -197,6 +202,7 @@ def test_the_refiner_converges_on_a_synthetic_step_with_fixed_time_on_the_slow_d
     per_point = steps_per_point(seconds)
     assert {p.steps for p in r.points} == {per_point} and per_point == (5 if seconds > 0.1 else 10)
     assert cost(r.kept) <= 1.01 * best and r.kept < 1.0 and ref.result.batch_sizes == rows(r.kept)
+    assert all(c.steps == confirm_rounds(per_point) * (CONFIRM_BLOCK - 1) for c in r.confirmed)
 
 
 class _StepClock:
@@ -273,7 +279,7 @@ def test_the_search_is_a_generator_a_step_can_drive_and_its_cost_is_bounded():
             s = gen.send(abs(s - 0.9))
     except StopIteration as stop:
         assert abs(stop.value - 0.9) < 0.05
-    confirming = 2 * CONFIRM_ROUNDS * CONFIRM_BLOCK
+    confirming = 2 * confirm_rounds(MAX_STEPS_PER_POINT) * CONFIRM_BLOCK
     assert n <= POINTS and max_steps() == POINTS * (MAX_STEPS_PER_POINT + 1) + (FIRST_WARMUP - 1) + 1 + confirming
 
 
@@ -309,7 +315,8 @@ def test_a_refining_step_trains_exactly_as_one_device_and_keeps_its_fastest_time
         least = min((p for p in r.points if p.scale != 1.0), key=lambda p: p.seconds).scale
         assert a.scale == 1.0 and b.scale == (least if fitted is None else b.scale)
         assert fitted is None or b.scale == fitted or b.scale in {p.scale for p in r.points}
-        assert a.steps == b.steps == CONFIRM_ROUNDS * (CONFIRM_BLOCK - 1) and r.kept in (1.0, b.scale)
+        rounds = confirm_rounds(r.points[0].steps)
+        assert a.steps == b.steps == rounds * (CONFIRM_BLOCK - 1) and r.kept in (1.0, b.scale)
         assert r.kept == (b.scale if r.paired < 1.0 else 1.0)          # decided by the paired rounds
         assert r.gain == (1.0 / r.paired if r.kept != 1.0 else 1.0)
     else:                                                              # the V's vertex is the prediction's split

@@ -56,10 +56,19 @@ def steps_per_point(seconds: float) -> int:
     return int(min(max(math.ceil(POINT_SECONDS / seconds), STEPS_PER_POINT), MAX_STEPS_PER_POINT))
 
 
+def confirm_rounds(per_point: int) -> int:
+    """Rounds of the confirmation after splits timed `per_point` steps each: `CONFIRM_ROUNDS` at
+    `STEPS_PER_POINT`, more in proportion where a short step timed more (more rounds rather than longer
+    blocks, so that drift still falls within a round on both splits alike)."""
+    return CONFIRM_ROUNDS * max(per_point, STEPS_PER_POINT) // STEPS_PER_POINT
+
+
 def max_steps(points: int = POINTS, steps_per_point: int = MAX_STEPS_PER_POINT, warmup: int = WARMUP_STEPS,
-              rounds: int = CONFIRM_ROUNDS, block: int = CONFIRM_BLOCK, first: int = FIRST_WARMUP) -> int:
+              rounds: int | None = None, block: int = CONFIRM_BLOCK, first: int = FIRST_WARMUP) -> int:
     """The most training steps a refinement runs before it settles on a split (the first split's longer
-    warm-up and the confirmation's warm-up of a rival that the search did not time included)."""
+    warm-up and the confirmation's warm-up of a rival that the search did not time included); `rounds`
+    defaults to `confirm_rounds(steps_per_point)`."""
+    rounds = confirm_rounds(steps_per_point) if rounds is None else rounds
     return points * (steps_per_point + warmup) + (first - warmup) + warmup + 2 * rounds * block
 
 
