@@ -167,8 +167,8 @@ def test_a_split_timed_far_above_the_v_is_left_out_of_the_fit():
     assert abs(vertex(hit) - 1.15) < 0.03
     assert not loaded(np.array([0.004, -0.003, 0.02, 0.001])).any()       # far in sigmas, but under 5%: kept
     assert list(loaded(np.array([0.01, -0.01, 0.02, -0.02, 0.5]))) == [False] * 4 + [True]
-    # a refinement timed on the emulated cluster (MLP, batch 1024, quota 1/2, calibrated on a quarter;
-    # seconds per split): one split hit by load put the vertex on the prediction, so nothing was confirmed
+    # a refinement timed on the emulated cluster (the MLP sweep under a CPU quota near 2:1, seconds per
+    # split): one split hit by load put the vertex on the prediction, so nothing was confirmed
     timed = [(1.0, 0.04330), (0.85, 0.04775), (1.15, 0.04309), (1.3, 0.04882), (1.075, 0.04314),
              (1.225, 0.03943), (1.1875, 0.06695), (1.2625, 0.04706), (1.20625, 0.04469)]
     assert vertex(timed) > 1.1 and rival([SplitTiming(s, (), t) for s, t in timed]) is not None
