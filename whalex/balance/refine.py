@@ -244,9 +244,7 @@ def vertex(points: Sequence[tuple[float, float]], grid: int = 241) -> float | No
     keep = ~loaded(t / fit[1] - 1.0)
     if not keep.all() and len(np.unique(s[keep])) >= 4:
         s, t = s[keep], t[keep]
-        fit = _fit_v(s, t, grid)
-    if fit is None:
-        return None
+        fit = _fit_v(s, t, grid) or fit                         # four distinct scales kept: it fits
     v, _, coef = fit
     rise = coef[1:] * (s.max() - s.min()) / t.mean()            # each arm's rise over the scales, relative
     return v if np.all(rise > 1e-6) else None
