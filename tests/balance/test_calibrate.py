@@ -477,7 +477,7 @@ def test_two_processes_all_gather_speeds_and_spreads(tmp_path):
     res = [np.load(tmp_path / f"calib_{i}.npz") for i in range(2)]
     for key in ("speeds", "spread", "owners", "links", "extras"):
         np.testing.assert_array_equal(res[0][key], res[1][key])          # every process plans alike
-    assert res[0]["extras"].shape == (4,) and np.all(np.isfinite(res[0]["extras"]))
+    assert res[0]["extras"].shape == (4, 2) and np.all(np.isfinite(res[0]["extras"]))
     latency, bandwidth = res[0]["links"]                               # the links timed: the cluster spans processes
     assert latency >= 0 and bandwidth > 0 and latency + 2**20 / bandwidth > 0
     assert list(res[0]["owners"]) == [0, 0, 1, 1]

@@ -18,7 +18,7 @@ def test_time_extras_times_every_device_on_real_devices():
     params = {"w": np.zeros((256, 256), np.float32)}
     batch = {"x": np.ones((64, 16), np.float32)}
     extras = step_timing.time_extras(jax.devices()[:4], params, batch, block=32, repeats=3)
-    assert extras.shape == (4,) and np.all(np.isfinite(extras))
+    assert extras.shape == (4, 2) and np.all(np.isfinite(extras))       # [placement, all-reduce] per device
     assert step_timing.gradient_elements(params) == 256 * 256
     assert step_timing.gradient_elements({"h": np.zeros(3, np.float16)}) == 1        # 6 bytes: one element
 
@@ -29,6 +29,13 @@ def test_beyond_least_is_per_group_and_never_negative():
     assert np.all(step_timing.beyond_least([2e-3, 1e-3], [[0], [1]]) >= 0)
 
 
+def test_step_extra_counts_the_placement_and_the_all_reduce_lead():
+    extras = np.asarray([[1e-3, 0.0], [1e-3, 6e-3], [0.0, 4e-3]])
+    np.testing.assert_allclose(step_timing.step_extra(extras), [1e-3, 1e-3 + 6e-3 * step_timing.REDUCE_LEAD,
+                                                                4e-3 * step_timing.REDUCE_LEAD])
+    assert 0 < step_timing.REDUCE_LEAD < 1          # the all-reduce's tail follows the last arrival: never all of it
+
+
 def test_calibrate_adds_the_slow_devices_extras_to_their_fixed_time(monkeypatch):
     loss_fn, params, batch = plain_model("dp", "ctx")
     cal = importlib.import_module("whalex.balance.calibrate")
@@ -37,7 +44,8 @@ def test_calibrate_adds_the_slow_devices_extras_to_their_fixed_time(monkeypatch)
 
     def extras(devices, params, batch, block, repeats):
         seen.append((len(devices), block, repeats))
-        return np.asarray([1e-3] * 4 + [4e-3] * 4)
+        lead = 2e-3 / step_timing.REDUCE_LEAD                         # an all-reduce extra whose lead is 2 ms
+        return np.asarray([[1e-3, 0.0]] * 4 + [[2e-3, lead]] * 4)
     monkeypatch.setattr(step_timing, "time_extras", extras)
     base = calibrate(wh.Cluster.detect(), loss_fn, params, batch, optimizer=optax.adam(1e-3), extras=False)
     assert not seen                                                    # off: the fixed times as measured
@@ -45,7 +53,7 @@ def test_calibrate_adds_the_slow_devices_extras_to_their_fixed_time(monkeypatch)
     n = jax.tree.leaves(batch)[0].shape[0]
     assert seen and seen[0][0] == 8 and n // 8 < seen[0][1] <= n       # a fast device's share: its block
     added = np.asarray(cluster.overhead) - np.asarray(base.overhead)
-    np.testing.assert_allclose(added, [0.0] * 4 + [3e-3] * 4, atol=2e-4)   # beyond the fast devices' 1 ms
+    np.testing.assert_allclose(added, [0.0] * 4 + [3e-3] * 4, atol=2e-4)   # 2 + 2 ms beyond the fast devices' 1 ms
     slow = wh.plan(loss_fn, params, batch, cluster=cluster).batch_sizes
     assert sum(slow[4:]) < sum(wh.plan(loss_fn, params, batch, cluster=base).batch_sizes[4:])
     # identical devices: nothing to balance, nothing timed

@@ -5,11 +5,16 @@ the last device to reach it (the step's critical path when it bounds the step).
 A calibration times each device's own work alone; in the step, a device whose host is slower (or
 busier) places and launches later, and a device that reaches the all-reduce last does its part of it
 with no slack, where a device that waited has done its sends before. `time_extras` times, per device
-`who`, one global program twice in interleaved rounds: `who` alone runs a fixed chain of matmuls (the
-others idle), then, in the measured variant, every device's block of the step's rows is placed from
-the host before the call and a buffer the size of the gradients is all-reduced after the work; the
-control runs the work alone. Their difference is `who`'s extra seconds per step; a balanced plan adds
-what a device pays beyond the least-paying one to its fixed time.
+`who`, one global program in interleaved rounds, three ways: `who` alone runs a fixed chain of matmuls
+(the others idle); the same with every device's block of the step's rows placed from the host before
+the call; and that with a buffer the size of the gradients all-reduced after the work. Their
+differences are `who`'s extra seconds per step for the placement and for the all-reduce.
+
+A balanced plan moves a device's arrival, not the all-reduce: what a device does once its peers' data
+reaches it (the reduction, the second phase) follows the last arrival whichever device that is, and
+only its leading part (its first sends) is done early by a device given fewer rows. So the balance
+adds to a device's fixed time its placement and `REDUCE_LEAD` of its all-reduce extra (`step_extra`),
+beyond the least-paying device's.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 AXIS = "extras"
+REDUCE_LEAD = 0.5    # of a device's all-reduce extra, the part a plan can move before its peers arrive
 WORK = (512, 8)      # the work before the all-reduce, `chain` tanh(x @ x) of (n, n): long enough that a
                     # device sharing its core (a CPU quota, busy neighbours) reaches its steady pace
 
@@ -59,32 +65,36 @@ def gradient_elements(params) -> int:
 
 
 def time_extras(devices: Sequence, params, batch, block: int, repeats: int) -> np.ndarray:
-    """Per device of `devices` (every process's, in the cluster's order): the median extra seconds of a
-    step in which it is the last to reach the all-reduce, with `block` rows of `batch` placed on every
-    device from the host, over the same work without placement or all-reduce (`repeats` rounds). Every
-    process calls it; one that holds none of `devices` only joins the barriers."""
+    """Per device of `devices` (every process's, in the cluster's order), [k, 2]: the median extra seconds
+    of a step with `block` rows of `batch` placed on every device from the host over the same work
+    without, and of one in which it is also the last to reach the all-reduce over the placement alone
+    (`repeats` interleaved rounds). Every process calls it; one that holds none of `devices` only joins
+    the barriers."""
     devices = tuple(devices)
     k = len(devices)
     mine = np.asarray([d.process_index == jax.process_index() for d in devices])
     runs = _runs(devices, params, batch, block) if mine.any() else None
-    times = np.zeros((repeats, k, 2))
+    times = np.zeros((repeats, k, 3))
     sync = multihost_utils.sync_global_devices if jax.process_count() > 1 else (lambda name: None)
     for r in range(repeats):
         for i in np.roll(np.arange(k), -r):
-            for j in range(2):
+            for j in range(3):
                 sync(f"whalex extras {r} {i} {j}")
                 if runs is not None:
                     t0 = time.perf_counter()
                     jax.block_until_ready(runs[j](i))
                     times[r, i, j] = time.perf_counter() - t0
-    extra = np.where(mine, np.median(times[..., 0] - times[..., 1], axis=0), 0.0)
+    extra = np.stack([np.median(times[..., 1] - times[..., 2], axis=0),        # the placement
+                      np.median(times[..., 0] - times[..., 1], axis=0)], axis=1)     # the all-reduce, last
+    extra = np.where(mine[:, None], extra, 0.0)
     if jax.process_count() > 1:
-        extra = np.asarray(multihost_utils.process_allgather(extra)).reshape(jax.process_count(), k).sum(0)
+        extra = np.asarray(multihost_utils.process_allgather(extra)).reshape(jax.process_count(), k, 2).sum(0)
     return extra
 
 
 def _runs(devices: tuple, params, batch, block: int) -> tuple:
-    """(measured, control): each `run(who)` launches one step of its program, compiled and warmed up."""
+    """(placed and all-reduced, placed, control): each `run(who)` launches one step of its program,
+    compiled and warmed up."""
     elements = gradient_elements(params)
     mesh, program = _programs(devices, elements)
     host = [np.asarray(x[:block]) for x in jax.tree.leaves(batch)]     # only the block's rows to the host
@@ -99,13 +109,14 @@ def _runs(devices: tuple, params, batch, block: int) -> tuple:
                 for h in host]
     placed = place()
     whos = [jax.device_put(np.asarray([i], np.int32), rep) for i in range(k)]
-    runs = (lambda i: reduce_fn(whos[i], x, grads, *place()), lambda i: work_fn(whos[i], x, grads, *placed))
+    runs = (lambda i: reduce_fn(whos[i], x, grads, *place()), lambda i: work_fn(whos[i], x, grads, *place()),
+            lambda i: work_fn(whos[i], x, grads, *placed))
     for run in runs:
         jax.block_until_ready(run(0))                       # compile and warm up
     return runs
 
 
-def beyond_least(extras: Sequence[float], groups: Sequence[Sequence[int]]) -> np.ndarray:
+def beyond_least(extras: Sequence[float] | np.ndarray, groups: Sequence[Sequence[int]]) -> np.ndarray:
     """Each device's extra seconds beyond the least-paying device's (never negative), every member of a
     group of alike devices given the group's median: what a balanced plan adds to its fixed time."""
     e = np.asarray(extras, np.float64).copy()
@@ -115,9 +126,16 @@ def beyond_least(extras: Sequence[float], groups: Sequence[Sequence[int]]) -> np
 
 
 def with_extras(devices: Sequence, params, batch, speeds, overheads, groups, repeats: int) -> np.ndarray:
-    """Fixed times (None: none measured) with each device's extras beyond the least-paying device's
+    """Fixed times (None: none measured) with each device's `step_extra` beyond the least-paying device's
     added, its block the largest share a balanced plan would give by speed."""
     n = jax.tree.leaves(batch)[0].shape[0]
     block = int(np.ceil(n * np.max(speeds) / np.sum(speeds)))
     fixed = np.zeros(len(devices)) if overheads is None else np.asarray(overheads, np.float64)
-    return fixed + beyond_least(time_extras(devices, params, batch, block, repeats), groups)
+    return fixed + beyond_least(step_extra(time_extras(devices, params, batch, block, repeats)), groups)
+
+
+def step_extra(extras) -> np.ndarray:
+    """Per device, from `time_extras`' [placement, all-reduce] seconds: what moves its arrival at the
+    all-reduce, the placement and the all-reduce's leading part (`REDUCE_LEAD`)."""
+    e = np.asarray(extras, np.float64)
+    return e[:, 0] + REDUCE_LEAD * e[:, 1]
