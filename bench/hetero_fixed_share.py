@@ -28,9 +28,9 @@ RESULTS = pathlib.Path(__file__).parent / "results" / "hetero_sweep.json"
 SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
-def rows_at(run: dict, which: str, share: float) -> float | None:
-    """The slow device's rows with `share` of the calibrated fixed times' difference, None where the
-    calibration's fixed times were equal (the work per row cannot be read back)."""
+def rows_at(run: dict, which: str, shares) -> list[float] | None:
+    """The slow device's rows with each of `shares` of the calibrated fixed times' difference, None where
+    the calibration's fixed times were equal (the work per row cannot be read back)."""
     n = run["batch"]
     fast, slow = run["speeds"][which]
     f_fast, f_slow = run["overheads"][which]
@@ -39,7 +39,7 @@ def rows_at(run: dict, which: str, share: float) -> float | None:
     if abs(f_fast - f_slow) < 1e-6 or abs(den) < 1e-12:
         return None
     work = (f_fast - f_slow) / den
-    return (share * (f_fast - f_slow) + n * work / fast) / (work / fast + work / slow)
+    return [(share * (f_fast - f_slow) + n * work / fast) / (work / fast + work / slow) for share in shares]
 
 
 def sweep_ratio(run: dict, rows: float) -> float:
@@ -63,12 +63,11 @@ def main(argv=None):
             continue
         for run in variant.get("runs", []):
             for which in ("quarter", "whole"):
-                at = [rows_at(run, which, s) for s in SHARES]
-                known = [r for r in at if r is not None]
-                if len(known) < len(at):
+                at = rows_at(run, which, SHARES)
+                if at is None:
                     continue
                 cells = []
-                for s, r in zip(SHARES, known):
+                for s, r in zip(SHARES, at):
                     ratios[s].append(sweep_ratio(run, r))
                     cells.append(f"{r:6.0f}:{ratios[s][-1]:.3f}")
                 print(f"{name:24} {run['slow_by']:5} {run['hogs']} {run['batch']:5} {which:7} " + "  ".join(cells))
