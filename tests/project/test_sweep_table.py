@@ -108,3 +108,35 @@ def test_the_twin_is_compared_with_its_own_split():
                             "confirmed_s": 0.052, "confirmed_rounds": [0.052, 0.051, 0.049]})
     twin = next(r for r in _sweep_table()([run])[2:] if "A/A" in r)
     assert twin.split()[-2] == "1.000"          # against the fastest found (x0.925): 1.063
+
+
+def _accepted_run() -> dict:
+    """A confirmed run: the fastest found x1 (50 ms every round), whalex's whole-batch plan 8% slower in
+    every round, its refinement kept x1's split (timed under x1's name), the twin 1% slower."""
+    def v(name, rounds, **more):
+        return {"name": name, "rows": [700, 324], "median_s": rounds[0], "spread": 0.0,
+                "confirmed_s": sorted(rounds)[len(rounds) // 2], "confirmed_rounds": rounds, **more}
+    best = [0.050, 0.051, 0.049, 0.050, 0.050]
+    return {"slow_by": "busy", "hogs": 2, "batch": 1024, "model": "mlp",
+            "variants": [v("whalex (whole)", [t * 1.08 for t in best]),
+                         v("refined (whole)", best, timed_as="x1"),
+                         v("x1", best), v("x1.15", [t * 1.02 for t in best]),
+                         v("A/A x1", [t * 1.01 for t in best])]}
+
+
+def test_acceptance_reads_each_plan_against_the_confirmed_fastest():
+    acc = _bench("hetero_acceptance")
+    found = {r.plan: r for r in acc.ratios(_accepted_run())}
+    assert set(found) == {"whalex (whole)", "refined (whole)", "A/A x1"}
+    assert abs(found["whalex (whole)"].mid - 1.08) < 1e-9 and found["whalex (whole)"].beyond(1.05)
+    assert found["refined (whole)"].mid == 1.0 and found["refined (whole)"].within(1.03)
+    twin = found["A/A x1"]
+    assert twin.within(1.03) and not twin.within(1.005) and not twin.beyond(1.03)
+    assert acc.count(list(found.values()), 1.05) == "2 of 3 within 5%, 1 beyond it"
+
+
+def test_acceptance_skips_runs_before_the_confirmation():
+    run = _accepted_run()
+    for v in run["variants"]:
+        v.pop("confirmed_rounds")
+    assert _bench("hetero_acceptance").ratios(run) == []

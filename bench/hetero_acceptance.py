@@ -1,0 +1,119 @@
+"""How often do whalex's balanced plans land within their bars, beside how often the fastest split itself
+does when built and timed again? Read from recorded sweeps.
+
+What it reads
+    `bench/results/hetero_sweep.json`'s variants (``--variants``, name prefixes), each run of
+    `bench/hetero_sweep.py`: its confirmation's per-round block medians of whalex's calibrated and refined
+    plans (calibrated on a quarter of the batch and on all of it), of the sweep's fastest splits, and of the
+    A/A twin (the sweep's fastest split built as a second step and timed beside it).
+
+What it computes
+    Per plan, the median over rounds of its block's median over the fastest found's in the same round, with
+    a 90% bootstrap interval over the rounds (`harness.paired_ratio`), as `bench/hetero_sweep.py` prints it.
+    The bars: calibrated within 5% (``--calibrated``), refined within 3% (``--refined``). The twin is a
+    plan that is the sweep's fastest split, measured as the plans are (against the fastest found, chosen
+    from the same confirmation): how often it lands within a bar is how often a perfect plan can, in one
+    run, at that run's noise. A plan whose interval lies wholly above its bar is a miss the run can tell
+    from noise ("beyond").
+
+    python bench/hetero_acceptance.py [--variants mlp_lead,hybrid_lead,pipeline_rounds] [--runs]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+
+import harness
+
+RESULTS = pathlib.Path(__file__).parent / "results" / "hetero_sweep.json"
+PLANS = ("whalex (quarter)", "whalex (whole)", "refined (quarter)", "refined (whole)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Ratio:
+    """One plan against the fastest found: the paired median and its 90% interval."""
+
+    plan: str
+    mid: float
+    lo: float
+    hi: float
+    where: str = ""                    # the variant and setting it was measured in
+
+    def __str__(self) -> str:
+        return f"{self.where}  {self.plan} {self.mid:.3f} [{self.lo:.3f}-{self.hi:.3f}]"
+
+    def within(self, bar: float) -> bool:
+        return self.mid <= bar
+
+    def beyond(self, bar: float) -> bool:
+        return self.lo > bar
+
+
+def fastest(run: dict) -> dict | None:
+    """The fastest found: the sweep point with the least confirmed median (None: a run before the
+    confirmation)."""
+    confirmed = [v for v in run["variants"] if v["name"].startswith("x") and "confirmed_rounds" in v]
+    return min(confirmed, key=lambda v: v["confirmed_s"]) if confirmed else None
+
+
+def ratios(run: dict, where: str = "") -> list[Ratio]:
+    """Each plan's and the twin's paired ratio to the fastest found, in `PLANS` order then the twin's."""
+    best = fastest(run)
+    if best is None:
+        return []
+    named = {v["name"]: v for v in run["variants"]}
+    timed = {n: named[named[n].get("timed_as", n)] for n in named}
+    twin = next((n for n in named if n.startswith("A/A ")), None)
+    out = []
+    for n in (*PLANS, *([twin] if twin else [])):
+        if n in timed and "confirmed_rounds" in timed[n]:
+            out.append(Ratio(n, *harness.paired_ratio(timed[n]["confirmed_rounds"], best["confirmed_rounds"]), where))
+    return out
+
+
+def setting(name: str, run: dict) -> str:
+    hogs = {1: "1/2", 2: "1/3"}.get(run["hogs"], str(run["hogs"]))
+    return f"{run.get('model', name.split('_')[0])} {run['batch']} {run['slow_by']} {hogs}"
+
+
+def count(found: list[Ratio], bar: float) -> str:
+    within = sum(r.within(bar) for r in found)
+    beyond = [r for r in found if r.beyond(bar)]
+    return f"{within} of {len(found)} within {bar - 1:.0%}, {len(beyond)} beyond it"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--variants", default="mlp_lead,hybrid_lead,pipeline_rounds",
+                    help="comma-separated name prefixes of the variants to read")
+    ap.add_argument("--calibrated", type=float, default=1.05, help="the calibrated plans' bar")
+    ap.add_argument("--refined", type=float, default=1.03, help="the refined plans' bar")
+    ap.add_argument("--runs", action="store_true", help="print every plan's ratio, run by run")
+    args = ap.parse_args(argv)
+    prefixes = tuple(args.variants.split(","))
+    data = json.loads(RESULTS.read_text())["variants"]
+    groups: dict[str, list[Ratio]] = {"calibrated": [], "refined": [], "twin": []}
+    for name, variant in data.items():
+        if not name.startswith(prefixes):
+            continue
+        for run in variant.get("runs", []):
+            found = ratios(run, f"{name} ({setting(name, run)})")
+            for r in found:
+                groups["twin" if r.plan.startswith("A/A") else r.plan.split()[0].replace("whalex", "calibrated")
+                       ].append(r)
+            if args.runs:
+                print("\n".join(map(str, found)))
+    cal, ref = args.calibrated, args.refined
+    print(f"calibrated plans: {count(groups['calibrated'], cal)}")
+    print(f"refined plans:    {count(groups['refined'], ref)}")
+    print(f"A/A twins:        {count(groups['twin'], ref)}; {count(groups['twin'], cal)}")
+    for kind, bar in (("calibrated", cal), ("refined", ref)):
+        for r in groups[kind]:
+            if r.beyond(bar):
+                print(f"  {kind} beyond {bar - 1:.0%}: {r}")
+
+
+if __name__ == "__main__":
+    main()
