@@ -132,7 +132,20 @@ def test_acceptance_reads_each_plan_against_the_confirmed_fastest():
     assert found["refined (whole)"].mid == 1.0 and found["refined (whole)"].within(1.03)
     twin = found["A/A x1"]
     assert twin.within(1.03) and not twin.within(1.005) and not twin.beyond(1.03)
-    assert acc.count(list(found.values()), 1.05) == "2 of 3 within 5%, 1 beyond it"
+    assert [r.plan for r in acc.tellable(list(found.values()), 1.05)] == ["whalex (whole)"]
+    assert acc.count(list(found.values()), 1.05, [found["whalex (whole)"]]) == "2 of 3 within 5%, 1 beyond it"
+
+
+def test_a_run_whose_twin_is_beyond_the_bar_tells_no_plan_beyond_it():
+    """The twin, a second build of the fastest split, measured 9% slower than the first in every round: the
+    run's floor is above a 5% bar, so whalex's 8% is not a miss it can tell."""
+    run = _accepted_run()
+    twin = next(v for v in run["variants"] if v["name"] == "A/A x1")
+    twin["confirmed_rounds"] = [t * 1.09 / 1.01 for t in twin["confirmed_rounds"]]
+    acc = _bench("hetero_acceptance")
+    found = acc.ratios(run)
+    assert next(r for r in found if r.plan == "whalex (whole)").beyond(1.05)
+    assert acc.tellable(found, 1.05) == []
 
 
 def test_acceptance_skips_runs_before_the_confirmation():
