@@ -27,6 +27,7 @@ import json
 import pathlib
 
 import harness
+from hetero_sweep import emulation
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "hetero_sweep.json"
 PLANS = ("whalex (quarter)", "whalex (whole)", "refined (quarter)", "refined (whole)")
@@ -64,19 +65,17 @@ def ratios(run: dict, where: str = "") -> list[Ratio]:
     best = fastest(run)
     if best is None:
         return []
-    named = {v["name"]: v for v in run["variants"]}
-    timed = {n: named[named[n].get("timed_as", n)] for n in named}
+    named = {v["name"]: v for v in run["variants"]}          # a plan timed under another name holds its rounds
     twin = next((n for n in named if n.startswith("A/A ")), None)
     out = []
     for n in (*PLANS, *([twin] if twin else [])):
-        if n in timed and "confirmed_rounds" in timed[n]:
-            out.append(Ratio(n, *harness.paired_ratio(timed[n]["confirmed_rounds"], best["confirmed_rounds"]), where))
+        if n in named and "confirmed_rounds" in named[n]:
+            out.append(Ratio(n, *harness.paired_ratio(named[n]["confirmed_rounds"], best["confirmed_rounds"]), where))
     return out
 
 
 def setting(name: str, run: dict) -> str:
-    hogs = {1: "1/2", 2: "1/3"}.get(run["hogs"], str(run["hogs"]))
-    return f"{run.get('model', name.split('_')[0])} {run['batch']} {run['slow_by']} {hogs}"
+    return f"{run.get('model', name.split('_')[0])} {run['batch']} {emulation(run)}"
 
 
 def kind(r: Ratio) -> str:

@@ -236,11 +236,17 @@ def _versus(v, best, key) -> str:
     return f"{v[key] / best[key]:.3f}"
 
 
+def emulation(run) -> str:
+    """How a run slowed its second process, as the table names it: "quota 1/2", "busy 1/3"."""
+    hogs = run["hogs"]
+    return f"{run['slow_by']} {'1/2' if hogs == 1 else '1/3' if hogs == 2 else hogs}"
+
+
 def table(runs) -> list[str]:
     head = ("emulation", "batch", "variant", "split (fast/slow)", "median", "spread", "/ fastest [90%]")
     body = []
     for r in runs:
-        what = f"{r['slow_by']} {'1/2' if r['hogs'] == 1 else '1/3' if r['hogs'] == 2 else r['hogs']}"
+        what = emulation(r)
         if "failed" in r:
             body.append((what, str(r["batch"]), "FAILED", r["failed"], "", "", ""))
             continue
