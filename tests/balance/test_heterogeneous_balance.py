@@ -6,7 +6,7 @@ import pytest
 
 import whalex as wh
 from conftest import HETERO, adam, assert_matches
-from support.models import flax_model, plain_model
+from support.models import flax_model, masked_mlp, plain_model
 
 
 @pytest.mark.parametrize("builder", [plain_model, flax_model])
@@ -252,29 +252,6 @@ def test_rounding_to_the_grain_costs_under_one_percent_at_any_batch(ratio, devic
         assert (rows / speeds).max() / (b / speeds.sum()) < 1.01, (b, grain, rows)
 
 
-def _mlp_problem(b, seed=0):
-    """A stock Flax MLP (nn.Dense with biases) and a masked mean on a batch with padded rows."""
-    import flax.linen as nn
-    import optax
-
-    class MLP(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            return nn.Dense(5)(nn.relu(nn.Dense(16)(x)))
-
-    rng = np.random.default_rng(seed)
-    batch = {"x": jnp.asarray(rng.standard_normal((b, 12), np.float32)),
-             "y": jnp.asarray(rng.integers(0, 5, b).astype(np.int32)),
-             "mask": jnp.asarray((rng.random(b) > 0.2).astype(np.float32))}
-    params = MLP().init(jax.random.key(seed), batch["x"][:1])["params"]
-
-    def loss_fn(p, bt):
-        ce = optax.softmax_cross_entropy_with_integer_labels(MLP().apply({"params": p}, bt["x"]), bt["y"])
-        return (ce * bt["mask"]).sum() / bt["mask"].sum()
-
-    return loss_fn, params, batch
-
-
 @pytest.mark.parametrize("b", [4096])
 def test_power_of_two_batch_follows_a_two_to_one_split(b):
     """A 2:1 cluster at a power-of-two batch: rows follow the speeds to the grain (the old divisor
@@ -283,7 +260,7 @@ def test_power_of_two_batch_follows_a_two_to_one_split(b):
     import optax
 
     from support.hlo import shapes_of
-    loss_fn, params, batch = _mlp_problem(b)
+    loss_fn, params, batch = masked_mlp(b)
     cluster = wh.Cluster(devices=jax.devices()[:2]).with_speeds([2e12, 1e12])
     step, _ = assert_matches(loss_fn, params, batch, steps=2, optimizer=optax.sgd(0.5), tol=1e-4, cluster=cluster)
     program, rows = step.plan.program, step.plan.batch_sizes
@@ -324,7 +301,7 @@ def test_a_split_with_odd_remainders_trains_as_one_device(optimizer):
     equal to one device's."""
     import optax
 
-    loss_fn, params, batch = _mlp_problem(96, seed=3)
+    loss_fn, params, batch = masked_mlp(96, seed=3)
     cluster = wh.Cluster(devices=jax.devices()[:2]).with_speeds([11e12, 5e12])
     opt = optax.sgd(0.5) if optimizer == "sgd" else adam()
     step, _ = assert_matches(loss_fn, params, batch, steps=3, optimizer=opt, tol=1e-4, cluster=cluster)

@@ -328,6 +328,24 @@ def test_a_refining_step_trains_exactly_as_one_device_and_keeps_its_fastest_time
     assert ("confirmed in paired blocks" in text) == bool(r.confirmed)
 
 
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_a_refining_step_trains_a_masked_mean_on_padded_rows_exactly_as_one_device(opt):
+    """The splits a refinement moves through give each device other rows, padded ones among them: the
+    masked mean's numerator and denominator are summed over every device at each split alike."""
+    import optax
+
+    import whalex as wh
+    from conftest import HETERO, adam, assert_matches
+    from support.models import masked_mlp
+    loss_fn, params, batch = masked_mlp(96, seed=3)
+    optimizer = optax.sgd(0.1) if opt == "sgd" else adam()
+    step, _ = assert_matches(loss_fn, params, batch, steps=max_steps() + 2, optimizer=optimizer, tol=1e-4,
+                             config=wh.Config(hardware_aware="refine"), cluster=wh.Cluster(kinds=HETERO))
+    r = step.plan.refinement
+    assert r is not None and r.steps <= max_steps() and len({p.rows for p in r.points}) >= 2
+    assert step.plan.batch_sizes == r.chosen.rows
+
+
 def test_a_refining_split_head_trains_exactly_as_one_device():
     # Whale's Example 2 on a declared V100+T4 cluster: the backbone's rows and the head's classes move together
     import optax

@@ -9,6 +9,7 @@ Each builder returns (loss_fn, params, batch). The strategies:
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 import whalex as wh
@@ -134,3 +135,23 @@ def plain_model(strategy: str, style: str):
                 return _head(p, h, b["y"])
 
     return loss_fn, plain_params(), data()
+
+
+def masked_mlp(b, seed=0):
+    """A stock Flax MLP (nn.Dense with biases) and a masked mean on a batch with padded rows."""
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(5)(nn.relu(nn.Dense(16)(x)))
+
+    rng = np.random.default_rng(seed)
+    batch = {"x": jnp.asarray(rng.standard_normal((b, 12), np.float32)),
+             "y": jnp.asarray(rng.integers(0, 5, b).astype(np.int32)),
+             "mask": jnp.asarray((rng.random(b) > 0.2).astype(np.float32))}
+    params = MLP().init(jax.random.key(seed), batch["x"][:1])["params"]
+
+    def loss_fn(p, bt):
+        ce = optax.softmax_cross_entropy_with_integer_labels(MLP().apply({"params": p}, bt["x"]), bt["y"])
+        return (ce * bt["mask"]).sum() / bt["mask"].sum()
+
+    return loss_fn, params, batch
