@@ -17,7 +17,8 @@ What it measures
     * calibrate: ``calibrate(Cluster.detect(), loss_fn, params, batch, optimizer=adam)`` twice, on
       a quarter of the global batch (with ``global_batch=``, as the summary advises: its rows repeated
       up to the step's) and on all of it (the user's two likely choices); the pipeline with
-      ``num_micro_batch=`` (a stage runs one micro-batch at a time: calibrate times its rows);
+      ``num_micro_batch=`` (a stage runs the step's rows one micro-batch at a time: calibrate times
+      them so);
     * whalex:  the balanced plan on each calibration (``wh.parallelize(..., cluster=calibrated)``);
     * refined: ``Config(hardware_aware="refine")`` on each calibration: its first steps time the real
       step at splits around the prediction and keep the fastest (the steps it took are reported);

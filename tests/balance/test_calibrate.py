@@ -307,20 +307,27 @@ def test_a_heterogeneous_pipelines_summary_says_whether_its_micro_batch_lies_ins
     assert f"calibrate(..., num_micro_batch={64 // micro}) on the step's batch" in text
 
 
-def test_a_pipelines_calibration_times_its_micro_batchs_rows(monkeypatch):
-    # num_micro_batch: every device timed at half, one and two micro-batches' rows of the step's batch,
-    # never at a data-parallel share (no stage runs one), and the pipeline's summary finds it inside
+def test_a_pipelines_calibration_times_the_steps_rows_in_micro_batches(monkeypatch):
+    # num_micro_batch: every device runs a quarter, half and all of the step's rows in micro-batch parts
+    # (one call each, as a stage runs them), never a data-parallel share (no stage runs one), and the
+    # pipeline's summary finds its micro-batch inside the rows timed
     from lowering.test_pipeline import deep_model
     loss_fn, params, batch = deep_model()
     config = wh.Config(num_micro_batch=4, num_task_graph=2, auto_parallel=True)
     cal = importlib.import_module("whalex.balance.calibrate")
-    seen, fake = [], _synthetic_rounds([2e-4] * 8, [2e-5] * 4 + [4e-5] * 4, 0.01)
+    seen, chunks, fake = [], [], _synthetic_rounds([2e-4] * 8, [2e-5] * 4 + [4e-5] * 4, 0.01)
+    work = cal.loss_work
 
     def spy(devices, fn, args, repeats, sync=None):
         own = args if isinstance(args[0], list) else [args] * len(devices)
         seen.append([tuple(jax.tree.leaves(a[-1])[0].shape[0] for a in sets) for sets in own])
         return fake(devices, fn, args, repeats)
+
+    def spy_work(loss_fn, params, optimizer, chunk=None):
+        chunks.append(chunk)
+        return work(loss_fn, params, optimizer, chunk)
     monkeypatch.setattr(cal, "time_rounds", spy)
+    monkeypatch.setattr(cal, "loss_work", spy_work)
     n = jax.tree.leaves(batch)[0].shape[0]
     plain = calibrate(wh.Cluster.detect(), loss_fn, params, batch, optimizer=optax.sgd(0.1))
     assert seen[0] == [(n // 4, n // 2, n)] * 8 and len(seen) > 2          # timed again at its own shares
@@ -328,9 +335,11 @@ def test_a_pipelines_calibration_times_its_micro_batchs_rows(monkeypatch):
     parts = parts.layout.axis_sizes[0] * 4
     k = n // parts
     seen.clear()
+    chunks.clear()
     cluster = calibrate(wh.Cluster.detect(), loss_fn, params, batch, optimizer=optax.sgd(0.1), num_micro_batch=parts)
-    assert seen and all(s == [(k // 2, k, 2 * k)] * 8 for s in seen)     # the split shown twice, no shares
-    assert cluster.calibrated_rows == (k // 2, 2 * k)
+    assert seen and all(s == [(n // 4, n // 2, n)] * 8 for s in seen)     # the split shown twice, no shares
+    assert chunks and set(chunks) == {k}                                   # every timing in micro-batch parts
+    assert cluster.calibrated_rows == (k, k)
     assert cluster.speeds[0] / cluster.speeds[4] == pytest.approx(2.0, rel=0.1)
     plan = wh.plan(loss_fn, params, batch, cluster=cluster, config=config)
     assert f"a stage's micro-batch of {k} rows lies inside" in plan.summary()

@@ -23,8 +23,9 @@ def check_global_batch(global_batch, loss_fn, batch) -> None:
                          "instead.")
 
 
-def micro_rows(num_micro_batch, loss_fn, batch) -> tuple[int, ...] | None:
-    """The rows a pipeline's calibration times (half, one and two micro-batches'), or None without one."""
+def micro_part(num_micro_batch, loss_fn, batch) -> int | None:
+    """The rows of one micro-batch, the part a pipeline's stage runs the step's rows in (and its
+    calibration times them in), or None without `num_micro_batch`."""
     if num_micro_batch is None:
         return None
     if loss_fn is None:
@@ -36,8 +37,7 @@ def micro_rows(num_micro_batch, loss_fn, batch) -> tuple[int, ...] | None:
         raise ValueError(f"calibrate's num_micro_batch is how many micro-batches the batch's rows ({n}) make per "
                          f"stage device, each of at least 2 rows (an int from 1 to {(n or 2) // 2}), got "
                          f"{num_micro_batch!r}. Pass the batch the step trains on, or global_batch=.")
-    k = n // int(num_micro_batch)
-    return (max(1, k // 2), k, min(n, 2 * k))
+    return n // int(num_micro_batch)
 
 
 def batch_rows(batch) -> int | None:

@@ -38,7 +38,7 @@ import optax
 from jax.experimental import multihost_utils
 
 from whalex.balance.algorithm import proportional
-from whalex.balance.batch_rows import check_global_batch, fractions, micro_rows, resized
+from whalex.balance.batch_rows import check_global_batch, fractions, micro_part, resized
 from whalex.balance.head_timing import split_heads, time_head
 from whalex.balance.link_timing import time_links
 from whalex.balance.step_timing import with_extras
@@ -397,8 +397,8 @@ def _fitted(again, loss_fn, params, batch, optimizer, micro, m, groups):
     where they left the rows timed: a fixed time read at a share's rows, not extrapolated far from
     them), and the batch's rows they were timed between (None without a loss)."""
     speeds, overheads = _grouped(m, groups)
-    sized = fractions(batch, micro) if loss_fn is not None else None
-    counts = None if sized is None else sized[0]
+    sized = fractions(batch) if loss_fn is not None else None
+    counts = None if sized is None else (micro, micro) if micro is not None else sized[0]
     if overheads is not None and len(groups) > 1 and micro is None:
         per_row = _row_work(loss_work(loss_fn, params, optimizer)[2], counts, fractions(batch, counts)[1])
         speeds, overheads, own = _fixed_at_own_shares(again, batch, per_row, speeds, overheads, groups)
@@ -442,8 +442,8 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
     step (the update, without `optimizer`) a refinement measures: `Config(hardware_aware="refine")`.
     `num_micro_batch`: the step is a pipeline's, whose stages each run one micro-batch of the batch's
     rows / `num_micro_batch` at a time (pass the plan's micro-batches times its data-parallel replicas
-    per stage): each device is timed at half, one and two micro-batches' rows instead, and not at a
-    data-parallel share (no stage runs one); `extras` then defaults to off (a stage cut reads speeds).
+    per stage): each device runs the rows in micro-batches in one call, as a stage runs a step (a device
+    sharing its core timed at its pace over a step); `extras` then defaults to off.
     `head`: unless False, where the devices differ and the loss has `wh.ops.softmax_cross_entropy_head`,
     also time that head's program at class splits around the rows' speeds (`head_timing`): the
     fastest is kept as a scale on the slowest devices' speed (`Cluster.head_scale`) for the classes.
@@ -453,9 +453,9 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
     """
     _check(size, chain, repeats, tolerance, loss_fn, params, batch, optimizer, global_batch)
     batch = resized(batch, global_batch)
-    micro = micro_rows(num_micro_batch, loss_fn, batch)
+    micro = micro_part(num_micro_batch, loss_fn, batch)
     again = functools.partial(measure, cluster, loss_fn, params, batch, optimizer=optimizer, size=size,
-                              chain=chain, repeats=repeats, rows=micro)
+                              chain=chain, repeats=repeats, chunk=micro)
     first = again()
     m = first if len(_groups(first, tolerance)) < 2 else faster(first, again())
     groups = _groups(m, tolerance)
