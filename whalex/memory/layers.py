@@ -3,8 +3,9 @@
 A layer is a contiguous run of top-level equations under one module path (Flax's name stack,
 `GPT/Block_3`). The depth is the one at which the model repeats itself most: the module paths whose
 equations compute the same function (equal `subgraph_key`, e.g. the blocks of a transformer) cover
-the most equations there, or the shallowest depth that covers within `COVERAGE` of that most (a
-block's sub-layers repeat as much as the blocks do: the blocks are the layers); depth 2 (the top
+the most equations there, or the shallowest depth that covers that most less `1 - COVERAGE` of the
+model's equations (a block's sub-layers repeat as much as the blocks do, and a sub-layer that also
+appears outside the blocks, a final LayerNorm, adds little: the blocks are the layers); depth 2 (the top
 module's children) stands when nothing repeats. A remat segment is then a layer within one
 TaskGraph: `Layers.cuts` gives the equations where a new one starts, and
 `whalex.jaxpr.segments.segments` cuts there too. `remat="full"` or a policy name applies to the
@@ -54,7 +55,8 @@ def find_layers(cap) -> Layers:
                             tuple(u.eqns[0] for u in units),
                             sum(len(u.eqns) for u, r in zip(units, repeats) if r), repeats))
     most = max((layers.repeated for layers in found), default=0)
-    return next((layers for layers in found if layers.repeated >= COVERAGE * most), Layers(BASE_DEPTH, (), (), 0))
+    slack = (1 - COVERAGE) * len(jaxpr.eqns)
+    return next((layers for layers in found if layers.repeated >= most - slack), Layers(BASE_DEPTH, (), (), 0))
 
 
 def _named(units) -> list:
