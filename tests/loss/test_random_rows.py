@@ -294,7 +294,9 @@ def test_flax_dropout_rows_match():
             return lax.dynamic_update_slice_in_dim(buf, part, i * rows, axis=0)
         return lax.fori_loop(0, B // rows, body, jnp.zeros_like(x))
 
-    np.testing.assert_array_equal(by_parts(key, x), whole)
+    got = by_parts(key, x)
+    np.testing.assert_array_equal(got == 0, whole == 0)        # the same rows' masks, bit for bit
+    np.testing.assert_allclose(got, whole, rtol=1e-6)          # the kept values' 1/(1-rate), to rounding
     # A part evaluated plainly (without the override) draws different masks: the test is not vacuous.
     plain = drop.apply({}, x[4:8], rngs={"dropout": key})
     assert not np.array_equal(plain, whole[4:8])

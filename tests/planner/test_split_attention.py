@@ -148,11 +148,12 @@ def all_reduces(text):
 
 
 def check_compiled(step, flops_unsplit, n):
-    """Per-device FLOPs at most 1/8 of the unsplit block's plus 10%; one forward all-reduce of
-    activations (the output projection's partial sums)."""
+    """Per-device FLOPs at most 1/8 of the unsplit block's plus 15% (the replicated layer norms and the
+    loss, which XLA's count weighs differently across versions; a replicated block would be 8x); one
+    forward all-reduce of activations (the output projection's partial sums)."""
     compiled = step.plan.lowered().compile()
     flops = compiled.cost_analysis()["flops"]
-    assert flops <= 1.1 * flops_unsplit / 8, (flops, flops_unsplit / 8)
+    assert flops <= 1.15 * flops_unsplit / 8, (flops, flops_unsplit / 8)
     act = (B * n // 8, L, D)                                   # one model group's rows
     fwd = [s for s, name in all_reduces(compiled.as_text()) if "transpose(" not in name and act in s]
     assert len(fwd) == 1 and fwd[0].count(act) == 1, all_reduces(compiled.as_text())

@@ -79,9 +79,10 @@ def temp_bytes(fn, *args) -> float:
     return float(getattr(m, "temp_size_in_bytes", 0))
 
 
-def activation_model(make_fn, rows: tuple[int, int] = (16, 64)) -> tuple[float, float]:
+def activation_model(make_fn, rows: tuple[int, int] = (32, 128)) -> tuple[float, float]:
     """(base, bytes per sample): the line through XLA's temp memory of forward+backward at two
-    batch sizes (large enough that fixed-size scratch does not hide the per-sample growth)."""
+    batch sizes (large enough that fixed-size scratch, or a small batch's own code, does not hide the
+    per-sample growth: XLA CPU compiles a 16-row step with another buffer layout than a 32-row one)."""
     r1, r2 = rows
     t1 = temp_bytes(*make_fn(r1))
     t2 = temp_bytes(*make_fn(r2))
