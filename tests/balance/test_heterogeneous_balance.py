@@ -210,7 +210,7 @@ def test_even_split_head_on_a_homogeneous_cluster_uses_plain_sharding():
 
 
 def test_memory_model_predicts_xla_memory_analysis():
-    """The per-device activation model (a line through XLA's temp bytes at 16 and 64 rows)
+    """The per-device activation model (a line through XLA's temp bytes at 32 and 128 rows)
     predicts the compiled temp memory at another batch size."""
     from whalex.balance.cost import activation_model, temp_bytes
     from whalex.jaxpr.capture import capture
