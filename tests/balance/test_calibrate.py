@@ -402,11 +402,36 @@ def test_a_fixed_time_that_moves_a_share_off_the_rows_timed_is_timed_again_aroun
     monkeypatch.setattr(cal, "time_rounds", spy)
     cluster = calibrate(wh.Cluster.detect(), loss_fn, params, batch, optimizer=optax.adam(1e-3))
     plan = wh.plan(loss_fn, params, batch, cluster=cluster)
-    assert len(seen) == 2 and seen[0] != seen[1]                         # a second timing, at other rows
+    assert len(seen) == 4 and seen[0] == seen[1] != seen[2] == seen[3]   # timed twice, then twice at other rows
     assert not all(lo <= k <= hi for (lo, _, hi), k in zip(seen[0], plan.batch_sizes))
-    assert all(lo <= k <= hi for (lo, _, hi), k in zip(seen[1], plan.batch_sizes))
+    assert all(lo <= k <= hi for (lo, _, hi), k in zip(seen[2], plan.batch_sizes))
     assert cluster.overhead[4] - cluster.overhead[0] == pytest.approx(1e-4, rel=0.1)
-    assert cluster.calibrated_rows == (min(r[0] for r in seen[1]), max(r[-1] for r in seen[1]))
+    assert cluster.calibrated_rows == (min(r[0] for r in seen[2]), max(r[-1] for r in seen[2]))
+
+
+@pytest.mark.parametrize("slow_first", [True, False])
+def test_each_device_keeps_the_faster_of_two_timings_at_its_own_share(monkeypatch, slow_first):
+    # the wide fit says 2:1 and no fixed time; of the two timings around the devices' own shares, one finds
+    # the slow half 1 ms slower per step (a device sharing its core keeping a slower pace through a whole
+    # timing): whichever comes first, each device keeps its faster timing, so the slow half gets no fixed time
+    loss_fn, params, batch = plain_model("dp", "ctx")
+    cal = importlib.import_module("whalex.balance.calibrate")
+    per_row = [2e-5] * 4 + [4e-5] * 4
+    wide = _synthetic_rounds([0.0] * 8, per_row, 0.01)
+    paces = [_synthetic_rounds([0.0] * 4 + [1e-3] * 4, per_row, 0.01), _synthetic_rounds([0.0] * 8, per_row, 0.01)]
+    paces = paces if slow_first else paces[::-1]
+    calls = []
+
+    def spy(devices, fn, args, repeats, sync=None):
+        if not isinstance(args[0], list):
+            return wide(devices, fn, args, repeats)
+        calls.append(args)
+        return paces[len(calls) - 1](devices, fn, args, repeats)
+    monkeypatch.setattr(cal, "time_rounds", spy)
+    cluster = calibrate(wh.Cluster.detect(), loss_fn, params, batch, optimizer=optax.adam(1e-3))
+    assert len(calls) == 2
+    assert cluster.overhead == pytest.approx((0.0,) * 8, abs=2e-5)
+    assert cluster.speeds[0] / cluster.speeds[4] == pytest.approx(2.0, rel=0.05)
 
 
 def test_a_device_faster_per_row_at_its_share_than_the_wide_fit_gets_that_speed(monkeypatch):

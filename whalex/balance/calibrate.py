@@ -279,13 +279,15 @@ def _fixed_at_own_shares(again, batch, per_row, speeds, overheads, groups):
     over a narrow range of rows is noise); the fixed time is what makes the line meet the step's time
     at the device's own rows, and where that would take a negative fixed time (the parts run faster
     per row than the wide fit's passes), the line through that time and no fixed time. Where the
-    narrow range resolves no slope, the line meets the step's time at the largest of its rows."""
+    narrow range resolves no slope, the line meets the step's time at the largest of its rows.
+    The timing runs twice and each device keeps the faster (`faster`), as the wide measurement does: a
+    device sharing its core can keep a slower pace through a whole timing than it keeps in the step."""
     n = jax.tree.leaves(batch)[0].shape[0]
     shares = _shares(batch, per_row, speeds, overheads)
     own = _own(shares, n)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        m = again(own_rows=own, chunk=plan_chunk(n, speeds, shares))
+        m = faster(*(again(own_rows=own, chunk=plan_chunk(n, speeds, shares)) for _ in range(2)))
     if m.overheads is None:                     # no slope over the narrow range: the whole step at the top
         x = np.asarray([r[-1] for r in own], np.float64)
         at = x * per_row / np.asarray(m.speeds)
