@@ -17,7 +17,7 @@ What it computes
     from noise ("beyond"), unless the run's twin is beyond that bar too (`tellable`: that run's floor
     lies above the bar).
 
-    python bench/hetero_acceptance.py [--variants mlp_lead,hybrid_lead,pipeline_parts] [--runs]
+    python bench/hetero_acceptance.py [--variants mlp_lead,hybrid_lead,mlp_pinned,hybrid_pinned,pipeline_parts] [--runs]
 """
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def count(found: list[Ratio], bar: float, beyond: list[Ratio]) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--variants", default="mlp_lead,hybrid_lead,pipeline_parts",
+    ap.add_argument("--variants", default="mlp_lead,hybrid_lead,mlp_pinned,hybrid_pinned,pipeline_parts",
                     help="comma-separated name prefixes of the variants to read")
     ap.add_argument("--calibrated", type=float, default=1.05, help="the calibrated plans' bar")
     ap.add_argument("--refined", type=float, default=1.03, help="the refined plans' bar")
