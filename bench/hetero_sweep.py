@@ -219,12 +219,12 @@ def refine(steps, states, name, batch, log):
 
 
 def refinement_record(plan) -> dict | None:
-    """What a refinement timed and kept, for the results file: (scale, rows, seconds) per split, in order,
-    and the confirmation's re-timings, with the timed steps behind each."""
+    """What a refinement timed and kept, for the results file: (scale, rows, seconds, paired ratio to the
+    prediction) per split, in order, and the confirmation's re-timings, with the timed steps behind each."""
     ref = plan.refinement
     if ref is None:
         return None
-    row = lambda p: [p.scale, list(p.rows), p.seconds]          # noqa: E731
+    row = lambda p: [p.scale, list(p.rows), p.seconds, p.paired]          # noqa: E731
     return {"kept": ref.kept, "points": [row(p) for p in ref.points], "confirmed": [row(p) for p in ref.confirmed],
             "paired": ref.paired, "steps_per_point": ref.points[0].steps if ref.points else 0,
             "confirm_steps": [p.steps for p in ref.confirmed]}

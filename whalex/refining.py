@@ -3,15 +3,15 @@ the predicted balance and keep the fastest: data-parallel rows, uneven split sha
 pipeline's stage cut (whatever the cluster's speeds decide).
 
 The search is `whalex.balance.refine.bracket_search` over the slow devices' speed scale; each split is
-a whole plan (`build_plan` on the cluster with that speed), run for `WARMUP_STEPS` untimed steps (its
-compile; `FIRST_WARMUP` for the first split, the Step's own first calls) and as many timed ones as
-`steps_per_point` gives for the first split's median (at least `STEPS_PER_POINT`: more where the step is
-short, alike for every split), then the confirmation (`confirm_rounds` rounds for that many steps, of
-a block of `CONFIRM_BLOCK` steps of the prediction and of its rival, the vertex of a V fitted to every
-split timed; `whalex.balance.refine.confirmed` keeps one). Every step
-trains: only where the rows run changes, so training equals one device's throughout. In a
-multi-process run each split's time is the slowest process's, so every process settles on the same
-plan.
+a whole plan (`build_plan` on the cluster with that speed). The prediction runs `FIRST_WARMUP` untimed
+steps (the Step's own first calls) and as many timed ones as `steps_per_point` gives for its median (at
+least `STEPS_PER_POINT`: more where the step is short); every later split runs `WARMUP_STEPS` untimed
+steps (its compile) and `point_rounds` paired rounds of a block of `CONFIRM_BLOCK` steps beside a block
+of the prediction, and the search compares their paired ratios. Then the confirmation: `confirm_rounds`
+such rounds of the prediction and its rival (the vertex of a V fitted to every split's ratio;
+`whalex.balance.refine.confirmed` keeps one). Every step trains: only where the rows run changes, so
+training equals one device's throughout. In a multi-process run each step's time is the slowest
+process's, so every process settles on the same plan.
 """
 from __future__ import annotations
 
@@ -36,9 +36,9 @@ from whalex.balance.refine import (
     bracket_search,
     confirm_rounds,
     confirmation_order,
-    confirmed,
     median_spread,
     paired_ratio,
+    point_rounds,
     rival,
     rounds_of,
     scaled_speeds,
@@ -83,8 +83,9 @@ class Refiner:
         self.points: list[SplitTiming] = []
         self.steps = self.at_point = 0
         self.per_point: int | None = None      # timed steps per split, set by the first split's median
-        self.queue: list[ConfirmStep] = []     # the confirmation's steps still to run, in order
-        self.confirming: list[tuple[ConfirmStep, float]] = []
+        self.queue: list[ConfirmStep] = []     # a paired timing's steps still to run, in order
+        self.paired: list[tuple[ConfirmStep, float]] = []      # its timed steps so far
+        self.confirming = False                # the paired timing under way is the confirmation
         self.result: Plan | None = None
         self.slow = scaled_speeds(base.cluster.speeds, 1.0)[1]
 
@@ -116,51 +117,64 @@ class Refiner:
         seconds = self.clock() - t0
         self.steps += 1
         if self.queue:
-            self._confirm(seconds)
+            self._queued(seconds)
             return state, metrics
         self.at_point += 1
-        if self.at_point > (WARMUP_STEPS if self.points else FIRST_WARMUP):   # compile, warm-up: untimed
+        if self.at_point > FIRST_WARMUP:              # the Step's first calls (compile, warm-up): untimed
             self.times.append(seconds)
         if self.per_point is None and len(self.times) == STEPS_PER_POINT:
             self.per_point = steps_per_point(float(np.median(slowest(self.times))))
         if len(self.times) == self.per_point:
-            self._next(p)
+            med, spread = median_spread(slowest(self.times))
+            self._record(SplitTiming(1.0, tuple(p.batch_sizes), med, spread, len(self.times), placement(p)[1], 1.0))
         return state, metrics
 
-    def _next(self, p: Plan) -> None:
-        """A split's timed steps are in: record it, and ask the search for the next (or confirm)."""
-        med, spread = median_spread(slowest(self.times))
-        self.points.append(SplitTiming(self.scale, tuple(p.batch_sizes), med, spread, len(self.times),
-                                       placement(p)[1]))
+    def _queued(self, seconds: float) -> None:
+        """One step of a paired timing (a split beside the prediction, or the confirmation): untimed (a
+        warm-up of a split not timed before, a block's first step) or timed for its round; after the last,
+        the split's paired ratio goes to the search, or the confirmation decides."""
+        step = self.queue.pop(0)
+        if step.round is not None:
+            self.paired.append((step, seconds))
+        if self.queue:
+            self.scale = self.queue[0].scale
+            return
+        seconds_all = slowest([t for _, t in self.paired])       # alike on every process: one decision
+        timed = [(c, t) for (c, _), t in zip(self.paired, seconds_all)]
+        self.paired = []
+        other = next(c.scale for c, _ in timed if c.scale != 1.0)
+        ratio = paired_ratio(other, rounds_of(timed))
+        pooled = {s: median_spread([t for c, t in timed if c.scale == s]) + (sum(c.scale == s for c, _ in timed),)
+                  for s in (1.0, other)}
+
+        def timing(s, paired):
+            q = self.plan_at(s)
+            return SplitTiming(s, tuple(q.batch_sizes), *pooled[s], placement(q)[1], paired)
+        if self.confirming:
+            self._finish(other if ratio < 1.0 else 1.0, (timing(1.0, 1.0), timing(other, ratio)), ratio)
+        else:
+            self._record(timing(other, ratio))
+
+    def _record(self, point: SplitTiming) -> None:
+        """A split's timing is in: ask the search for the next split (timed beside the prediction), or
+        start the confirmation of the rival."""
+        self.points.append(point)
         self.times, self.at_point = [], 0
+        rounds = point_rounds(self.per_point or STEPS_PER_POINT)
         try:
-            self.scale = self.search.send(med)
+            self.scale = self.search.send(point.relative)
+            self.queue = list(confirmation_order(self.scale, rounds, WARMUP_STEPS))
         except StopIteration as stop:
             other = rival(self.points, key=lambda s: placement(self.plan_at(s)))
             rounds = confirm_rounds(self.per_point or STEPS_PER_POINT)
             if other is None or rounds == 0:
                 self._finish(1.0 if rounds else stop.value, ())
             else:
-                warmup = 0 if any(p.scale == other for p in self.points) else WARMUP_STEPS
+                warmup = 0 if any(q.scale == other for q in self.points) else WARMUP_STEPS
+                self.confirming = True
                 self.queue = list(confirmation_order(other, rounds, warmup))
-                self.scale = self.queue[0].scale
-
-    def _confirm(self, seconds: float) -> None:
-        """One step of the confirmation (untimed: a warm-up of a rival the search did not time, a block's
-        first step; or timed for its round); after the last, keep the rival if it wins the paired rounds."""
-        step = self.queue.pop(0)
-        if step.round is not None:
-            self.confirming.append((step, seconds))
         if self.queue:
             self.scale = self.queue[0].scale
-            return
-        seconds_all = slowest([t for _, t in self.confirming])      # alike on every process: one decision
-        rounds = rounds_of([(c, t) for (c, _), t in zip(self.confirming, seconds_all)])
-        other = next(c.scale for c, _ in self.confirming if c.scale != 1.0)
-        pooled = {s: [t for (c, _), t in zip(self.confirming, seconds_all) if c.scale == s] for s in (1.0, other)}
-        timings = tuple(SplitTiming(s, tuple(self.plan_at(s).batch_sizes), *median_spread(t), len(t),
-                                    placement(self.plan_at(s))[1]) for s, t in pooled.items())
-        self._finish(confirmed(other, rounds), timings, paired_ratio(other, rounds))
 
     def _finish(self, kept: float, confirmations: tuple[SplitTiming, ...], paired: float = 1.0) -> None:
         record = Refinement(tuple(self.points), self.slow, self.steps, kept, confirmations, paired)

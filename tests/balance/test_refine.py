@@ -13,6 +13,7 @@ from whalex.balance.refine import (
     HI,
     LO,
     MAX_STEPS_PER_POINT,
+    MIN_POINT_ROUNDS,
     POINT_SECONDS,
     POINTS,
     STEPS_PER_POINT,
@@ -25,6 +26,7 @@ from whalex.balance.refine import (
     loaded,
     max_steps,
     paired_ratio,
+    point_rounds,
     rival,
     rounds_of,
     scaled_speeds,
@@ -55,14 +57,18 @@ def test_the_search_finds_the_fastest_split_when_fixed_time_differs_per_device(f
     cost, rows, best = _synthetic((3000.0, 1000.0), fixed, (3.0, 1.0))
     calls = []
     scale, timed = search(lambda s: calls.append(s) or cost(s), key=rows)
-    assert timed[0][0] == 1.0                                          # the prediction is timed first
-    confirming = 2 * CONFIRM_ROUNDS * CONFIRM_BLOCK if len(calls) > len({rows(s) for s in calls}) else 0
-    searched = calls[:len(calls) - confirming]
-    assert len(searched) == len({rows(s) for s in searched}) <= POINTS  # no placement searched twice, in budget
-    if confirming:                                                     # then blocks of the prediction and its rival
-        other = next(s for s in calls[len(searched):] if s != 1.0)
-        pair = [1.0] * CONFIRM_BLOCK + [other] * CONFIRM_BLOCK
-        assert calls[len(searched):] == (pair + pair[::-1]) * (CONFIRM_ROUNDS // 2)
+    assert calls[0] == 1.0                                             # the prediction is timed first, then
+    blocks = [calls[i:i + CONFIRM_BLOCK] for i in range(1, len(calls), CONFIRM_BLOCK)]
+    assert all(len(b) == CONFIRM_BLOCK and len(set(b)) == 1 for b in blocks)    # blocks of one split each,
+    pairs = [(a[0], b[0]) for a, b in zip(blocks[::2], blocks[1::2])]            # each beside the prediction
+    assert len(blocks) % 2 == 0 and all((a == 1.0) != (b == 1.0) for a, b in pairs)
+    searched = [s for p in pairs for s in p if s != 1.0]
+    confirming = CONFIRM_ROUNDS if len(searched) > len({rows(s) for s in searched}) else 0
+    per_split = searched[:len(searched) - confirming]
+    assert len(per_split) == MIN_POINT_ROUNDS * len({rows(s) for s in per_split})   # each split's rounds
+    assert len({rows(s) for s in per_split}) <= POINTS - 1                          # in budget
+    if confirming:                                                     # then the prediction and its rival
+        assert len({rows(s) for s in searched[-confirming:]}) == 1
     assert cost(scale) <= 1.01 * best                                  # within 1% of the true optimum
     assert cost(scale) <= cost(1.0)                                    # never slower than the prediction
     if fixed == (0.0, 0.0):                                            # the model was right: kept
@@ -79,7 +85,7 @@ def test_noise_cannot_make_the_kept_split_slower_than_the_best_timed():
     def timed(s):
         noisy[s] = cost(s) * (1 + 0.02 * rng.standard_normal())
         return noisy[s]
-    scale, _ = search(timed, key=rows, rounds=0)
+    scale, _ = search(timed, key=rows, rounds=0, pair=0)           # the search alone, one timing per split
     assert noisy[scale] == min(noisy.values())
     assert cost(scale) <= 1.05 * best
 
@@ -88,7 +94,7 @@ def test_a_coarse_placement_widens_the_first_step_until_a_neighbour_differs():
     # a stage cut: 12 layers, the split moves only past x0.8 and x1.2; the optimum is the cut below
     cuts = lambda s: 3 if s < 0.8 else (5 if s > 1.2 else 4)      # noqa: E731  layers on the slow stage
     cost = lambda s: {3: 0.9, 4: 1.0, 5: 1.2}[cuts(s)]              # noqa: E731
-    scale, timed = search(cost, key=cuts, rounds=0)
+    scale, timed = search(cost, key=cuts, rounds=0, pair=0)
     assert cuts(scale) == 3 and {cuts(s) for s, _ in timed} == {3, 4, 5}
     assert len(timed) == 3                                             # each placement timed once
 
@@ -104,10 +110,12 @@ def test_the_confirmation_keeps_the_prediction_when_a_noisy_search_moved_to_a_sl
             lucky["left"] -= 1
             return 0.5 * cost(s)
         return cost(s) * (1 + 0.01 * rng.standard_normal())
-    assert search(timed, key=rows, rounds=0)[0] < 0.9                  # the search alone keeps the lucky split
+    assert search(timed, key=rows, rounds=0, pair=0)[0] < 0.9          # one timing per split: the lucky one kept
+    lucky["left"] = 1
     scale, timed_all = search(timed, key=rows)
     assert scale == 1.0 and cost(scale) == best                        # the paired blocks keep the prediction
-    assert len(timed_all) <= POINTS + 2 * CONFIRM_ROUNDS * CONFIRM_BLOCK
+    block_steps = 2 * CONFIRM_BLOCK                                    # a round: a block of each
+    assert len(timed_all) <= 1 + ((POINTS - 1) * MIN_POINT_ROUNDS + CONFIRM_ROUNDS) * block_steps
 
 
 def test_the_confirmation_moves_to_the_rival_when_the_search_was_unlucky_on_it():
@@ -182,6 +190,9 @@ def test_a_short_step_is_timed_for_more_steps_per_split():
     assert confirm_rounds(STEPS_PER_POINT) == CONFIRM_ROUNDS
     assert confirm_rounds(2 * STEPS_PER_POINT) == 2 * CONFIRM_ROUNDS
     assert max_steps(steps_per_point=STEPS_PER_POINT) < max_steps()
+    # each later split beside the prediction: as many timed steps as the prediction's, in whole blocks
+    assert point_rounds(STEPS_PER_POINT) == MIN_POINT_ROUNDS
+    assert point_rounds(MAX_STEPS_PER_POINT) == MAX_STEPS_PER_POINT // (CONFIRM_BLOCK - 1) > MIN_POINT_ROUNDS
 
 
 @pytest.mark.parametrize("seconds", [0.3, 0.01])
@@ -200,9 +211,29 @@ def test_the_refiner_converges_on_a_synthetic_step_with_fixed_time_on_the_slow_d
         assert ref.steps <= max_steps()
     r = ref.result.refinement
     per_point = steps_per_point(seconds)
-    assert {p.steps for p in r.points} == {per_point} and per_point == (5 if seconds > 0.1 else 10)
+    assert r.points[0].steps == per_point == (5 if seconds > 0.1 else 10) and r.points[0].paired == 1.0
+    assert {p.steps for p in r.points[1:]} == {point_rounds(per_point) * (CONFIRM_BLOCK - 1)}
+    assert all(p.paired == pytest.approx(cost(p.scale) / cost(1.0)) for p in r.points)
     assert cost(r.kept) <= 1.01 * best and r.kept < 1.0 and ref.result.batch_sizes == rows(r.kept)
     assert all(c.steps == confirm_rounds(per_point) * (CONFIRM_BLOCK - 1) for c in r.confirmed)
+
+
+@pytest.mark.parametrize("phase", [0, 13, 27, 41])
+def test_the_refiner_sees_through_slow_periods_that_hold_for_many_steps(phase):
+    # the machine runs 30% slower for 40 steps in every 80 (a neighbour's burst, a throttling period),
+    # longer than a split's timing: each split timed beside the prediction, in paired rounds, still
+    # settles within 1% of the optimum and never on a split slower than the prediction
+    from whalex.refining import Refiner
+    cost, rows, best = _synthetic((3000.0, 1000.0), (0.0, 0.15), (3.0, 1.0))
+    unit = 0.01 / cost(1.0)
+    slowed = lambda: 1.3 if (ref.steps + phase) // 40 % 2 else 1.0            # noqa: E731
+    ref = Refiner(_FakePlan(_FakeCluster((3.0, 1.0)), rows(1.0)), lambda c: _FakePlan(c, rows(c.speeds[1])),
+                  clock=_StepClock(lambda: unit * cost(ref.scale) * slowed()))
+    state = 0.0
+    while ref.result is None:
+        state, _ = ref.run(state, None, lambda st, p: st)
+    r = ref.result.refinement
+    assert cost(r.kept) <= 1.01 * best and cost(r.kept) < cost(1.0) and r.steps <= max_steps()
 
 
 class _StepClock:
@@ -280,7 +311,9 @@ def test_the_search_is_a_generator_a_step_can_drive_and_its_cost_is_bounded():
     except StopIteration as stop:
         assert abs(stop.value - 0.9) < 0.05
     confirming = 2 * confirm_rounds(MAX_STEPS_PER_POINT) * CONFIRM_BLOCK
-    assert n <= POINTS and max_steps() == POINTS * (MAX_STEPS_PER_POINT + 1) + (FIRST_WARMUP - 1) + 1 + confirming
+    paired = 1 + 2 * point_rounds(MAX_STEPS_PER_POINT) * CONFIRM_BLOCK            # a later split's compile, rounds
+    assert n <= POINTS
+    assert max_steps() == FIRST_WARMUP + MAX_STEPS_PER_POINT + (POINTS - 1) * paired + 1 + confirming
 
 
 def test_bad_brackets_are_clear_errors():
@@ -306,13 +339,14 @@ def test_a_refining_step_trains_exactly_as_one_device_and_keeps_its_fastest_time
                              config=wh.Config(hardware_aware="refine"), cluster=wh.Cluster(kinds=HETERO))
     r = step.plan.refinement
     assert r is not None and r.steps <= max_steps()                    # settled within the stated budget
-    assert len({p.steps for p in r.points}) == 1 and STEPS_PER_POINT <= r.points[0].steps <= MAX_STEPS_PER_POINT
+    assert STEPS_PER_POINT <= r.points[0].steps <= MAX_STEPS_PER_POINT and r.points[0].paired == 1.0
+    assert {p.steps for p in r.points[1:]} == {point_rounds(r.points[0].steps) * (CONFIRM_BLOCK - 1)}
     assert len({p.rows for p in r.points}) == len(r.points) >= 2       # it moved the split, each placement once
     assert r.predicted.rows == wh.plan(loss_fn, params, batch, optimizer, cluster=wh.Cluster(kinds=HETERO)).batch_sizes
-    fitted = vertex([(p.scale, p.seconds) for p in r.points])
+    fitted = vertex([(p.scale, p.paired) for p in r.points])          # the search's paired ratios
     if r.confirmed:                                                    # then re-timed the prediction and its rival
         a, b = r.confirmed
-        least = min((p for p in r.points if p.scale != 1.0), key=lambda p: p.seconds).scale
+        least = min((p for p in r.points if p.scale != 1.0), key=lambda p: p.paired).scale
         assert a.scale == 1.0 and b.scale == (least if fitted is None else b.scale)
         assert fitted is None or b.scale == fitted or b.scale in {p.scale for p in r.points}
         rounds = confirm_rounds(r.points[0].steps)
@@ -338,7 +372,9 @@ def test_a_refining_step_trains_a_masked_mean_on_padded_rows_exactly_as_one_devi
     from conftest import HETERO, adam, assert_matches
     from support.models import masked_mlp
     loss_fn, params, batch = masked_mlp(96, seed=3)
-    optimizer = optax.sgd(0.1) if opt == "sgd" else adam()
+    # Adam's steps at 3e-3: over max_steps() steps at 1e-2, each split summing the rows in its own order
+    # moves the loss's last digits past the bound (3e-4 relative late in the run)
+    optimizer = optax.sgd(0.1) if opt == "sgd" else adam(3e-3)
     step, _ = assert_matches(loss_fn, params, batch, steps=max_steps() + 2, optimizer=optimizer, tol=1e-4,
                              config=wh.Config(hardware_aware="refine"), cluster=wh.Cluster(kinds=HETERO))
     r = step.plan.refinement

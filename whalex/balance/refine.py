@@ -11,18 +11,21 @@ share (one side waits for the slow devices, the other for the fast ones), so a b
 starting at the prediction finds its minimum: the prediction is timed first and kept unless a
 timed split beats it.
 
-Timings taken one split after another carry drift (a busy neighbour, a throttling period) into the
-comparison, and a few steps per split leave it noisy: the least of a few noisy times is as often a
-lucky draw as a fast split. So the rival to the prediction is read from every split timed: a V (one
-arm the fast devices' time, the other the slow devices') fitted to all of them by least squares, its
-vertex the split where the arms meet (`vertex`); where no V fits, the fastest split timed. The search
-ends with a confirmation: the prediction and the rival re-timed in alternating steps
-(`confirmation_order`, after a warm-up step where the rival was not timed), and the rival is kept
-only if its median beats the prediction's there (`confirmed`).
+Timings taken one split after another carry drift (a busy neighbour, a throttling period, a slow
+period that holds for seconds) into the comparison, and a few steps per split leave it noisy. So every
+split after the prediction is timed in paired rounds beside the prediction (`confirmation_order` with
+`point_rounds` rounds: a block of each per round, the order alternating), and what the search compares
+is its `paired_ratio`: the median over rounds of its block median over the prediction's in the same
+round. The rival to the prediction
+is read from every split timed: a V (one arm the fast devices' time, the other the slow devices')
+fitted to the ratios by least squares, its vertex the split where the arms meet (`vertex`); where no
+V fits, the split with the least ratio. The search ends with a confirmation: the prediction and the
+rival re-timed in more alternating rounds (`confirmation_order`, after a warm-up step where the rival
+was not timed), and the rival is kept only if its median ratio beats the prediction there (`confirmed`).
 
 The search is a generator (`bracket_search`) that yields the scale to time next and receives its
-seconds, so a training step can drive it one point at a time; `search` runs it over a timing
-callback. Splits that round to the same placement (`key`) are timed once.
+time (the paired ratio; the prediction's 1), so a training step can drive it one point at a time;
+`search` runs it over a timing callback. Splits that round to the same placement (`key`) are timed once.
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ WARMUP_STEPS = 1                       # untimed steps per split first (its comp
 FIRST_WARMUP = 3                       # untimed steps of the first split (the step's own first calls)
 CONFIRM_ROUNDS = 4                     # rounds of the confirmation: a block of the prediction and of its rival
 CONFIRM_BLOCK = 4                      # steps per block, the first after the switch untimed
+MIN_POINT_ROUNDS = 2                   # the fewest paired rounds a split after the prediction is timed in
 LOADED_SIGMAS = 3.0                    # a split timed this many robust sigmas above the fitted V was loaded
 LOADED_FLOOR = 0.05                    # ... and at least this far above it, relative
 
@@ -63,13 +67,21 @@ def confirm_rounds(per_point: int) -> int:
     return CONFIRM_ROUNDS * max(per_point, STEPS_PER_POINT) // STEPS_PER_POINT
 
 
+def point_rounds(per_point: int) -> int:
+    """Paired rounds a split after the prediction is timed in, beside the prediction: as many blocks as
+    give it `per_point` timed steps (each block's switch step untimed), at least `MIN_POINT_ROUNDS`."""
+    return max(MIN_POINT_ROUNDS, per_point // (CONFIRM_BLOCK - 1))
+
+
 def max_steps(points: int = POINTS, steps_per_point: int = MAX_STEPS_PER_POINT, warmup: int = WARMUP_STEPS,
               rounds: int | None = None, block: int = CONFIRM_BLOCK, first: int = FIRST_WARMUP) -> int:
-    """The most training steps a refinement runs before it settles on a split (the first split's longer
-    warm-up and the confirmation's warm-up of a rival that the search did not time included); `rounds`
-    defaults to `confirm_rounds(steps_per_point)`."""
+    """The most training steps a refinement runs before it settles on a split: the prediction's warm-up
+    and timed steps, each later split's warm-up (its compile) and paired rounds beside the prediction,
+    and the confirmation's (with the warm-up of a rival the search did not time); `rounds` defaults to
+    `confirm_rounds(steps_per_point)`."""
     rounds = confirm_rounds(steps_per_point) if rounds is None else rounds
-    return points * (steps_per_point + warmup) + (first - warmup) + warmup + 2 * rounds * block
+    paired = 2 * point_rounds(steps_per_point) * block
+    return first + steps_per_point + (points - 1) * (warmup + paired) + warmup + 2 * rounds * block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +104,13 @@ class SplitTiming:
     spread: float = 0.0
     steps: int = 0                     # timed steps behind the median
     units: tuple[int, ...] = ()        # a split head's units (classes) per device, where the plan has one
+    paired: float | None = None        # its median over paired rounds of seconds / the prediction's (1.0 for it)
+
+    @property
+    def relative(self) -> float:
+        """What the search compares: the paired ratio where the split was timed beside the prediction,
+        else its seconds."""
+        return self.seconds if self.paired is None else self.paired
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,24 +204,33 @@ def _neighbours(best: float, step: float, lo: float, hi: float) -> list[float]:
 
 
 def search(cost: Callable[[float], float], lo: float = LO, hi: float = HI, points: int = POINTS,
-           key: Callable[[float], Hashable] | None = None,
-           rounds: int = CONFIRM_ROUNDS) -> tuple[float, list[tuple[float, float]]]:
-    """Runs `bracket_search` and its confirmation against the `rival` (`rounds` rounds of blocks)
+           key: Callable[[float], Hashable] | None = None, rounds: int = CONFIRM_ROUNDS,
+           pair: int = MIN_POINT_ROUNDS) -> tuple[float, list[tuple[float, float]]]:
+    """Runs `bracket_search`, each split after the prediction timed in `pair` paired rounds beside it
+    (0: timed once, its seconds compared), and its confirmation against the `rival` (`rounds` rounds)
     over a timing callback: (the scale kept, [(scale, seconds) timed, in order]). With `rounds` 0, the
     search's own fastest split is kept."""
     gen = bracket_search(lo, hi, points, key=key)
-    timed = []
+    timed: list[tuple[float, float]] = []
+    found: list[SplitTiming] = []
     try:
         s = next(gen)
         while True:
-            t = float(cost(s))
-            timed.append((s, t))
-            s = gen.send(t)
+            if s == 1.0 or not pair:
+                t = float(cost(s))
+                timed.append((s, t))
+                found.append(SplitTiming(s, (), t, paired=1.0 if pair else None))
+            else:
+                again = [(c, float(cost(c.scale))) for c in confirmation_order(s, pair)]
+                timed += [(c.scale, t) for c, t in again]
+                own = [t for c, t in again if c.scale == s and c.round is not None]
+                found.append(SplitTiming(s, (), float(np.median(own)), paired=paired_ratio(s, rounds_of(again))))
+            s = gen.send(found[-1].relative)
     except StopIteration as stop:
         best = stop.value
     if rounds == 0:
         return best, timed
-    other = rival([SplitTiming(s, (), t) for s, t in timed], key)
+    other = rival(found, key)
     if other is None:
         return 1.0, timed
     order = confirmation_order(other, rounds)
@@ -213,16 +241,16 @@ def search(cost: Callable[[float], float], lo: float = LO, hi: float = HI, point
 
 def rival(points: Sequence[SplitTiming], key: Callable[[float], Hashable] | None = None) -> float | None:
     """The scale a confirmation re-times against the prediction: the `vertex` of the V fitted to every
-    timed split, or the timed split of the same placement (`key`) where there is one; where no V fits,
-    the fastest timed split other than the prediction. None: nothing to confirm (nothing else timed, or
-    the fitted vertex is the prediction's placement)."""
+    timed split (`SplitTiming.relative`), or the timed split of the same placement (`key`) where there is
+    one; where no V fits, the fastest timed split other than the prediction. None: nothing to confirm
+    (nothing else timed, or the fitted vertex is the prediction's placement)."""
     key = key or (lambda s: s)
     others = [p for p in points if p.scale != 1.0]
     if not others:
         return None
-    v = vertex([(p.scale, p.seconds) for p in points])
+    v = vertex([(p.scale, p.relative) for p in points])
     if v is None:
-        return min(others, key=lambda p: p.seconds).scale
+        return min(others, key=lambda p: p.relative).scale
     if key(v) == key(1.0):
         return None
     return next((p.scale for p in others if key(p.scale) == key(v)), v)

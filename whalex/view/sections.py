@@ -26,7 +26,7 @@ MEMORY_COLUMNS = ("device ids", "kind", "batch", "params", "grads", "opt state",
                   "capacity")
 BALANCE_COLUMNS = ("device", "kind", "capacity", "fixed", "per unit", "even", "balanced", "share", "predicted time",
                    "predicted memory", "memory")
-REFINE_COLUMNS = ("speed scale", "rows", "step (median)", "spread", "timed steps", "")
+REFINE_COLUMNS = ("speed scale", "rows", "step (median)", "spread", "timed steps", "/ predicted (paired)", "")
 TRAFFIC_COLUMNS = ("TaskGraph", "collective", "mesh axes", "bytes/device", "why")
 
 
@@ -207,6 +207,10 @@ def _rows(rows, units=()) -> str:
     return "/".join(map(str, rows)) + (f" (head {'/'.join(map(str, units))})" if units else "")
 
 
+def _ratio(t) -> str:
+    return "" if t.paired is None else f"{t.paired:.3f}"
+
+
 def refinement_items(plan, report) -> list:
     """The splits a refinement timed on the real step, predicted beside kept; or that it is still to run."""
     ref = plan.refinement
@@ -230,11 +234,13 @@ def refinement_items(plan, report) -> list:
                           f"{fmt_time(a.seconds)} beside x{b.scale:.3g} {fmt_time(b.seconds)}, "
                           f"x{b.scale:.3g} / x{a.scale:.3g} {ref.paired:.3f} (median over rounds)", 2))
     table = [[f"x{t.scale:.3g}", _rows(t.rows, t.units), fmt_time(t.seconds), fmt_pct(t.spread), str(t.steps),
-              "predicted" if t.scale == 1.0 else ("kept" if t.scale == ref.kept else "")] for t in ref.points]
+              _ratio(t), "predicted" if t.scale == 1.0 else ("kept" if t.scale == ref.kept else "")]
+             for t in ref.points]
     table += [[f"x{t.scale:.3g}", _rows(t.rows, t.units), fmt_time(t.seconds), fmt_pct(t.spread), str(t.steps),
-               "fitted, kept" if t.scale == ref.kept else "fitted"]
+               _ratio(t), "fitted, kept" if t.scale == ref.kept else "fitted"]
               for t in ref.confirmed if all(q.scale != t.scale for q in ref.points)]
-    items.append(Table(REFINE_COLUMNS, tuple(map(tuple, table)), (True, False, True, True, True, False), where="html"))
+    items.append(Table(REFINE_COLUMNS, tuple(map(tuple, table)), (True, False, True, True, True, True, False),
+                       where="html"))
     return items
 
 
