@@ -17,7 +17,7 @@ What it computes
     from noise ("beyond"), unless the run's twin is beyond that bar too (`tellable`: that run's floor
     lies above the bar).
 
-    python bench/hetero_acceptance.py [--variants mlp_lead,hybrid_lead,mlp_pinned,hybrid_pinned,pipeline_parts] [--runs]
+    python bench/hetero_acceptance.py [--variants PREFIX,...] [--runs]     (default: `VARIANTS`)
 """
 from __future__ import annotations
 
@@ -97,9 +97,13 @@ def count(found: list[Ratio], bar: float, beyond: list[Ratio]) -> str:
     return f"{within} of {len(found)} within {bar - 1:.0%}, {len(beyond)} beyond it"
 
 
+VARIANTS = ",".join(["mlp_lead", "hybrid_lead", "mlp_pinned", "hybrid_pinned", "pipeline_parts",
+                     "mlp_paired_points", "hybrid_paired_points", "pipeline_paired_points"])
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--variants", default="mlp_lead,hybrid_lead,mlp_pinned,hybrid_pinned,pipeline_parts",
+    ap.add_argument("--variants", default=VARIANTS,
                     help="comma-separated name prefixes of the variants to read")
     ap.add_argument("--calibrated", type=float, default=1.05, help="the calibrated plans' bar")
     ap.add_argument("--refined", type=float, default=1.03, help="the refined plans' bar")

@@ -16,6 +16,7 @@ from whalex.balance.refine import (
     MIN_POINT_ROUNDS,
     POINT_SECONDS,
     POINTS,
+    REACH,
     STEPS_PER_POINT,
     ConfirmStep,
     SplitTiming,
@@ -88,6 +89,18 @@ def test_noise_cannot_make_the_kept_split_slower_than_the_best_timed():
     scale, _ = search(timed, key=rows, rounds=0, pair=0)           # the search alone, one timing per split
     assert noisy[scale] == min(noisy.values())
     assert cost(scale) <= 1.05 * best
+
+
+@pytest.mark.parametrize("off", [0.6, 1.6])
+def test_the_bracket_widens_where_the_prediction_was_further_off_than_it(off):
+    # the model saw the slow device `off` times as fast as it is: the fastest split lies at scale
+    # 1 / off, beyond x0.7-x1.3; the bracket widens at the edge the search reached, within REACH
+    cost, rows, best = _synthetic((3000.0, 1000.0), (0.0, 0.0), (3.0, off))
+    scale, timed = search(cost, key=rows)
+    assert cost(scale) <= 1.01 * best and not LO <= scale <= HI
+    assert all(REACH[0] <= s <= REACH[1] for s, _ in timed)
+    narrow, _ = search(cost, key=rows, reach=(LO, HI))                # held to the first bracket: its edge
+    assert min(abs(narrow - LO), abs(narrow - HI)) < 1e-9 and cost(narrow) > 1.05 * best
 
 
 def test_a_coarse_placement_widens_the_first_step_until_a_neighbour_differs():
@@ -321,6 +334,8 @@ def test_bad_brackets_are_clear_errors():
         next(bracket_search(1.1, 1.3))
     with pytest.raises(ValueError, match="points >= 3"):
         next(bracket_search(points=2))
+    with pytest.raises(ValueError, match="widens within its reach"):
+        next(bracket_search(0.7, 1.3, reach=(0.8, 2.0)))
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adam"])

@@ -37,6 +37,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 LO, HI = 0.7, 1.3                      # the bracket on the slow devices' speed, relative to the prediction
+REACH = (0.5, 2.0)                     # how far the bracket widens where the fastest split timed is at its edge
 POINTS = 9                             # the most distinct splits one search times (the prediction included)
 MIN_STEP = 0.01                        # the search stops when its step on the scale is below this
 STEPS_PER_POINT = 5                    # the fewest timed steps per split (their median counts)
@@ -148,27 +149,33 @@ class Refinement:
         return self.predicted.seconds / self.chosen.seconds if self.chosen.seconds > 0 else 1.0
 
 
-def check_bracket(lo: float, hi: float, points: int) -> None:
+def check_bracket(lo: float, hi: float, points: int, reach: tuple[float, float] = REACH) -> None:
     if not (0 < lo < 1 < hi and math.isfinite(hi)):
         raise ValueError(f"a refinement brackets the prediction (scale 1): needs 0 < lo < 1 < hi, "
                          f"got lo={lo}, hi={hi}.")
+    if not (0 < reach[0] <= lo and hi <= reach[1] and math.isfinite(reach[1])):
+        raise ValueError(f"a refinement's bracket widens within its reach: needs 0 < reach[0] <= lo and "
+                         f"hi <= reach[1], got reach={reach}, lo={lo}, hi={hi}.")
     if isinstance(points, bool) or not isinstance(points, int) or points < 3:
         raise ValueError(f"a refinement needs points >= 3 (the prediction and two to bracket it), got {points!r}.")
 
 
 def bracket_search(lo: float = LO, hi: float = HI, points: int = POINTS, min_step: float = MIN_STEP,
-                   key: Callable[[float], Hashable] | None = None) -> Generator[float, float, float]:
-    """Yields scales to time (the prediction 1.0 first), receives each one's seconds, and returns the
+                   key: Callable[[float], Hashable] | None = None,
+                   reach: tuple[float, float] = REACH) -> Generator[float, float, float]:
+    """Yields scales to time (the prediction 1.0 first), receives each one's time, and returns the
     fastest scale timed.
 
     A bracketing search around the best split so far: its neighbours `step` either side (within
     [lo, hi]) are timed; the faster neighbour, if either beats it, becomes the best, else the step
-    halves, until it is below `min_step` or `points` distinct placements were timed. Scales whose
-    `key` (the placement they round to; default the scale itself) was timed already reuse that time
-    without a yield, so a placement too coarse to move at a step counts as no better. Where the first
-    step's neighbours both round to the prediction's placement (a coarse placement: a pipeline's
-    stage cut), the step first widens until a neighbour differs or the bracket's edge is reached."""
-    check_bracket(lo, hi, points)
+    halves, until it is below `min_step` or `points` distinct placements were timed. Where the best is
+    at the bracket's edge (the prediction was further off than the bracket), that edge widens by the
+    step, within `reach`, so the search can still bracket the fastest split. Scales whose `key` (the
+    placement they round to; default the scale itself) was timed already reuse that time without a
+    yield, so a placement too coarse to move at a step counts as no better. Where the first step's
+    neighbours both round to the prediction's placement (a coarse placement: a pipeline's stage cut),
+    the step first widens until a neighbour differs or the bracket's edge is reached."""
+    check_bracket(lo, hi, points, reach)
     key = key or (lambda s: s)
     seen: dict = {}
 
@@ -186,6 +193,8 @@ def bracket_search(lo: float = LO, hi: float = HI, points: int = POINTS, min_ste
     while step < widest and all(key(s) == key(best) for s in _neighbours(best, step, lo, hi)):
         step = min(2 * step, widest)          # reach for the nearest placement that differs
     while step >= min_step and f_best is not None:
+        lo = max(lo - step, reach[0]) if best <= lo + 1e-9 else lo          # (scales are sums of steps)
+        hi = min(hi + step, reach[1]) if best >= hi - 1e-9 else hi
         moved = False
         for s in _neighbours(best, step, lo, hi):
             t = yield from cost(s)
@@ -205,12 +214,12 @@ def _neighbours(best: float, step: float, lo: float, hi: float) -> list[float]:
 
 def search(cost: Callable[[float], float], lo: float = LO, hi: float = HI, points: int = POINTS,
            key: Callable[[float], Hashable] | None = None, rounds: int = CONFIRM_ROUNDS,
-           pair: int = MIN_POINT_ROUNDS) -> tuple[float, list[tuple[float, float]]]:
+           pair: int = MIN_POINT_ROUNDS, reach: tuple[float, float] = REACH) -> tuple[float, list[tuple[float, float]]]:
     """Runs `bracket_search`, each split after the prediction timed in `pair` paired rounds beside it
     (0: timed once, its seconds compared), and its confirmation against the `rival` (`rounds` rounds)
     over a timing callback: (the scale kept, [(scale, seconds) timed, in order]). With `rounds` 0, the
     search's own fastest split is kept."""
-    gen = bracket_search(lo, hi, points, key=key)
+    gen = bracket_search(lo, hi, points, key=key, reach=reach)
     timed: list[tuple[float, float]] = []
     found: list[SplitTiming] = []
     try:
