@@ -90,11 +90,10 @@ class Refiner:
         self.slow = scaled_speeds(base.cluster.speeds, 1.0)[1]
 
     def plan_at(self, scale: float) -> Plan:
+        """The plan with the slow devices `scale` times as fast: their speed times it and their fixed
+        seconds over it (`scaled_cluster`)."""
         if scale not in self.plans:
-            c = self.base.cluster
-            speeds, _ = scaled_speeds(c.speeds, scale)
-            self.plans[scale] = self.make_plan(c.with_speeds(speeds, spread=c.spread, overhead=c.overhead,
-                                                             rows=c.calibrated_rows))
+            self.plans[scale] = self.make_plan(scaled_cluster(self.base.cluster, scale))
         return self.plans[scale]
 
     def current(self) -> tuple[Plan, Callable]:
@@ -180,6 +179,16 @@ class Refiner:
         record = Refinement(tuple(self.points), self.slow, self.steps, kept, confirmations, paired)
         self.result = dataclasses.replace(self.plan_at(kept), refinement=record)
         self.scale = kept
+
+
+def scaled_cluster(c, scale: float):
+    """`c` with its slowest devices `scale` times as fast as calibrated: their speed multiplied by it and
+    their fixed seconds per step divided by it, every other device's kept. Scaling the speed alone
+    would move few rows where a slow device's fixed time is a large part of its step (a calibration
+    that over-estimated that time is what the refinement has to undo)."""
+    speeds, slow = scaled_speeds(c.speeds, scale)
+    overhead = None if c.overhead is None else tuple(o / scale if i in slow else o for i, o in enumerate(c.overhead))
+    return c.with_speeds(speeds, spread=c.spread, overhead=overhead, rows=c.calibrated_rows)
 
 
 def slowest(times: list[float]) -> list[float]:

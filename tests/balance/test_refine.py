@@ -249,6 +249,37 @@ def test_the_refiner_sees_through_slow_periods_that_hold_for_many_steps(phase):
     assert cost(r.kept) <= 1.01 * best and cost(r.kept) < cost(1.0) and r.steps <= max_steps()
 
 
+@pytest.mark.parametrize("scaled_fixed", [True, False])
+def test_the_refiner_moves_rows_where_the_slow_device_fixed_time_was_over_estimated(scaled_fixed):
+    # the calibration over-estimated the slow device's fixed time twelvefold (it was timed in a slow
+    # period): each split makes the slow device `scale` times as fast, fixed time included, so the bracket
+    # reaches the rows it should have; scaling its speed alone moves few rows per step of the scale
+    from whalex import refining
+    speeds, true_fixed = (3000.0, 1000.0), (0.0, 0.05)
+
+    def rows_of(c):
+        return tuple(proportional(BATCH, c.speeds, c.overhead))
+
+    def cost(r):
+        return max(f + n / v for f, n, v in zip(true_fixed, r, speeds))
+    best = cost(proportional(BATCH, speeds, true_fixed))
+    base = _FakeCluster(speeds, overhead=(0.0, 0.6))
+    scaled = refining.scaled_cluster if scaled_fixed else (
+        lambda c, s: c.with_speeds(refining.scaled_speeds(c.speeds, s)[0], overhead=c.overhead))
+    assert scaled(base, 1.3).overhead == ((0.0, 0.6 / 1.3) if scaled_fixed else (0.0, 0.6))
+    unit = 0.01 / cost(rows_of(base))
+    ref = refining.Refiner(_FakePlan(base, rows_of(base)), lambda c: _FakePlan(c, rows_of(c)),
+                           clock=_StepClock(lambda: unit * cost(ref.plan_at(ref.scale).batch_sizes)))
+    if not scaled_fixed:                                               # the speed-only split, for contrast
+        ref.plan_at = lambda s: ref.plans.setdefault(s, _FakePlan(scaled(base, s), rows_of(scaled(base, s))))
+    state = 0.0
+    while ref.result is None:
+        state, _ = ref.run(state, None, lambda st, p: st)
+    kept = ref.result.batch_sizes
+    assert cost(rows_of(base)) > 1.1 * best                            # the prediction: 13% slower
+    assert (cost(kept) <= 1.01 * best) == scaled_fixed
+
+
 class _StepClock:
     """A clock that advances by the step's seconds between each start and stop reading."""
 

@@ -4,8 +4,9 @@ A calibrated cost model predicts the split (fixed time + rows x time per row, eq
 whole jitted step costs also holds what the model does not see (collectives, launches, cache effects).
 Refinement times the real step at a few splits around the prediction and keeps the fastest.
 
-The split is moved by one number, `scale`: the speed of the slowest devices (a group of equal speeds)
-multiplied by it, every other speed and every fixed time kept, so `scale` 1 is the prediction and a
+The split is moved by one number, `scale`: the slowest devices (a group of equal speeds) taken as
+`scale` times as fast as calibrated (their speed multiplied by it and their fixed time divided by it,
+`whalex.refining.scaled_cluster`; every other device kept), so `scale` 1 is the prediction and a
 scale below 1 gives the slow devices fewer rows. The step's time is unimodal in the slow devices'
 share (one side waits for the slow devices, the other for the fast ones), so a bracketing search
 starting at the prediction finds its minimum: the prediction is timed first and kept unless a
