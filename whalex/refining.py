@@ -36,6 +36,7 @@ from whalex.balance.refine import (
     bracket_search,
     confirm_rounds,
     confirmation_order,
+    confirmed,
     median_spread,
     paired_ratio,
     point_rounds,
@@ -79,9 +80,9 @@ class Refiner:
         self.jitted: dict = {}
         self.search = bracket_search(LO, HI, POINTS, key=lambda s: placement(self.plan_at(s)))
         self.scale = next(self.search)
-        self.times: list[float] = []
+        self.times: list[float] = []           # the prediction's timed steps
         self.points: list[SplitTiming] = []
-        self.steps = self.at_point = 0
+        self.steps = 0
         self.per_point: int | None = None      # timed steps per split, set by the first split's median
         self.queue: list[ConfirmStep] = []     # a paired timing's steps still to run, in order
         self.paired: list[tuple[ConfirmStep, float]] = []      # its timed steps so far
@@ -118,8 +119,7 @@ class Refiner:
         if self.queue:
             self._queued(seconds)
             return state, metrics
-        self.at_point += 1
-        if self.at_point > FIRST_WARMUP:              # the Step's first calls (compile, warm-up): untimed
+        if self.steps > FIRST_WARMUP:                 # the Step's first calls (compile, warm-up): untimed
             self.times.append(seconds)
         if self.per_point is None and len(self.times) == STEPS_PER_POINT:
             self.per_point = steps_per_point(float(np.median(slowest(self.times))))
@@ -142,7 +142,8 @@ class Refiner:
         timed = [(c, t) for (c, _), t in zip(self.paired, seconds_all)]
         self.paired = []
         other = next(c.scale for c, _ in timed if c.scale != 1.0)
-        ratio = paired_ratio(other, rounds_of(timed))
+        rounds = rounds_of(timed)
+        ratio = paired_ratio(other, rounds)
         pooled = {s: median_spread([t for c, t in timed if c.scale == s]) + (sum(c.scale == s for c, _ in timed),)
                   for s in (1.0, other)}
 
@@ -150,7 +151,7 @@ class Refiner:
             q = self.plan_at(s)
             return SplitTiming(s, tuple(q.batch_sizes), *pooled[s], placement(q)[1], paired)
         if self.confirming:
-            self._finish(other if ratio < 1.0 else 1.0, (timing(1.0, 1.0), timing(other, ratio)), ratio)
+            self._finish(confirmed(other, rounds), (timing(1.0, 1.0), timing(other, ratio)), ratio)
         else:
             self._record(timing(other, ratio))
 
@@ -158,7 +159,6 @@ class Refiner:
         """A split's timing is in: ask the search for the next split (timed beside the prediction), or
         start the confirmation of the rival."""
         self.points.append(point)
-        self.times, self.at_point = [], 0
         rounds = point_rounds(self.per_point or STEPS_PER_POINT)
         try:
             self.scale = self.search.send(point.relative)
