@@ -15,8 +15,10 @@ refinement's problem come from measurements:
   hold as they did; one study per emulation and slowdown.
 
 A refinement "lands" where its kept split's true time is within 3% (and 5%) of the vertex's. The table
-also gives the prediction alone (the calibrated plan, where the calibration put the vertex) and the same
-search with twice and four times the timed rounds per split: how far more steps would go.
+gives the prediction alone (the calibrated plan, where the calibration put the vertex), the search with
+its rounds fixed (each split `point_rounds`, the confirmation `confirm_rounds`), with twice and four times
+as many (how far more steps go), and as it runs: each paired timing extended while undecided
+(`refine.more_rounds`, up to `refine.EXTEND` times its rounds), and extended to twice at most.
 
     python bench/refine_noise.py [--trials 1000] [--seed 0]
 """
@@ -58,51 +60,11 @@ def key(s: float) -> int:
     return round(250 * s)
 
 
-def searched(rounds: int, confirm: int) -> Callable[[NoisyStep], float]:
-    """`refine.search` with `rounds` paired rounds per split and `confirm` confirmation rounds."""
+def searched(rounds: int, confirm: int, extend: int = refine.EXTEND) -> Callable[[NoisyStep], float]:
+    """`refine.search` with `rounds` paired rounds per split and `confirm` confirmation rounds, each
+    extended up to `extend` times while undecided."""
     def run(cost):
-        return refine.search(cost, key=key, rounds=confirm, pair=rounds)[0]
-    return run
-
-
-def _rounds_until(cost, other: float, threshold: float, least: int, most: int, sigmas: float) -> float:
-    """`other` timed beside the prediction one paired round at a time: after `least` rounds, until its
-    median ratio is `sigmas` standard errors from `threshold` or `most` rounds ran; its median ratio."""
-    ratios = []
-    for r in range(most):
-        steps = refine.confirmation_order(other, r + 1)[-2 * refine.CONFIRM_BLOCK:]
-        rounds = refine.rounds_of([(c, cost(c.scale)) for c in steps])
-        ratios += [float(np.median(b[other]) / np.median(b[1.0])) for b in rounds.values()]
-        if len(ratios) >= least:
-            med = float(np.median(ratios))
-            se = 1.253 * 1.4826 * float(np.median(np.abs(np.asarray(ratios) - med))) / np.sqrt(len(ratios))
-            if abs(med - threshold) > sigmas * se:
-                break
-    return float(np.median(ratios))
-
-
-def adaptive(least: int, most: int, confirm_least: int, confirm_most: int, sigmas: float = 2.0):
-    """The search whose splits are timed in paired rounds until each is decided against the best so far
-    (and the confirmation against the prediction): at least `least` rounds, at most `most`."""
-    def run(cost):
-        gen = refine.bracket_search(key=key)
-        found = []
-        try:
-            s = next(gen)
-            while True:
-                if s == 1.0:
-                    cost(s)
-                    t = 1.0
-                else:
-                    t = _rounds_until(cost, s, min(p.relative for p in found), least, most, sigmas)
-                found.append(refine.SplitTiming(s, (), t, paired=t))
-                s = gen.send(t)
-        except StopIteration:
-            pass
-        other = refine.rival(found, key)
-        if other is None:
-            return 1.0
-        return other if _rounds_until(cost, other, 1.0, confirm_least, confirm_most, sigmas) < 1.0 else 1.0
+        return refine.search(cost, key=key, rounds=confirm, pair=rounds, extend=extend)[0]
     return run
 
 
@@ -110,18 +72,14 @@ def prediction(cost: NoisyStep) -> float:
     return 1.0
 
 
+ROUNDS, CONFIRM = refine.point_rounds(PER_POINT), refine.confirm_rounds(PER_POINT)
 VARIANTS: dict[str, Callable[[NoisyStep], float]] = {
     "calibrated (no refinement)": prediction,
-    "refined": searched(refine.point_rounds(PER_POINT), refine.confirm_rounds(PER_POINT)),
-    "refined x2 rounds": searched(2 * refine.point_rounds(PER_POINT), 2 * refine.confirm_rounds(PER_POINT)),
-    "refined x4 rounds": searched(4 * refine.point_rounds(PER_POINT), 4 * refine.confirm_rounds(PER_POINT)),
-    "adaptive 3-12 8-32": adaptive(3, 12, 8, 32),
-    "adaptive 3-24 8-64": adaptive(3, 24, 8, 64),
-    "adaptive 2-12 4-32": adaptive(2, 12, 4, 32),
-    "adaptive 3-6 8-16": adaptive(3, 6, 8, 16),
-    "adaptive 3-9 8-24": adaptive(3, 9, 8, 24),
-    "adaptive 3-12 8-32 s1.5": adaptive(3, 12, 8, 32, 1.5),
-    "adaptive 3-12 8-32 s3": adaptive(3, 12, 8, 32, 3.0),
+    "refined, fixed rounds": searched(ROUNDS, CONFIRM, extend=1),
+    "refined, fixed x2 rounds": searched(2 * ROUNDS, 2 * CONFIRM, extend=1),
+    "refined, fixed x4 rounds": searched(4 * ROUNDS, 4 * CONFIRM, extend=1),
+    "refined (rounds extended)": searched(ROUNDS, CONFIRM),
+    "refined (extended to x2)": searched(ROUNDS, CONFIRM, extend=2),
 }
 
 
@@ -191,7 +149,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trials", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
+    ap.add_argument("--variants", default=None, help="names of VARIANTS, separated by ';' (default: all)")
     ap.add_argument("--noise", default=str(RESULTS / "step_noise.json"), help="bench/step_noise.py's results")
     ap.add_argument("--quiet", type=float, default=0.01, help="also a synthetic setting: normal noise of this sd")
     ap.add_argument("--settings", default=None, help="comma-separated substrings of the settings to study")
@@ -201,8 +159,9 @@ def main() -> None:
     vs = sweep_vs()
     q = np.percentile(vs, [25, 50, 75], axis=0)
     print(f"{len(vs)} sweeps' V's: vertex {q[1, 0]:.2f} [{q[0, 0]:.2f}-{q[2, 0]:.2f}], slope above "
-          f"{q[1, 1]:.2f} [{q[0, 1]:.2f}-{q[2, 1]:.2f}], below {q[1, 2]:.2f} [{q[0, 2]:.2f}-{q[2, 2]:.2f}] (median [IQR])")
-    names = args.variants.split(",")
+          f"{q[1, 1]:.2f} [{q[0, 1]:.2f}-{q[2, 1]:.2f}], below {q[1, 2]:.2f} [{q[0, 2]:.2f}-{q[2, 2]:.2f}] "
+          "(median [IQR])")
+    names = args.variants.split(";") if args.variants else list(VARIANTS)
     results = {}
     traces = measured_noise(pathlib.Path(args.noise))
     if args.quiet:

@@ -102,6 +102,39 @@ def reference_train(loss_fn, params, batch, optimizer, steps, has_aux=False):
     return losses, params
 
 
+def assert_each_step_matches(loss_fn, params, batch, steps, optimizer, tol=1e-5, **kwargs):
+    """Train with whalex for `steps` steps; each step's loss and parameters agree within `tol` with one
+    single-device step from the same parameters and optimizer state (the optimizer state must be the
+    caller's pytree: a plan without its own parameter layout, or a stateless optimizer). Over a run of a
+    thousand steps in which the split moves (each split sums the rows in its own order), float32 rounding
+    compounds along the trajectory; step by step, what is compared is what each step computes."""
+    import whalex as wh
+    step = wh.parallelize(loss_fn, optimizer, **kwargs)
+    state = step.init(params, batch)
+
+    @jax.jit
+    def one(p, o, b):
+        loss, g = jax.value_and_grad(loss_fn)(p, b)
+        u, o = optimizer.update(g, o, p)
+        return optax.apply_updates(p, u), loss
+
+    first = None
+    for k in range(steps):
+        p0, o0 = jax.device_get((step.params(state), state.opt_state))
+        ref_params, ref_loss = one(p0, o0, batch)
+        state, metrics = step(state, batch)
+        loss, ref_loss = float(metrics["loss"]), float(ref_loss)
+        first = abs(ref_loss) if first is None else first
+        # relative, or within rounding of the first loss's size (a loss trained near zero is a difference
+        # of terms that size: its last digits are theirs)
+        assert abs(loss - ref_loss) <= tol * abs(ref_loss) + 1e-6 * first, (k, loss, ref_loss)
+        worst = max(jax.tree.leaves(jax.tree.map(rel_err, step.params(state), ref_params)))
+        assert worst < tol, f"step {k}: parameters differ from one single-device step: {worst}"
+    moved = max(jax.tree.leaves(jax.tree.map(rel_err, step.params(state), params)))
+    assert moved > 1e-3                                   # training moved the parameters
+    return step, state
+
+
 def _with_aux(loss_fn, has_aux):
     if has_aux:
         return loss_fn

@@ -7,8 +7,9 @@ a whole plan (`build_plan` on the cluster with that speed). The prediction runs 
 steps (the Step's own first calls) and as many timed ones as `steps_per_point` gives for its median (at
 least `STEPS_PER_POINT`: more where the step is short); every later split runs `WARMUP_STEPS` untimed
 steps (its compile) and `point_rounds` paired rounds of a block of `CONFIRM_BLOCK` steps beside a block
-of the prediction, and the search compares their paired ratios. Then the confirmation: `confirm_rounds`
-such rounds of the prediction and its rival (the vertex of a V fitted to every split's ratio;
+of the prediction (more, one at a time, while a ratio is undecided: `more_rounds`), and the search
+compares their paired ratios. Then the confirmation: `confirm_rounds` such rounds (or more, likewise)
+of the prediction and its rival (the vertex of a V fitted to every split's ratio;
 `whalex.balance.refine.confirmed` keeps one). Every step trains: only where the rows run changes, so
 training equals one device's throughout. In a multi-process run each step's time is the slowest
 process's, so every process settles on the same plan.
@@ -38,6 +39,8 @@ from whalex.balance.refine import (
     confirmation_order,
     confirmed,
     median_spread,
+    more_rounds,
+    next_round,
     paired_ratio,
     point_rounds,
     rival,
@@ -87,6 +90,7 @@ class Refiner:
         self.queue: list[ConfirmStep] = []     # a paired timing's steps still to run, in order
         self.paired: list[tuple[ConfirmStep, float]] = []      # its timed steps so far
         self.confirming = False                # the paired timing under way is the confirmation
+        self.timing: tuple[float, int, float] = (1.0, 0, 1.0)  # its split, least rounds and threshold
         self.result: Plan | None = None
         self.slow = scaled_speeds(base.cluster.speeds, 1.0)[1]
 
@@ -130,8 +134,9 @@ class Refiner:
 
     def _queued(self, seconds: float) -> None:
         """One step of a paired timing (a split beside the prediction, or the confirmation): untimed (a
-        warm-up of a split not timed before, a block's first step) or timed for its round; after the last,
-        the split's paired ratio goes to the search, or the confirmation decides."""
+        warm-up of a split not timed before, a block's first step) or timed for its round; after a round's
+        last, another round where the ratio is still undecided (`more_rounds`), else the split's paired
+        ratio goes to the search, or the confirmation decides."""
         step = self.queue.pop(0)
         if step.round is not None:
             self.paired.append((step, seconds))
@@ -140,9 +145,13 @@ class Refiner:
             return
         seconds_all = slowest([t for _, t in self.paired])       # alike on every process: one decision
         timed = [(c, t) for (c, _), t in zip(self.paired, seconds_all)]
-        self.paired = []
-        other = next(c.scale for c, _ in timed if c.scale != 1.0)
+        other, least, threshold = self.timing
         rounds = rounds_of(timed)
+        if more_rounds(other, rounds, threshold, least):
+            self.queue = list(next_round(other, len(rounds)))
+            self.scale = self.queue[0].scale
+            return
+        self.paired = []
         ratio = paired_ratio(other, rounds)
         pooled = {s: median_spread([t for c, t in timed if c.scale == s]) + (sum(c.scale == s for c, _ in timed),)
                   for s in (1.0, other)}
@@ -156,24 +165,28 @@ class Refiner:
             self._record(timing(other, ratio))
 
     def _record(self, point: SplitTiming) -> None:
-        """A split's timing is in: ask the search for the next split (timed beside the prediction), or
-        start the confirmation of the rival."""
+        """A split's timing is in: ask the search for the next split (timed beside the prediction, against
+        the best ratio so far), or start the confirmation of the rival (against the prediction)."""
         self.points.append(point)
-        rounds = point_rounds(self.per_point or STEPS_PER_POINT)
+        per_point = self.per_point or STEPS_PER_POINT
         try:
             self.scale = self.search.send(point.relative)
-            self.queue = list(confirmation_order(self.scale, rounds, WARMUP_STEPS))
+            self._pair(self.scale, point_rounds(per_point), min(q.relative for q in self.points), WARMUP_STEPS)
         except StopIteration as stop:
             other = rival(self.points, key=lambda s: placement(self.plan_at(s)))
-            rounds = confirm_rounds(self.per_point or STEPS_PER_POINT)
+            rounds = confirm_rounds(per_point)
             if other is None or rounds == 0:
                 self._finish(1.0 if rounds else stop.value, ())
             else:
-                warmup = 0 if any(q.scale == other for q in self.points) else WARMUP_STEPS
                 self.confirming = True
-                self.queue = list(confirmation_order(other, rounds, warmup))
-        if self.queue:
-            self.scale = self.queue[0].scale
+                self._pair(other, rounds, 1.0, 0 if any(q.scale == other for q in self.points) else WARMUP_STEPS)
+
+    def _pair(self, other: float, least: int, threshold: float, warmup: int) -> None:
+        """Start timing `other` beside the prediction: `warmup` untimed steps, then `least` paired rounds
+        (more while its ratio is undecided against `threshold`)."""
+        self.timing = (other, least, threshold)
+        self.queue = list(confirmation_order(other, least, warmup))
+        self.scale = self.queue[0].scale
 
     def _finish(self, kept: float, confirmations: tuple[SplitTiming, ...], paired: float = 1.0) -> None:
         record = Refinement(tuple(self.points), self.slow, self.steps, kept, confirmations, paired)

@@ -17,7 +17,10 @@ period that holds for seconds) into the comparison, and a few steps per split le
 split after the prediction is timed in paired rounds beside the prediction (`confirmation_order` with
 `point_rounds` rounds: a block of each per round, the order alternating), and what the search compares
 is its `paired_ratio`: the median over rounds of its block median over the prediction's in the same
-round. The rival to the prediction
+round. Where the rounds disagree so much that the ratio is not clear of what it is compared with (the
+best ratio so far; for the confirmation, the prediction's 1), more rounds follow, one at a time, up to
+`EXTEND` times as many (`more_rounds`): a quiet machine pays little, a noisy one times longer rather
+than move on a coin toss. The rival to the prediction
 is read from every split timed: a V (one arm the fast devices' time, the other the slow devices')
 fitted to the ratios by least squares, its vertex the split where the arms meet (`vertex`); where no
 V fits, the split with the least ratio. The search ends with a confirmation: the prediction and the
@@ -49,6 +52,8 @@ FIRST_WARMUP = 3                       # untimed steps of the first split (the s
 CONFIRM_ROUNDS = 4                     # rounds of the confirmation: a block of the prediction and of its rival
 CONFIRM_BLOCK = 4                      # steps per block, the first after the switch untimed
 MIN_POINT_ROUNDS = 2                   # the fewest paired rounds a split after the prediction is timed in
+EXTEND = 4                             # paired rounds extend to this many times their least while undecided
+DECIDED_SIGMAS = 2.0                   # a paired ratio is decided this many standard errors from its threshold
 LOADED_SIGMAS = 3.0                    # a split timed this many robust sigmas above the fitted V was loaded
 LOADED_FLOOR = 0.05                    # ... and at least this far above it, relative
 
@@ -76,14 +81,15 @@ def point_rounds(per_point: int) -> int:
 
 
 def max_steps(points: int = POINTS, steps_per_point: int = MAX_STEPS_PER_POINT, warmup: int = WARMUP_STEPS,
-              rounds: int | None = None, block: int = CONFIRM_BLOCK, first: int = FIRST_WARMUP) -> int:
+              rounds: int | None = None, block: int = CONFIRM_BLOCK, first: int = FIRST_WARMUP,
+              extend: int = EXTEND) -> int:
     """The most training steps a refinement runs before it settles on a split: the prediction's warm-up
     and timed steps, each later split's warm-up (its compile) and paired rounds beside the prediction,
-    and the confirmation's (with the warm-up of a rival the search did not time); `rounds` defaults to
-    `confirm_rounds(steps_per_point)`."""
+    and the confirmation's (with the warm-up of a rival the search did not time), every paired timing
+    extended to `extend` times its rounds; `rounds` defaults to `confirm_rounds(steps_per_point)`."""
     rounds = confirm_rounds(steps_per_point) if rounds is None else rounds
-    paired = 2 * point_rounds(steps_per_point) * block
-    return first + steps_per_point + (points - 1) * (warmup + paired) + warmup + 2 * rounds * block
+    paired = 2 * extend * point_rounds(steps_per_point) * block
+    return first + steps_per_point + (points - 1) * (warmup + paired) + warmup + 2 * extend * rounds * block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,14 +221,24 @@ def _neighbours(best: float, step: float, lo: float, hi: float) -> list[float]:
 
 def search(cost: Callable[[float], float], lo: float = LO, hi: float = HI, points: int = POINTS,
            key: Callable[[float], Hashable] | None = None, rounds: int = CONFIRM_ROUNDS,
-           pair: int = MIN_POINT_ROUNDS, reach: tuple[float, float] = REACH) -> tuple[float, list[tuple[float, float]]]:
+           pair: int = MIN_POINT_ROUNDS, reach: tuple[float, float] = REACH,
+           extend: int = EXTEND) -> tuple[float, list[tuple[float, float]]]:
     """Runs `bracket_search`, each split after the prediction timed in `pair` paired rounds beside it
-    (0: timed once, its seconds compared), and its confirmation against the `rival` (`rounds` rounds)
-    over a timing callback: (the scale kept, [(scale, seconds) timed, in order]). With `rounds` 0, the
-    search's own fastest split is kept."""
+    (0: timed once, its seconds compared), and its confirmation against the `rival` (`rounds` rounds),
+    every paired timing extended while undecided (`more_rounds`, up to `extend` times its rounds), over a
+    timing callback: (the scale kept, [(scale, seconds) timed, in order]). With `rounds` 0, the search's
+    own fastest split is kept."""
     gen = bracket_search(lo, hi, points, key=key, reach=reach)
     timed: list[tuple[float, float]] = []
     found: list[SplitTiming] = []
+
+    def paired(other, least, threshold):
+        again: list[tuple[ConfirmStep, float]] = []
+        while more_rounds(other, rounds_of(again), threshold, least, extend):
+            again += [(c, float(cost(c.scale))) for c in next_round(other, len(rounds_of(again)))]
+        timed.extend((c.scale, t) for c, t in again)
+        return again
+
     try:
         s = next(gen)
         while True:
@@ -231,8 +247,7 @@ def search(cost: Callable[[float], float], lo: float = LO, hi: float = HI, point
                 timed.append((s, t))
                 found.append(SplitTiming(s, (), t, paired=1.0 if pair else None))
             else:
-                again = [(c, float(cost(c.scale))) for c in confirmation_order(s, pair)]
-                timed += [(c.scale, t) for c, t in again]
+                again = paired(s, pair, min(p.relative for p in found))
                 own = [t for c, t in again if c.scale == s and c.round is not None]
                 found.append(SplitTiming(s, (), float(np.median(own)), paired=paired_ratio(s, rounds_of(again))))
             s = gen.send(found[-1].relative)
@@ -243,10 +258,7 @@ def search(cost: Callable[[float], float], lo: float = LO, hi: float = HI, point
     other = rival(found, key)
     if other is None:
         return 1.0, timed
-    order = confirmation_order(other, rounds)
-    again = [(c, float(cost(c.scale))) for c in order]
-    timed += [(c.scale, t) for c, t in again]
-    return confirmed(other, rounds_of(again)), timed
+    return confirmed(other, rounds_of(paired(other, rounds, 1.0))), timed
 
 
 def rival(points: Sequence[SplitTiming], key: Callable[[float], Hashable] | None = None) -> float | None:
@@ -336,10 +348,40 @@ def rounds_of(timed: Sequence[tuple[ConfirmStep, float]]) -> dict[int, dict[floa
     return out
 
 
+def round_ratios(other: float, rounds: dict[int, dict[float, list[float]]]) -> list[float]:
+    """Each round's block median of `other` over the prediction's (rounds where both were timed)."""
+    return [float(np.median(r[other]) / np.median(r[1.0])) for r in rounds.values() if r.get(other) and r.get(1.0)]
+
+
 def paired_ratio(other: float, rounds: dict[int, dict[float, list[float]]]) -> float:
     """The median over rounds of `other`'s block median over the prediction's in the same round."""
-    ratios = [np.median(r[other]) / np.median(r[1.0]) for r in rounds.values() if r.get(other) and r.get(1.0)]
+    ratios = round_ratios(other, rounds)
     return float(np.median(ratios)) if ratios else 1.0
+
+
+def decided(ratios: Sequence[float], threshold: float, sigmas: float = DECIDED_SIGMAS) -> bool:
+    """Whether the median of per-round `ratios` is more than `sigmas` standard errors from `threshold`
+    (the standard error of a median, 1.253 sigma / sqrt(n), its sigma from the median absolute deviation,
+    so that one wild round does not hold the timing open)."""
+    r = np.asarray(ratios, np.float64)
+    if not len(r):
+        return False
+    med = float(np.median(r))
+    se = 1.253 * 1.4826 * float(np.median(np.abs(r - med))) / np.sqrt(len(r))
+    return abs(med - threshold) > sigmas * se
+
+
+def more_rounds(other: float, rounds: dict[int, dict[float, list[float]]], threshold: float, least: int,
+                extend: int = EXTEND) -> bool:
+    """Whether a paired timing of `other` runs another round: fewer than `least` rounds ran, or its ratio is
+    not `decided` against `threshold` and fewer than `extend * least` ran."""
+    ratios = round_ratios(other, rounds)
+    return len(ratios) < least or (len(ratios) < extend * least and not decided(ratios, threshold))
+
+
+def next_round(other: float, done: int, block: int = CONFIRM_BLOCK) -> tuple[ConfirmStep, ...]:
+    """The steps of a paired timing's round `done` (its rounds so far), alternating as `confirmation_order`'s."""
+    return confirmation_order(other, done + 1, block=block)[-2 * block:]
 
 
 def confirmed(other: float, rounds: dict[int, dict[float, list[float]]]) -> float:
