@@ -88,18 +88,22 @@ def reference_train(loss_fn, params, batch, optimizer, steps, has_aux=False):
     params = jax.device_put(params, dev)
     batch = jax.device_put(batch, dev)
     opt_state = optimizer.init(params)
-
-    @jax.jit
-    def step(p, o, b):
-        (loss, _), g = jax.value_and_grad(lambda p, b: _with_aux(loss_fn, has_aux)(p, b), has_aux=True)(p, b)
-        u, o = optimizer.update(g, o, p)
-        return optax.apply_updates(p, u), o, loss
-
+    step = reference_step(loss_fn, optimizer, has_aux)
     losses = []
     for _ in range(steps):
         params, opt_state, loss = step(params, opt_state, batch)
         losses.append(float(loss))
     return losses, params
+
+
+def reference_step(loss_fn, optimizer, has_aux=False):
+    """One single-device training step, jitted: (params, opt_state, batch) -> (params, opt_state, loss)."""
+    @jax.jit
+    def step(p, o, b):
+        (loss, _), g = jax.value_and_grad(lambda p, b: _with_aux(loss_fn, has_aux)(p, b), has_aux=True)(p, b)
+        u, o = optimizer.update(g, o, p)
+        return optax.apply_updates(p, u), o, loss
+    return step
 
 
 def assert_each_step_matches(loss_fn, params, batch, steps, optimizer, tol=1e-5, **kwargs):
@@ -111,17 +115,11 @@ def assert_each_step_matches(loss_fn, params, batch, steps, optimizer, tol=1e-5,
     import whalex as wh
     step = wh.parallelize(loss_fn, optimizer, **kwargs)
     state = step.init(params, batch)
-
-    @jax.jit
-    def one(p, o, b):
-        loss, g = jax.value_and_grad(loss_fn)(p, b)
-        u, o = optimizer.update(g, o, p)
-        return optax.apply_updates(p, u), loss
-
+    one = reference_step(loss_fn, optimizer)
     first = None
     for k in range(steps):
         p0, o0 = jax.device_get((step.params(state), state.opt_state))
-        ref_params, ref_loss = one(p0, o0, batch)
+        ref_params, _, ref_loss = one(p0, o0, batch)
         state, metrics = step(state, batch)
         loss, ref_loss = float(metrics["loss"]), float(ref_loss)
         first = abs(ref_loss) if first is None else first
