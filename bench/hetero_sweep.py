@@ -112,7 +112,7 @@ def worker(args):
 
     import whalex as wh
     from whalex.balance.calibrate import calibrate
-    from whalex.balance.refine import CONFIRM_BLOCK, scaled_speeds
+    from whalex.balance.refine import scaled_speeds
 
     pid, log = harness.worker_start("the driver")
     loss_fn, params, batch, config = make(args)
@@ -154,7 +154,7 @@ def worker(args):
     out = {"model": args.model, "speeds": {c: list(cl.speeds) for c, cl in clusters.items()},
            "overheads": {c: list(cl.overhead or ()) for c, cl in clusters.items()},
            "calibrated_rows": {c: cl.calibrated_rows for c, cl in clusters.items()},
-           "refine_steps": refine_steps, "confirm_block": CONFIRM_BLOCK,
+           "refine_steps": refine_steps, "confirm_block": args.block,
            "refinements": {n: refinement_record(s.plan) for n, s in steps.items() if n.startswith("refined")},
            "variants": [variant_record(n, s.plan, splits[n], timings, confirmed, timed_as) for n, s in steps.items()]}
     harness.write_worker_result(args.worker_out, out, pid)
@@ -220,14 +220,14 @@ def refine(steps, states, name, batch, log):
 
 def refinement_record(plan) -> dict | None:
     """What a refinement timed and kept, for the results file: (scale, rows, seconds, paired ratio to the
-    prediction) per split, in order, and the confirmation's re-timings, with the timed steps behind each."""
+    prediction, timed steps) per split, and the split kept (a fitted vertex or the least median), its
+    rows, the gain the sweep saw and the rounds of the sweep that decided."""
     ref = plan.refinement
     if ref is None:
         return None
-    row = lambda p: [p.scale, list(p.rows), p.seconds, p.paired]          # noqa: E731
-    return {"kept": ref.kept, "points": [row(p) for p in ref.points], "confirmed": [row(p) for p in ref.confirmed],
-            "paired": ref.paired, "steps_per_point": ref.points[0].steps if ref.points else 0,
-            "confirm_steps": [p.steps for p in ref.confirmed]}
+    row = lambda p: [p.scale, list(p.rows), p.seconds, p.paired, p.steps]          # noqa: E731
+    return {"kept": ref.kept, "kept_rows": list(ref.kept_rows), "fitted": ref.fitted, "gain": ref.gain,
+            "rounds": ref.rounds, "points": [row(p) for p in ref.points]}
 
 
 def _versus(v, best, key) -> str:

@@ -1,6 +1,6 @@
 """How often does the refinement keep a split within 3% of the fastest, at the emulated cluster's noise?
-A Monte Carlo study of `whalex.balance.refine.search`, the driver that mirrors the Refiner's timing (the
-prediction, each later split in paired rounds beside it, the confirmation of the fitted rival).
+A Monte Carlo study of `whalex.balance.refine.search`, which runs the Refiner's own sweep (the same
+generator) over a timing callback.
 
 A sweep on the emulated cluster takes minutes per setting, and its own timings are as noisy as the
 refinement's, so a change to the search cannot be judged there from a few runs. Here both halves of a
@@ -15,10 +15,9 @@ refinement's problem come from measurements:
   hold as they did; one study per emulation and slowdown.
 
 A refinement "lands" where its kept split's true time is within 3% (and 5%) of the vertex's. The table
-gives the prediction alone (the calibrated plan, where the calibration put the vertex), the search with
-its rounds fixed (each split `point_rounds`, the confirmation `confirm_rounds`), with twice and four times
-as many (how far more steps go), and as it runs: each paired timing extended while undecided
-(`refine.more_rounds`, up to `refine.EXTEND` times its rounds), and extended to twice at most.
+gives the prediction alone (the calibrated plan, where the calibration put the vertex), the sweep as it
+runs (a short step's rounds), and the sweep held to its first bracket (no widening sweep: what the
+widening costs in steps and buys in landings).
 
     python bench/refine_noise.py [--trials 1000] [--seed 0]
 """
@@ -60,11 +59,10 @@ def key(s: float) -> int:
     return round(250 * s)
 
 
-def searched(rounds: int, confirm: int, extend: int = refine.EXTEND) -> Callable[[NoisyStep], float]:
-    """`refine.search` with `rounds` paired rounds per split and `confirm` confirmation rounds, each
-    extended up to `extend` times while undecided."""
+def searched(**options) -> Callable[[NoisyStep], float]:
+    """The scale `refine.search` keeps, a short step's rounds (`PER_POINT`), `options` passed on."""
     def run(cost):
-        return refine.search(cost, key=key, rounds=confirm, pair=rounds, extend=extend)[0]
+        return refine.search(cost, key=key, rounds=refine.sweep_rounds(PER_POINT), **options)[0].kept
     return run
 
 
@@ -72,14 +70,10 @@ def prediction(cost: NoisyStep) -> float:
     return 1.0
 
 
-ROUNDS, CONFIRM = refine.point_rounds(PER_POINT), refine.confirm_rounds(PER_POINT)
 VARIANTS: dict[str, Callable[[NoisyStep], float]] = {
     "calibrated (no refinement)": prediction,
-    "refined, fixed rounds": searched(ROUNDS, CONFIRM, extend=1),
-    "refined, fixed x2 rounds": searched(2 * ROUNDS, 2 * CONFIRM, extend=1),
-    "refined, fixed x4 rounds": searched(4 * ROUNDS, 4 * CONFIRM, extend=1),
-    "refined (rounds extended)": searched(ROUNDS, CONFIRM),
-    "refined (extended to x2)": searched(ROUNDS, CONFIRM, extend=2),
+    "refined (sweep)": searched(),
+    "refined, sweep not widened": searched(reach=(refine.LO, refine.HI)),
 }
 
 
@@ -99,10 +93,9 @@ def sweep_vs(path: pathlib.Path = RESULTS / "hetero_sweep.json") -> np.ndarray:
         if len(xs) < 5:
             continue
         s, t = (np.asarray(c, np.float64) for c in zip(*xs))
-        fit = refine._fit_v(s, t, 241)
+        fit = refine.fit_v(list(zip(s, t)))
         if fit is not None:
-            v, _, (h, a, b) = fit
-            out.append((v, a / h, b / h))
+            out.append((fit.at, fit.a / fit.h, fit.b / fit.h))
     return np.asarray(out)
 
 

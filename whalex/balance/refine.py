@@ -1,35 +1,33 @@
-"""Refining a balanced split on the real step: a bracketing search over the slow devices' speed.
+"""Refining a balanced split on the real step: an interleaved sweep over the slow devices' speed scale.
 
 A calibrated cost model predicts the split (fixed time + rows x time per row, equalised); what the
 whole jitted step costs also holds what the model does not see (collectives, launches, cache effects).
-Refinement times the real step at a few splits around the prediction and keeps the fastest.
+Refinement times the real step at splits around the prediction and keeps the fastest.
 
 The split is moved by one number, `scale`: the slowest devices (a group of equal speeds) taken as
 `scale` times as fast as calibrated (their speed multiplied by it and their fixed time divided by it,
 `whalex.refining.scaled_cluster`; every other device kept), so `scale` 1 is the prediction and a
-scale below 1 gives the slow devices fewer rows. The step's time is unimodal in the slow devices'
-share (one side waits for the slow devices, the other for the fast ones), so a bracketing search
-starting at the prediction finds its minimum: the prediction is timed first and kept unless a
-timed split beats it.
+scale below 1 gives the slow devices fewer rows. The step's time is a V in the scale (one side waits
+for the slow devices, the other for the fast ones); the fastest split is its vertex.
 
-Timings taken one split after another carry drift (a busy neighbour, a throttling period, a slow
-period that holds for seconds) into the comparison, and a few steps per split leave it noisy. So every
-split after the prediction is timed in paired rounds beside the prediction (`confirmation_order` with
-`point_rounds` rounds: a block of each per round, the order alternating), and what the search compares
-is its `paired_ratio`: the median over rounds of its block median over the prediction's in the same
-round. Where the rounds disagree so much that the ratio is not clear of what it is compared with (the
-best ratio so far; for the confirmation, the prediction's 1), more rounds follow, one at a time, up to
-`EXTEND` times as many (`more_rounds`): a quiet machine pays little, a noisy one times longer rather
-than move on a coin toss. The rival to the prediction
-is read from every split timed: a V (one arm the fast devices' time, the other the slow devices')
-fitted to the ratios by least squares, its vertex the split where the arms meet (`vertex`); where no
-V fits, the split with the least ratio. The search ends with a confirmation: the prediction and the
-rival re-timed in more alternating rounds (`confirmation_order`, after a warm-up step where the rival
-was not timed), and the rival is kept only if its median ratio beats the prediction there (`confirmed`).
+A sweep times `POINTS` splits evenly over the bracket, the prediction among them, in rounds: each
+round runs a block of `BLOCK` steps of every split (the block's first step, the switch, untimed), the
+order reversing round by round. Each block's median over the round's median block is what the split
+costs in that round: drift (a busy neighbour, a throttling period, a slow period that holds for
+seconds) moves a whole round alike and divides out, and every split is timed in every round, none
+through the prediction's timings. A V fitted by least squares to all the rounds' points gives the
+split kept, its vertex (`vertex`; a time far above the fit, load from elsewhere, left out); where no V
+fits, the split with the least median. The rounds stop early, from `MIN_ROUNDS` on, once the V's
+of the even and of the odd rounds put the vertex within `SETTLED` of each other (`settled`): a quiet
+machine pays little, a noisy one runs up to `sweep_rounds`. Where the split kept is at the sweep's
+edge (the times only fall toward it, or the vertex sits on the last split that leaves two beyond it:
+the prediction was further off than the bracket), one more sweep runs from there to the bracket's
+`REACH` (`widened`) and decides in the first one's place.
 
-The search is a generator (`bracket_search`) that yields the scale to time next and receives its
-time (the paired ratio; the prediction's 1), so a training step can drive it one point at a time;
-`search` runs it over a timing callback. Splits that round to the same placement (`key`) are timed once.
+The sweep is a generator (`sweep`) that yields one round's steps (`TimedStep`s) and receives their
+seconds, so a training step can drive it a step at a time and every process decides from the same
+seconds; `search` runs it over a timing callback. Splits that round to the same placement (`key`: a
+pipeline's stage cut moves in whole layers) are timed once.
 """
 from __future__ import annotations
 
@@ -41,19 +39,18 @@ import numpy as np
 from scipy.optimize import nnls
 
 LO, HI = 0.7, 1.3                      # the bracket on the slow devices' speed, relative to the prediction
-REACH = (0.5, 2.0)                     # how far the bracket widens where the fastest split timed is at its edge
-POINTS = 9                             # the most distinct splits one search times (the prediction included)
-MIN_STEP = 0.01                        # the search stops when its step on the scale is below this
-STEPS_PER_POINT = 5                    # the fewest timed steps per split (their median counts)
-MAX_STEPS_PER_POINT = 10               # the most, for a short step
+REACH = (0.5, 2.0)                     # how far a sweep widens where the split kept is at the bracket's edge
+POINTS = 7                             # the splits a sweep times, evenly over its bracket
+BLOCK = 3                              # steps of a split per round, the first (the switch) untimed
+MIN_ROUNDS = 9                         # rounds a sweep runs before it may settle
+MAX_ROUNDS = 27                        # the most rounds of a sweep, for a short step (`sweep_rounds`)
+SETTLE_EVERY = 3                       # a sweep checks whether it settled after every this many rounds
+SETTLED = 0.01                         # ... where the even and the odd rounds' vertices are this close
+STEPS_PER_POINT = 5                    # the prediction's first timed steps: how long the step is
+MAX_STEPS_PER_POINT = 10               # a short step's timed steps per split, for the rounds' budget
 POINT_SECONDS = 0.5                    # a split's timed steps last at least this long, within those bounds
-WARMUP_STEPS = 1                       # untimed steps per split first (its compile, its first run)
-FIRST_WARMUP = 3                       # untimed steps of the first split (the step's own first calls)
-CONFIRM_ROUNDS = 4                     # rounds of the confirmation: a block of the prediction and of its rival
-CONFIRM_BLOCK = 4                      # steps per block, the first after the switch untimed
-MIN_POINT_ROUNDS = 2                   # the fewest paired rounds a split after the prediction is timed in
-EXTEND = 4                             # paired rounds extend to this many times their least while undecided
-DECIDED_SIGMAS = 2.0                   # a paired ratio is decided this many standard errors from its threshold
+WARMUP_STEPS = 1                       # untimed steps of a split the first time it runs (its compile)
+FIRST_WARMUP = 3                       # untimed steps of the prediction first (the step's own first calls)
 LOADED_SIGMAS = 3.0                    # a split timed this many robust sigmas above the fitted V was loaded
 LOADED_FLOOR = 0.05                    # ... and at least this far above it, relative
 
@@ -67,35 +64,25 @@ def steps_per_point(seconds: float) -> int:
     return int(min(max(math.ceil(POINT_SECONDS / seconds), STEPS_PER_POINT), MAX_STEPS_PER_POINT))
 
 
-def confirm_rounds(per_point: int) -> int:
-    """Rounds of the confirmation after splits timed `per_point` steps each: `CONFIRM_ROUNDS` at
-    `STEPS_PER_POINT`, more in proportion where a short step timed more (more rounds rather than longer
-    blocks, so that drift still falls within a round on both splits alike)."""
-    return CONFIRM_ROUNDS * max(per_point, STEPS_PER_POINT) // STEPS_PER_POINT
+def sweep_rounds(per_point: int) -> int:
+    """The most rounds of a sweep for a step timed `per_point` steps per split (`steps_per_point`):
+    `MAX_ROUNDS` for a short step, fewer in proportion for a long one, at least `MIN_ROUNDS`."""
+    return max(MIN_ROUNDS, MAX_ROUNDS * per_point // MAX_STEPS_PER_POINT)
 
 
-def point_rounds(per_point: int) -> int:
-    """Paired rounds a split after the prediction is timed in, beside the prediction: as many blocks as
-    give it `per_point` timed steps (each block's switch step untimed), at least `MIN_POINT_ROUNDS`."""
-    return max(MIN_POINT_ROUNDS, per_point // (CONFIRM_BLOCK - 1))
-
-
-def max_steps(points: int = POINTS, steps_per_point: int = MAX_STEPS_PER_POINT, warmup: int = WARMUP_STEPS,
-              rounds: int | None = None, block: int = CONFIRM_BLOCK, first: int = FIRST_WARMUP,
-              extend: int = EXTEND) -> int:
-    """The most training steps a refinement runs before it settles on a split: the prediction's warm-up
-    and timed steps, each later split's warm-up (its compile) and paired rounds beside the prediction,
-    and the confirmation's (with the warm-up of a rival the search did not time), every paired timing
-    extended to `extend` times its rounds; `rounds` defaults to `confirm_rounds(steps_per_point)`."""
-    rounds = confirm_rounds(steps_per_point) if rounds is None else rounds
-    paired = 2 * extend * point_rounds(steps_per_point) * block
-    return first + steps_per_point + (points - 1) * (warmup + paired) + warmup + 2 * extend * rounds * block
+def max_steps(steps_per_point: int = MAX_STEPS_PER_POINT, points: int = POINTS, block: int = BLOCK,
+              warmup: int = WARMUP_STEPS, first: int = FIRST_WARMUP) -> int:
+    """The most training steps a refinement runs before it settles on a split: the prediction's warm-up and
+    first timed steps, then two sweeps (the first and its widening) of `sweep_rounds` rounds over `points`
+    splits and the prediction, each split's warm-up (its compile) the first time it runs."""
+    per_sweep = sweep_rounds(steps_per_point) * (points + 1) * block + (points + 1) * warmup
+    return first + STEPS_PER_POINT + 2 * per_sweep
 
 
 @dataclasses.dataclass(frozen=True)
-class ConfirmStep:
-    """One step of a confirmation: the split's scale and the round it is timed for (None: untimed, a
-    rival's warm-up or a block's first step after the switch)."""
+class TimedStep:
+    """One step of a sweep: the split's scale and the round it is timed for (None: untimed, a split's
+    warm-up or a block's first step after the switch; -1: the prediction's first timed steps)."""
 
     scale: float
     round: int | None
@@ -112,48 +99,50 @@ class SplitTiming:
     spread: float = 0.0
     steps: int = 0                     # timed steps behind the median
     units: tuple[int, ...] = ()        # a split head's units (classes) per device, where the plan has one
-    paired: float | None = None        # its median over paired rounds of seconds / the prediction's (1.0 for it)
+    paired: float | None = None        # its median over rounds of its block over the prediction's (1.0 for it)
 
     @property
     def relative(self) -> float:
-        """What the search compares: the paired ratio where the split was timed beside the prediction,
-        else its seconds."""
+        """Its time relative to the prediction's: the paired ratio where it was timed in rounds beside
+        the prediction, else its seconds."""
         return self.seconds if self.paired is None else self.paired
 
 
 @dataclasses.dataclass(frozen=True)
+class Swept:
+    """What a sweep (and its widening) found: the scale kept, the prediction's time over the kept split's
+    (by the fitted V, or by their paired ratios where none fits), every split timed (the last sweep's
+    timing where two timed it), and the rounds the deciding sweep ran."""
+
+    kept: float
+    gain: float
+    points: tuple[SplitTiming, ...]
+    rounds: int
+    fitted: bool                       # the split kept is a fitted V's vertex (else the least median)
+
+
+@dataclasses.dataclass(frozen=True)
 class Refinement:
-    """What a refinement timed, in order, and what it kept: the fastest timed split (the prediction
-    unless another split beat it)."""
+    """What a refinement timed and what it kept: the vertex of the V fitted to the splits' rounds (a
+    split it may not have timed itself), or the timed split with the least median where no V fits."""
 
     points: tuple[SplitTiming, ...]
     slow: tuple[int, ...]              # the devices whose speed the scale multiplies
     steps: int                         # training steps it ran (warm-up steps included)
     kept: float = 1.0                  # the scale of the split kept
-    confirmed: tuple[SplitTiming, ...] = ()   # the prediction and its rival re-timed in blocks, all steps pooled
-    paired: float = 1.0                # the confirmation's median over rounds of rival / prediction (< 1: rival kept)
+    kept_rows: tuple[int, ...] = ()    # its rows per device
+    kept_units: tuple[int, ...] = ()   # its split head's units per device, where the plan has one
+    gain: float = 1.0                  # the prediction's step time over the kept split's, as the sweep saw it
+    rounds: int = 0                    # rounds of the sweep that decided
+    fitted: bool = False               # kept is a fitted V's vertex
 
-    def timing(self, scale: float) -> SplitTiming:
-        """A split's timing: from the confirmation where it was re-timed there, else from the search."""
-        return next(p for p in (*self.confirmed, *self.points) if p.scale == scale)
+    def timing(self, scale: float) -> SplitTiming | None:
+        """A split's timing, None where it was not timed (a fitted vertex between the splits timed)."""
+        return next((p for p in self.points if p.scale == scale), None)
 
     @property
     def predicted(self) -> SplitTiming:
         return self.timing(1.0)
-
-    @property
-    def chosen(self) -> SplitTiming:
-        return self.timing(self.kept)
-
-    @property
-    def gain(self) -> float:
-        """The prediction's step time over the chosen split's (1.0: the prediction was the fastest); after a
-        confirmation, the paired rounds' ratio."""
-        if self.kept == 1.0:
-            return 1.0
-        if self.confirmed:
-            return 1.0 / self.paired
-        return self.predicted.seconds / self.chosen.seconds if self.chosen.seconds > 0 else 1.0
 
 
 def check_bracket(lo: float, hi: float, points: int, reach: tuple[float, float] = REACH) -> None:
@@ -167,126 +156,184 @@ def check_bracket(lo: float, hi: float, points: int, reach: tuple[float, float] 
         raise ValueError(f"a refinement needs points >= 3 (the prediction and two to bracket it), got {points!r}.")
 
 
-def bracket_search(lo: float = LO, hi: float = HI, points: int = POINTS, min_step: float = MIN_STEP,
-                   key: Callable[[float], Hashable] | None = None,
-                   reach: tuple[float, float] = REACH) -> Generator[float, float, float]:
-    """Yields scales to time (the prediction 1.0 first), receives each one's time, and returns the
-    fastest scale timed.
+def sweep_scales(lo: float, hi: float, points: int, key: Callable[[float], Hashable],
+                 reach: tuple[float, float] = REACH) -> tuple[float, ...]:
+    """The splits a sweep over [lo, hi] times, in order: `points` scales evenly over it and the prediction,
+    one per placement (`key`; the prediction's own at 1.0). Where fewer than three placements differ (a
+    coarse placement: a pipeline's stage cut), the bracket widens about 1, within `reach`, until three do."""
+    while True:
+        grid = sorted({round(float(s), 9) for s in np.linspace(lo, hi, points)} | {1.0}, key=lambda s: s != 1.0)
+        seen: dict = {}
+        for s in grid:                                    # the prediction first: it owns its placement
+            seen.setdefault(key(s), s)
+        wider = (max(reach[0], 1 - 2 * (1 - lo)), min(reach[1], 1 + 2 * (hi - 1)))
+        if len(seen) >= 3 or wider == (lo, hi) or lo >= 1 or hi <= 1:
+            return tuple(sorted(seen.values()))
+        lo, hi = wider
 
-    A bracketing search around the best split so far: its neighbours `step` either side (within
-    [lo, hi]) are timed; the faster neighbour, if either beats it, becomes the best, else the step
-    halves, until it is below `min_step` or `points` distinct placements were timed. Where the best is
-    at the bracket's edge (the prediction was further off than the bracket), that edge widens by the
-    step, within `reach`, so the search can still bracket the fastest split. Scales whose `key` (the
-    placement they round to; default the scale itself) was timed already reuse that time without a
-    yield, so a placement too coarse to move at a step counts as no better. Where the first step's
-    neighbours both round to the prediction's placement (a coarse placement: a pipeline's stage cut),
-    the step first widens until a neighbour differs or the bracket's edge is reached."""
+
+def round_steps(scales: Sequence[float], r: int, block: int = BLOCK, warm: Sequence[float] = (),
+                warmup: int = WARMUP_STEPS) -> tuple[TimedStep, ...]:
+    """Round `r` of a sweep: a block of `block` steps of each split, in order (reversed in odd rounds, so
+    that drift within a round falls on both ends alike), each block's first step untimed; a split not in
+    `warm` (run before) first runs `warmup` untimed steps (its compile)."""
+    if block < 2:
+        raise ValueError(f"a sweep's block needs an untimed switch step and a timed one: block >= 2, got {block}.")
+    steps: list[TimedStep] = []
+    for s in (scales if r % 2 == 0 else scales[::-1]):
+        steps += [TimedStep(s, None)] * ((warmup if s not in warm else 0) + 1) + [TimedStep(s, r)] * (block - 1)
+    return tuple(steps)
+
+
+def round_table(timed: Sequence[tuple[TimedStep, float]]) -> dict[int, dict[float, list[float]]]:
+    """A sweep's timed steps grouped {round: {scale: [seconds]}}."""
+    out: dict[int, dict[float, list[float]]] = {}
+    for c, t in timed:
+        if c.round is not None and c.round >= 0:
+            out.setdefault(c.round, {}).setdefault(c.scale, []).append(t)
+    return out
+
+
+def normalized(table: dict[int, dict[float, list[float]]]) -> list[tuple[float, float]]:
+    """(scale, its block median over the round's median block) for every split of every round: what each
+    split costs in each round, drift divided out."""
+    out = []
+    for r in table.values():
+        med = {s: float(np.median(t)) for s, t in r.items()}
+        mid = float(np.median(list(med.values())))
+        out += [(s, m / mid) for s, m in med.items()] if mid > 0 else []
+    return out
+
+
+def paired_ratios(table: dict[int, dict[float, list[float]]]) -> dict[float, float]:
+    """{scale: the median over rounds of its block median over the prediction's in the same round}."""
+    ratios: dict[float, list[float]] = {}
+    for r in table.values():
+        if r.get(1.0):
+            base = float(np.median(r[1.0]))
+            for s, t in r.items():
+                ratios.setdefault(s, []).append(float(np.median(t)) / base)
+    return {s: float(np.median(v)) for s, v in ratios.items()}
+
+
+def decide(table: dict[int, dict[float, list[float]]]) -> tuple[float, float, bool]:
+    """(the scale kept, the prediction's time over its time, whether it is a fitted vertex): the vertex of
+    the V fitted to the rounds' `normalized` points; where no V fits, the split of the least median
+    (the prediction on a tie)."""
+    points = normalized(table)
+    fit = fit_v(points)
+    if fit is not None and fit.vertex is not None:
+        return fit.vertex, fit(1.0) / fit(fit.vertex), True
+    med = {s: float(np.median([t for q, t in points if q == s])) for s in {q for q, _ in points}}
+    if not med:
+        return 1.0, 1.0, False
+    best = min(med, key=lambda s: (med[s], s != 1.0))
+    return best, med.get(1.0, med[best]) / med[best], False
+
+
+def settled(table: dict[int, dict[float, list[float]]], least: int = MIN_ROUNDS, every: int = SETTLE_EVERY,
+            tol: float = SETTLED) -> bool:
+    """Whether a sweep can stop: at least `least` rounds, a multiple of `every`, and the V's fitted to its
+    even and to its odd rounds put their vertices within `tol` of each other."""
+    n = len(table)
+    if n < least or n % every:
+        return False
+    rounds = list(table.values())
+    halves = [normalized(dict(enumerate(rounds[i::2]))) for i in (0, 1)]
+    v = [vertex(h) for h in halves]
+    return None not in v and abs(v[0] - v[1]) < tol
+
+
+def widened(kept: float, scales: Sequence[float], reach: tuple[float, float] = REACH) -> tuple[float, float] | None:
+    """The bracket of a widening sweep where the split kept is near the sweep's edge away from the
+    prediction, within a quarter of a split of the last split a fitted vertex can reach (the one before the
+    edge: a V needs two splits on either side, so the fastest split beyond it is fitted short of where it is),
+    and the reach goes further: from two splits inside that edge to the reach; else None."""
+    if len(scales) < 3:
+        return None
+    if kept <= scales[1] + (min(scales[2], 1.0) - scales[1]) / 4 and scales[1] < 1.0 and scales[0] > reach[0]:
+        return reach[0], scales[2]
+    if kept >= scales[-2] - (scales[-2] - max(scales[-3], 1.0)) / 4 and scales[-2] > 1.0 and scales[-1] < reach[1]:
+        return scales[-3], reach[1]
+    return None
+
+
+def sweep(key: Callable[[float], Hashable] | None = None, lo: float = LO, hi: float = HI, points: int = POINTS,
+          reach: tuple[float, float] = REACH, block: int = BLOCK, rounds: int | None = None,
+          least: int = MIN_ROUNDS) -> Generator[tuple[TimedStep, ...], Sequence[float], Swept]:
+    """Yields steps to run (the prediction's first, then a sweep's rounds), receives their seconds, and
+    returns what it found (`Swept`).
+
+    The prediction runs `FIRST_WARMUP` untimed steps and `STEPS_PER_POINT` timed ones; their median sets the
+    rounds (`sweep_rounds`, or `rounds`). Then a sweep over [lo, hi] (`sweep_scales`) runs its rounds until
+    it `settled` (after `least`) or ran them all, and `decide`s; where the split kept is its edge, one
+    widening sweep (`widened`) runs and decides in its place."""
     check_bracket(lo, hi, points, reach)
     key = key or (lambda s: s)
-    seen: dict = {}
-
-    def cost(s):
-        k = key(s)
-        if k not in seen:
-            if len(seen) >= points:
-                return None
-            seen[k] = yield s
-        return seen[k]
-
-    best, step = 1.0, (hi - lo) / 4
-    f_best = yield from cost(best)
-    widest = max(1.0 - lo, hi - 1.0)
-    while step < widest and all(key(s) == key(best) for s in _neighbours(best, step, lo, hi)):
-        step = min(2 * step, widest)          # reach for the nearest placement that differs
-    while step >= min_step and f_best is not None:
-        lo = max(lo - step, reach[0]) if best <= lo + 1e-9 else lo          # (scales are sums of steps)
-        hi = min(hi + step, reach[1]) if best >= hi - 1e-9 else hi
-        moved = False
-        for s in _neighbours(best, step, lo, hi):
-            t = yield from cost(s)
-            if t is None:
-                return best
-            if t < f_best:
-                best, f_best, moved = s, t, True
-        if not moved:
-            step /= 2
-    return best
+    first = (TimedStep(1.0, None),) * FIRST_WARMUP + (TimedStep(1.0, -1),) * STEPS_PER_POINT
+    seconds = yield first
+    if rounds is None:
+        rounds = sweep_rounds(steps_per_point(float(np.median(list(seconds)[FIRST_WARMUP:]))))
+    warm, found, bracket = {1.0}, {}, (lo, hi)
+    for _ in range(2):
+        scales = sweep_scales(*bracket, points, key, reach)
+        timed: list[tuple[TimedStep, float]] = []
+        for r in range(rounds):
+            steps = round_steps(scales, r, block, warm)
+            warm |= set(scales)
+            timed += zip(steps, (yield steps))
+            if settled(round_table(timed), least):
+                break
+        table = round_table(timed)
+        kept, gain, fitted = decide(table)
+        ratios = paired_ratios(table)
+        for s in scales:
+            times = [t for c, t in timed if c.scale == s and c.round is not None]
+            found[s] = SplitTiming(s, (), *median_spread(times), len(times), paired=ratios.get(s))
+        bracket = widened(kept, scales, reach)
+        if bracket is None:
+            break
+    return Swept(kept, gain, tuple(found[s] for s in sorted(found)), len(table), fitted)
 
 
-def _neighbours(best: float, step: float, lo: float, hi: float) -> list[float]:
-    """The scales `step` either side of `best`, within [lo, hi], in order."""
-    return sorted({min(max(best - step, lo), hi), min(max(best + step, lo), hi)} - {best})
-
-
-def search(cost: Callable[[float], float], lo: float = LO, hi: float = HI, points: int = POINTS,
-           key: Callable[[float], Hashable] | None = None, rounds: int = CONFIRM_ROUNDS,
-           pair: int = MIN_POINT_ROUNDS, reach: tuple[float, float] = REACH,
-           extend: int = EXTEND) -> tuple[float, list[tuple[float, float]]]:
-    """Runs `bracket_search`, each split after the prediction timed in `pair` paired rounds beside it
-    (0: timed once, its seconds compared), and its confirmation against the `rival` (`rounds` rounds),
-    every paired timing extended while undecided (`more_rounds`, up to `extend` times its rounds), over a
-    timing callback: (the scale kept, [(scale, seconds) timed, in order]). With `rounds` 0, the search's
-    own fastest split is kept."""
-    gen = bracket_search(lo, hi, points, key=key, reach=reach)
+def search(cost: Callable[[float], float], key: Callable[[float], Hashable] | None = None,
+           **options) -> tuple[Swept, list[tuple[float, float]]]:
+    """Runs `sweep` over a timing callback (one call a step): (what it found, [(scale, seconds)] of every
+    step, in order). `options` are `sweep`'s."""
+    gen = sweep(key, **options)
     timed: list[tuple[float, float]] = []
-    found: list[SplitTiming] = []
-
-    def paired(other, least, threshold):
-        again: list[tuple[ConfirmStep, float]] = []
-        while more_rounds(other, rounds_of(again), threshold, least, extend):
-            again += [(c, float(cost(c.scale))) for c in next_round(other, len(rounds_of(again)))]
-        timed.extend((c.scale, t) for c, t in again)
-        return again
-
     try:
-        s = next(gen)
+        steps = next(gen)
         while True:
-            if s == 1.0 or not pair:
-                t = float(cost(s))
-                timed.append((s, t))
-                found.append(SplitTiming(s, (), t, paired=1.0 if pair else None))
-            else:
-                again = paired(s, pair, min(p.relative for p in found))
-                own = [t for c, t in again if c.scale == s and c.round is not None]
-                found.append(SplitTiming(s, (), float(np.median(own)), paired=paired_ratio(s, rounds_of(again))))
-            s = gen.send(found[-1].relative)
+            seconds = [float(cost(c.scale)) for c in steps]
+            timed += [(c.scale, t) for c, t in zip(steps, seconds)]
+            steps = gen.send(seconds)
     except StopIteration as stop:
-        best = stop.value
-    if rounds == 0:
-        return best, timed
-    other = rival(found, key)
-    if other is None:
-        return 1.0, timed
-    return confirmed(other, rounds_of(paired(other, rounds, 1.0))), timed
+        return stop.value, timed
 
 
-def rival(points: Sequence[SplitTiming], key: Callable[[float], Hashable] | None = None) -> float | None:
-    """The scale a confirmation re-times against the prediction: the `vertex` of the V fitted to every
-    timed split (`SplitTiming.relative`), or the timed split of the same placement (`key`) where there is
-    one; where no V fits, the fastest timed split other than the prediction. None: nothing to confirm
-    (nothing else timed, or the fitted vertex is the prediction's placement)."""
-    key = key or (lambda s: s)
-    others = [p for p in points if p.scale != 1.0]
-    if not others:
-        return None
-    v = vertex([(p.scale, p.relative) for p in points])
-    if v is None:
-        return min(others, key=lambda p: p.relative).scale
-    if key(v) == key(1.0):
-        return None
-    return next((p.scale for p in others if key(p.scale) == key(v)), v)
+@dataclasses.dataclass(frozen=True)
+class VFit:
+    """A V `h + a * max(s - vertex, 0) + b * max(vertex - s, 0)` fitted to (scale, time) points; `vertex`
+    None where the fit has no arm on one side (the times only fall, or only rise, across the scales)."""
+
+    at: float                          # the vertex on the grid of the fit
+    h: float
+    a: float
+    b: float
+    vertex: float | None
+
+    def __call__(self, s: float) -> float:
+        return self.h + self.a * max(s - self.at, 0.0) + self.b * max(self.at - s, 0.0)
 
 
-def vertex(points: Sequence[tuple[float, float]], grid: int = 241) -> float | None:
-    """Where a V fitted to (scale, seconds) points has its vertex: the least squares fit of
-    `h + a * max(s - v, 0) + b * max(v - s, 0)` (a, b >= 0: the slow devices bound the step above the
-    vertex, the fast ones below) over vertices `v` on a grid with two distinct scales timed on either
-    side (an arm through one point would fit any vertex). Every point weighs in, so one lucky timing
-    moves the vertex a little rather than deciding it; a time far above the fit (`loaded`: load from
-    elsewhere only ever slows a step) is left out and the V fitted again without it, where four distinct
-    scales remain. None with fewer than four distinct scales, or where the best fit has no arm on one
-    side (the times only fall, or only rise, across the scales)."""
+def fit_v(points: Sequence[tuple[float, float]], grid: int = 241) -> VFit | None:
+    """The least squares V through (scale, time) points (a, b >= 0: the slow devices bound the step above
+    the vertex, the fast ones below) over vertices on a grid with two distinct scales timed on either side
+    (an arm through one point would fit any vertex). Every point weighs in, so one lucky timing moves the
+    vertex a little rather than deciding it; a time far above the fit (`loaded`: load from elsewhere only
+    ever slows a step) is left out and the V fitted again without it, where four distinct scales remain.
+    None with fewer than four distinct scales."""
     s, t = (np.asarray(x, np.float64) for x in zip(*points)) if points else (np.zeros(0), np.zeros(0))
     fit = _fit_v(s, t, grid)
     if fit is None:
@@ -295,9 +342,15 @@ def vertex(points: Sequence[tuple[float, float]], grid: int = 241) -> float | No
     if not keep.all() and len(np.unique(s[keep])) >= 4:
         s, t = s[keep], t[keep]
         fit = _fit_v(s, t, grid) or fit                         # four distinct scales kept: it fits
-    v, _, coef = fit
-    rise = coef[1:] * (s.max() - s.min()) / t.mean()            # each arm's rise over the scales, relative
-    return v if np.all(rise > 1e-6) else None
+    v, _, (h, a, b) = fit
+    rise = np.array([a, b]) * (s.max() - s.min()) / t.mean()    # each arm's rise over the scales, relative
+    return VFit(v, float(h), float(a), float(b), v if np.all(rise > 1e-6) else None)
+
+
+def vertex(points: Sequence[tuple[float, float]], grid: int = 241) -> float | None:
+    """Where a V fitted to (scale, time) points has its vertex (`fit_v`); None where no V fits."""
+    fit = fit_v(points, grid)
+    return None if fit is None else fit.vertex
 
 
 def _fit_v(s: np.ndarray, t: np.ndarray, grid: int) -> tuple[float, np.ndarray, np.ndarray] | None:
@@ -324,71 +377,6 @@ def loaded(excess: np.ndarray, sigmas: float = LOADED_SIGMAS, floor: float = LOA
     return (e > sigmas * 1.4826 * np.median(np.abs(e))) & (e > floor)
 
 
-def confirmation_order(other: float, rounds: int = CONFIRM_ROUNDS, warmup: int = 0,
-                       block: int = CONFIRM_BLOCK) -> tuple[ConfirmStep, ...]:
-    """The steps a confirmation runs: `warmup` untimed steps of `other` (where the search did not time
-    it: its compile), then `rounds` rounds of a block of `block` steps of the prediction and of
-    `other`, the order alternating per round (prediction first in even rounds) so that drift within
-    a round falls on both alike; each block's first step (the switch) is untimed."""
-    if block < 2:
-        raise ValueError(f"a confirmation block needs an untimed switch step and a timed one: block >= 2, got {block}.")
-    steps = [ConfirmStep(other, None)] * warmup
-    for r in range(rounds):
-        for s in ((1.0, other) if r % 2 == 0 else (other, 1.0)):
-            steps += [ConfirmStep(s, None)] + [ConfirmStep(s, r)] * (block - 1)
-    return tuple(steps)
-
-
-def rounds_of(timed: Sequence[tuple[ConfirmStep, float]]) -> dict[int, dict[float, list[float]]]:
-    """A confirmation's timed steps grouped {round: {scale: [seconds]}}."""
-    out: dict[int, dict[float, list[float]]] = {}
-    for c, t in timed:
-        if c.round is not None:
-            out.setdefault(c.round, {}).setdefault(c.scale, []).append(t)
-    return out
-
-
-def round_ratios(other: float, rounds: dict[int, dict[float, list[float]]]) -> list[float]:
-    """Each round's block median of `other` over the prediction's (rounds where both were timed)."""
-    return [float(np.median(r[other]) / np.median(r[1.0])) for r in rounds.values() if r.get(other) and r.get(1.0)]
-
-
-def paired_ratio(other: float, rounds: dict[int, dict[float, list[float]]]) -> float:
-    """The median over rounds of `other`'s block median over the prediction's in the same round."""
-    ratios = round_ratios(other, rounds)
-    return float(np.median(ratios)) if ratios else 1.0
-
-
-def decided(ratios: Sequence[float], threshold: float, sigmas: float = DECIDED_SIGMAS) -> bool:
-    """Whether the median of per-round `ratios` is more than `sigmas` standard errors from `threshold`
-    (the standard error of a median, 1.253 sigma / sqrt(n), its sigma from the median absolute deviation,
-    so that one wild round does not hold the timing open)."""
-    r = np.asarray(ratios, np.float64)
-    if not len(r):
-        return False
-    med = float(np.median(r))
-    se = 1.253 * 1.4826 * float(np.median(np.abs(r - med))) / np.sqrt(len(r))
-    return abs(med - threshold) > sigmas * se
-
-
-def more_rounds(other: float, rounds: dict[int, dict[float, list[float]]], threshold: float, least: int,
-                extend: int = EXTEND) -> bool:
-    """Whether a paired timing of `other` runs another round: fewer than `least` rounds ran, or its ratio is
-    not `decided` against `threshold` and fewer than `extend * least` ran."""
-    ratios = round_ratios(other, rounds)
-    return len(ratios) < least or (len(ratios) < extend * least and not decided(ratios, threshold))
-
-
-def next_round(other: float, done: int, block: int = CONFIRM_BLOCK) -> tuple[ConfirmStep, ...]:
-    """The steps of a paired timing's round `done` (its rounds so far), alternating as `confirmation_order`'s."""
-    return confirmation_order(other, done + 1, block=block)[-2 * block:]
-
-
-def confirmed(other: float, rounds: dict[int, dict[float, list[float]]]) -> float:
-    """The scale kept: `other` if its paired ratio to the prediction (`paired_ratio`) is below 1, else 1.0."""
-    return other if paired_ratio(other, rounds) < 1.0 else 1.0
-
-
 def scaled_speeds(speeds: Sequence[float], scale: float) -> tuple[tuple[float, ...], tuple[int, ...]]:
     """(the speeds with the slowest devices' multiplied by `scale`, those devices)."""
     s = np.asarray(speeds, np.float64)
@@ -400,5 +388,7 @@ def scaled_speeds(speeds: Sequence[float], scale: float) -> tuple[tuple[float, .
 def median_spread(times: Sequence[float]) -> tuple[float, float]:
     """Median seconds of a split's timed steps and their relative spread ((max - min) / 2 / median)."""
     t = np.asarray(times, np.float64)
+    if not len(t):
+        return 0.0, 0.0
     med = float(np.median(t))
     return med, float((t.max() - t.min()) / 2 / med) if med > 0 else 0.0

@@ -219,26 +219,20 @@ def refinement_items(plan, report) -> list:
             return [Line("refinement on the real step (Config(hardware_aware='refine')): runs during the step's "
                          "first calls; step.plan then holds the split it keeps", 1)]
         return []
-    p, c = ref.predicted, ref.chosen
+    p = ref.predicted
     slow = fmt_devices(ref.slow)
-    kept = (f"kept rows {_rows(c.rows, c.units)} (device{'s' if len(ref.slow) > 1 else ''} {slow} at x{c.scale:.3g} of "
-            f"the predicted speed) {fmt_time(c.seconds)}: {ref.gain:.2f}x the prediction's speed"
-            if c.scale != p.scale else "kept the prediction (" + ("its rival was slower in paired blocks of steps)"
-                                                                  if ref.confirmed else "the V fitted to the splits "
-                                                                  "timed has its vertex there)"))
-    items = [Line(f"refined on the real step ({len(ref.points)} splits timed, {ref.steps} steps): predicted rows "
-                  f"{_rows(p.rows, p.units)} {fmt_time(p.seconds)} ± {fmt_pct(p.spread)}; {kept}", 1)]
-    if ref.confirmed:
-        a, b = ref.confirmed
-        items.append(Line(f"confirmed in paired blocks of steps ({a.steps} timed each): x{a.scale:.3g} "
-                          f"{fmt_time(a.seconds)} beside x{b.scale:.3g} {fmt_time(b.seconds)}, "
-                          f"x{b.scale:.3g} / x{a.scale:.3g} {ref.paired:.3f} (median over rounds)", 2))
+    how = "the vertex of the V fitted to the rounds" if ref.fitted else "the least median of the splits timed"
+    kept = (f"kept rows {_rows(ref.kept_rows, ref.kept_units)} (device{'s' if len(ref.slow) > 1 else ''} {slow} at "
+            f"x{ref.kept:.3g} of the predicted speed, {how}): {ref.gain:.2f}x the prediction's speed"
+            if ref.kept_rows != p.rows or ref.kept_units != p.units else f"kept the prediction ({how})")
+    items = [Line(f"refined on the real step ({len(ref.points)} splits timed in {ref.rounds} rounds, {ref.steps} "
+                  f"steps): predicted rows {_rows(p.rows, p.units)} {fmt_time(p.seconds)} ± {fmt_pct(p.spread)}; "
+                  f"{kept}", 1)]
     table = [[f"x{t.scale:.3g}", _rows(t.rows, t.units), fmt_time(t.seconds), fmt_pct(t.spread), str(t.steps),
-              _ratio(t), "predicted" if t.scale == 1.0 else ("kept" if t.scale == ref.kept else "")]
+              _ratio(t), "predicted" if t.scale == 1.0 else ("kept" if t.rows == ref.kept_rows else "")]
              for t in ref.points]
-    table += [[f"x{t.scale:.3g}", _rows(t.rows, t.units), fmt_time(t.seconds), fmt_pct(t.spread), str(t.steps),
-               _ratio(t), "fitted, kept" if t.scale == ref.kept else "fitted"]
-              for t in ref.confirmed if all(q.scale != t.scale for q in ref.points)]
+    if all(t.rows != ref.kept_rows or t.units != ref.kept_units for t in ref.points):
+        table.append([f"x{ref.kept:.3g}", _rows(ref.kept_rows, ref.kept_units), "", "", "0", "", "fitted, kept"])
     items.append(Table(REFINE_COLUMNS, tuple(map(tuple, table)), (True, False, True, True, True, True, False),
                        where="html"))
     return items
