@@ -99,7 +99,8 @@ def count(found: list[Ratio], bar: float, beyond: list[Ratio]) -> str:
 
 VARIANTS = ",".join(["mlp_lead", "hybrid_lead", "mlp_pinned", "hybrid_pinned", "pipeline_parts",
                      "mlp_paired_points", "hybrid_paired_points", "pipeline_paired_points",
-                     "mlp_extended_rounds", "hybrid_extended_rounds", "pipeline_extended_rounds"])
+                     "mlp_extended_rounds", "hybrid_extended_rounds", "pipeline_extended_rounds",
+                     "mlp_sweep_rounds", "hybrid_sweep_rounds", "pipeline_sweep_rounds"])
 
 
 def main(argv=None):
