@@ -287,7 +287,9 @@ def sweep(key: Callable[[float], Hashable] | None = None, lo: float = LO, hi: fl
         table = round_table(timed)
         kept, gain, fitted = decide(table)
         ratios = paired_ratios(table)
-        for s in scales:
+        for s in scales:                                  # one timing per placement: the last sweep's
+            for earlier in [q for q in found if key(q) == key(s)]:
+                del found[earlier]
             times = [t for c, t in timed if c.scale == s and c.round is not None]
             found[s] = SplitTiming(s, (), *median_spread(times), len(times), paired=ratios.get(s))
         bracket = widened(kept, scales, reach)
