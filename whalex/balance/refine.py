@@ -266,7 +266,7 @@ def sweep(key: Callable[[float], Hashable] | None = None, lo: float = LO, hi: fl
 
     The prediction runs `FIRST_WARMUP` untimed steps and `STEPS_PER_POINT` timed ones; their median sets the
     rounds (`sweep_rounds`, or `rounds`). Then a sweep over [lo, hi] (`sweep_scales`) runs its rounds until
-    it `settled` (after `least`) or ran them all, and `decide`s; where the split kept is its edge, one
+    it `settled` (after `least`) or ran them all, and `decide`s; where the split kept is near its edge, one
     widening sweep (`widened`) runs and decides in its place."""
     check_bracket(lo, hi, points, reach)
     key = key or (lambda s: s)
