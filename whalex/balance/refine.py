@@ -19,10 +19,11 @@ through the prediction's timings. A V fitted by least squares to all the rounds'
 split kept, its vertex (`vertex`; a time far above the fit, load from elsewhere, left out); where no V
 fits, the split with the least median. The rounds stop early, from `MIN_ROUNDS` on, once the V's
 of the even and of the odd rounds put the vertex within `SETTLED` of each other (`settled`): a quiet
-machine pays little, a noisy one runs up to `sweep_rounds`. Where the split kept is at the sweep's
-edge (the times only fall toward it, or the vertex sits on the last split that leaves two beyond it:
-the prediction was further off than the bracket), one more sweep runs from there to the bracket's
-`REACH` (`widened`) and decides in the first one's place.
+machine pays little, a noisy one runs up to `sweep_rounds`. Where the split kept is near the sweep's
+edge (the times only fall toward it, or the vertex is within a quarter of a split of the last split a V
+can reach: the prediction was further off than the bracket), one more sweep runs from there to the
+bracket's `REACH` (`widened`) and decides in the first one's place, re-timing at their own scales the
+placements the first one ran.
 
 The sweep is a generator (`sweep`) that yields one round's steps (`TimedStep`s) and receives their
 seconds, so a training step can drive it a step at a time and every process decides from the same
@@ -157,9 +158,10 @@ def check_bracket(lo: float, hi: float, points: int, reach: tuple[float, float] 
 
 
 def sweep_scales(lo: float, hi: float, points: int, key: Callable[[float], Hashable],
-                 reach: tuple[float, float] = REACH) -> tuple[float, ...]:
+                 reach: tuple[float, float] = REACH, known: Sequence[float] = ()) -> tuple[float, ...]:
     """The splits a sweep over [lo, hi] times, in order: `points` scales evenly over it and the prediction,
-    one per placement (`key`; the prediction's own at 1.0). Where fewer than three placements differ (a
+    one per placement (`key`; the prediction's own at 1.0, a `known` scale's (one an earlier sweep ran,
+    its plan built and compiled) where it has the same). Where fewer than three placements differ (a
     coarse placement: a pipeline's stage cut), the bracket widens about 1, within `reach`, until three do."""
     while True:
         grid = sorted({round(float(s), 9) for s in np.linspace(lo, hi, points)} | {1.0}, key=lambda s: s != 1.0)
@@ -168,7 +170,8 @@ def sweep_scales(lo: float, hi: float, points: int, key: Callable[[float], Hasha
             seen.setdefault(key(s), s)
         wider = (max(reach[0], 1 - 2 * (1 - lo)), min(reach[1], 1 + 2 * (hi - 1)))
         if len(seen) >= 3 or wider == (lo, hi) or lo >= 1 or hi <= 1:
-            return tuple(sorted(seen.values()))
+            owner = {key(q): q for q in known}
+            return tuple(sorted(owner.get(k, s) for k, s in seen.items()))
         lo, hi = wider
 
 
@@ -276,7 +279,7 @@ def sweep(key: Callable[[float], Hashable] | None = None, lo: float = LO, hi: fl
         rounds = sweep_rounds(steps_per_point(float(np.median(list(seconds)[FIRST_WARMUP:]))))
     warm, found, bracket = {1.0}, {}, (lo, hi)
     for _ in range(2):
-        scales = sweep_scales(*bracket, points, key, reach)
+        scales = sweep_scales(*bracket, points, key, reach, known=found)
         timed: list[tuple[TimedStep, float]] = []
         for r in range(rounds):
             steps = round_steps(scales, r, block, warm)
@@ -288,8 +291,6 @@ def sweep(key: Callable[[float], Hashable] | None = None, lo: float = LO, hi: fl
         kept, gain, fitted = decide(table)
         ratios = paired_ratios(table)
         for s in scales:                                  # one timing per placement: the last sweep's
-            for earlier in [q for q in found if key(q) == key(s)]:
-                del found[earlier]
             times = [t for c, t in timed if c.scale == s and c.round is not None]
             found[s] = SplitTiming(s, (), *median_spread(times), len(times), paired=ratios.get(s))
         bracket = widened(kept, scales, reach)
