@@ -20,6 +20,7 @@ from whalex.balance.refine import (
     STEPS_PER_POINT,
     WARMUP_STEPS,
     TimedStep,
+    adjacent,
     decide,
     loaded,
     max_steps,
@@ -30,6 +31,7 @@ from whalex.balance.refine import (
     scaled_speeds,
     search,
     settled,
+    snapped,
     steps_per_point,
     sweep,
     sweep_rounds,
@@ -148,6 +150,22 @@ def test_a_coarse_placement_widens_the_bracket_until_three_placements_differ():
     assert cuts(found.kept) == 3 and not found.fitted                   # three placements: no V, the least
     assert len({s for s, _ in timed}) == 3                              # each placement timed at one scale
     assert len(sweep_scales(0.9, 1.1, 3, lambda s: 0, reach=(0.9, 1.1))) == 1   # nothing moves: only the prediction
+
+
+def test_a_vertex_between_two_neighbouring_placements_keeps_the_faster_of_the_two():
+    # a stage cut as measured (2-stage pipeline, quota near 3:1): the cut at the prediction 8% faster than
+    # both neighbours, but the neighbours' slopes differ, so the V's vertex lands just past the change
+    cuts = lambda s: 2 if s < 0.7 else 3 if s < 1.05 else 4 if s < 1.45 else 5      # noqa: E731
+    cost = lambda s: {2: 1.083, 3: 1.0, 4: 1.085, 5: 1.35}[cuts(s)] * 0.3          # noqa: E731
+    rows = {r: {s: [cost(s)] * 2 for s in (0.5, 1.0, 1.2333, 1.6)} for r in range(9)}
+    v, _, fitted = decide(rows)
+    assert fitted and cuts(v) == 4                                      # the V alone keeps the slower cut
+    assert snapped(v, rows, cuts)[:3:2] == (1.0, False)                 # its neighbours timed: the faster
+    found, _ = search(cost, key=cuts)
+    assert cuts(found.kept) == 3 and not found.fitted
+    assert adjacent(cuts, 1.0, 1.2333) and not adjacent(cuts, 0.5, 1.2333)
+    # rows (a fine placement): placements lie between the timed splits, the V's vertex is kept
+    assert snapped(0.95, {0: {0.9: [1.0], 1.0: [1.0]}}, lambda s: round(1000 * s)) is None
 
 
 def test_a_quiet_step_settles_early_and_a_noisy_one_runs_its_rounds():

@@ -10,20 +10,21 @@ The split is moved by one number, `scale`: the slowest devices (a group of equal
 scale below 1 gives the slow devices fewer rows. The step's time is a V in the scale (one side waits
 for the slow devices, the other for the fast ones); the fastest split is its vertex.
 
-A sweep times `POINTS` splits evenly over the bracket, the prediction among them, in rounds: each
-round runs a block of `BLOCK` steps of every split (the block's first step, the switch, untimed), the
-order reversing round by round. Each block's median over the round's median block is what the split
-costs in that round: drift (a busy neighbour, a throttling period, a slow period that holds for
-seconds) moves a whole round alike and divides out, and every split is timed in every round, none
-through the prediction's timings. A V fitted by least squares to all the rounds' points gives the
-split kept, its vertex (`vertex`; a time far above the fit, load from elsewhere, left out); where no V
-fits, the split with the least median. The rounds stop early, from `MIN_ROUNDS` on, once the V's
-of the even and of the odd rounds put the vertex within `SETTLED` of each other (`settled`): a quiet
-machine pays little, a noisy one runs up to `sweep_rounds`. Where the split kept is near the sweep's
-edge (the times only fall toward it, or the vertex is within a quarter of a split of the last split a V
-can reach: the prediction was further off than the bracket), one more sweep runs from there to the
-bracket's `REACH` (`widened`) and decides in the first one's place, re-timing at their own scales the
-placements the first one ran.
+A sweep times `POINTS` splits evenly over the bracket, the prediction among them, in rounds: each round
+runs a block of `BLOCK` steps of every split (the block's first step, the switch, untimed), the order
+reversing round by round. Each block's median over the round's median block is what the split costs in
+that round: drift (a busy neighbour, a throttling period, a slow period that holds for seconds) moves a
+whole round alike and divides out, and every split is timed in every round, none through the
+prediction's timings. A V fitted by least squares to all the rounds' points gives the split kept, its
+vertex (`vertex`; a time far above the fit, load from elsewhere, left out); where no V fits, the split
+with the least median; where the vertex falls between two timed splits whose placements are neighbours
+(a coarse placement), the faster of the two (`snapped`). The rounds stop early, from `MIN_ROUNDS` on,
+once the V's of the even and of the odd rounds put the vertex within `SETTLED` of each other
+(`settled`): a quiet machine pays little, a noisy one runs up to `sweep_rounds`. Where the split kept is
+near the sweep's edge (the times only fall toward it, or the vertex is within a quarter of a split of
+the last split a V can reach: the prediction was further off than the bracket), one more sweep runs from
+there to the bracket's `REACH` (`widened`) and decides in the first one's place, re-timing at their own
+scales the placements the first one ran.
 
 The sweep is a generator (`sweep`) that yields one round's steps (`TimedStep`s) and receives their
 seconds, so a training step can drive it a step at a time and every process decides from the same
@@ -234,6 +235,38 @@ def decide(table: dict[int, dict[float, list[float]]]) -> tuple[float, float, bo
     return best, med.get(1.0, med[best]) / med[best], False
 
 
+def adjacent(key: Callable[[float], Hashable], a: float, b: float, tol: float = 1e-3) -> bool:
+    """Whether no placement lies between the placements at scales a < b (`key`, monotone in the scale):
+    bisecting for where the placement changes meets only those two."""
+    ka, kb = key(a), key(b)
+    while b - a > tol:
+        mid = (a + b) / 2
+        km = key(mid)
+        if km == ka:
+            a = mid
+        elif km == kb:
+            b = mid
+        else:
+            return False
+    return True
+
+
+def snapped(kept: float, table: dict[int, dict[float, list[float]]], key: Callable[[float], Hashable]
+            ) -> tuple[float, float, bool] | None:
+    """Where a fitted vertex lies between two timed splits of adjacent placements (a coarse placement: a
+    pipeline's stage cut, every placement near it timed), the faster of the two by their medians (the V
+    interpolates only where a placement between them was not timed; its vertex can fall on the wrong
+    side of the change): (scale, the prediction's time over its time, False); else None."""
+    points = normalized(table)
+    scales = sorted({s for s, _ in points})
+    i = int(np.searchsorted(scales, kept, side="right")) - 1
+    if i < 0 or i + 1 >= len(scales) or not adjacent(key, scales[i], scales[i + 1]):
+        return None
+    med = {s: float(np.median([t for q, t in points if q == s])) for s in scales}
+    best = min(scales[i:i + 2], key=lambda s: (med[s], s != 1.0))
+    return best, med.get(1.0, med[best]) / med[best], False
+
+
 def settled(table: dict[int, dict[float, list[float]]], least: int = MIN_ROUNDS, every: int = SETTLE_EVERY,
             tol: float = SETTLED) -> bool:
     """Whether a sweep can stop: at least `least` rounds, a multiple of `every`, and the V's fitted to its
@@ -269,7 +302,8 @@ def sweep(key: Callable[[float], Hashable] | None = None, lo: float = LO, hi: fl
 
     The prediction runs `FIRST_WARMUP` untimed steps and `STEPS_PER_POINT` timed ones; their median sets the
     rounds (`sweep_rounds`, or `rounds`). Then a sweep over [lo, hi] (`sweep_scales`) runs its rounds until
-    it `settled` (after `least`) or ran them all, and `decide`s; where the split kept is near its edge, one
+    it `settled` (after `least`) or ran them all, and `decide`s (`snapped` to the faster of two neighbouring
+    placements where the vertex falls between them); where the split kept is near its edge, one
     widening sweep (`widened`) runs and decides in its place."""
     check_bracket(lo, hi, points, reach)
     key = key or (lambda s: s)
@@ -289,6 +323,8 @@ def sweep(key: Callable[[float], Hashable] | None = None, lo: float = LO, hi: fl
                 break
         table = round_table(timed)
         kept, gain, fitted = decide(table)
+        if fitted:
+            kept, gain, fitted = snapped(kept, table, key) or (kept, gain, fitted)
         ratios = paired_ratios(table)
         for s in scales:                                  # one timing per placement: the last sweep's
             times = [t for c, t in timed if c.scale == s and c.round is not None]
