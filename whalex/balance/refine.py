@@ -220,18 +220,28 @@ def paired_ratios(table: dict[int, dict[float, list[float]]]) -> dict[float, flo
     return {s: float(np.median(v)) for s, v in ratios.items()}
 
 
-def decide(table: dict[int, dict[float, list[float]]]) -> tuple[float, float, bool]:
+def decide(table: dict[int, dict[float, list[float]]], key: Callable[[float], Hashable] | None = None
+           ) -> tuple[float, float, bool]:
     """(the scale kept, the prediction's time over its time, whether it is a fitted vertex): the vertex of
-    the V fitted to the rounds' `normalized` points; where no V fits, the split of the least median
-    (the prediction on a tie)."""
+    the V fitted to the rounds' `normalized` points, `snapped` (given the placements' `key`) where it falls
+    between two neighbouring placements; where no V fits, the split of the least median (the prediction
+    on a tie)."""
     points = normalized(table)
     fit = fit_v(points)
     if fit is not None and fit.vertex is not None:
-        return fit.vertex, fit(1.0) / fit(fit.vertex), True
+        return (key is not None and snapped(fit.vertex, table, key)) or (fit.vertex, fit(1.0) / fit(fit.vertex), True)
+    return least_median(points) or (1.0, 1.0, False)
+
+
+def least_median(points: Sequence[tuple[float, float]], among: Sequence[float] | None = None
+                 ) -> tuple[float, float, bool] | None:
+    """(the split of the least median among `among` (every split of `points` where None; the prediction on
+    a tie), the prediction's time over its time, False); None without points."""
+    scales = sorted({s for s, _ in points}) if among is None else among
     med = {s: float(np.median([t for q, t in points if q == s])) for s in {q for q, _ in points}}
     if not med:
-        return 1.0, 1.0, False
-    best = min(med, key=lambda s: (med[s], s != 1.0))
+        return None
+    best = min(scales, key=lambda s: (med[s], s != 1.0))
     return best, med.get(1.0, med[best]) / med[best], False
 
 
@@ -262,9 +272,7 @@ def snapped(kept: float, table: dict[int, dict[float, list[float]]], key: Callab
     i = int(np.searchsorted(scales, kept, side="right")) - 1
     if i < 0 or i + 1 >= len(scales) or not adjacent(key, scales[i], scales[i + 1]):
         return None
-    med = {s: float(np.median([t for q, t in points if q == s])) for s in scales}
-    best = min(scales[i:i + 2], key=lambda s: (med[s], s != 1.0))
-    return best, med.get(1.0, med[best]) / med[best], False
+    return least_median(points, scales[i:i + 2])
 
 
 def settled(table: dict[int, dict[float, list[float]]], least: int = MIN_ROUNDS, every: int = SETTLE_EVERY,
@@ -302,8 +310,7 @@ def sweep(key: Callable[[float], Hashable] | None = None, lo: float = LO, hi: fl
 
     The prediction runs `FIRST_WARMUP` untimed steps and `STEPS_PER_POINT` timed ones; their median sets the
     rounds (`sweep_rounds`, or `rounds`). Then a sweep over [lo, hi] (`sweep_scales`) runs its rounds until
-    it `settled` (after `least`) or ran them all, and `decide`s (`snapped` to the faster of two neighbouring
-    placements where the vertex falls between them); where the split kept is near its edge, one
+    it `settled` (after `least`) or ran them all, and `decide`s; where the split kept is near its edge, one
     widening sweep (`widened`) runs and decides in its place."""
     check_bracket(lo, hi, points, reach)
     key = key or (lambda s: s)
@@ -322,9 +329,7 @@ def sweep(key: Callable[[float], Hashable] | None = None, lo: float = LO, hi: fl
             if settled(round_table(timed), least):
                 break
         table = round_table(timed)
-        kept, gain, fitted = decide(table)
-        if fitted:
-            kept, gain, fitted = snapped(kept, table, key) or (kept, gain, fitted)
+        kept, gain, fitted = decide(table, key)
         ratios = paired_ratios(table)
         for s in scales:                                  # one timing per placement: the last sweep's
             times = [t for c, t in timed if c.scale == s and c.round is not None]
