@@ -85,13 +85,11 @@ def drift_free_medians(times: np.ndarray) -> np.ndarray:
     return np.median(times / times.mean(axis=1, keepdims=True), axis=0) * times.mean()
 
 
-def time_head(devices: Sequence, head: HeadShape, speeds: Sequence[float], repeats: int,
-              scales: Sequence[float] = SCALES) -> tuple[float, list[tuple[float, float]]]:
-    """(the scale on the slowest devices' speed whose class split the head's program runs fastest,
-    [(scale, median seconds)] timed): every scale's split compiled, then `repeats` rounds timing
-    each split once in turn, every other round in reverse (every process calls them in the same
-    order), and the medians taken free of drift (`drift_free_medians`). The scale kept is the
-    vertex of the V fitted to the timings, or the fastest timed where no V fits."""
+def head_rounds(devices: Sequence, head: HeadShape, speeds: Sequence[float], repeats: int,
+                scales: Sequence[float] = SCALES) -> tuple[tuple[float, ...], np.ndarray]:
+    """(the scales timed, seconds [repeats, scales]): every distinct class split of `scales`
+    compiled, then `repeats` rounds timing each split once in turn, every other round in reverse
+    (every process calls them in the same order)."""
     devices, splits = tuple(devices), {}
     for s in scales:
         counts = class_counts(head.classes, scaled_speeds(speeds, s)[0])
@@ -110,9 +108,23 @@ def time_head(devices: Sequence, head: HeadShape, speeds: Sequence[float], repea
             t0 = time.perf_counter()
             jax.block_until_ready(run())
             times[r, j] = time.perf_counter() - t0
+    return tuple(float(s) for s in runs), times
+
+
+def kept_scale(scales: Sequence[float], times: np.ndarray) -> tuple[float, list[tuple[float, float]]]:
+    """(the scale kept, [(scale, median seconds)]) from `head_rounds`' table: the medians taken free
+    of drift (`drift_free_medians`) and averaged over processes (one decision for every process), the
+    vertex of the V fitted to them, or the fastest timed where no V fits."""
     seconds = drift_free_medians(times)
-    if jax.process_count() > 1:                             # one decision for every process
+    if jax.process_count() > 1:
         seconds = np.asarray(multihost_utils.process_allgather(seconds)).reshape(jax.process_count(), -1).mean(0)
-    timed = [(float(s), float(t)) for s, t in zip(runs, seconds)]
+    timed = [(float(s), float(t)) for s, t in zip(scales, seconds)]
     v = vertex(timed)
     return (float(v) if v is not None else min(timed, key=lambda p: p[1])[0]), timed
+
+
+def time_head(devices: Sequence, head: HeadShape, speeds: Sequence[float], repeats: int,
+              scales: Sequence[float] = SCALES) -> tuple[float, list[tuple[float, float]]]:
+    """(the scale on the slowest devices' speed whose class split the head's program runs fastest,
+    [(scale, median seconds)] timed): `head_rounds`, then `kept_scale`."""
+    return kept_scale(*head_rounds(devices, head, speeds, repeats, scales))
