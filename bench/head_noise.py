@@ -3,11 +3,12 @@
 The 2-process cluster of `bench/hetero_sweep.py` (process 1 slowed by a CPU quota or by busy loops on its
 core), Whale's Example 2 (bench/hetero.py's hybrid) with Adam, calibrated on the whole batch without the
 head. Then, on the same cluster: ``--trials`` times, the head's program timed as a calibration times it
-(`whalex.balance.head_timing.head_rounds`, 9 rounds) on a quarter of the batch's rows and on all of
-them, in turn; and the real step, its rows at the calibrated split, at every class split those timings
-can pick, in interleaved rounds (``--rounds``, blocks of ``--block`` steps, the first untimed). Writes
-every round's seconds to bench/results/head_noise.json, and prints each trial's pick and each class
-split's step median.
+(`whalex.balance.head_timing.head_rounds` at the step's rows: a calibration on fewer rows repeats them
+up to ``global_batch``), each trial's split kept from its first 9 rounds (a fixed count) and from all
+of them (rounds for `head_timing.SECONDS`); and the real step, its rows at the calibrated split, at
+every class split those timings can pick, in interleaved rounds (``--rounds``, blocks of ``--block``
+steps, the first untimed). Writes every round's seconds to bench/results/head_noise.json, and prints
+each class split's step time over the fastest's and how often each rule kept it.
 
     python bench/head_noise.py [--slow-by quota,busy] [--slowdowns 2] [--batches 1024] [--trials 6]
 """
@@ -41,8 +42,6 @@ def parse(argv=None):
 
 
 def worker(args):
-    import dataclasses
-
     import optax
 
     import whalex as wh
@@ -55,16 +54,14 @@ def worker(args):
     optimizer = optax.adam(1e-3)
     cluster = calibrate(wh.Cluster.detect(), loss_fn, params, batch, optimizer=optimizer, repeats=9, head=False)
     head = split_heads(loss_fn, params, batch)[0]
-    shapes = {"quarter": dataclasses.replace(head, rows=head.rows // 4), "whole": head}
-    trials = {c: [] for c in shapes}
+    trials = []
     for t in range(args.trials):
-        for c, shape in shapes.items():
-            scales, times = head_rounds(cluster.devices, shape, cluster.speeds, 9)
-            kept, timed = kept_scale(scales, times)
-            counts = class_counts(head.classes, scaled_speeds(cluster.speeds, kept)[0])
-            trials[c].append({"scales": list(scales), "times": times.tolist(), "kept": kept, "counts": list(counts)})
-            log(f"trial {t} {c}: kept x{kept:.3f} -> classes {counts}; medians "
-                + ", ".join(f"x{s:g} {1e3 * m:.2f}" for s, m in timed))
+        scales, times = head_rounds(cluster.devices, head, cluster.speeds, 9)
+        kept, timed = kept_scale(scales, times)
+        counts = class_counts(head.classes, scaled_speeds(cluster.speeds, kept)[0])
+        trials.append({"scales": list(scales), "times": times.tolist(), "kept": kept, "counts": list(counts)})
+        log(f"trial {t}: {len(times)} rounds, kept x{kept:.3f} -> classes {counts}; medians "
+            + ", ".join(f"x{s:g} {1e3 * m:.2f}" for s, m in timed))
 
     splits = {}                                     # every class split a timing can pick, the step at each
     for s in np.round(np.arange(0.40, 1.20, 0.05), 2):
@@ -91,20 +88,23 @@ def worker(args):
 
 def picks(trial: dict, classes: int, speeds) -> dict[str, tuple[int, ...]]:
     """The class split a trial's head timings give by each rule: the V through the drift-free medians
-    (the calibration's, `kept_scale`), the V through every round's points (the refinement's, `decide`,
-    snapped to neighbouring splits), and the least drift-free median."""
+    (the calibration's, `kept_scale`) of its first 9 rounds and of all of them, the V through every
+    round's points (the refinement's, `decide`, snapped to neighbouring splits), and the least
+    drift-free median."""
     from whalex.balance.head_timing import class_counts, drift_free_medians
     from whalex.balance.refine import decide, scaled_speeds, vertex
 
     def counts(s):
         return class_counts(classes, scaled_speeds(speeds, s)[0])
+    def median_v(times):
+        medians = drift_free_medians(times)
+        v = vertex(list(zip(scales, medians)))
+        return counts(v if v is not None else scales[int(np.argmin(medians))])
     scales, times = trial["scales"], np.asarray(trial["times"])
-    medians = drift_free_medians(times)
-    v = vertex(list(zip(scales, medians)))
     table = {r: {s: [float(t)] for s, t in zip(scales, row)} for r, row in enumerate(times)}
-    return {"medians V": counts(v if v is not None else scales[int(np.argmin(medians))]),
+    return {"9 rounds": median_v(times[:9]), "all rounds": median_v(times),
             "rounds V": counts(decide(table, counts)[0]),
-            "least median": counts(scales[int(np.argmin(medians))])}
+            "least median": counts(scales[int(np.argmin(drift_free_medians(times)))])}
 
 
 def report(run: dict, classes: int) -> list[str]:
@@ -115,12 +115,11 @@ def report(run: dict, classes: int) -> list[str]:
     paired = np.median(per_round / per_round[int(np.argmin(np.median(per_round, axis=1)))], axis=1)
     lines = [f"{run['slow_by']} 1/{1 + run['hogs']} batch {run['batch']}, rows {next(iter(run['rows'].values()))}"]
     tally = {}
-    for c, trials in run["trials"].items():
-        for t in trials:
-            for rule, counts in picks(t, classes, run["speeds"]).items():
-                tally.setdefault((c, rule), []).append("/".join(map(str, counts)))
+    for t in run["trials"]:
+        for rule, counts in picks(t, classes, run["speeds"]).items():
+            tally.setdefault(rule, []).append("/".join(map(str, counts)))
     for i, n in enumerate(names):
-        chosen = ", ".join(f"{c} {rule} x{v.count(n)}" for (c, rule), v in tally.items() if n in v)
+        chosen = ", ".join(f"{rule} x{v.count(n)}" for rule, v in tally.items() if n in v)
         lines.append(f"  classes {n:>10}: step {1e3 * np.median(per_round[i]):.1f} ms, over the fastest "
                      f"{paired[i]:.3f} (per round {ratio[i]:.3f}); picked by {chosen or '-'}")
     return lines

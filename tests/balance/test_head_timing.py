@@ -70,9 +70,18 @@ def test_the_timed_program_is_the_heads_forward_and_gradients():
     np.testing.assert_allclose(np.asarray(db)[index] * 32, rdb, rtol=1e-4, atol=1e-6)
 
 
+def test_the_head_is_timed_for_a_while_within_bounds():
+    assert head_timing.rounds_for(0.5, 9, seconds=12.0) == 24             # 12 s of half-second rounds
+    assert head_timing.rounds_for(2.0, 9, seconds=12.0) == 9              # a long program: the repeats
+    assert head_timing.rounds_for(1e-4, 9, seconds=12.0) == head_timing.MAX_ROUNDS
+    assert head_timing.rounds_for(0.0, 40) == 40                          # the repeats asked for, if more
+
+
 def test_time_head_times_distinct_splits_and_keeps_one_of_its_scales():
     loss_fn, params, batch = _head_model()
     head, = head_timing.split_heads(loss_fn, params, batch)
+    scales, times = head_timing.head_rounds(jax.devices()[:2], head, [2.0, 1.0], repeats=2, seconds=0.0)
+    assert times.shape == (2, len(scales)) and (times > 0).all()             # no time asked: the repeats
     scale, timed = head_timing.time_head(jax.devices()[:2], head, [2.0, 1.0], repeats=2)
     splits = [head_timing.class_counts(640, scaled_speeds([2.0, 1.0], s)[0]) for s, _ in timed]
     assert len(set(splits)) == len(splits) >= 4 and all(t > 0 for _, t in timed)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from collections.abc import Sequence
 
@@ -29,6 +30,8 @@ from whalex.records.call_names import HEAD_NAME
 
 AXIS = "head"
 SCALES = (0.4, 0.55, 0.7, 0.85, 1.0, 1.15)     # the slowest devices' speed on the classes, relative to their rows'
+SECONDS = 12.0                                 # the rounds last at least this long, within the bounds below
+MAX_ROUNDS = 27                                # the most rounds, for a short program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,11 +88,21 @@ def drift_free_medians(times: np.ndarray) -> np.ndarray:
     return np.median(times / times.mean(axis=1, keepdims=True), axis=0) * times.mean()
 
 
+def rounds_for(round_seconds: float, repeats: int, seconds: float = SECONDS, most: int = MAX_ROUNDS) -> int:
+    """How many rounds to time, given how long one round takes: enough to last `seconds`, at least
+    `repeats` and at most `most` (or `repeats`, if more). Where a slow device shares its core, a
+    split's time wanders by the scheduler's slices as much as neighbouring splits differ, so a few
+    rounds leave the split kept to chance; a long program needs fewer."""
+    want = math.ceil(seconds / round_seconds) if round_seconds > 0 else most
+    return int(min(max(want, repeats), max(most, repeats)))
+
+
 def head_rounds(devices: Sequence, head: HeadShape, speeds: Sequence[float], repeats: int,
-                scales: Sequence[float] = SCALES) -> tuple[tuple[float, ...], np.ndarray]:
-    """(the scales timed, seconds [repeats, scales]): every distinct class split of `scales`
-    compiled, then `repeats` rounds timing each split once in turn, every other round in reverse
-    (every process calls them in the same order)."""
+                scales: Sequence[float] = SCALES, seconds: float = SECONDS) -> tuple[tuple[float, ...], np.ndarray]:
+    """(the scales timed, seconds [rounds, scales]): every distinct class split of `scales` compiled
+    and run twice, then `rounds_for` rounds (the second runs' longest round on any process) timing
+    each split once in turn, every other round in reverse (every process calls them in the same
+    order and as often)."""
     devices, splits = tuple(devices), {}
     for s in scales:
         counts = class_counts(head.classes, scaled_speeds(speeds, s)[0])
@@ -101,8 +114,15 @@ def head_rounds(devices: Sequence, head: HeadShape, speeds: Sequence[float], rep
         args = _arguments(mesh, head, max(counts), len(devices))
         jax.block_until_ready(fn(*args))                    # compile and warm up
         runs[s] = functools.partial(fn, *args)
-    times = np.zeros((repeats, len(runs)))
-    for r in range(repeats):
+    t0 = time.perf_counter()
+    for run in runs.values():
+        jax.block_until_ready(run())
+    once = np.asarray([time.perf_counter() - t0])
+    if jax.process_count() > 1:                             # one count for every process
+        once = np.asarray(multihost_utils.process_allgather(once))
+    rounds = rounds_for(float(np.max(once)), repeats, seconds)
+    times = np.zeros((rounds, len(runs)))
+    for r in range(rounds):
         order = list(enumerate(runs.values()))
         for j, run in order if r % 2 == 0 else order[::-1]:    # drift within a round falls on both ends alike
             t0 = time.perf_counter()
@@ -124,7 +144,7 @@ def kept_scale(scales: Sequence[float], times: np.ndarray) -> tuple[float, list[
 
 
 def time_head(devices: Sequence, head: HeadShape, speeds: Sequence[float], repeats: int,
-              scales: Sequence[float] = SCALES) -> tuple[float, list[tuple[float, float]]]:
+              scales: Sequence[float] = SCALES, seconds: float = SECONDS) -> tuple[float, list[tuple[float, float]]]:
     """(the scale on the slowest devices' speed whose class split the head's program runs fastest,
     [(scale, median seconds)] timed): `head_rounds`, then `kept_scale`."""
-    return kept_scale(*head_rounds(devices, head, speeds, repeats, scales))
+    return kept_scale(*head_rounds(devices, head, speeds, repeats, scales, seconds))
