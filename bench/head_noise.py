@@ -91,15 +91,13 @@ def picks(trial: dict, classes: int, speeds) -> dict[str, tuple[int, ...]]:
     (the calibration's, `kept_scale`) of its first 9 rounds and of all of them, the V through every
     round's points (the refinement's, `decide`, snapped to neighbouring splits), and the least
     drift-free median."""
-    from whalex.balance.head_timing import class_counts, drift_free_medians
-    from whalex.balance.refine import decide, scaled_speeds, vertex
+    from whalex.balance.head_timing import class_counts, drift_free_medians, kept_scale
+    from whalex.balance.refine import decide, scaled_speeds
 
     def counts(s):
         return class_counts(classes, scaled_speeds(speeds, s)[0])
     def median_v(times):
-        medians = drift_free_medians(times)
-        v = vertex(list(zip(scales, medians)))
-        return counts(v if v is not None else scales[int(np.argmin(medians))])
+        return counts(kept_scale(scales, times)[0])
     scales, times = trial["scales"], np.asarray(trial["times"])
     table = {r: {s: [float(t)] for s, t in zip(scales, row)} for r, row in enumerate(times)}
     return {"9 rounds": median_v(times[:9]), "all rounds": median_v(times),
