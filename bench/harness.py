@@ -20,6 +20,7 @@ timed to ``jax.block_until_ready`` of what it returns (or to whatever ``sync`` t
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.util
 import json
@@ -430,6 +431,19 @@ def run_config(args, argv, hogs: int, batch: int, cores, env, script: str) -> di
         if rc != 0 or not out_path.exists():
             return {"hogs": hogs, "batch": batch, "failed": f"the 2-process run exited with status {rc}"}
         return {"hogs": hogs, "batch": batch, **json.loads(out_path.read_text())}
+
+
+def run_emulations(args, argv, cores, env, script: str, on_run: Callable[[dict], None] | None = None) -> list[dict]:
+    """`run_config` for every emulation in `args.slow_by` x `configs(args)`, in that order: each run's record
+    with its ``slow_by``; `on_run(record)` as each ends (a bench that reports runs as they come)."""
+    runs = []
+    for slow_by in args.slow_by.split(","):
+        for hogs, batch in configs(args):
+            ns = argparse.Namespace(**{**vars(args), "slow_by": slow_by})
+            runs.append({"slow_by": slow_by, **run_config(ns, argv, hogs, batch, cores, env, script)})
+            if on_run is not None:
+                on_run(runs[-1])
+    return runs
 
 
 def write_worker_result(path: str, record: dict, pid: int) -> None:

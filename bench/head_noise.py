@@ -46,7 +46,7 @@ def worker(args):
 
     import whalex as wh
     from whalex.balance.calibrate import calibrate
-    from whalex.balance.head_timing import class_counts, head_rounds, kept_scale, split_heads
+    from whalex.balance.head_timing import class_counts, distinct_splits, head_rounds, kept_scale, split_heads
     from whalex.balance.refine import scaled_speeds
 
     pid, log = harness.worker_start("the driver")
@@ -63,10 +63,8 @@ def worker(args):
         log(f"trial {t}: {len(times)} rounds, kept x{kept:.3f} -> classes {counts}; medians "
             + ", ".join(f"x{s:g} {1e3 * m:.2f}" for s, m in timed))
 
-    splits = {}                                     # every class split a timing can pick, the step at each
-    for s in np.round(np.arange(0.40, 1.20, 0.05), 2):
-        counts = class_counts(head.classes, scaled_speeds(cluster.speeds, float(s))[0])
-        splits.setdefault(counts, float(s))
+    grid = np.round(np.arange(0.40, 1.20, 0.05), 2)  # every class split a timing can pick, the step at each
+    splits = {c: s for s, c in distinct_splits(head.classes, cluster.speeds, grid).items()}
     steps, states = {}, {}
     for counts, s in splits.items():
         name = "/".join(map(str, counts))
@@ -124,11 +122,7 @@ def report(run: dict, classes: int) -> list[str]:
 
 
 def driver(args, argv, cores, env, load_before):
-    runs = []
-    for slow_by in args.slow_by.split(","):
-        for hogs, batch in harness.configs(args):
-            ns = argparse.Namespace(**{**vars(args), "slow_by": slow_by})
-            runs.append({"slow_by": slow_by, **harness.run_config(ns, argv, hogs, batch, cores, env, __file__)})
+    runs = harness.run_emulations(args, argv, cores, env, __file__)
     for run in runs:
         if "step" in run:
             print("\n".join(report(run, args.classes)), flush=True)

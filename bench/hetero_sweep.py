@@ -279,11 +279,7 @@ def driver(args, argv, cores, env, load_before):
     if args.model == "pipeline":                       # bench/hetero_pipeline.py's flags for its model
         import hetero_pipeline
         env = harness.allocator_env({**env, "XLA_FLAGS": " ".join([env["XLA_FLAGS"], hetero_pipeline.YNN])}, "cached")
-    runs = []
-    for slow_by in args.slow_by.split(","):
-        for hogs, batch in harness.configs(args):
-            ns = argparse.Namespace(**{**vars(args), "slow_by": slow_by})
-            runs.append({"slow_by": slow_by, **harness.run_config(ns, argv, hogs, batch, cores, env, __file__)})
+    runs = harness.run_emulations(args, argv, cores, env, __file__)
     print(f"\n{args.model}: stock Flax MLP {args.depth} x Dense({args.width}), Adam; load before {load_before:.2f}")
     print("\n".join(table(runs)))
     variant = None if args.model == "mlp" else args.model       # the other models' runs: the file's variants

@@ -69,14 +69,12 @@ def describe(times) -> str:
 
 
 def driver(args, argv, cores, env, load_before):
-    runs = []
-    for slow_by in args.slow_by.split(","):
-        for hogs, batch in harness.configs(args):
-            ns = argparse.Namespace(**{**vars(args), "slow_by": slow_by})
-            run = {"slow_by": slow_by, **harness.run_config(ns, argv, hogs, batch, cores, env, __file__)}
-            runs.append(run)
-            if "times" in run:
-                print(f"{slow_by} 1/{1 + hogs} batch {batch} rows {run['rows']}: {describe(run['times'])}", flush=True)
+    def report(run):
+        if "times" in run:
+            print(f"{run['slow_by']} 1/{1 + run['hogs']} batch {run['batch']} rows {run['rows']}: "
+                  f"{describe(run['times'])}", flush=True)
+
+    runs = harness.run_emulations(args, argv, cores, env, __file__, on_run=report)
     path = harness.write_result("step_noise", {"load_before": load_before, "runs": runs}, args.out,
                                 variant=args.model)
     print(f"wrote {path}")

@@ -77,6 +77,16 @@ def test_the_head_is_timed_for_a_while_within_bounds():
     assert head_timing.rounds_for(0.0, 40) == 40                          # the repeats asked for, if more
 
 
+def test_distinct_splits_keeps_the_first_scale_of_each_class_split():
+    grid = [0.5, 0.5001, 0.75, 1.0, 1.0001, 1.25]
+    splits = head_timing.distinct_splits(640, [2.0, 1.0], grid)
+    assert list(splits) == [0.5, 0.75, 1.0, 1.25]                           # near-equal scales: one program
+    assert len(set(splits.values())) == len(splits)
+    for s, counts in splits.items():
+        assert counts == head_timing.class_counts(640, scaled_speeds([2.0, 1.0], s)[0]) and sum(counts) == 640
+    assert splits[0.5][1] < splits[1.25][1]                                 # a faster slow device: more classes
+
+
 def test_time_head_times_distinct_splits_and_keeps_one_of_its_scales():
     loss_fn, params, batch = _head_model()
     head, = head_timing.split_heads(loss_fn, params, batch)

@@ -97,19 +97,25 @@ def rounds_for(round_seconds: float, repeats: int, seconds: float = SECONDS, mos
     return int(min(max(want, repeats), max(most, repeats)))
 
 
+def distinct_splits(classes: int, speeds: Sequence[float], scales: Sequence[float]) -> dict[float, tuple[int, ...]]:
+    """{scale: classes per device} for the first of `scales` (on the slowest devices' speed) to give each
+    distinct class split: scales whose splits round alike are one program, timed once."""
+    splits = {}
+    for s in scales:
+        counts = class_counts(classes, scaled_speeds(speeds, s)[0])
+        if counts not in splits.values():
+            splits[float(s)] = counts
+    return splits
+
+
 def head_rounds(devices: Sequence, head: HeadShape, speeds: Sequence[float], repeats: int,
                 scales: Sequence[float] = SCALES, seconds: float = SECONDS) -> tuple[tuple[float, ...], np.ndarray]:
     """(the scales timed, seconds [rounds, scales]): every distinct class split of `scales` compiled
     and run twice, then `rounds_for` rounds (the second runs' longest round on any process) timing
     each split once in turn, every other round in reverse (every process calls them in the same
     order and as often)."""
-    devices, splits = tuple(devices), {}
-    for s in scales:
-        counts = class_counts(head.classes, scaled_speeds(speeds, s)[0])
-        if counts not in splits.values():
-            splits[s] = counts
-    runs = {}
-    for s, counts in splits.items():
+    devices, runs = tuple(devices), {}
+    for s, counts in distinct_splits(head.classes, speeds, scales).items():
         mesh, fn = _program(devices, counts, head.rows)
         args = _arguments(mesh, head, max(counts), len(devices))
         jax.block_until_ready(fn(*args))                    # compile and warm up
