@@ -330,6 +330,22 @@ def configs(args) -> list[tuple[int, int]]:
 CACHED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
 
 
+def add_emulation_args(ap, result: str, *, batches: str, slowdowns: str = "1,2", slow_by: str | None = None,
+                       timeout: float = 900) -> None:
+    """The arguments of a two-process bench run through `run_emulations`: ``--batches``, ``--slowdowns``,
+    ``--slow-by`` (where `slow_by` gives its default), ``--timeout`` (seconds per run), ``--out`` (default
+    bench/results/`result`.json), and the worker's own ``--batch`` and ``--worker-out``."""
+    ap.add_argument("--batches", default=batches, help="global batches, comma-separated")
+    ap.add_argument("--slowdowns", default=slowdowns, help="1: process 1 at 1/2 of its core; 2: at 1/3")
+    if slow_by is not None:
+        ap.add_argument("--slow-by", default=slow_by, help="emulations, comma-separated: quota (a CPU cgroup quota; "
+                                                           "busy loops where it cannot be written), busy")
+    ap.add_argument("--timeout", type=float, default=timeout, help="seconds per run")
+    ap.add_argument("--out", default=None, help=f"the results file (default bench/results/{result}.json)")
+    ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+
+
 def add_allocator_arg(ap) -> None:
     """`--allocator cached|default` on a two-process bench's parser (see `CACHED_MALLOC`)."""
     ap.add_argument("--allocator", default="cached", choices=("cached", "default"),

@@ -25,16 +25,10 @@ import hetero  # bench/hetero.py: its model and defaults
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batches", default="1024", help="global batches, comma-separated")
-    ap.add_argument("--slowdowns", default="2", help="1: process 1 at 1/2 of its core; 2: at 1/3")
-    ap.add_argument("--slow-by", default="busy", help="emulations, comma-separated")
+    harness.add_emulation_args(ap, "head_noise", batches="1024", slowdowns="2", slow_by="busy", timeout=1500)
     ap.add_argument("--trials", type=int, default=6, help="head timings per row count")
     ap.add_argument("--rounds", type=int, default=20, help="interleaved rounds of the step at each class split")
     ap.add_argument("--block", type=int, default=3, help="steps per block, the first untimed")
-    ap.add_argument("--timeout", type=float, default=1500)
-    ap.add_argument("--out", default=None, help="the results file (default bench/results/head_noise.json)")
-    ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.model = "hybrid"
     hetero.with_model_defaults(args)

@@ -30,14 +30,9 @@ FACTORS = (0.85, 0.92, 1.0, 1.1, 1.2)     # the slow process's declared slowdown
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batches", default="4096", help="global batches of the sweep, comma-separated")
-    ap.add_argument("--slowdowns", default="1,2", help="busy loops on process 1's core (1: near 2:1, 2: near 3:1)")
+    harness.add_emulation_args(ap, "hetero_probe", batches="4096", timeout=600)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--block", type=int, default=4)
-    ap.add_argument("--timeout", type=float, default=600)
-    ap.add_argument("--out", default=None, help="the results file (default bench/results/hetero_probe.json)")
-    ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     hetero.with_model_defaults(args)                   # the model of bench/hetero.py, its defaults
     return args

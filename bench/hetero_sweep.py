@@ -60,10 +60,7 @@ CONFIRM_SWEEP = 2                                                   # the sweep'
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batches", default="1024,4096", help="global batches, comma-separated")
-    ap.add_argument("--slowdowns", default="1,2", help="1: process 1 at 1/2 of its core; 2: at 1/3")
-    ap.add_argument("--slow-by", default="quota,busy", help="emulations, comma-separated: quota (a CPU cgroup "
-                                                            "quota; busy loops where it cannot be written), busy")
+    harness.add_emulation_args(ap, "hetero_sweep", batches="1024,4096", slow_by="quota,busy", timeout=1800)
     ap.add_argument("--factors", default=",".join(map(str, FACTORS)),
                     help="the slow process's speed relative to its calibrated one, per sweep point")
     ap.add_argument("--model", choices=("mlp", "hybrid", "pipeline"), default="mlp")
@@ -71,10 +68,6 @@ def parse(argv=None):
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--block", type=int, default=4)
     ap.add_argument("--confirm-rounds", type=int, default=10, help="rounds of the confirmation (each --block calls)")
-    ap.add_argument("--timeout", type=float, default=1800, help="seconds per setting (the hybrid at 4096: 17 min)")
-    ap.add_argument("--out", default=None, help="the results file (default bench/results/hetero_sweep.json)")
-    ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     pipeline = args.model == "pipeline"
     args.model = "mlp" if pipeline else args.model

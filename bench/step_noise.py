@@ -23,15 +23,9 @@ import hetero  # bench/hetero.py: its model and defaults
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batches", default="1024", help="global batches, comma-separated")
-    ap.add_argument("--slowdowns", default="1,2", help="1: process 1 at 1/2 of its core; 2: at 1/3")
-    ap.add_argument("--slow-by", default="quota,busy", help="emulations, comma-separated")
+    harness.add_emulation_args(ap, "step_noise", batches="1024", slow_by="quota,busy", timeout=900)
     ap.add_argument("--model", choices=("mlp", "hybrid"), default="mlp")
     ap.add_argument("--steps", type=int, default=400, help="steps timed, each on its own")
-    ap.add_argument("--timeout", type=float, default=900)
-    ap.add_argument("--out", default=None, help="the results file (default bench/results/step_noise.json)")
-    ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     hetero.with_model_defaults(args)
     return args

@@ -154,3 +154,19 @@ def test_acceptance_skips_runs_before_the_confirmation():
     for v in run["variants"]:
         v.pop("confirmed_rounds")
     assert _bench("hetero_acceptance").ratios(run) == []
+
+
+def test_the_emulation_driver_runs_every_emulation_and_config_in_order(monkeypatch):
+    harness = _bench("harness")
+    sweep = _bench("hetero_sweep")
+    seen, reported = [], []
+
+    def run_config(ns, argv, hogs, batch, cores, env, script):
+        seen.append((ns.slow_by, hogs, batch))
+        return {"hogs": hogs, "batch": batch, "times": [0.1]}
+    monkeypatch.setattr(harness, "run_config", run_config)
+    args = sweep.parse(["--slow-by", "quota,busy", "--slowdowns", "1,2", "--batches", "1024"])
+    runs = harness.run_emulations(args, [], (0, 1), {}, "bench.py", on_run=reported.append)
+    assert seen == [("quota", 1, 1024), ("quota", 2, 1024), ("busy", 1, 1024), ("busy", 2, 1024)]
+    assert [r["slow_by"] for r in runs] == ["quota", "quota", "busy", "busy"] and reported == runs
+    assert args.slow_by == "quota,busy"                                    # the caller's arguments untouched
