@@ -60,7 +60,7 @@ CONFIRM_SWEEP = 2                                                   # the sweep'
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    harness.add_emulation_args(ap, "hetero_sweep", batches="1024,4096", slow_by="quota,busy", timeout=1800)
+    harness.add_emulation_args(ap, "hetero_sweep", batches="1024,4096", slow_by="quota,busy", timeout=3600)
     ap.add_argument("--factors", default=",".join(map(str, FACTORS)),
                     help="the slow process's speed relative to its calibrated one, per sweep point")
     ap.add_argument("--model", choices=("mlp", "hybrid", "pipeline"), default="mlp")
