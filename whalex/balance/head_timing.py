@@ -134,7 +134,7 @@ def head_rounds(devices: Sequence, head: HeadShape, speeds: Sequence[float], rep
             t0 = time.perf_counter()
             jax.block_until_ready(run())
             times[r, j] = time.perf_counter() - t0
-    return tuple(float(s) for s in runs), times
+    return tuple(runs), times
 
 
 def kept_scale(scales: Sequence[float], times: np.ndarray) -> tuple[float, list[tuple[float, float]]]:
