@@ -338,12 +338,25 @@ def add_emulation_args(ap, result: str, *, batches: str, slowdowns: str = "1,2",
     ap.add_argument("--batches", default=batches, help="global batches, comma-separated")
     ap.add_argument("--slowdowns", default=slowdowns, help="1: process 1 at 1/2 of its core; 2: at 1/3")
     if slow_by is not None:
-        ap.add_argument("--slow-by", default=slow_by, help="emulations, comma-separated: quota (a CPU cgroup quota; "
-                                                           "busy loops where it cannot be written), busy")
+        ap.add_argument("--slow-by", default=slow_by, type=emulations,
+                        help="emulations, comma-separated: quota (a CPU cgroup quota; busy loops where it cannot "
+                             "be written), busy")
     ap.add_argument("--timeout", type=float, default=timeout, help="seconds per run")
     ap.add_argument("--out", default=None, help=f"the results file (default bench/results/{result}.json)")
     ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+
+
+EMULATIONS = ("quota", "busy")
+
+
+def emulations(text: str) -> str:
+    """`--slow-by`'s value checked: comma-separated names from `EMULATIONS`."""
+    bad = [name for name in text.split(",") if name not in EMULATIONS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown emulation(s) {', '.join(map(repr, bad))}: use "
+                                         f"{' or '.join(EMULATIONS)}, comma-separated")
+    return text
 
 
 def add_allocator_arg(ap) -> None:

@@ -61,8 +61,7 @@ YNN = "--xla_cpu_experimental_ynn_fusion_type=individual_dot"
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batches", default="1024,4096", help="global batches (rows), comma-separated")
-    ap.add_argument("--slowdowns", default="1,2", help="busy loops on process 1's core (1: near 2:1, 2: near 3:1)")
+    harness.add_emulation_args(ap, "hetero_pipeline", batches="1024,4096", slow_by="busy", timeout=500)
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--depth", type=int, default=12, help="hidden Dense layers (what the stages split)")
     ap.add_argument("--micro", type=int, default=8, help="micro-batches per step")
@@ -76,11 +75,6 @@ def parse(argv=None):
                     help="rows of the calibration batch (at 4096 the slowed process's calibration outlasts gloo's "
                          "30 s start-up deadline)")
     harness.add_allocator_arg(ap)
-    ap.add_argument("--timeout", type=float, default=500)
-    ap.add_argument("--out", default=None, help="the results file (default bench/results/hetero_pipeline.json; "
-                                                "with --allocator default, its variants.default_malloc)")
-    ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
@@ -332,8 +326,7 @@ def _interval(row: dict) -> str:
 def schedules_driver(args, argv, cores, env, load_before):
     """--compare-schedules: each configuration's schedules, printed and written to the results file's
     variants.schedules."""
-    runs = [summarise_schedules(harness.run_config(args, argv, hogs, batch, cores, env, __file__))
-            for hogs, batch in harness.configs(args)]
+    runs = [summarise_schedules(res) for res in harness.run_emulations(args, argv, cores, env, __file__)]
     base = args.compare_schedules.split(",")[0]
     print(f"\n2 processes x 1 CPU device, one stage each; stock Flax MLP {args.depth} x Dense({args.width}); "
           f"the calibrated cut, {args.micro} micro-batches; medians; gains over {base}\n")
@@ -372,8 +365,7 @@ def driver(args, argv, cores, env, load_before):
         return schedules_driver(args, argv, cores, env, load_before)
     malloc = {k: env[k] for k in harness.CACHED_MALLOC if k in env}
     t0 = time.perf_counter()
-    runs = [summarise(harness.run_config(args, argv, hogs, batch, cores, env, __file__))
-            for hogs, batch in harness.configs(args)]
+    runs = [summarise(res) for res in harness.run_emulations(args, argv, cores, env, __file__)]
     print(f"\n2 processes x 1 CPU device, one stage each; stock Flax MLP {args.depth} x Dense({args.width}) + "
           f"Dense({OUT}), Adam, MSE; auto_parallel 2 stages, {args.micro} micro-batches, {args.schedule}; medians\n")
     head = (f"{'loops':>5} {'batch':>6} {'s0/s1':>6} {'layers even':>11} {'layers bal':>10} {'even ms':>8} "

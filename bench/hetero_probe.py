@@ -30,7 +30,7 @@ FACTORS = (0.85, 0.92, 1.0, 1.1, 1.2)     # the slow process's declared slowdown
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    harness.add_emulation_args(ap, "hetero_probe", batches="4096", timeout=600)
+    harness.add_emulation_args(ap, "hetero_probe", batches="4096", slow_by="busy", timeout=600)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--block", type=int, default=4)
     args = ap.parse_args(argv)
@@ -85,14 +85,14 @@ def main(argv):
 
 
 def driver(args, argv, cores, env, load_before):
-    runs = [harness.run_config(args, argv, hogs, batch, cores, env, __file__) for hogs, batch in harness.configs(args)]
+    runs = harness.run_emulations(args, argv, cores, env, __file__)
     print(f"\nstock Flax MLP {args.depth} x Dense({args.width}), Adam; load before {load_before:.2f}")
     for r in runs:
         if "failed" in r:
-            print(f"{r['hogs']} loops, batch {r['batch']}: FAILED {r['failed']}")
+            print(f"{r['slow_by']} {r['hogs']}, batch {r['batch']}: FAILED {r['failed']}")
             continue
         c = r["curve_s"]
-        print(f"\n{r['hogs']} busy loop(s), batch {r['batch']}: local step, ms (us per row)")
+        print(f"\nprocess 1 at 1/{1 + r['hogs']} ({r['slow_by']}), batch {r['batch']}: local step, ms (us per row)")
         for p in range(2):
             print(f"  process {p}: " + "  ".join(f"{n}: {1e3 * t:.1f} ({1e6 * t / n:.0f})"
                                                  for n, t in zip(r["sizes"], c[p])))

@@ -56,11 +56,7 @@ def parse(argv=None):
     ap.add_argument("--quick", action="store_true", help="small shapes and one round: checks the bench runs")
     ap.add_argument("--declared", default=None,
                     help="device kinds, comma-separated, instead of calibrating (the quick run: V100-32GB,T4-16GB)")
-    ap.add_argument("--batches", default="1024", help="global batches (rows), comma-separated")
-    ap.add_argument("--slowdowns", default="1,2", help="process 1 slowed n+1 times (1: near 2:1, 2: near 3:1)")
-    ap.add_argument("--slow-by", choices=("quota", "busy"), default="quota",
-                    help="quota: a CPU cgroup gives process 1 1/(n+1) of each millisecond (needs root; falls "
-                         "back to busy); busy: n busy loops share its core")
+    harness.add_emulation_args(ap, "hetero_split", batches="1024", slow_by="quota", timeout=500)
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--hidden", type=int, default=4096, help="MLP hidden units")
     ap.add_argument("--heads", type=int, default=32, help="attention heads (head_dim 32)")
@@ -73,11 +69,7 @@ def parse(argv=None):
     ap.add_argument("--calib-rows", type=int, default=None,
                     help="rows of the batch calibrate() times (default: all of them, as its docstring asks)")
     harness.add_allocator_arg(ap)
-    ap.add_argument("--timeout", type=float, default=500)
-    ap.add_argument("--out", default=None, help="the results file (default bench/results/hetero_split.json)")
     ap.add_argument("--op", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
@@ -259,9 +251,8 @@ def driver(args, argv, cores, env, load_before):
     runs = []
     for _ in range(args.repeats):
         for op in args.ops.split(","):
-            for hogs, batch in harness.configs(args):
-                res = harness.run_config(args, argv + ["--op", op], hogs, batch, cores, env, __file__)
-                runs.append({"op": op, **summarise(res)})
+            runs += [{"op": op, **summarise(res)}
+                     for res in harness.run_emulations(args, argv + ["--op", op], cores, env, __file__)]
     print(f"\n2 processes x 1 CPU device, one split(2) layer across them (width {args.width}; MLP hidden "
           f"{args.hidden}; attention {args.heads} heads x 32, seq {args.seq}), Adam, MSE; medians\n")
     head = f"{'layer':>15} {'loops':>5} {'batch':>6} {'s0/s1':>6} {'units':>11} {'even ms':>8} {'bal ms':>8} " \
