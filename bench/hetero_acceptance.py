@@ -15,7 +15,8 @@ What it computes
     from the same confirmation): how often it lands within a bar is how often a perfect plan can, in one
     run, at that run's noise. A plan whose interval lies wholly above its bar is a miss the run can tell
     from noise ("beyond"), unless the run's twin is beyond that bar too (`tellable`: that run's floor
-    lies above the bar).
+    lies above the bar). Where a refinement moved the split, the refined plan over its own calibrated plan,
+    paired the same way: what refining bought against not refining.
 
     python bench/hetero_acceptance.py [--variants PREFIX,...] [--runs]     (default: `VARIANTS`)
 """
@@ -74,6 +75,31 @@ def ratios(run: dict, where: str = "") -> list[Ratio]:
     return out
 
 
+def refinement_moves(run: dict, where: str = "") -> list[Ratio]:
+    """Each refined plan over its own calibrated plan (the same calibration), paired round by round, where
+    the refinement moved the split: what refining bought or cost against not refining."""
+    named = {v["name"]: v for v in run["variants"]}
+    out = []
+    for part in ("quarter", "whole"):
+        cal, ref = named.get(f"whalex ({part})"), named.get(f"refined ({part})")
+        if cal and ref and "confirmed_rounds" in cal and "confirmed_rounds" in ref \
+                and ref.get("split", ref["rows"]) != cal.get("split", cal["rows"]):
+            out.append(Ratio(f"refined ({part}) / whalex ({part})",
+                             *harness.paired_ratio(ref["confirmed_rounds"], cal["confirmed_rounds"]), where))
+    return out
+
+
+def moves(found: list[Ratio]) -> str:
+    """How the refinements that moved the split compare with not refining: faster or slower beyond their
+    90% intervals, and the median of their ratios."""
+    if not found:
+        return "none moved the split"
+    mids = sorted(r.mid for r in found)
+    faster, slower = sum(r.hi < 1 for r in found), sum(r.lo > 1 for r in found)
+    return (f"{len(found)} moved the split: faster beyond noise in {faster}, slower beyond noise in {slower}, "
+            f"median ratio {mids[len(mids) // 2]:.3f} (range {mids[0]:.3f}-{mids[-1]:.3f})")
+
+
 def setting(name: str, run: dict) -> str:
     return f"{run.get('model', name.split('_')[0])} {run['batch']} {emulation(run)}"
 
@@ -116,11 +142,13 @@ def main(argv=None):
     data = json.loads(RESULTS.read_text())["variants"]
     groups: dict[str, list[Ratio]] = {"calibrated": [], "refined": [], "twin": []}
     beyond: dict[str, list[Ratio]] = {"calibrated": [], "refined": [], "twin": []}
+    moved: list[Ratio] = []
     for name, variant in data.items():
         if not name.startswith(prefixes):
             continue
         for run in variant.get("runs", []):
             found = ratios(run, f"{name} ({setting(name, run)})")
+            moved += refinement_moves(run, f"{name} ({setting(name, run)})")
             for r in found:
                 groups[kind(r)].append(r)
             for k, bar in bars.items():
@@ -134,6 +162,7 @@ def main(argv=None):
     print(f"refined plans:    {count(groups['refined'], ref, beyond['refined'])}")
     print(f"A/A twins:        {count(twins, ref, beyond['twin'])}; "
           f"{count(twins, cal, [r for r in twins if r.beyond(cal)])}")
+    print(f"refined over calibrated: {moves(moved)}")
     for k in ("calibrated", "refined", "twin"):
         for r in beyond[k]:
             print(f"  {k} beyond {bars.get(k, ref) - 1:.0%}: {r}")

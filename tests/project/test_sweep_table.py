@@ -181,3 +181,15 @@ def test_every_two_process_bench_takes_the_same_emulation_arguments_and_refuses_
         with pytest.raises(SystemExit):
             parse(["--slow-by", "quota,cgroup"])
         assert "unknown emulation(s) 'cgroup'" in capsys.readouterr().err, name
+
+
+def test_acceptance_compares_each_refinement_that_moved_the_split_with_not_refining():
+    run = _accepted_run()
+    acc = _bench("hetero_acceptance")
+    assert acc.refinement_moves(run) == []                         # the same rows: the refinement stayed
+    refined = next(v for v in run["variants"] if v["name"] == "refined (whole)")
+    refined["rows"] = [680, 344]
+    (move,) = acc.refinement_moves(run)
+    assert move.plan == "refined (whole) / whalex (whole)" and abs(move.mid - 1 / 1.08) < 1e-9 and move.hi < 1
+    assert acc.moves([move]).startswith("1 moved the split: faster beyond noise in 1, slower beyond noise in 0")
+    assert acc.moves([]) == "none moved the split"
