@@ -94,10 +94,10 @@ def moves(found: list[Ratio]) -> str:
     90% intervals, and the median of their ratios."""
     if not found:
         return "none moved the split"
-    mids = sorted(r.mid for r in found)
+    mids = [r.mid for r in found]
     faster, slower = sum(r.hi < 1 for r in found), sum(r.lo > 1 for r in found)
     return (f"{len(found)} moved the split: faster beyond noise in {faster}, slower beyond noise in {slower}, "
-            f"median ratio {mids[len(mids) // 2]:.3f} (range {mids[0]:.3f}-{mids[-1]:.3f})")
+            f"median ratio {harness.median(mids):.3f} (range {min(mids):.3f}-{max(mids):.3f})")
 
 
 def setting(name: str, run: dict) -> str:
@@ -147,8 +147,9 @@ def main(argv=None):
         if not name.startswith(prefixes):
             continue
         for run in variant.get("runs", []):
-            found = ratios(run, f"{name} ({setting(name, run)})")
-            moved += refinement_moves(run, f"{name} ({setting(name, run)})")
+            where = f"{name} ({setting(name, run)})"
+            found = ratios(run, where)
+            moved += refinement_moves(run, where)
             for r in found:
                 groups[kind(r)].append(r)
             for k, bar in bars.items():
