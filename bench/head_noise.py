@@ -29,6 +29,8 @@ def parse(argv=None):
     ap.add_argument("--trials", type=int, default=6, help="head timings per row count")
     ap.add_argument("--rounds", type=int, default=20, help="interleaved rounds of the step at each class split")
     ap.add_argument("--block", type=int, default=3, help="steps per block, the first untimed")
+    ap.add_argument("--head-seconds", type=float, default=None,
+                    help="how long each trial times the head (default: head_timing.SECONDS, as a calibration)")
     args = ap.parse_args(argv)
     args.model = "hybrid"
     hetero.with_model_defaults(args)
@@ -40,7 +42,7 @@ def worker(args):
 
     import whalex as wh
     from whalex.balance.calibrate import calibrate
-    from whalex.balance.head_timing import class_counts, distinct_splits, head_rounds, kept_scale, split_heads
+    from whalex.balance.head_timing import SECONDS, class_counts, distinct_splits, head_rounds, kept_scale, split_heads
     from whalex.balance.refine import scaled_speeds
 
     pid, log = harness.worker_start("the driver")
@@ -50,7 +52,8 @@ def worker(args):
     head = split_heads(loss_fn, params, batch)[0]
     trials = []
     for t in range(args.trials):
-        scales, times = head_rounds(cluster.devices, head, cluster.speeds, 9)
+        scales, times = head_rounds(cluster.devices, head, cluster.speeds, 9,
+                                    seconds=SECONDS if args.head_seconds is None else args.head_seconds)
         kept, timed = kept_scale(scales, times)
         counts = class_counts(head.classes, scaled_speeds(cluster.speeds, kept)[0])
         trials.append({"scales": list(scales), "times": times.tolist(), "kept": kept, "counts": list(counts)})
