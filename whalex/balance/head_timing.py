@@ -139,11 +139,17 @@ def head_rounds(devices: Sequence, head: HeadShape, speeds: Sequence[float], rep
 
 def kept_scale(scales: Sequence[float], times: np.ndarray) -> tuple[float, list[tuple[float, float]]]:
     """(the scale kept, [(scale, median seconds)]) from `head_rounds`' table: the medians taken free
-    of drift (`drift_free_medians`) and averaged over processes (one decision for every process), the
-    vertex of the V fitted to them, or the fastest timed where no V fits."""
+    of drift (`drift_free_medians`) and averaged over processes (one decision for every process), then
+    `decided`."""
     seconds = drift_free_medians(times)
     if jax.process_count() > 1:
         seconds = np.asarray(multihost_utils.process_allgather(seconds)).reshape(jax.process_count(), -1).mean(0)
+    return decided(scales, seconds)
+
+
+def decided(scales: Sequence[float], seconds: Sequence[float]) -> tuple[float, list[tuple[float, float]]]:
+    """(the scale kept, [(scale, median seconds)]): the vertex of the V fitted to each scale's median
+    seconds, or the fastest timed where no V fits."""
     timed = [(float(s), float(t)) for s, t in zip(scales, seconds)]
     v = vertex(timed)
     return (float(v) if v is not None else min(timed, key=lambda p: p[1])[0]), timed
