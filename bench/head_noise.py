@@ -4,11 +4,12 @@ The 2-process cluster of `bench/hetero_sweep.py` (process 1 slowed by a CPU quot
 core), Whale's Example 2 (bench/hetero.py's hybrid) with Adam, calibrated on the whole batch without the
 head. Then, on the same cluster: ``--trials`` times, the head's program timed as a calibration times it
 (`whalex.balance.head_timing.head_rounds` at the step's rows: a calibration on fewer rows repeats them
-up to ``global_batch``), each trial's split kept from its first 9 rounds (a fixed count) and from all
-of them (rounds for `head_timing.SECONDS`); and the real step, its rows at the calibrated split, at
-every class split those timings can pick, in interleaved rounds (``--rounds``, blocks of ``--block``
-steps, the first untimed). Writes every round's seconds to bench/results/head_noise.json, and prints
-each class split's step time over the fastest's and how often each rule kept it.
+up to ``global_batch``), each trial's split kept from its first 9 and 18 rounds and from all of them
+(`head_timing.MAX_ROUNDS` within ``--head-seconds``, by default a calibration's `head_timing.SECONDS`);
+and the real step, its rows at the calibrated split, at every class split those timings can pick, in
+interleaved rounds (``--rounds``, blocks of ``--block`` steps, the first untimed). Writes every round's
+seconds to bench/results/head_noise.json, and prints each class split's step time over the fastest's
+and how often each rule kept it.
 
     python bench/head_noise.py [--slow-by quota,busy] [--slowdowns 2] [--batches 1024] [--trials 6]
 """
@@ -27,7 +28,8 @@ def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     harness.add_emulation_args(ap, "head_noise", batches="1024", slowdowns="2", slow_by="busy", timeout=1500)
     ap.add_argument("--trials", type=int, default=6, help="head timings per row count")
-    ap.add_argument("--rounds", type=int, default=20, help="interleaved rounds of the step at each class split (0: the head timings only)")
+    ap.add_argument("--rounds", type=int, default=20,
+                    help="interleaved rounds of the step at each class split (0: the head timings only)")
     ap.add_argument("--block", type=int, default=3, help="steps per block, the first untimed")
     ap.add_argument("--head-seconds", type=float, default=None,
                     help="how long each trial times the head (default: head_timing.SECONDS, as a calibration)")

@@ -70,10 +70,11 @@ def test_the_timed_program_is_the_heads_forward_and_gradients():
     np.testing.assert_allclose(np.asarray(db)[index] * 32, rdb, rtol=1e-4, atol=1e-6)
 
 
-def test_the_head_is_timed_for_a_while_within_bounds():
-    assert head_timing.rounds_for(0.5, 9, seconds=12.0) == 24             # 12 s of half-second rounds
-    assert head_timing.rounds_for(2.0, 9, seconds=12.0) == 9              # a long program: the repeats
-    assert head_timing.rounds_for(1e-4, 9, seconds=12.0) == head_timing.MAX_ROUNDS
+def test_the_head_is_timed_for_all_its_rounds_where_they_fit_in_the_time():
+    assert head_timing.rounds_for(0.5, 9, seconds=60.0) == head_timing.MAX_ROUNDS     # they fit: all of them
+    assert head_timing.rounds_for(2.0, 9, seconds=60.0) == head_timing.MAX_ROUNDS     # a long program's too
+    assert head_timing.rounds_for(4.0, 9, seconds=60.0) == 15             # a longer one: what fits in the time
+    assert head_timing.rounds_for(20.0, 9, seconds=60.0) == 9             # ... at least the repeats
     assert head_timing.rounds_for(0.0, 40) == 40                          # the repeats asked for, if more
 
 

@@ -30,8 +30,8 @@ from whalex.records.call_names import HEAD_NAME
 
 AXIS = "head"
 SCALES = (0.4, 0.55, 0.7, 0.85, 1.0, 1.15)     # the slowest devices' speed on the classes, relative to their rows'
-SECONDS = 12.0                                 # the rounds last at least this long, within the bounds below
-MAX_ROUNDS = 27                                # the most rounds, for a short program
+MAX_ROUNDS = 27                                # the rounds timed, where they fit in SECONDS
+SECONDS = 60.0                                 # the most the rounds last: a long program times fewer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,12 +89,13 @@ def drift_free_medians(times: np.ndarray) -> np.ndarray:
 
 
 def rounds_for(round_seconds: float, repeats: int, seconds: float = SECONDS, most: int = MAX_ROUNDS) -> int:
-    """How many rounds to time, given how long one round takes: enough to last `seconds`, at least
-    `repeats` and at most `most` (or `repeats`, if more). Where a slow device shares its core, a
-    split's time wanders by the scheduler's slices as much as neighbouring splits differ, so a few
-    rounds leave the split kept to chance; a long program needs fewer."""
-    want = math.ceil(seconds / round_seconds) if round_seconds > 0 else most
-    return int(min(max(want, repeats), max(most, repeats)))
+    """How many rounds to time, given how long one round takes: `most`, or as many as fit in `seconds`
+    where fewer do, at least `repeats`. Where a slow device shares its core, a split's time wanders
+    by the scheduler's slices as much as neighbouring splits differ, so a few rounds leave the split
+    kept to chance (a long program's too: its splits differ by as little); a program whose rounds
+    do not fit wanders less by the slices, relative to its time."""
+    fit = math.floor(seconds / round_seconds) if round_seconds > 0 else most
+    return int(max(min(fit, most), repeats))
 
 
 def distinct_splits(classes: int, speeds: Sequence[float], scales: Sequence[float]) -> dict[float, tuple[int, ...]]:
