@@ -350,6 +350,11 @@ def add_emulation_args(ap, result: str, *, batches: str, slowdowns: str = "1,2",
 EMULATIONS = ("quota", "busy")
 
 
+def slowed(run: dict) -> str:
+    """How a run's process 1 was slowed, for a table: its emulation and the share of its core."""
+    return f"{run.get('slow_by', 'busy')} 1/{1 + run['hogs']}"
+
+
 def emulations(text: str) -> str:
     """`--slow-by`'s value checked: comma-separated names from `EMULATIONS`."""
     bad = [name for name in text.split(",") if name not in EMULATIONS]

@@ -137,7 +137,7 @@ def report(run: dict, classes: int) -> list[str]:
     """Each class split's step time over the fastest's (paired by round), and how often each rule picks it;
     without the step timed, each rule's picks."""
     picked = tally(run, classes)
-    head = f"{run['slow_by']} 1/{1 + run['hogs']} batch {run['batch']}"
+    head = f"{harness.slowed(run)} batch {run['batch']}"
     if "step" not in run:
         return [head] + [f"  {rule}: {', '.join(v)}" for rule, v in picked.items()]
     names = list(run["step"])

@@ -65,7 +65,7 @@ def describe(times) -> str:
 def driver(args, argv, cores, env, load_before):
     def report(run):
         if "times" in run:
-            print(f"{run['slow_by']} 1/{1 + run['hogs']} batch {run['batch']} rows {run['rows']}: "
+            print(f"{harness.slowed(run)} batch {run['batch']} rows {run['rows']}: "
                   f"{describe(run['times'])}", flush=True)
 
     runs = harness.run_emulations(args, argv, cores, env, __file__, on_run=report)

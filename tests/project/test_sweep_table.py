@@ -193,3 +193,29 @@ def test_acceptance_compares_each_refinement_that_moved_the_split_with_not_refin
     assert move.plan == "refined (whole) / whalex (whole)" and abs(move.mid - 1 / 1.08) < 1e-9 and move.hi < 1
     assert acc.moves([move]).startswith("1 moved the split: faster beyond noise in 1, slower beyond noise in 0")
     assert acc.moves([]) == "none moved the split"
+
+
+def test_head_noise_picks_as_the_calibration_decides_from_every_process():
+    import numpy as np
+    hn = _bench("head_noise")
+    scales = [0.4, 0.55, 0.7, 0.85, 1.0, 1.15]
+    v = np.array([1.3, 1.15, 1.0, 1.15, 1.3, 1.45])                      # the fastest split at x0.7
+    rounds = np.tile(v, (27, 1)) * np.linspace(1.0, 1.2, 27)[:, None]      # drift: every split alike
+    skewed = rounds.copy()
+    skewed[:, 0] *= 0.7                                                    # process 1 alone: fastest at x0.4
+    run = {"slow_by": "quota", "hogs": 2, "batch": 64, "speeds": [3.0, 1.0],
+           "trials": [{"scales": scales, "times": [rounds.tolist(), rounds.tolist()]},
+                      {"scales": scales, "times": [rounds.tolist(), skewed.tolist()]}]}
+    from whalex.balance.head_timing import class_counts
+    from whalex.balance.refine import scaled_speeds
+    at = {s: "/".join(map(str, class_counts(2048, scaled_speeds([3.0, 1.0], s)[0]))) for s in scales}
+    picked = hn.tally(run, 2048)
+    assert set(picked) == {"9 rounds", "18 rounds", "all rounds", "rounds V", "least median"}
+    assert picked["all rounds"][0] == at[0.7] and picked["least median"] == [at[0.7], at[0.7]]
+    assert picked["all rounds"][1] != at[0.4]                  # the processes' mean, not process 1's own
+    alone = {**run, "trials": [{"scales": scales, "times": [skewed.tolist()]}]}
+    assert hn.tally(alone, 2048)["least median"] == [at[0.4]]
+    lines = hn.report(run, 2048)                                   # no step timed: the picks alone
+    assert lines[0] == "quota 1/3 batch 64" and lines[3].startswith("  all rounds: " + at[0.7])
+    old = {**run, "trials": {"whole": [{"scales": scales, "times": rounds.tolist()}]}}    # one process's
+    assert hn.tally(old, 2048)["all rounds"] == [at[0.7]]
