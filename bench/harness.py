@@ -331,18 +331,22 @@ CACHED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOL
 
 
 def add_emulation_args(ap, result: str, *, batches: str, slowdowns: str = "1,2", slow_by: str | None = None,
-                       timeout: float = 900) -> None:
+                       timeout: float = 900, notes: dict[str, str] | None = None) -> None:
     """The arguments of a two-process bench run through `run_emulations`: ``--batches``, ``--slowdowns``,
     ``--slow-by`` (where `slow_by` gives its default), ``--timeout`` (seconds per run), ``--out`` (default
-    bench/results/`result`.json), and the worker's own ``--batch`` and ``--worker-out``."""
-    ap.add_argument("--batches", default=batches, help="global batches, comma-separated")
-    ap.add_argument("--slowdowns", default=slowdowns, help="1: process 1 at 1/2 of its core; 2: at 1/3")
+    bench/results/`result`.json), and the worker's own ``--batch`` and ``--worker-out``. `notes`: more help
+    for some of them, by destination (a bench whose defaults depend on its other arguments says so)."""
+    notes = notes or {}
+    ap.add_argument("--batches", default=batches, help="global batches, comma-separated" + notes.get("batches", ""))
+    ap.add_argument("--slowdowns", default=slowdowns,
+                    help="1: process 1 at 1/2 of its core; 2: at 1/3" + notes.get("slowdowns", ""))
     if slow_by is not None:
         ap.add_argument("--slow-by", default=slow_by, type=emulations,
                         help="emulations, comma-separated: quota (a CPU cgroup quota; busy loops where it cannot "
                              "be written), busy")
     ap.add_argument("--timeout", type=float, default=timeout, help="seconds per run")
-    ap.add_argument("--out", default=None, help=f"the results file (default bench/results/{result}.json)")
+    ap.add_argument("--out", default=None,
+                    help=f"the results file (default bench/results/{result}.json{notes.get('out', '')})")
     ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
 

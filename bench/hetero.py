@@ -5,8 +5,9 @@ What it measures
     each, process i pinned to core i), form one jax.distributed group (gloo collectives). Process
     1's core also runs competing busy loops (``while True: pass`` pinned to that core, started
     before the workers and killed by PID at the end, also on failure): one busy loop leaves process
-    1 about half a core (near 2:1), two leave it about a third (near 3:1). A heterogeneous cluster
-    made of identical hardware.
+    1 about half a core (near 2:1), two leave it about a third (near 3:1); ``--slow-by quota`` caps
+    process 1 at that share of its core by a CPU cgroup quota instead (`harness.add_emulation_args`).
+    A heterogeneous cluster made of identical hardware.
 
     The model is what users write: a stock Flax MLP (``nn.Dense`` layers with their biases, ReLU,
     a Dense head), MSE, Adam, under ``wh.replicate()``. It is trained three ways in the same run,
@@ -81,11 +82,10 @@ TARGET = 0.95
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batches", default=None, help="global batches (rows), comma-separated "
-                                                     "(default: mlp 4096,2048,4116; hybrid 4096)")
-    ap.add_argument("--slowdowns", default=None, help="busy loops on process 1's core per configuration "
-                                                      "(1: near 2:1, 2: near 3:1, 0: control; "
-                                                      "default: mlp 1,2; hybrid 1)")
+    harness.add_emulation_args(ap, "hetero", batches="", slowdowns="", slow_by="busy", timeout=400,
+                               notes={"batches": " (default: mlp 4096,2048,4116; hybrid 4096)",
+                                      "slowdowns": " (0: a control; default: mlp 1,2; hybrid 1)",
+                                      "out": "; hetero_hybrid.json with --model hybrid"})
     ap.add_argument("--model", choices=("mlp", "hybrid"), default="mlp",
                     help="mlp: a replicate MLP (MSE); hybrid: Whale's Example 2, the MLP as a replicate backbone "
                          "and a split classification head")
@@ -103,14 +103,9 @@ def parse(argv=None):
                     help="2-process runs per configuration, interleaved (all configurations, then again): the "
                          "final table gives each configuration's median over its runs")
     harness.add_allocator_arg(ap)
-    ap.add_argument("--timeout", type=float, default=400, help="seconds before one run is stopped")
-    ap.add_argument("--out", default=None, help="the results file (default bench/results/hetero.json, "
-                                                "hetero_hybrid.json with --model hybrid)")
-    ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)      # worker: this run's batch
-    ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     hybrid = args.model == "hybrid"
-    args.batches = args.batches or ("4096" if hybrid else "4096,2048,4116")
+    args.batches = args.batches or ("4096" if hybrid else "4096,2048,4116")       # the default per model
     args.slowdowns = args.slowdowns or ("1" if hybrid else "1,2")
     return args
 
@@ -341,8 +336,7 @@ def _worker_record(args, cluster, again, progs, times, losses) -> dict:
 def driver(args, argv, cores, env, load_before):
     env = harness.allocator_env(env, args.allocator)
     t0 = time.perf_counter()
-    runs = [harness.run_config(args, argv, hogs, batch, cores, env, __file__)
-            for _ in range(args.repeats) for hogs, batch in harness.configs(args)]
+    runs = [run for _ in range(args.repeats) for run in harness.run_emulations(args, argv, cores, env, __file__)]
     report(args, runs, time.perf_counter() - t0, load_before)
 
 
@@ -373,7 +367,8 @@ def summarise(res: dict) -> dict:
     s = [(a + b) / 2 for a, b in zip(res["speeds"], res["speeds_after"])]
     med = {n: harness.median(v) for n, v in res["times"].items()}
     actual = med["even"] / med["balanced"]
-    out = {k: res[k] for k in ("hogs", "batch", "speeds", "speeds_after", "overheads", "overheads_after",
+    out = {"slow_by": res.get("slow_by", "busy")}                  # the first runs had busy loops alone
+    out |= {k: res[k] for k in ("hogs", "batch", "speeds", "speeds_after", "overheads", "overheads_after",
                                "rows_even", "rows_balanced", "local_rows_balanced", "balance_applied", "balance_unit",
                                "predicted_speedup", "predicted_speedup_head", "balance_kind", "phases_balanced",
                                "final_loss", "times")}
@@ -390,21 +385,23 @@ def summarise(res: dict) -> dict:
 def report(args, runs, wall, load_before):
     rows = [summarise(r) for r in runs]
     print()
-    print(f"2 processes x 1 CPU device; process 1 slowed by busy loops on its core; {describe(args)}; "
+    print(f"2 processes x 1 CPU device; process 1 slowed ({args.slow_by}: a CPU quota or busy loops on its core); "
+          f"{describe(args)}; "
           f"{args.rounds} rounds x {args.block} steps per variant, medians; allocator {args.allocator}")
     print()
-    head = (f"{'loops':>5} {'batch':>6} {'s0/s1':>6} {'rows balanced':>14} {'grain':>5} {'even ms':>8} "
+    head = (f"{'slowed':>10} {'batch':>6} {'s0/s1':>6} {'rows balanced':>14} {'grain':>5} {'even ms':>8} "
             f"{'bal ms':>8} {'speedup':>8} {'pred':>6} {'ideal':>6} {'split-lim':>9} {'eff':>6} {'same ms':>8} "
             f"{'eff same':>8} {'even/plain':>10} {'bal/plain':>9}")
     print(head)
     print("-" * len(head))
     for r in rows:
         if "failed" in r:
-            print(f"{r['hogs']:>5} {r['batch']:>6}  FAILED: {r['failed']}")
+            print(f"{harness.slowed(r):>10} {r['batch']:>6}  FAILED: {r['failed']}")
             continue
         med = r["median_step_s"]
         rb = "/".join(str(x) for x in r["rows_balanced"])
-        print(f"{r['hogs']:>5} {r['batch']:>6} {r['speed_ratio']:>6.2f} {rb:>14} {str(r['balance_unit']):>5} "
+        print(f"{harness.slowed(r):>10} {r['batch']:>6} {r['speed_ratio']:>6.2f} {rb:>14} "
+              f"{str(r['balance_unit']):>5} "
               f"{1e3 * med['even']:>8.1f} {1e3 * med['balanced']:>8.1f} {r['speedup_actual']:>8.3f} "
               f"{r['predicted_speedup']:>6.3f} {r['speedup_ideal']:>6.3f} {r['speedup_split_limited']:>9.3f} "
               f"{r['efficiency']:>6.3f} "
@@ -412,7 +409,7 @@ def report(args, runs, wall, load_before):
               f"{r['even_vs_plain']:>10.3f} {r['balanced_vs_plain']:>9.3f}  {r['verdict']}")
         if args.model == "hybrid":
             pred = r["predicted_speedup_head"]
-            print(f"{'':>12} head classes {'/'.join(str(c) for c in r['phases_balanced'][1][1])}, the planner's "
+            print(f"{'':>17} head classes {'/'.join(str(c) for c in r['phases_balanced'][1][1])}, the planner's "
                   f"predicted speedup of the head {'(even head)' if pred is None else f'{pred:.3f}'}")
     print()
     print("pred = the planner's predicted speedup (plan.balance: the batch rows"
@@ -437,27 +434,28 @@ def report(args, runs, wall, load_before):
 
 
 def over_runs(rows) -> list[dict]:
-    """Per (loops, batch): the medians over its repeated runs, printed as the final table. One run's
-    efficiency moves by several percent with the machine's drift between its calibrations and its
-    timed steps; the median over interleaved runs is the figure to quote."""
+    """Per (emulation, slowdown, batch): the medians over its repeated runs, printed as the final table.
+    One run's efficiency moves by several percent with the machine's drift between its calibrations and
+    its timed steps; the median over interleaved runs is the figure to quote."""
     out = []
     print()
     print("medians over the repeated runs of each configuration")
-    head = f"{'loops':>5} {'batch':>6} {'runs':>4} {'s0/s1':>6} {'speedup':>8} {'ideal':>6} {'eff':>6}  " \
+    head = f"{'slowed':>10} {'batch':>6} {'runs':>4} {'s0/s1':>6} {'speedup':>8} {'ideal':>6} {'eff':>6}  " \
            "efficiency of each run"
     print(head)
     print("-" * len(head))
-    for (hogs, batch), ok in harness.by_config(rows, ("hogs", "batch")):
+    for (slow_by, hogs, batch), ok in harness.by_config(rows, ("slow_by", "hogs", "batch")):
+        slowed = harness.slowed({"slow_by": slow_by, "hogs": hogs})
         if not ok:
-            print(f"{hogs:>5} {batch:>6}  every run failed")
+            print(f"{slowed:>10} {batch:>6}  every run failed")
             continue
         m = {k: harness.median([r[k] for r in ok]) for k in ("speed_ratio", "speedup_actual", "speedup_ideal",
                                                                "efficiency")}
         verdict = "PASS" if m["efficiency"] >= TARGET else "FAIL"
         each = " ".join(f"{r['efficiency']:.3f}" for r in ok)
-        print(f"{hogs:>5} {batch:>6} {len(ok):>4} {m['speed_ratio']:>6.2f} {m['speedup_actual']:>8.3f} "
+        print(f"{slowed:>10} {batch:>6} {len(ok):>4} {m['speed_ratio']:>6.2f} {m['speedup_actual']:>8.3f} "
               f"{m['speedup_ideal']:>6.3f} {m['efficiency']:>6.3f}  {each}  {verdict}")
-        out.append({"hogs": hogs, "batch": batch, "runs": len(ok), **m,
+        out.append({"slow_by": slow_by, "hogs": hogs, "batch": batch, "runs": len(ok), **m,
                     "efficiencies": [r["efficiency"] for r in ok], "verdict": verdict})
     return out
 

@@ -174,7 +174,8 @@ def test_the_emulation_driver_runs_every_emulation_and_config_in_order(monkeypat
 
 def test_every_two_process_bench_takes_the_same_emulation_arguments_and_refuses_an_unknown_one(capsys):
     import pytest
-    for name in ("hetero_sweep", "hetero_split", "hetero_pipeline", "head_noise", "step_noise", "hetero_probe"):
+    for name in ("hetero", "hetero_sweep", "hetero_split", "hetero_pipeline", "head_noise", "step_noise",
+                 "hetero_probe"):
         parse = _bench(name).parse
         args = parse(["--slow-by", "busy,quota", "--batches", "64", "--timeout", "5"])
         assert (args.slow_by, args.batches, args.timeout, args.out) == ("busy,quota", "64", 5.0, None), name
