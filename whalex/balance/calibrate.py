@@ -447,9 +447,8 @@ def calibrate(cluster: Cluster, loss_fn: Callable | None = None, params=None, ba
     per stage): each device runs the rows in micro-batches in one call, as a stage runs a step (a device
     sharing its core timed at its pace over a step); `extras` then defaults to off.
     `head`: unless False, where the devices differ and the loss has `wh.ops.softmax_cross_entropy_head`,
-    also time that head's program (`head_timing`: `MAX_ROUNDS` rounds within `SECONDS`) at class splits
-    around the rows' speeds: the fastest is kept as a scale on the slowest devices' speed
-    (`Cluster.head_scale`) for the classes.
+    also time that head's program (`head_timing`) at class splits around the rows' speeds: the fastest
+    is kept as a scale on the slowest devices' speed (`Cluster.head_scale`) for the classes.
     `links`: also time a message between neighbouring devices (`link_timing.time_links`: its fixed
     seconds and bytes/s, on `Cluster.links`), what a pipeline's predicted exchanges then cost instead
     of the spec table's links. None (the default) times them where the cluster spans processes.
