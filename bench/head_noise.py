@@ -16,6 +16,7 @@ and how often each rule kept it.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import numpy as np
@@ -45,7 +46,7 @@ def worker(args):
 
     import whalex as wh
     from whalex.balance.calibrate import calibrate
-    from whalex.balance.head_timing import SECONDS, head_rounds, kept_scale, split_heads
+    from whalex.balance.head_timing import SECONDS, counts_at, head_rounds, kept_scale, split_heads
 
     pid, log = harness.worker_start("the driver")
     loss_fn, params, batch = hetero.make_model(args)
@@ -59,19 +60,13 @@ def worker(args):
         kept, timed = kept_scale(scales, times)
         every = np.asarray(multihost_utils.process_allgather(times))      # [processes, rounds, scales]
         trials.append({"scales": list(scales), "times": every.tolist(), "kept": kept,
-                       "counts": list(_counts(head.classes, cluster.speeds, kept))})
+                       "counts": list(counts_at(head.classes, cluster.speeds, kept))})
         log(f"trial {t}: {len(times)} rounds, kept x{kept:.3f} -> classes {trials[-1]['counts']}; medians "
             + ", ".join(f"x{s:g} {1e3 * m:.2f}" for s, m in timed))
     record = {"speeds": list(cluster.speeds), "overheads": list(cluster.overhead or ()), "trials": trials}
     if args.rounds > 0:
         record.update(_step_at_each_split(args, cluster, loss_fn, optimizer, params, batch, head, log))
     harness.write_worker_result(args.worker_out, record, pid)
-
-
-def _counts(classes: int, speeds, scale: float) -> tuple[int, ...]:
-    from whalex.balance.head_timing import class_counts
-    from whalex.balance.refine import scaled_speeds
-    return class_counts(classes, scaled_speeds(speeds, scale)[0])
 
 
 def _step_at_each_split(args, cluster, loss_fn, optimizer, params, batch, head, log) -> dict:
@@ -105,11 +100,10 @@ def picks(trial: dict, classes: int, speeds) -> dict[str, tuple[int, ...]]:
     and from all of them, the V through every round's points (the refinement's, `decide`, snapped to
     neighbouring splits; the processes' seconds averaged per round), and the least drift-free median.
     A record of one process's times (the bench's first runs) is that process's alone."""
-    from whalex.balance.head_timing import class_counts, decided, drift_free_medians
-    from whalex.balance.refine import decide, scaled_speeds
+    from whalex.balance.head_timing import counts_at, decided, drift_free_medians
+    from whalex.balance.refine import decide
 
-    def counts(s):
-        return class_counts(classes, scaled_speeds(speeds, s)[0])
+    counts = functools.partial(counts_at, classes, speeds)
     scales, every = trial["scales"], np.asarray(trial["times"])
     every = every[None] if every.ndim == 2 else every                       # [processes, rounds, scales]
 
@@ -117,9 +111,10 @@ def picks(trial: dict, classes: int, speeds) -> dict[str, tuple[int, ...]]:
         return np.mean([drift_free_medians(t[:rounds]) for t in every], axis=0)
     table = {r: {s: [float(t)] for s, t in zip(scales, row)} for r, row in enumerate(every.mean(axis=0))}
     out = {f"{n} rounds": counts(decided(scales, medians(n))[0]) for n in (9, 18) if n < every.shape[1]}
-    return {**out, "all rounds": counts(decided(scales, medians(None))[0]),
+    whole = medians(None)
+    return {**out, "all rounds": counts(decided(scales, whole)[0]),
             "rounds V": counts(decide(table, counts)[0]),
-            "least median": counts(scales[int(np.argmin(medians(None)))])}
+            "least median": counts(scales[int(np.argmin(whole))])}
 
 
 def tally(run: dict, classes: int) -> dict[str, list[str]]:

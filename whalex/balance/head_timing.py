@@ -98,12 +98,17 @@ def rounds_for(round_seconds: float, repeats: int, seconds: float = SECONDS, mos
     return int(max(min(fit, most), repeats))
 
 
+def counts_at(classes: int, speeds: Sequence[float], scale: float) -> tuple[int, ...]:
+    """Classes per device with the slowest devices' speed on the classes `scale` times their rows'."""
+    return class_counts(classes, scaled_speeds(speeds, scale)[0])
+
+
 def distinct_splits(classes: int, speeds: Sequence[float], scales: Sequence[float]) -> dict[float, tuple[int, ...]]:
     """{scale: classes per device} for the first of `scales` (on the slowest devices' speed) to give each
     distinct class split: scales whose splits round alike are one program, timed once."""
     splits = {}
     for s in scales:
-        counts = class_counts(classes, scaled_speeds(speeds, s)[0])
+        counts = counts_at(classes, speeds, s)
         if counts not in splits.values():
             splits[float(s)] = counts
     return splits
