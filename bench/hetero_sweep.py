@@ -201,26 +201,33 @@ def refine(steps, states, name, batch, log):
     from whalex.balance.refine import max_steps
     from whalex.refining import refinable
 
-    for _ in range(max_steps() if refinable(steps[name].plan) else 0):    # then it runs the split kept
+    for _ in range(max_steps(head=True) if refinable(steps[name].plan) else 0):    # then it runs the split kept
         states[name], _ = steps[name](states[name], batch)
         if steps[name].plan.refinement is not None:
             break
     ref = steps[name].plan.refinement
-    log(f"{name}: " + (f"kept x{ref.kept:.3g} ({split_of(steps[name].plan)}) after {ref.steps} steps"
+    head = "" if ref is None or ref.head is None else f", its head's classes x{ref.head.kept:.3g}"
+    log(f"{name}: " + (f"kept x{ref.kept:.3g}{head} ({split_of(steps[name].plan)}) after {ref.steps} steps"
                        if ref else "nothing refined"))
     return None if ref is None else ref.steps
 
 
 def refinement_record(plan) -> dict | None:
     """What a refinement timed and kept, for the results file: (scale, rows, seconds, paired ratio to the
-    prediction, timed steps) per split, and the split kept (a fitted vertex or the least median), its
-    rows, the gain the sweep saw and the rounds of the sweep that decided."""
-    ref = plan.refinement
+    prediction, timed steps, head units) per split, and the split kept (a fitted vertex or the least
+    median), its rows and head units, the gain the sweep saw and the rounds of the sweep that decided;
+    a hybrid's head sweep (`head`) likewise."""
+    return sweep_record(plan.refinement)
+
+
+def sweep_record(ref) -> dict | None:
+    """`refinement_record`'s record of one sweep (a `whalex.balance.refine.Refinement`), None for None."""
     if ref is None:
         return None
-    row = lambda p: [p.scale, list(p.rows), p.seconds, p.paired, p.steps]          # noqa: E731
-    return {"kept": ref.kept, "kept_rows": list(ref.kept_rows), "fitted": ref.fitted, "gain": ref.gain,
-            "rounds": ref.rounds, "points": [row(p) for p in ref.points]}
+    row = lambda p: [p.scale, list(p.rows), p.seconds, p.paired, p.steps, list(p.units)]      # noqa: E731
+    return {"kept": ref.kept, "kept_rows": list(ref.kept_rows), "kept_units": list(ref.kept_units),
+            "fitted": ref.fitted, "gain": ref.gain, "rounds": ref.rounds, "steps": ref.steps,
+            "points": [row(p) for p in ref.points], "head": sweep_record(ref.head)}
 
 
 def _versus(v, best, key) -> str:

@@ -5,9 +5,13 @@ pipeline's stage cut (whatever the cluster's speeds decide).
 The search is `whalex.balance.refine.sweep` over the slow devices' speed scale, a generator of rounds
 of steps; each split is a whole plan (`build_plan` on the cluster with that speed). The Refiner runs a
 round's steps one training call at a time, each on its split's plan, and hands the round's seconds
-back; the sweep keeps the vertex of the V fitted to its rounds. Every step trains: only where the rows
-run changes, so training equals one device's throughout. In a multi-process run each step's time is
-the slowest process's, so every process settles on the same plan.
+back; the sweep keeps the vertex of the V fitted to its rounds. A hybrid (replicated rows and a split
+head's classes) is swept twice, the rows alone and then the classes alone at the rows kept: their
+shares were calibrated apart (the classes' by the head's own program, `Cluster.head_scale`), either
+can be off on its own, and the step's time is the rows' part and the head's, each waiting for its
+slowest device. Every step trains: only where the rows run changes, so training equals one device's
+throughout. In a multi-process run each step's time is the slowest process's, so every process
+settles on the same plan.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from whalex.balance.refine import Refinement, Swept, scaled_speeds, sweep
+from whalex.balance.refine import HI, LO, Refinement, Swept, scaled_speeds, sweep
 from whalex.errors import PlanError
 from whalex.plan import Plan
 
@@ -41,31 +45,47 @@ def refinable(plan: Plan) -> bool:
 
 
 def placement(plan: Plan) -> tuple:
-    """What a refinement moves, as a key: rows per device, a split head's units per device, stage layers."""
-    head = () if plan.head_balance is None else tuple(d.rows for d in plan.head_balance.devices)
+    """What a refinement moves, as a key: rows per device, a split's units per device (a hybrid's head, or
+    the plan's split where the rows are even), stage layers."""
+    split = plan.head_balance
+    if split is None and plan.balance is not None and not plan.balance.kind.startswith("batch"):
+        split = plan.balance
+    head = () if split is None else tuple(d.rows for d in split.devices)
     return tuple(plan.batch_sizes), head, tuple(map(tuple, plan.stage_layers))
 
 
 class Refiner:
-    """Drives one `sweep` over a Step's calls for one plan (one batch shape)."""
+    """Drives the sweeps of one plan (one batch shape) over a Step's calls: the split the cluster's speeds
+    decide; for a hybrid (replicated rows and a split head's classes), the rows alone, the classes where
+    they were, then the classes alone at the rows kept (`_head_sweep`): what the rows' calibration and the
+    head's timed program each got wrong, each undone on the real step."""
 
     def __init__(self, base: Plan, make_plan: Callable, clock: Callable[[], float] = time.perf_counter):
         self.base, self.make_plan, self.clock = base, make_plan, clock
-        self.plans = {1.0: base}
-        self.jitted: dict = {}
+        self.steps = 0
+        self.result: Plan | None = None
+        self.slow = scaled_speeds(base.cluster.speeds, 1.0)[1]
+        self.rows_found: Refinement | None = None     # the rows' sweep's record, while the head's sweep runs
+        c = base.cluster
+        rows_alone = lambda s: scaled_cluster(c, s).with_head_scale(c.head_scale / s)     # noqa: E731
+        self._start(base, rows_alone if base.head_balance is not None else lambda s: scaled_cluster(c, s), {})
+
+    def _start(self, prediction: Plan, cluster_at: Callable, jitted: dict) -> None:
+        """Begin a sweep whose scale s runs the plan on `cluster_at(s)`, `prediction` its plan at 1."""
+        self.cluster_at = cluster_at
+        self.plans = {1.0: prediction}
+        self.jitted = jitted
         self.sweep = sweep(key=lambda s: placement(self.plan_at(s)))
         self.queue = list(next(self.sweep))    # the round's steps still to run, in order
         self.seconds: list[float] = []         # the round's steps run so far, timed
         self.scale = self.queue[0].scale
-        self.steps = 0
-        self.result: Plan | None = None
-        self.slow = scaled_speeds(base.cluster.speeds, 1.0)[1]
 
     def plan_at(self, scale: float) -> Plan:
-        """The plan with the slow devices `scale` times as fast: their speed times it and their fixed
-        seconds over it (`scaled_cluster`)."""
+        """The plan of the sweep's split at `scale`: in the rows' sweep, the slow devices `scale` times as
+        fast (their speed times it and their fixed seconds over it, `scaled_cluster`; a hybrid's classes
+        where they were); in the head's, their speed on the classes `scale` times as calibrated."""
         if scale not in self.plans:
-            self.plans[scale] = self.make_plan(scaled_cluster(self.base.cluster, scale))
+            self.plans[scale] = self.make_plan(self.cluster_at(scale))
         return self.plans[scale]
 
     def current(self) -> tuple[Plan, Callable]:
@@ -104,18 +124,41 @@ class Refiner:
             self._finish(stop.value)
 
     def _finish(self, found: Swept) -> None:
-        """Keep the split found: the plan of a split timed where one has its placement (its step compiled
-        already), else the plan at the scale kept."""
+        """A sweep ended: keep the split found (the plan of a split timed where one has its placement, its
+        step compiled already, else the plan at the scale kept); then the head's sweep, or the result."""
         at = placement(self.plan_at(found.kept))
         self.scale = next((s for s in self.jitted if placement(self.plan_at(s)) == at), found.kept)
         kept = self.current()[0]
+        record = self._record(found, kept)
+        if self.rows_found is None and self._head_sweep(kept):
+            self.rows_found = record
+            return
+        if self.rows_found is not None:
+            record = dataclasses.replace(self.rows_found, steps=self.steps, head=record)
+        self.result = dataclasses.replace(kept, refinement=record)
 
+    def _record(self, found: Swept, kept: Plan) -> Refinement:
+        """What a sweep timed and kept, each split's rows and units named, its steps the sweep's own."""
         def rows(t):
             q = self.plan_at(t.scale)
             return dataclasses.replace(t, rows=tuple(q.batch_sizes), units=placement(q)[1])
-        record = Refinement(tuple(map(rows, found.points)), self.slow, self.steps, found.kept,
-                            tuple(kept.batch_sizes), placement(kept)[1], found.gain, found.rounds, found.fitted)
-        self.result = dataclasses.replace(kept, refinement=record)
+        before = 0 if self.rows_found is None else self.rows_found.steps
+        return Refinement(tuple(map(rows, found.points)), self.slow, self.steps - before, found.kept,
+                          tuple(kept.batch_sizes), placement(kept)[1], found.gain, found.rounds, found.fitted)
+
+    def _head_sweep(self, kept: Plan) -> bool:
+        """Start the head's sweep at `kept`'s rows where the classes move apart from them (a split head of
+        a hybrid: `Cluster.head_scale`); False where nothing would move."""
+        if self.base.head_balance is None:
+            return False
+        rows = self.cluster_at(self.scale)
+        at = lambda h: rows.with_head_scale(rows.head_scale * h)          # noqa: E731
+        probe = {h: self.make_plan(at(h)) for h in (LO, HI)}
+        if all(placement(p)[1] == placement(kept)[1] for p in probe.values()):
+            return False
+        self._start(kept, at, {1.0: self.jitted[self.scale]})
+        self.plans.update(probe)
+        return True
 
 
 def scaled_cluster(c, scale: float):

@@ -337,9 +337,13 @@ class _FakeCluster:
     spread: tuple = ()
     overhead: tuple | None = None
     calibrated_rows: tuple | None = None
+    head_scale: float = 1.0
 
     def with_speeds(self, speeds, spread=(), overhead=None, rows=None):
-        return _FakeCluster(tuple(speeds), spread, overhead, rows)
+        return _FakeCluster(tuple(speeds), spread, overhead, rows, self.head_scale)
+
+    def with_head_scale(self, scale):
+        return dataclasses.replace(self, head_scale=scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,7 +352,8 @@ class _FakePlan:
 
     cluster: _FakeCluster
     batch_sizes: tuple
-    head_balance: None = None
+    head_balance: object = None
+    balance: object = None
     stage_layers: tuple = ()
     refinement: object = None
 
@@ -358,6 +363,52 @@ class _FakePlan:
     def place_batch(self, batch):
         return batch
 
+
+
+@dataclasses.dataclass(frozen=True)
+class _FakeHead:
+    devices: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class _FakeDevice:
+    rows: int
+
+
+@pytest.mark.parametrize("head_off", [0.6, 1.3])
+def test_a_hybrid_refines_its_rows_then_its_head_classes_alone(head_off):
+    # Whale's Example 2 as a synthetic step: the rows' part and the head's part each wait for their slowest
+    # device (the head syncs), 3:1 speeds on the rows, the slow device's true speed on the classes
+    # `head_off` times what the head's timed program gave (`head_scale`): a joint move cannot make both
+    # right; the rows' sweep (classes kept) and then the head's (rows kept) find the optimum of each
+    from whalex.refining import Refiner
+    speeds, classes, head_scale = (3.0, 1.0), 2048, 0.8
+    head_speeds = (3.0, 1.0 * head_scale * head_off)                    # the truth on the classes
+
+    def plan(c):
+        rows = tuple(proportional(BATCH, c.speeds))
+        units = tuple(proportional(classes, scaled_speeds(c.speeds, c.head_scale)[0]))
+        return _FakePlan(c, rows, _FakeHead(tuple(map(_FakeDevice, units))))
+
+    def cost(p):
+        units = [d.rows for d in p.head_balance.devices]
+        return max(r / v for r, v in zip(p.batch_sizes, speeds)) + max(u / v for u, v in zip(units, head_speeds))
+    best = BATCH / sum(speeds) + classes / sum(head_speeds)
+    base = plan(_FakeCluster(speeds, head_scale=head_scale))
+    unit = 0.01 / cost(base)
+    ref = Refiner(base, plan, clock=_StepClock(lambda: unit * cost(ref.plan_at(ref.scale))))
+    state = 0.0
+    while ref.result is None:
+        state, _ = ref.run(state, None, lambda st, p: st)
+    r = ref.result.refinement
+    assert cost(base) > 1.02 * best and cost(ref.result) <= 1.005 * best
+    assert len({p.units for p in r.points}) == 1 and len({p.rows for p in r.points}) == len(r.points)   # rows alone
+    assert r.head is not None and len({p.rows for p in r.head.points}) == 1                             # classes alone
+    assert len({p.units for p in r.head.points}) == len(r.head.points) >= 3
+    assert r.head.kept == pytest.approx(head_off, abs=0.03) and r.kept == pytest.approx(1.0, abs=0.03)
+    assert ref.result.batch_sizes == r.kept_rows == r.head.kept_rows
+    assert tuple(d.rows for d in ref.result.head_balance.devices) == r.head.kept_units
+    assert r.steps == ref.steps <= max_steps(head=True) == 2 * max_steps() and r.head.steps < r.steps
 
 
 def test_the_sweep_is_a_generator_a_step_can_drive_and_its_cost_is_bounded():
@@ -431,22 +482,24 @@ def test_a_refining_step_trains_a_masked_mean_on_padded_rows_exactly_as_one_devi
 
 
 def test_a_refining_split_head_trains_exactly_as_one_device():
-    # Whale's Example 2 on a declared V100+T4 cluster: the backbone's rows and the head's classes move together
+    # Whale's Example 2 on a declared V100+T4 cluster: the backbone's rows move (the head's classes kept),
+    # then the head's classes (the rows kept)
     import optax
 
     import whalex as wh
     from balance.test_heterogeneous_balance import _head_model
     from conftest import HETERO, assert_each_step_matches
     loss_fn, params, batch = _head_model()
-    step, _ = assert_each_step_matches(loss_fn, params, batch, max_steps() + 2, optax.sgd(0.1), tol=1e-4,
+    step, _ = assert_each_step_matches(loss_fn, params, batch, max_steps(head=True) + 2, optax.sgd(0.1), tol=1e-4,
                                        config=wh.Config(hardware_aware="refine"), cluster=wh.Cluster(kinds=HETERO))
     r = step.plan.refinement
-    assert r is not None and r.steps <= max_steps() and len(r.points) >= 2
-    head = step.plan.head_balance                                      # None where the split kept is even
-    assert step.plan.batch_sizes == r.kept_rows and r.kept_units == (() if head is None else
-                                                                      tuple(d.rows for d in head.devices))
-    assert sum(bool(p.units) for p in r.points) >= 2                   # the head's classes moved with the rows
-    assert "(head " in step.plan.summary()
+    assert r is not None and r.head is not None and r.steps <= max_steps(head=True)
+    assert len({p.rows for p in r.points}) >= 3 and len({p.units for p in r.points}) == 1
+    assert len({p.units for p in r.head.points}) >= 3 and {p.rows for p in r.head.points} == {r.kept_rows}
+    split = step.plan.head_balance or step.plan.balance                # plan.balance where the rows kept are even
+    assert step.plan.batch_sizes == r.kept_rows and r.head.kept_units == tuple(d.rows for d in split.devices)
+    text = step.plan.summary()
+    assert "(head " in text and "then the head's classes alone at those rows" in text and f"{r.steps} in all" in text
 
 
 def test_a_refining_auto_parallel_pipeline_moves_its_stage_cut_and_trains_exactly_as_one_device():

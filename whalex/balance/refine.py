@@ -73,12 +73,13 @@ def sweep_rounds(per_point: int) -> int:
 
 
 def max_steps(steps_per_point: int = MAX_STEPS_PER_POINT, points: int = POINTS, block: int = BLOCK,
-              warmup: int = WARMUP_STEPS, first: int = FIRST_WARMUP) -> int:
+              warmup: int = WARMUP_STEPS, first: int = FIRST_WARMUP, head: bool = False) -> int:
     """The most training steps a refinement runs before it settles on a split: the prediction's warm-up and
     first timed steps, then two sweeps (the first and its widening) of `sweep_rounds` rounds over `points`
-    splits and the prediction, each split's warm-up (its compile) the first time it runs."""
+    splits and the prediction, each split's warm-up (its compile) the first time it runs; twice that with
+    `head` (a hybrid's split head: its classes swept again at the rows kept)."""
     per_sweep = sweep_rounds(steps_per_point) * (points + 1) * block + (points + 1) * warmup
-    return first + STEPS_PER_POINT + 2 * per_sweep
+    return (2 if head else 1) * (first + STEPS_PER_POINT + 2 * per_sweep)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +138,8 @@ class Refinement:
     gain: float = 1.0                  # the prediction's step time over the kept split's, as the sweep saw it
     rounds: int = 0                    # rounds of the sweep that decided
     fitted: bool = False               # kept is a fitted V's vertex
+    head: Refinement | None = None     # a hybrid's split head swept alone at the rows kept (its scale on the
+                                       # slow devices' speed on the classes); `steps` then counts both sweeps
 
     def timing(self, scale: float) -> SplitTiming | None:
         """A split's timing, None where it was not timed (a fitted vertex between the splits timed)."""

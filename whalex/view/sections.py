@@ -212,7 +212,8 @@ def _ratio(t) -> str:
 
 
 def refinement_items(plan, report) -> list:
-    """The splits a refinement timed on the real step, predicted beside kept; or that it is still to run."""
+    """The splits a refinement timed on the real step, predicted beside kept (a hybrid's head sweep after
+    its rows'); or that it is still to run."""
     ref = plan.refinement
     if ref is None:
         if plan.config.hardware_aware == "refine" and report.applied:
@@ -220,22 +221,36 @@ def refinement_items(plan, report) -> list:
                          "first calls; step.plan then holds the split it keeps", 1)]
         return []
     p = ref.predicted
-    slow = fmt_devices(ref.slow)
-    how = "the vertex of the V fitted to the rounds" if ref.fitted else "the least median of the splits timed"
-    kept = (f"kept rows {_rows(ref.kept_rows, ref.kept_units)} (device{'s' if len(ref.slow) > 1 else ''} {slow} at "
-            f"x{ref.kept:.3g} of the predicted speed, {how}): {ref.gain:.2f}x the prediction's speed"
-            if ref.kept_rows != p.rows or ref.kept_units != p.units else f"kept the prediction ({how})")
-    items = [Line(f"refined on the real step ({len(ref.points)} splits timed in {ref.rounds} rounds, {ref.steps} "
+    steps = ref.steps - (0 if ref.head is None else ref.head.steps)
+    items = [Line(f"refined on the real step ({len(ref.points)} splits timed in {ref.rounds} rounds, {steps} "
                   f"steps): predicted rows {_rows(p.rows, p.units)} {fmt_time(p.seconds)} ± {fmt_pct(p.spread)}; "
-                  f"{kept}", 1)]
-    table = [[f"x{t.scale:.3g}", _rows(t.rows, t.units), fmt_time(t.seconds), fmt_pct(t.spread), str(t.steps),
-              _ratio(t), "predicted" if t.scale == 1.0 else ("kept" if t.rows == ref.kept_rows else "")]
-             for t in ref.points]
-    if all(t.rows != ref.kept_rows or t.units != ref.kept_units for t in ref.points):
-        table.append([f"x{ref.kept:.3g}", _rows(ref.kept_rows, ref.kept_units), "", "", "0", "", "fitted, kept"])
-    items.append(Table(REFINE_COLUMNS, tuple(map(tuple, table)), (True, False, True, True, True, True, False),
-                       where="html"))
+                  f"{_kept(ref, 'the predicted speed')}", 1), _sweep_table(ref)]
+    if ref.head is not None:
+        h = ref.head
+        items += [Line(f"then the head's classes alone at those rows ({len(h.points)} splits timed in {h.rounds} "
+                       f"rounds, {h.steps} steps; {ref.steps} in all): {_kept(h, 'that speed on the classes')}", 1),
+                  _sweep_table(h)]
     return items
+
+
+def _kept(ref, of: str) -> str:
+    """What a sweep kept: the prediction, or the split kept and how it was found."""
+    how = "the vertex of the V fitted to the rounds" if ref.fitted else "the least median of the splits timed"
+    p = ref.predicted
+    if ref.kept_rows == p.rows and ref.kept_units == p.units:
+        return f"kept the prediction ({how})"
+    return (f"kept rows {_rows(ref.kept_rows, ref.kept_units)} (device{'s' if len(ref.slow) > 1 else ''} "
+            f"{fmt_devices(ref.slow)} at x{ref.kept:.3g} of {of}, {how}): {ref.gain:.2f}x the prediction's speed")
+
+
+def _sweep_table(ref) -> Table:
+    """Every split a sweep timed: its scale, rows, median step, spread, timed steps and paired ratio."""
+    kept = lambda t: t.rows == ref.kept_rows and t.units == ref.kept_units      # noqa: E731
+    table = [[f"x{t.scale:.3g}", _rows(t.rows, t.units), fmt_time(t.seconds), fmt_pct(t.spread), str(t.steps),
+              _ratio(t), "predicted" if t.scale == 1.0 else ("kept" if kept(t) else "")] for t in ref.points]
+    if not any(map(kept, ref.points)):
+        table.append([f"x{ref.kept:.3g}", _rows(ref.kept_rows, ref.kept_units), "", "", "0", "", "fitted, kept"])
+    return Table(REFINE_COLUMNS, tuple(map(tuple, table)), (True, False, True, True, True, True, False), where="html")
 
 
 def experts(plan) -> Section | None:
