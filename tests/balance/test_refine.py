@@ -2,6 +2,7 @@
 refines while it trains exactly as one device."""
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -500,6 +501,28 @@ def test_a_refining_split_head_trains_exactly_as_one_device():
     assert step.plan.batch_sizes == r.kept_rows and r.head.kept_units == tuple(d.rows for d in split.devices)
     text = step.plan.summary()
     assert "(head " in text and "then the head's classes alone at those rows" in text and f"{r.steps} in all" in text
+
+
+def test_a_refining_split_alone_moves_its_classes_and_trains_exactly_as_one_device():
+    # a split head with no replicated backbone: the batch stays even on every device, the classes move
+    import optax
+
+    import whalex as wh
+    from balance.test_heterogeneous_balance import _head_model
+    from conftest import HETERO, assert_each_step_matches
+    from whalex.refining import placement
+    _, params, batch = _head_model()
+
+    def loss_fn(p, b):
+        with wh.split(8):
+            return wh.ops.softmax_cross_entropy_head(jnp.tanh(b["x"] @ p["w1"]), p["kernel"], p["bias"], b["y"])
+    step, _ = assert_each_step_matches(loss_fn, params, batch, max_steps() + 2, optax.sgd(0.1), tol=1e-4,
+                                       config=wh.Config(hardware_aware="refine"), cluster=wh.Cluster(kinds=HETERO))
+    r = step.plan.refinement
+    assert r is not None and r.head is None and r.steps <= max_steps()
+    assert {p.rows for p in r.points} == {step.plan.batch_sizes}                  # every device: the whole batch
+    assert len({p.units for p in r.points}) == len(r.points) >= 3
+    assert placement(step.plan)[1] == r.kept_units == tuple(d.rows for d in step.plan.balance.devices)
 
 
 def test_a_refining_auto_parallel_pipeline_moves_its_stage_cut_and_trains_exactly_as_one_device():
