@@ -30,7 +30,7 @@ from whalex.plan import Plan
 
 def refinable(plan: Plan) -> bool:
     """Whether `plan` has a balanced split to refine: uneven data-parallel rows, uneven split shards
-    (a hybrid's rows and head classes move together), or an auto_parallel pipeline's stage cut on
+    (a hybrid's rows, then its head's classes), or an auto_parallel pipeline's stage cut on
     devices of different speeds. An even plan has nothing to refine; an annotated pipeline's stages
     are the user's, and a refinement refuses it (PlanError) rather than time one split."""
     if any(r is not None and r.applied for r in (plan.balance, plan.head_balance)):
