@@ -21,7 +21,8 @@ What it measures
       them so);
     * whalex:  the balanced plan on each calibration (``wh.parallelize(..., cluster=calibrated)``);
     * refined: ``Config(hardware_aware="refine")`` on each calibration: its first steps time the real
-      step at splits around the prediction and keep the fastest (the steps it took are reported);
+      step at splits around the prediction and keep the fastest (the steps it took are reported; a
+      hybrid sweeps its rows, then its head's classes at the rows kept);
     * sweep:   the same step with the slow process's calibrated speed (whole batch) scaled by
       ``--factors`` (default 9 points over x0.7-x1.3), fixed times kept (`Cluster.with_speeds`):
       the fastest of these is "the fastest split found".
