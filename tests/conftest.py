@@ -106,17 +106,18 @@ def reference_step(loss_fn, optimizer, has_aux=False):
     return step
 
 
-def assert_each_step_matches(loss_fn, params, batch, steps, optimizer, tol=1e-5, **kwargs):
-    """Train with whalex for `steps` steps; each step's loss and parameters agree within `tol` with one
-    single-device step from the same parameters and optimizer state (the optimizer state must be the
-    caller's pytree: a plan without its own parameter layout, or a stateless optimizer). Over a run of a
-    thousand steps in which the split moves (each split sums the rows in its own order), float32 rounding
-    compounds along the trajectory; step by step, what is compared is what each step computes."""
+def assert_each_step_matches(loss_fn, params, batch, steps, optimizer, tol=1e-5, until=None, **kwargs):
+    """Train with whalex for `steps` steps (or until two steps after `until(step)` holds); each step's
+    loss and parameters agree within `tol` with one single-device step from the same parameters and
+    optimizer state (the optimizer state must be the caller's pytree: a plan without its own parameter
+    layout, or a stateless optimizer). Over a run of a thousand steps in which the split moves (each
+    split sums the rows in its own order), float32 rounding compounds along the trajectory; step by step,
+    what is compared is what each step computes."""
     import whalex as wh
     step = wh.parallelize(loss_fn, optimizer, **kwargs)
     state = step.init(params, batch)
     one = reference_step(loss_fn, optimizer)
-    first = None
+    first, last = None, steps - 1
     for k in range(steps):
         p0, o0 = jax.device_get((step.params(state), state.opt_state))
         ref_params, _, ref_loss = one(p0, o0, batch)
@@ -128,6 +129,10 @@ def assert_each_step_matches(loss_fn, params, batch, steps, optimizer, tol=1e-5,
         assert abs(loss - ref_loss) <= tol * abs(ref_loss) + 1e-6 * first, (k, loss, ref_loss)
         worst = max(jax.tree.leaves(jax.tree.map(rel_err, step.params(state), ref_params)))
         assert worst < tol, f"step {k}: parameters differ from one single-device step: {worst}"
+        if until is not None and last == steps - 1 and until(step):
+            last = min(k + 2, last)
+        if k >= last:
+            break
     moved = max(jax.tree.leaves(jax.tree.map(rel_err, step.params(state), params)))
     assert moved > 1e-3                                   # training moved the parameters
     return step, state

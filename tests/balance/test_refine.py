@@ -437,6 +437,11 @@ def test_bad_brackets_are_clear_errors():
         next(sweep(lo=0.7, hi=1.3, reach=(0.8, 2.0)))
 
 
+def _refined(step) -> bool:
+    """Whether a refining step has kept its split (its plan holds the refinement)."""
+    return step.plan.refinement is not None
+
+
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
 def test_a_refining_step_trains_exactly_as_one_device_and_keeps_the_split_its_rounds_found(opt):
     import optax
@@ -446,7 +451,7 @@ def test_a_refining_step_trains_exactly_as_one_device_and_keeps_the_split_its_ro
     from support.models import plain_model
     loss_fn, params, batch = plain_model("dp", "ctx")
     optimizer = optax.sgd(0.1) if opt == "sgd" else adam()
-    step, _ = assert_each_step_matches(loss_fn, params, batch, max_steps() + 2, optimizer, tol=1e-4,
+    step, _ = assert_each_step_matches(loss_fn, params, batch, max_steps() + 2, optimizer, tol=1e-4, until=_refined,
                                        config=wh.Config(hardware_aware="refine"), cluster=wh.Cluster(kinds=HETERO))
     r = step.plan.refinement
     assert r is not None and r.steps <= max_steps()                    # settled within the stated budget
@@ -475,7 +480,7 @@ def test_a_refining_step_trains_a_masked_mean_on_padded_rows_exactly_as_one_devi
     from support.models import masked_mlp
     loss_fn, params, batch = masked_mlp(96, seed=3)
     optimizer = optax.sgd(0.1) if opt == "sgd" else adam()
-    step, _ = assert_each_step_matches(loss_fn, params, batch, max_steps() + 2, optimizer, tol=1e-4,
+    step, _ = assert_each_step_matches(loss_fn, params, batch, max_steps() + 2, optimizer, tol=1e-4, until=_refined,
                                        config=wh.Config(hardware_aware="refine"), cluster=wh.Cluster(kinds=HETERO))
     r = step.plan.refinement
     assert r is not None and r.steps <= max_steps() and len({p.rows for p in r.points}) >= 2
@@ -492,6 +497,7 @@ def test_a_refining_split_head_trains_exactly_as_one_device():
     from conftest import HETERO, assert_each_step_matches
     loss_fn, params, batch = _head_model()
     step, _ = assert_each_step_matches(loss_fn, params, batch, max_steps(head=True) + 2, optax.sgd(0.1), tol=1e-4,
+                                       until=_refined,
                                        config=wh.Config(hardware_aware="refine"), cluster=wh.Cluster(kinds=HETERO))
     r = step.plan.refinement
     assert r is not None and r.head is not None and r.steps <= max_steps(head=True)
@@ -517,6 +523,7 @@ def test_a_refining_split_alone_moves_its_classes_and_trains_exactly_as_one_devi
         with wh.split(8):
             return wh.ops.softmax_cross_entropy_head(jnp.tanh(b["x"] @ p["w1"]), p["kernel"], p["bias"], b["y"])
     step, _ = assert_each_step_matches(loss_fn, params, batch, max_steps() + 2, optax.sgd(0.1), tol=1e-4,
+                                       until=_refined,
                                        config=wh.Config(hardware_aware="refine"), cluster=wh.Cluster(kinds=HETERO))
     r = step.plan.refinement
     assert r is not None and r.head is None and r.steps <= max_steps()
@@ -534,6 +541,7 @@ def test_a_refining_auto_parallel_pipeline_moves_its_stage_cut_and_trains_exactl
     loss_fn, params, batch = deep_model()
     config = wh.Config(num_micro_batch=4, num_task_graph=2, auto_parallel=True, hardware_aware="refine")
     step, _ = assert_each_step_matches(loss_fn, params, batch, max_steps() + 2, optax.sgd(0.01), tol=1e-4,
+                                       until=_refined,
                                        config=config, cluster=wh.Cluster(kinds=HETERO))
     r = step.plan.refinement
     assert r is not None and r.steps <= max_steps() and len(r.points) >= 2 and step.plan.schedule is not None
