@@ -48,7 +48,7 @@ def placement(plan: Plan) -> tuple:
     """What a refinement moves, as a key: rows per device, a split's units per device (a hybrid's head, or
     the plan's split where the rows are even), stage layers."""
     split = plan.head_balance
-    if split is None and plan.balance is not None and not plan.balance.kind.startswith("batch"):
+    if split is None and plan.balance is not None and not plan.balance.of_batch:
         split = plan.balance
     head = () if split is None else tuple(d.rows for d in split.devices)
     return tuple(plan.batch_sizes), head, tuple(map(tuple, plan.stage_layers))

@@ -51,6 +51,11 @@ class BalanceReport:
     basis: str = ""         # what the times count beyond rows x FLOPs per row / speed (empty: nothing)
 
     @property
+    def of_batch(self) -> bool:
+        """Whether the load is the batch's rows (else a split's units: a head's classes, a layer's columns)."""
+        return self.kind.startswith("batch")
+
+    @property
     def even_time(self) -> float:
         return max(d.even_time for d in self.devices)
 

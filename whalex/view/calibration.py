@@ -29,7 +29,7 @@ def speed_lines(cluster) -> list[str]:
 def calibrated_range_lines(plan, report) -> list[str]:
     """Where the plan's row shares fall outside the rows calibrate timed (their times extrapolated)."""
     span = plan.cluster.calibrated_rows
-    if span is None or not report.kind.startswith("batch"):
+    if span is None or not report.of_batch:
         return []
     lo, hi = span
     rows = [d.rows if report.applied else d.even_rows for d in report.devices]

@@ -115,7 +115,7 @@ def draw_loads(ax, plan, colors) -> None:
                label="load")
         _legend_on_top(ax, [Patch(color="#888888", label="balanced (colour: kind)"),
                             Patch(facecolor="none", edgecolor="#888888", hatch="//", label="even plan")])
-        what = "batch rows" if r.kind.startswith("batch") else r.kind
+        what = "batch rows" if r.of_batch else r.kind
         ax.set_title(f"Load per device: {what}, {'balanced' if r.applied else 'even (not balanced)'}", fontsize=10)
         ax.set_ylabel(f"{what} per step")
     else:

@@ -183,7 +183,7 @@ def balance(plan, report, key: str) -> Section:
              str(d.even_rows), str(d.rows), fmt_pct(d.share(r.total)),
              fmt_time(d.time) + (" (bounds)" if d is bound else ""), fmt_bytes(d.memory), fmt_bytes(d.capacity)]
             for d in r.devices]
-    load = "rows" if r.kind.startswith("batch") else r.kind.split()[0]
+    load = "rows" if r.of_batch else r.kind.split()[0]
     per = "per row" if load == "rows" else "per unit"
     columns = tuple(per if c == "per unit" else c for c in BALANCE_COLUMNS)
     numeric = set(columns) - {"kind"}
