@@ -67,7 +67,7 @@ class Refiner:
         self.slow = scaled_speeds(base.cluster.speeds, 1.0)[1]
         self.rows_found: Refinement | None = None     # the rows' sweep's record, while the head's sweep runs
         c = base.cluster
-        rows_alone = lambda s: scaled_cluster(c, s).with_head_scale(c.head_scale / s)     # noqa: E731
+        rows_alone = lambda s: scaled_cluster(c, s).with_head_scale(c.head_scale / s, self.slow)   # noqa: E731
         self._start(base, rows_alone if base.head_balance is not None else lambda s: scaled_cluster(c, s), {})
 
     def _start(self, prediction: Plan, cluster_at: Callable, jitted: dict) -> None:
@@ -152,7 +152,7 @@ class Refiner:
         if self.base.head_balance is None:
             return False
         rows = self.cluster_at(self.scale)
-        at = lambda h: rows.with_head_scale(rows.head_scale * h)          # noqa: E731
+        at = lambda h: rows.with_head_scale(rows.head_scale * h, self.slow)          # noqa: E731
         probe = {h: self.make_plan(at(h)) for h in (LO, HI)}
         if all(placement(p)[1] == placement(kept)[1] for p in probe.values()):
             return False

@@ -45,6 +45,21 @@ def test_head_scale_is_validated_and_kept_by_a_speed_change():
     for bad in (0, -1.0, float("nan"), True, "0.7"):
         with pytest.raises(wh.ClusterError, match="with_head_scale needs a positive number"):
             cluster.with_head_scale(bad)
+    for bad in ((), (8,), (-1,), (True,), (1.5,)):
+        with pytest.raises(wh.ClusterError, match=r"with_head_scale\(devices=...\) is a non-empty list"):
+            cluster.with_head_scale(0.7, bad)
+
+
+def test_a_head_scale_stays_on_its_devices_when_their_rows_speed_passes_the_others():
+    """Named devices keep the head's scale where a speed change makes them no longer the slowest (a
+    refinement's rows' sweep); unnamed, it is on the slowest."""
+    cluster = wh.Cluster(kinds=HETERO)
+    v100, t4 = cluster.speeds[0], cluster.speeds[4]
+    assert cluster.with_head_scale(0.5).head_speeds == (v100,) * 4 + (t4 * 0.5,) * 4
+    faster = cluster.with_speeds((v100,) * 4 + (v100 * 2,) * 4)
+    assert faster.with_head_scale(0.5).head_speeds == (v100 * 0.5,) * 4 + (v100 * 2,) * 4
+    assert faster.with_head_scale(0.25, [7, 4, 5, 6]).head_speeds == (v100,) * 4 + (v100 * 0.5,) * 4
+    assert faster.with_head_scale(0.25, [7, 4, 5, 6]).head_devices == (4, 5, 6, 7)
 
 
 def test_the_timed_program_is_the_heads_forward_and_gradients():

@@ -39,6 +39,7 @@ from whalex.balance.refine import (
     sweep_scales,
     vertex,
 )
+from whalex.mesh.cluster import Cluster
 
 BATCH = 4096
 
@@ -339,12 +340,16 @@ class _FakeCluster:
     overhead: tuple | None = None
     calibrated_rows: tuple | None = None
     head_scale: float = 1.0
+    head_devices: tuple | None = None
 
     def with_speeds(self, speeds, spread=(), overhead=None, rows=None):
-        return _FakeCluster(tuple(speeds), spread, overhead, rows, self.head_scale)
+        return dataclasses.replace(self, speeds=tuple(speeds), spread=spread, overhead=overhead,
+                                   calibrated_rows=rows)
 
-    def with_head_scale(self, scale):
-        return dataclasses.replace(self, head_scale=scale)
+    def with_head_scale(self, scale, devices=None):
+        return dataclasses.replace(self, head_scale=scale, head_devices=devices)
+
+    head_speeds = Cluster.head_speeds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,7 +393,7 @@ def test_a_hybrid_refines_its_rows_then_its_head_classes_alone(head_off):
 
     def plan(c):
         rows = tuple(proportional(BATCH, c.speeds))
-        units = tuple(proportional(classes, scaled_speeds(c.speeds, c.head_scale)[0]))
+        units = tuple(proportional(classes, c.head_speeds))
         return _FakePlan(c, rows, _FakeHead(tuple(map(_FakeDevice, units))))
 
     def cost(p):
@@ -410,6 +415,24 @@ def test_a_hybrid_refines_its_rows_then_its_head_classes_alone(head_off):
     assert ref.result.batch_sizes == r.kept_rows == r.head.kept_rows
     assert tuple(d.rows for d in ref.result.head_balance.devices) == r.head.kept_units
     assert r.steps == ref.steps <= max_steps(head=True) == 2 * max_steps() and r.head.steps < r.steps
+
+
+@pytest.mark.parametrize("scale", [1.3, 2.0, 2.5])
+def test_a_hybrid_rows_sweep_keeps_the_classes_where_calibrated_when_the_slow_device_passes_another(scale):
+    # near 2:1 a rows' scale of 2 or more makes the slow device as fast as the fast one or faster; the
+    # head's scale stays on the devices it was timed on (not on whichever is slowest at that scale), so
+    # the rows' sweep never moves the classes, and the head's sweep scales the same device
+    from whalex.refining import Refiner
+
+    def plan(c):
+        units = tuple(proportional(2048, c.head_speeds))
+        return _FakePlan(c, tuple(proportional(BATCH, c.speeds)), _FakeHead(tuple(map(_FakeDevice, units))))
+    base = plan(_FakeCluster((2.0, 1.0), head_scale=0.8))
+    ref = Refiner(base, plan)
+    moved = ref.plan_at(scale)
+    assert moved.batch_sizes != base.batch_sizes and moved.head_balance == base.head_balance
+    assert ref.cluster_at(scale).head_speeds == pytest.approx((2.0, 0.8))
+    assert moved.cluster.with_head_scale(moved.cluster.head_scale * 1.2, ref.slow).head_speeds[0] == 2.0
 
 
 def test_the_sweep_is_a_generator_a_step_can_drive_and_its_cost_is_bounded():

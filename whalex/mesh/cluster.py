@@ -59,6 +59,7 @@ class Cluster:
     compile_devices: tuple[Any, ...] | None = None   # over_abstract_mesh: the topology devices it compiles for
     links: Link | None = None     # calibrated: the link between any two devices (None: the spec table's)
     head_scale: float = 1.0       # calibrated: the slowest devices' speed on a split head's classes over their rows'
+    head_devices: tuple[int, ...] | None = None   # the devices head_scale is on (None: the slowest)
 
     def __init__(self, kinds: Sequence[str] | None = None, devices: Sequence[Any] | None = None,
                  host_memory: float | str | None = None, devices_per_node: int | None = None):
@@ -139,7 +140,7 @@ class Cluster:
             return None
         return twin._replace(host_memory=self.host_memory, host_source=self.host_source, measured=self.measured,
                              spread=self.spread, overhead=self.overhead, calibrated_rows=self.calibrated_rows,
-                             links=self.links, head_scale=self.head_scale)
+                             links=self.links, head_scale=self.head_scale, head_devices=self.head_devices)
 
     @classmethod
     def gpu_topology(cls, kinds: Sequence[str], devices_per_node: int | None = None,
@@ -237,14 +238,33 @@ class Cluster:
             rows = (int(rows[0]), int(rows[1]))
         return self._replace(measured=speeds, spread=spread, overhead=overhead, calibrated_rows=rows)
 
-    def with_head_scale(self, scale: float) -> Cluster:
-        """A copy whose split heads give the slowest devices the classes of `scale` times their speed
-        (`calibrate` times the head's program at a few splits where the loss has
-        `wh.ops.softmax_cross_entropy_head` and the devices differ, and keeps the fastest)."""
+    def with_head_scale(self, scale: float, devices: Sequence[int] | None = None) -> Cluster:
+        """A copy whose split heads give the slowest devices (or `devices`, by index) the classes of `scale`
+        times their speed (`calibrate` times the head's program at a few splits where the loss has
+        `wh.ops.softmax_cross_entropy_head` and the devices differ, and keeps the fastest). Naming the
+        devices keeps the scale on them where their rows' speed is changed past another device's."""
         if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)) or not (
                 math.isfinite(scale) and scale > 0):
             raise ClusterError(f"with_head_scale needs a positive number, got {scale!r}.")
-        return self._replace(head_scale=float(scale))
+        if devices is not None:
+            devices = tuple(devices)
+            if not devices or not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool)
+                                      and 0 <= i < self.size for i in devices):
+                raise ClusterError(f"with_head_scale(devices=...) is a non-empty list of device indices in "
+                                   f"[0, {self.size}), got {devices!r}.")
+            devices = tuple(sorted({int(i) for i in devices}))
+        return self._replace(head_scale=float(scale), head_devices=devices)
+
+    @property
+    def head_speeds(self) -> tuple[float, ...]:
+        """Each device's speed on a split head's classes: its rows' speed, `head_scale` times it on the
+        head's devices (`head_devices`, else the slowest)."""
+        s = np.asarray(self.speeds, np.float64)
+        if self.head_scale == 1.0:
+            return tuple(map(float, s))
+        on = list(self.head_devices) if self.head_devices is not None else np.flatnonzero(s == s.min())
+        s[on] *= self.head_scale
+        return tuple(map(float, s))
 
     def with_links(self, latency: float, bandwidth: float) -> Cluster:
         """A copy whose links between devices are measured ones, the same for every pair: a message of
@@ -320,7 +340,8 @@ def _set(obj: Cluster, specs, devices, measured, spread, nodes, host_memory, hos
     for name, value in (("specs", specs), ("devices", devices), ("measured", measured), ("spread", spread),
                         ("nodes", nodes), ("host_memory", host_memory), ("host_source", host_source),
                         ("overhead", None), ("calibrated_rows", None), ("target", None),
-                        ("compiler", "auto"), ("compile_devices", None), ("links", None), ("head_scale", 1.0)):
+                        ("compiler", "auto"), ("compile_devices", None), ("links", None), ("head_scale", 1.0),
+                        ("head_devices", None)):
         object.__setattr__(obj, name, value)
 
 

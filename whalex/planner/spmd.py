@@ -13,7 +13,6 @@ from whalex import _compat as C
 from whalex.balance import cost
 from whalex.balance.columns import plan_columns
 from whalex.balance.profile import taskgraph_flops
-from whalex.balance.refine import scaled_speeds
 from whalex.errors import PlanError
 from whalex.jaxpr.batch_dependence import source
 from whalex.loss.analysis import analyse
@@ -267,18 +266,20 @@ def zero_data_parallel(req: Request, full, m, mesh, mem):
     return UnevenProgram(cap, mesh, req.optimizer, req.cluster.platform, (m * unit,) * n, unit, b, mem, parts=parts)
 
 
-def _model_shards(vd, layout, cluster):
+def _model_shards(vd, layout, cluster, speeds_of=None):
     """For a split TaskGraph on one model axis: (axis, devices per model position, the slowest
     device's speed per position, its spread, the smallest memory per position); None when the
-    positions are equally fast (the even plan applies)."""
+    positions are equally fast (the even plan applies). `speeds_of`: each device's speed (a split
+    head's classes: `Cluster.head_speeds`), else the cluster's."""
     if vd.strategy.kind != "split" or len(vd.model_axes) != 1:
         return None
     axis = vd.model_axes[0]
     grid = np.asarray(range(layout.size)).reshape(layout.axis_sizes)
     model_dim = layout.axis_names.index(axis)
     per_model = np.moveaxis(grid, model_dim, -1).reshape(-1, layout.axis_sizes[model_dim])
-    slowest = [min(per_model[:, j], key=lambda d: cluster.speeds[d]) for j in range(per_model.shape[1])]
-    speeds = [cluster.speeds[d] for d in slowest]
+    of = cluster.speeds if speeds_of is None else speeds_of
+    slowest = [min(per_model[:, j], key=lambda d: of[d]) for j in range(per_model.shape[1])]
+    speeds = [of[d] for d in slowest]
     if len(set(speeds)) == 1:
         return None
     spreads = None if cluster.spread is None else [cluster.spread[d] for d in slowest]
@@ -313,8 +314,8 @@ def uneven_heads(cap, vds, layout, sharding, cluster, optimizer):
         if op is None:
             continue
         vd = vds[cap.assign[(i,)]]
-        shards = _model_shards(vd, layout, cluster)
-        if shards is None:
+        shards = _model_shards(vd, layout, cluster, cluster.head_speeds if op.kind == "classes" else None)
+        if shards is None:     # the classes' speeds: the head's program, timed (calibrate)
             continue
         axis, per_model, speeds, _, caps = shards
         cast = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns[:i] if e.primitive.name == "convert_element_type"}
@@ -323,8 +324,6 @@ def uneven_heads(cap, vds, layout, sharding, cluster, optimizer):
             continue
         names = [f"model shard {j} ({cluster.specs[per_model[0, j]].name})" for j in range(len(speeds))]
         units = weights[0].aval.shape[1]
-        if op.kind == "classes" and cluster.head_scale != 1.0:      # the head's program, timed (calibrate)
-            speeds = list(scaled_speeds(speeds, cluster.head_scale)[0])
         cols, bal, per_column = _columns(op, weights, units, speeds, caps, names, opt)
         batch_axes = tuple(a for a in vd.batch_axes if layout.axis_size((a,)) > 1)
         leaves = [params[w] for w in weights]
