@@ -314,8 +314,9 @@ def uneven_heads(cap, vds, layout, sharding, cluster, optimizer):
         if op is None:
             continue
         vd = vds[cap.assign[(i,)]]
+        # a head's classes split by their own speeds (the head's program, timed by calibrate)
         shards = _model_shards(vd, layout, cluster, cluster.head_speeds if op.kind == "classes" else None)
-        if shards is None:     # the classes' speeds: the head's program, timed (calibrate)
+        if shards is None:
             continue
         axis, per_model, speeds, _, caps = shards
         cast = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns[:i] if e.primitive.name == "convert_element_type"}
