@@ -106,7 +106,7 @@ def worker(args):
 
     import whalex as wh
     from whalex.balance.calibrate import calibrate
-    from whalex.balance.refine import scaled_speeds
+    from whalex.mesh.cluster import scaled_speeds
 
     pid, log = harness.worker_start("the driver")
     loss_fn, params, batch, config = make(args)
@@ -208,6 +208,7 @@ def refine(steps, states, name, batch, log):
             break
     ref = steps[name].plan.refinement
     head = "" if ref is None or ref.head is None else f", its head's classes x{ref.head.kept:.3g}"
+    head += "" if ref is None or ref.again is None else f", its rows again x{ref.again.kept:.3g}"
     log(f"{name}: " + (f"kept x{ref.kept:.3g}{head} ({split_of(steps[name].plan)}) after {ref.steps} steps"
                        if ref else "nothing refined"))
     return None if ref is None else ref.steps
@@ -217,7 +218,7 @@ def refinement_record(plan) -> dict | None:
     """What a refinement timed and kept, for the results file: (scale, rows, seconds, paired ratio to the
     prediction, timed steps, head units) per split, and the split kept (a fitted vertex or the least
     median), its rows and head units, the gain the sweep saw and the rounds of the sweep that decided;
-    a hybrid's head sweep (`head`) likewise."""
+    a hybrid's head sweep (`head`) and its rows' sweep at the classes kept (`again`) likewise."""
     return sweep_record(plan.refinement)
 
 
@@ -228,7 +229,7 @@ def sweep_record(ref) -> dict | None:
     row = lambda p: [p.scale, list(p.rows), p.seconds, p.paired, p.steps, list(p.units)]      # noqa: E731
     return {"kept": ref.kept, "kept_rows": list(ref.kept_rows), "kept_units": list(ref.kept_units),
             "fitted": ref.fitted, "gain": ref.gain, "rounds": ref.rounds, "steps": ref.steps,
-            "points": [row(p) for p in ref.points], "head": sweep_record(ref.head)}
+            "points": [row(p) for p in ref.points], "head": sweep_record(ref.head), "again": sweep_record(ref.again)}
 
 
 def _versus(v, best, key) -> str:

@@ -6,12 +6,15 @@ The search is `whalex.balance.refine.sweep` over the slow devices' speed scale, 
 of steps; each split is a whole plan (`build_plan` on the cluster with that speed). The Refiner runs a
 round's steps one training call at a time, each on its split's plan, and hands the round's seconds
 back; the sweep keeps the vertex of the V fitted to its rounds. A hybrid (replicated rows and a split
-head's classes) is swept twice, the rows alone and then the classes alone at the rows kept: their
-shares were calibrated apart (the classes' by the head's own program, `Cluster.head_scale`), either
-can be off on its own, and the step's time is the rows' part and the head's, each waiting for its
-slowest device. Every step trains: only where the rows run changes, so training equals one device's
-throughout. In a multi-process run each step's time is the slowest process's, so every process
-settles on the same plan.
+head's classes) is swept the rows alone, then the classes alone at the rows kept, then, where that
+moved the classes, the rows alone once more at the classes kept: their shares were calibrated apart
+(the classes' by the head's own program, `Cluster.head_scale`), either can be off on its own, and the
+step's time is the rows' part and the head's, each waiting for its slowest device; where the two
+parts are not apart (one device's rows and classes share its time), the rows kept at the calibrated
+classes are not the rows of the classes kept (sweeps one after the other descend one coordinate at a
+time, and the third is that descent's next step). Every step trains: only where the rows run changes,
+so training equals one device's throughout. In a multi-process run each step's time is the slowest
+process's, so every process settles on the same plan.
 """
 from __future__ import annotations
 
@@ -23,8 +26,9 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from whalex.balance.refine import HI, LO, Refinement, Swept, scaled_speeds, sweep
+from whalex.balance.refine import HI, LO, Refinement, Swept, sweep
 from whalex.errors import PlanError
+from whalex.mesh.cluster import scaled_speeds
 from whalex.plan import Plan
 
 
@@ -57,15 +61,17 @@ def placement(plan: Plan) -> tuple:
 class Refiner:
     """Drives the sweeps of one plan (one batch shape) over a Step's calls: the split the cluster's speeds
     decide; for a hybrid (replicated rows and a split head's classes), the rows alone, the classes where
-    they were, then the classes alone at the rows kept (`_head_sweep`): what the rows' calibration and the
-    head's timed program each got wrong, each undone on the real step."""
+    they were, then the classes alone at the rows kept (`_head_sweep`), then the rows again at the classes
+    kept where those moved (`_rows_again`): what the rows' calibration and the head's timed program each
+    got wrong, each undone on the real step."""
 
     def __init__(self, base: Plan, make_plan: Callable, clock: Callable[[], float] = time.perf_counter):
         self.base, self.make_plan, self.clock = base, make_plan, clock
         self.steps = 0
         self.result: Plan | None = None
         self.slow = scaled_speeds(base.cluster.speeds, 1.0)[1]
-        self.rows_found: Refinement | None = None     # the rows' sweep's record, while the head's sweep runs
+        self.found: list[Refinement] = []    # the records of the sweeps run so far (a hybrid runs up to three)
+        self.rows_scale = 1.0                 # the scale the rows' sweep kept, while the later sweeps run
         c = base.cluster
         rows_alone = lambda s: scaled_cluster(c, s).with_head_scale(c.head_scale / s, self.slow)   # noqa: E731
         self._start(base, rows_alone if base.head_balance is not None else lambda s: scaled_cluster(c, s), {})
@@ -125,16 +131,20 @@ class Refiner:
 
     def _finish(self, found: Swept) -> None:
         """A sweep ended: keep the split found (the plan of a split timed where one has its placement, its
-        step compiled already, else the plan at the scale kept); then the head's sweep, or the result."""
+        step compiled already, else the plan at the scale kept); then a hybrid's next sweep, or the result
+        (the rows' sweep's record holding the later sweeps', its steps theirs all)."""
         at = placement(self.plan_at(found.kept))
         self.scale = next((s for s in self.jitted if placement(self.plan_at(s)) == at), found.kept)
         kept = self.current()[0]
-        record = self._record(found, kept)
-        if self.rows_found is None and self._head_sweep(kept):
-            self.rows_found = record
+        self.found.append(self._record(found, kept))
+        if len(self.found) == 1:
+            self.rows_scale = self.scale
+        if (len(self.found) == 1 and self._head_sweep(kept)) or (len(self.found) == 2 and self._rows_again(kept)):
             return
-        if self.rows_found is not None:
-            record = dataclasses.replace(self.rows_found, steps=self.steps, head=record)
+        record = self.found[0]
+        if len(self.found) > 1:
+            record = dataclasses.replace(record, steps=self.steps, head=self.found[1],
+                                         again=self.found[2] if len(self.found) > 2 else None)
         self.result = dataclasses.replace(kept, refinement=record)
 
     def _record(self, found: Swept, kept: Plan) -> Refinement:
@@ -142,7 +152,7 @@ class Refiner:
         def rows(t):
             q = self.plan_at(t.scale)
             return dataclasses.replace(t, rows=tuple(q.batch_sizes), units=placement(q)[1])
-        before = 0 if self.rows_found is None else self.rows_found.steps
+        before = sum(f.steps for f in self.found)
         return Refinement(tuple(map(rows, found.points)), self.slow, self.steps - before, found.kept,
                           tuple(kept.batch_sizes), placement(kept)[1], found.gain, found.rounds, found.fitted)
 
@@ -158,6 +168,17 @@ class Refiner:
             return False
         self._start(kept, at, {1.0: self.jitted[self.scale]})
         self.plans.update(probe)
+        return True
+
+    def _rows_again(self, kept: Plan) -> bool:
+        """Start the rows' sweep once more, at the classes the head's sweep kept, where it moved them from
+        where the rows' sweep ran; False where it kept them. Its scale s runs the slow devices' rows at s
+        times the speed the rows' sweep kept, their speed on the classes the head's sweep kept."""
+        if placement(kept)[1] == self.found[0].kept_units:
+            return False
+        c, rows, head = self.base.cluster, self.rows_scale, self.cluster_at(self.scale).head_scale
+        at = lambda s: scaled_cluster(c, rows * s).with_head_scale(head / s, self.slow)   # noqa: E731
+        self._start(kept, at, {1.0: self.jitted[self.scale]})
         return True
 
 

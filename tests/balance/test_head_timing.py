@@ -16,7 +16,7 @@ from balance.test_heterogeneous_balance import _head_model
 from conftest import HETERO, adam, assert_matches
 from whalex.balance import head_timing
 from whalex.balance.calibrate import calibrate
-from whalex.balance.refine import scaled_speeds
+from whalex.mesh.cluster import scaled_speeds
 
 
 def _per_device_speeds(cluster):
@@ -60,6 +60,11 @@ def test_a_head_scale_stays_on_its_devices_when_their_rows_speed_passes_the_othe
     assert faster.with_head_scale(0.5).head_speeds == (v100 * 0.5,) * 4 + (v100 * 2,) * 4
     assert faster.with_head_scale(0.25, [7, 4, 5, 6]).head_speeds == (v100,) * 4 + (v100 * 0.5,) * 4
     assert faster.with_head_scale(0.25, [7, 4, 5, 6]).head_devices == (4, 5, 6, 7)
+    loss_fn, params, batch = _head_model()
+    named = wh.plan(loss_fn, params, batch, optax.sgd(0.1), cluster=faster.with_head_scale(0.25, [4, 5, 6, 7]))
+    assert "devices 4, 5, 6, 7 at x0.25 their rows' speed" in named.head_balance.kind
+    assert [d.rows for d in named.head_balance.devices] == list(
+        head_timing.class_counts(640, faster.with_head_scale(0.25, [4, 5, 6, 7]).head_speeds))
 
 
 def test_the_timed_program_is_the_heads_forward_and_gradients():

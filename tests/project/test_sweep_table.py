@@ -208,7 +208,7 @@ def test_head_noise_picks_as_the_calibration_decides_from_every_process():
            "trials": [{"scales": scales, "times": [rounds.tolist(), rounds.tolist()]},
                       {"scales": scales, "times": [rounds.tolist(), skewed.tolist()]}]}
     from whalex.balance.head_timing import class_counts
-    from whalex.balance.refine import scaled_speeds
+    from whalex.mesh.cluster import scaled_speeds
     at = {s: "/".join(map(str, class_counts(2048, scaled_speeds([3.0, 1.0], s)[0]))) for s in scales}
     picked = hn.tally(run, 2048)
     assert set(picked) == {"9 rounds", "18 rounds", "all rounds", "rounds V", "least median"}

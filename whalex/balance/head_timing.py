@@ -24,8 +24,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from whalex import _compat as C
 from whalex.balance.columns import plan_columns
-from whalex.balance.refine import scaled_speeds, vertex
+from whalex.balance.refine import vertex
 from whalex.columns import UnevenColumns, uneven_head
+from whalex.mesh.cluster import scaled_speeds
 from whalex.records.call_names import HEAD_NAME
 
 AXIS = "head"

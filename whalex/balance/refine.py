@@ -76,10 +76,11 @@ def max_steps(steps_per_point: int = MAX_STEPS_PER_POINT, points: int = POINTS, 
               warmup: int = WARMUP_STEPS, first: int = FIRST_WARMUP, head: bool = False) -> int:
     """The most training steps a refinement runs before it settles on a split: the prediction's warm-up and
     first timed steps, then two sweeps (the first and its widening) of `sweep_rounds` rounds over `points`
-    splits and the prediction, each split's warm-up (its compile) the first time it runs; twice that with
-    `head` (a hybrid's split head: its classes swept again at the rows kept)."""
+    splits and the prediction, each split's warm-up (its compile) the first time it runs; three times that
+    with `head` (a hybrid's split head: its classes swept at the rows kept, then its rows at the classes
+    kept)."""
     per_sweep = sweep_rounds(steps_per_point) * (points + 1) * block + (points + 1) * warmup
-    return (2 if head else 1) * (first + STEPS_PER_POINT + 2 * per_sweep)
+    return (3 if head else 1) * (first + STEPS_PER_POINT + 2 * per_sweep)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +140,9 @@ class Refinement:
     rounds: int = 0                    # rounds of the sweep that decided
     fitted: bool = False               # kept is a fitted V's vertex
     head: Refinement | None = None     # a hybrid's split head swept alone at the rows kept (its scale on the
-                                       # slow devices' speed on the classes); `steps` then counts both sweeps
+                                       # slow devices' speed on the classes); `steps` then counts every sweep
+    again: Refinement | None = None    # a hybrid's rows swept once more at the classes the head's sweep kept,
+                                       # where it moved them (its scale on the rows kept)
 
     def timing(self, scale: float) -> SplitTiming | None:
         """A split's timing, None where it was not timed (a fitted vertex between the splits timed)."""
@@ -422,14 +425,6 @@ def loaded(excess: np.ndarray, sigmas: float = LOADED_SIGMAS, floor: float = LOA
     value) and more than `floor`, so that a fit of tiny, quiet residuals drops nothing."""
     e = np.asarray(excess, np.float64)
     return (e > sigmas * 1.4826 * np.median(np.abs(e))) & (e > floor)
-
-
-def scaled_speeds(speeds: Sequence[float], scale: float) -> tuple[tuple[float, ...], tuple[int, ...]]:
-    """(the speeds with the slowest devices' multiplied by `scale`, those devices)."""
-    s = np.asarray(speeds, np.float64)
-    slow = tuple(int(i) for i in np.flatnonzero(s == s.min()))
-    s[list(slow)] *= scale
-    return tuple(map(float, s)), slow
 
 
 def median_spread(times: Sequence[float]) -> tuple[float, float]:

@@ -20,6 +20,15 @@ from whalex.mesh.specs import DeviceSpec, lookup, parse_bytes
 COMPILERS = ("auto", "replay")
 
 
+def scaled_speeds(speeds: Sequence[float], scale: float, devices: Sequence[int] | None = None
+                  ) -> tuple[tuple[float, ...], tuple[int, ...]]:
+    """(the speeds with the slowest devices' (or `devices`', by index) multiplied by `scale`, those devices)."""
+    s = np.asarray(speeds, np.float64)
+    on = tuple(int(i) for i in (np.flatnonzero(s == s.min()) if devices is None else devices))
+    s[list(on)] *= scale
+    return tuple(map(float, s)), on
+
+
 def _kind_list(kinds, where: str, n: int = 8) -> list:
     """`kinds` as a list, one kind per device; a lone kind (a string, a DeviceSpec) is refused with the
     list it was likely meant to be."""
@@ -259,12 +268,9 @@ class Cluster:
     def head_speeds(self) -> tuple[float, ...]:
         """Each device's speed on a split head's classes: its rows' speed, `head_scale` times it on the
         head's devices (`head_devices`, else the slowest)."""
-        s = np.asarray(self.speeds, np.float64)
         if self.head_scale == 1.0:
-            return tuple(map(float, s))
-        on = list(self.head_devices) if self.head_devices is not None else np.flatnonzero(s == s.min())
-        s[on] *= self.head_scale
-        return tuple(map(float, s))
+            return tuple(map(float, self.speeds))
+        return scaled_speeds(self.speeds, self.head_scale, self.head_devices)[0]
 
     def with_links(self, latency: float, bandwidth: float) -> Cluster:
         """A copy whose links between devices are measured ones, the same for every pair: a message of

@@ -387,6 +387,8 @@ def _uneven_report(cap, i: int, op: _UnevenOp, leaf: int, cluster, shards, cols,
                          shifted=bal.shifted, flops_per_sample=tg_flops / units,
                          state_bytes=cols.width * per_column, act_base=0.0, act_per_sample=0.0,
                          spreads=spreads)
-    timed = (f"; the slowest at x{cluster.head_scale:.2f} their rows' speed, as the head's program ran fastest"
+    on = ("the slowest" if cluster.head_devices is None else
+          f"device{'s' if len(cluster.head_devices) > 1 else ''} {', '.join(map(str, cluster.head_devices))}")
+    timed = (f"; {on} at x{cluster.head_scale:.2f} their rows' speed, as the head's program ran fastest"
              if op.kind == "classes" and cluster.head_scale != 1.0 else "")
     return dataclasses.replace(report, kind=f"{op.kind} of {cap.param_paths[leaf]} (padded to {cols.width}{timed})")

@@ -213,7 +213,7 @@ def _ratio(t) -> str:
 
 def refinement_items(plan, report) -> list:
     """The splits a refinement timed on the real step, predicted beside kept (a hybrid's head sweep after
-    its rows'); or that it is still to run."""
+    its rows', then its rows again); or that it is still to run."""
     ref = plan.refinement
     if ref is None:
         if plan.config.hardware_aware == "refine" and report.applied:
@@ -221,7 +221,7 @@ def refinement_items(plan, report) -> list:
                          "first calls; step.plan then holds the split it keeps", 1)]
         return []
     p = ref.predicted
-    steps = ref.steps - (0 if ref.head is None else ref.head.steps)
+    steps = ref.steps - sum(r.steps for r in (ref.head, ref.again) if r is not None)
     items = [Line(f"refined on the real step ({len(ref.points)} splits timed in {ref.rounds} rounds, {steps} "
                   f"steps): predicted rows {_rows(p.rows, p.units)} {fmt_time(p.seconds)} ± {fmt_pct(p.spread)}; "
                   f"{_kept(ref, 'the predicted speed')}", 1), _sweep_table(ref)]
@@ -230,6 +230,10 @@ def refinement_items(plan, report) -> list:
         items += [Line(f"then the head's classes alone at those rows ({len(h.points)} splits timed in {h.rounds} "
                        f"rounds, {h.steps} steps; {ref.steps} in all): {_kept(h, 'that speed on the classes')}", 1),
                   _sweep_table(h)]
+    if ref.again is not None:
+        a = ref.again
+        items += [Line(f"then the rows alone again at the classes kept ({len(a.points)} splits timed in {a.rounds} "
+                       f"rounds, {a.steps} steps): {_kept(a, 'the speed kept first')}", 1), _sweep_table(a)]
     return items
 
 
