@@ -22,7 +22,8 @@ What it measures
     * whalex:  the balanced plan on each calibration (``wh.parallelize(..., cluster=calibrated)``);
     * refined: ``Config(hardware_aware="refine")`` on each calibration: its first steps time the real
       step at splits around the prediction and keep the fastest (the steps it took are reported; a
-      hybrid sweeps its rows, then its head's classes at the rows kept);
+      hybrid sweeps its rows, then its head's classes at the rows kept, then its rows again at the
+      classes kept where those moved);
     * sweep:   the same step with the slow process's calibrated speed (whole batch) scaled by
       ``--factors`` (default 9 points over x0.7-x1.3), fixed times kept (`Cluster.with_speeds`):
       the fastest of these is "the fastest split found".

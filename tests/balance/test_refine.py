@@ -22,7 +22,10 @@ from whalex.balance.refine import (
     WARMUP_STEPS,
     TimedStep,
     adjacent,
+    beats,
     decide,
+    fit_v,
+    least_median,
     loaded,
     max_steps,
     normalized,
@@ -37,6 +40,7 @@ from whalex.balance.refine import (
     sweep_rounds,
     sweep_scales,
     vertex,
+    widened,
 )
 from whalex.mesh.cluster import Cluster, scaled_speeds
 
@@ -169,6 +173,21 @@ def test_a_vertex_between_two_neighbouring_placements_keeps_the_faster_of_the_tw
     assert snapped(0.95, {0: {0.9: [1.0], 1.0: [1.0]}}, lambda s: round(1000 * s)) is None
 
 
+@pytest.mark.parametrize("wins", [5, 8, 9])
+def test_where_no_v_fits_the_least_median_is_kept_only_where_it_beats_the_prediction_round_by_round(wins):
+    # a step that only falls toward x0.7 (no V: one arm), x0.7 far faster in `wins` of 9 rounds and a hair
+    # slower in the rest: its median is the least, but 5 wins of 9 is what a flat step's noise gives; a
+    # sign test keeps the prediction there (nothing to widen, nothing moved) and x0.7 at 8 or 9 wins
+    scales = (0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.3)
+    table = {r: {s: [(0.95 if r < wins else 1.007) if s == 0.7 else 1 + 0.02 * (s - 0.7)] for s in scales}
+             for r in range(9)}
+    assert fit_v(normalized(table)).vertex is None and least_median(normalized(table))[0] == 0.7
+    kept, gain, fitted = decide(table)
+    assert not fitted and beats(table, 0.7) == (wins >= 8) and beats(table, 1.0)
+    assert (kept, gain) == ((0.7, pytest.approx(1.006 / 0.95)) if wins >= 8 else (1.0, 1.0))
+    assert (widened(kept, scales) is not None) == (wins >= 8)
+
+
 def test_a_quiet_step_settles_early_and_a_noisy_one_runs_its_rounds():
     cost, rows, best = _synthetic((3000.0, 1000.0), (0.0, 0.15), (3.0, 1.0))
     rng = np.random.default_rng(0)
@@ -216,7 +235,9 @@ def test_the_fitted_vertex_is_where_the_arms_meet_and_needs_two_scales_each_side
     assert abs(vertex(lucky) - 0.9) < 0.05 and min(lucky, key=lambda p: p[1])[0] == 0.775
     kept, gain, fitted = decide({0: {s: [v(s)] for s in scales}})
     assert abs(kept - 0.9) < 0.005 and fitted and gain == pytest.approx(v(1.0) / v(0.9), rel=1e-3)
-    assert decide({0: {s: [2.0 - s] for s in scales}})[:2] == (1.3, pytest.approx(1.0 / 0.7))   # the least
+    falling = {r: {s: [2.0 - s] for s in scales} for r in range(5)}      # no V: the least, faster every round
+    assert decide(falling)[:2] == (1.3, pytest.approx(1.0 / 0.7))
+    assert decide({0: falling[0]}) == (1.0, 1.0, False)                   # one round shows nothing beyond chance
     assert decide({0: {s: [1.0] for s in scales}}) == (1.0, 1.0, False)  # a tie keeps the prediction
 
 

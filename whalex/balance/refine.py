@@ -17,8 +17,10 @@ that round: drift (a busy neighbour, a throttling period, a slow period that hol
 whole round alike and divides out, and every split is timed in every round, none through the
 prediction's timings. A V fitted by least squares to all the rounds' points gives the split kept, its
 vertex (`vertex`; a time far above the fit, load from elsewhere, left out); where no V fits, the split
-with the least median; where the vertex falls between two timed splits whose placements are neighbours
-(a coarse placement), the faster of the two (`snapped`). The rounds stop early, from `MIN_ROUNDS` on,
+with the least median where it beat the prediction in more rounds than chance gives (`beats`, a sign
+test; else the prediction: a flat step's least median is noise, and chasing it widens the bracket and
+moves the split for nothing); where the vertex falls between two timed splits whose placements are
+neighbours (a coarse placement), the faster of the two (`snapped`). The rounds stop early, from `MIN_ROUNDS` on,
 once the V's of the even and of the odd rounds put the vertex within `SETTLED` of each other
 (`settled`): a quiet machine pays little, a noisy one runs up to `sweep_rounds`. Where the split kept is
 near the sweep's edge (the times only fall toward it, or the vertex is within a quarter of a split of
@@ -39,6 +41,7 @@ from collections.abc import Callable, Generator, Hashable, Sequence
 
 import numpy as np
 from scipy.optimize import nnls
+from scipy.stats import binomtest
 
 LO, HI = 0.7, 1.3                      # the bracket on the slow devices' speed, relative to the prediction
 REACH = (0.5, 2.0)                     # how far a sweep widens where the split kept is at the bracket's edge
@@ -55,6 +58,7 @@ WARMUP_STEPS = 1                       # untimed steps of a split the first time
 FIRST_WARMUP = 3                       # untimed steps of the prediction first (the step's own first calls)
 LOADED_SIGMAS = 3.0                    # a split timed this many robust sigmas above the fitted V was loaded
 LOADED_FLOOR = 0.05                    # ... and at least this far above it, relative
+SIGNIFICANT = 0.05                     # a split kept where no V fits beats the prediction at this sign test level
 
 
 def steps_per_point(seconds: float) -> int:
@@ -230,13 +234,28 @@ def decide(table: dict[int, dict[float, list[float]]], key: Callable[[float], Ha
            ) -> tuple[float, float, bool]:
     """(the scale kept, the prediction's time over its time, whether it is a fitted vertex): the vertex of
     the V fitted to the rounds' `normalized` points, `snapped` (given the placements' `key`) where it falls
-    between two neighbouring placements; where no V fits, the split of the least median (the prediction
-    on a tie)."""
+    between two neighbouring placements; where no V fits, the split of the least median where it `beats`
+    the prediction round by round, else the prediction (a flat step: the least of its medians is noise)."""
     points = normalized(table)
     fit = fit_v(points)
     if fit is not None and fit.vertex is not None:
         return (key is not None and snapped(fit.vertex, table, key)) or (fit.vertex, fit(1.0) / fit(fit.vertex), True)
-    return least_median(points) or (1.0, 1.0, False)
+    least = least_median(points)
+    return least if least is not None and beats(table, least[0]) else (1.0, 1.0, False)
+
+
+def beats(table: dict[int, dict[float, list[float]]], scale: float, level: float = SIGNIFICANT) -> bool:
+    """Whether the split at `scale` ran faster than the prediction in more of the rounds that timed both
+    than chance would give: a one-sided sign test at `level` on its block medians against the
+    prediction's (ties left out). True for the prediction itself."""
+    if scale == 1.0:
+        return True
+    wins = losses = 0
+    for r in table.values():
+        if r.get(scale) and r.get(1.0):
+            a, b = float(np.median(r[scale])), float(np.median(r[1.0]))
+            wins, losses = wins + (a < b), losses + (a > b)
+    return wins + losses > 0 and binomtest(wins, wins + losses, 0.5, alternative="greater").pvalue <= level
 
 
 def least_median(points: Sequence[tuple[float, float]], among: Sequence[float] | None = None
