@@ -26,7 +26,11 @@ What it measures
       classes kept where those moved);
     * sweep:   the same step with the slow process's calibrated speed (whole batch) scaled by
       ``--factors`` (default 9 points over x0.7-x1.3), fixed times kept (`Cluster.with_speeds`):
-      the fastest of these is "the fastest split found".
+      the fastest of these is "the fastest split found". For the hybrid the scale moves the rows and the
+      classes together, one family of splits; the slow process's speed on the classes alone is also
+      scaled by ``--head-factors`` (x0.5, x0.75, x1.5, x2) at the calibrated rows (``x1 head x...``,
+      `Cluster.with_head_scale`), points of the sweep like the others, so that the fastest found is not
+      held to that family (a refinement sweeps the classes alone and can land off it).
 
     All variants are timed in interleaved blocks on process 0 (each step ends on the replicated
     loss, so process 0's clock sees the slower process); per variant the median step and its spread
@@ -66,6 +70,9 @@ def parse(argv=None):
     ap.add_argument("--factors", default=",".join(map(str, FACTORS)),
                     help="the slow process's speed relative to its calibrated one, per sweep point")
     ap.add_argument("--model", choices=("mlp", "hybrid", "pipeline"), default="mlp")
+    ap.add_argument("--head-factors", default="0.5,0.75,1.5,2",
+                    help="hybrid: the slow process's speed on the classes relative to its calibrated one, at "
+                         "the calibrated rows, per further sweep point ('' for none)")
     ap.add_argument("--micro", type=int, default=8, help="pipeline: micro-batches per step")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--block", type=int, default=4)
@@ -76,6 +83,7 @@ def parse(argv=None):
     hetero.with_model_defaults(args)                   # the model of bench/hetero.py, its defaults
     args.model, args.depth = ("pipeline", 12) if pipeline else (args.model, args.depth)
     args.factors = [float(f) for f in args.factors.split(",")]
+    args.head_factors = [float(f) for f in args.head_factors.split(",") if f.strip()]
     return args
 
 
@@ -130,6 +138,10 @@ def worker(args):
         refine_steps[f"refined ({c})"] = refine(steps, states, f"refined ({c})", batch, log)
     sweep = {f"x{f:g}": base.with_speeds(scaled_speeds(base.speeds, f)[0], overhead=base.overhead)
              for f in args.factors}                    # the twin below reuses its split's cluster
+    if args.model == "hybrid":                         # the classes alone: the joint scale moves both together
+        slow = scaled_speeds(base.speeds, 1.0)[1]
+        at = base.with_speeds(base.speeds, overhead=base.overhead)
+        sweep |= {f"x1 head x{h:g}": at.with_head_scale(base.head_scale * h, slow) for h in args.head_factors}
     for name, cluster in sweep.items():
         add(name, cluster)
     splits = {name: split_of(s.plan) for name, s in steps.items()}
