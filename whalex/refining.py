@@ -139,7 +139,9 @@ class Refiner:
         self.found.append(self._record(found, kept))
         if len(self.found) == 1:
             self.rows_scale = self.scale
-        if (len(self.found) == 1 and self._head_sweep(kept)) or (len(self.found) == 2 and self._rows_again(kept)):
+            if self._head_sweep(kept):
+                return
+        elif len(self.found) == 2 and self._rows_again(kept):
             return
         record = self.found[0]
         if len(self.found) > 1:

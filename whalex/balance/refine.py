@@ -156,6 +156,11 @@ class Refinement:
     def predicted(self) -> SplitTiming:
         return self.timing(1.0)
 
+    @property
+    def own_steps(self) -> int:
+        """The steps of this sweep alone (a hybrid's rows' record counts its later sweeps' too)."""
+        return self.steps - sum(r.steps for r in (self.head, self.again) if r is not None)
+
 
 def check_bracket(lo: float, hi: float, points: int, reach: tuple[float, float] = REACH) -> None:
     if not (0 < lo < 1 < hi and math.isfinite(hi)):

@@ -268,8 +268,6 @@ class Cluster:
     def head_speeds(self) -> tuple[float, ...]:
         """Each device's speed on a split head's classes: its rows' speed, `head_scale` times it on the
         head's devices (`head_devices`, else the slowest)."""
-        if self.head_scale == 1.0:
-            return tuple(map(float, self.speeds))
         return scaled_speeds(self.speeds, self.head_scale, self.head_devices)[0]
 
     def with_links(self, latency: float, bandwidth: float) -> Cluster:

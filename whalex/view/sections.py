@@ -221,8 +221,7 @@ def refinement_items(plan, report) -> list:
                          "first calls; step.plan then holds the split it keeps", 1)]
         return []
     p = ref.predicted
-    steps = ref.steps - sum(r.steps for r in (ref.head, ref.again) if r is not None)
-    items = [Line(f"refined on the real step ({len(ref.points)} splits timed in {ref.rounds} rounds, {steps} "
+    items = [Line(f"refined on the real step ({len(ref.points)} splits timed in {ref.rounds} rounds, {ref.own_steps} "
                   f"steps): predicted rows {_rows(p.rows, p.units)} {fmt_time(p.seconds)} ± {fmt_pct(p.spread)}; "
                   f"{_kept(ref, 'the predicted speed')}", 1), _sweep_table(ref)]
     if ref.head is not None:
